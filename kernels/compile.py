@@ -1,0 +1,80 @@
+"""``compile_gather``: one compiled Gather per shape key, cached per process.
+
+The key is everything the kernel specializes on: (tp, shard words, threads, unroll,
+pdl, arch). M, the CTA count, parity, rank, budget and the status address are
+run-time arguments, so one compilation serves every row count.
+
+The callable goes through TVM-FFI: it takes torch tensors directly and launches on
+the caller's current torch stream (the TVM-FFI environment stream), so the stream is
+always explicit; a DSL launch with no stream would go to the legacy default stream,
+which serializes emulated ranks. Compiling needs no GPU (``arch`` names the target).
+"""
+
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from .gather import Gather
+
+THREADS = (64, 128, 256, 512, 1024)
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class CompiledGather:
+    """``launch(shard, out, peers, parity, rank, ctas, budget_ns, status_address)``
+    plus the artifacts a host needs to check the launch (cubin: occupancy) and a
+    test needs to audit it (ptx)."""
+
+    launch: object
+    threads: int
+    ptx: str
+    cubin: bytes
+
+
+def compile_gather(tp: int, shard_words: int, *, threads: int = 256, unroll: int = 4,
+                   pdl: bool = True, arch: str = "sm_90a") -> CompiledGather:
+    """The compiled gather for this key, compiled at most once per process.
+
+    Raises ValueError on a key the kernel cannot serve."""
+    if not isinstance(tp, int) or tp < 2:
+        raise ValueError(f"tp must be an int >= 2, got {tp!r}")
+    if not isinstance(shard_words, int) or shard_words <= 0 or shard_words % 4:
+        raise ValueError(f"a shard row of {shard_words!r} words is not a positive multiple "
+                         "of 4 words (the shard width must be a multiple of 8 BF16)")
+    if threads not in THREADS:
+        raise ValueError(f"threads must be one of {THREADS}, got {threads!r}")
+    if not isinstance(unroll, int) or not 1 <= unroll <= 16:
+        raise ValueError(f"unroll must be an int in [1, 16], got {unroll!r}")
+    key = (tp, shard_words, threads, unroll, bool(pdl), arch)
+    with _LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = _compile(*key)
+        return _CACHE[key]
+
+
+def _compile(tp, shard_words, threads, unroll, pdl, arch):
+    rows = cute.sym_int32()
+    shard = make_fake_compact_tensor(cutlass.BFloat16, (rows, 2 * shard_words), assumed_align=16)
+    out = make_fake_compact_tensor(cutlass.BFloat16, (rows, 2 * shard_words * tp), assumed_align=16)
+    peers = make_fake_compact_tensor(cutlass.Int64, (2, tp), assumed_align=8)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    with tempfile.TemporaryDirectory(prefix="lamport-head-") as dump:
+        options = (f"--gpu-arch={arch} --enable-tvm-ffi --keep-ptx --keep-cubin "
+                   f"--dump-dir={dump}")
+        launch = cute.compile(
+            Gather(tp, shard_words, threads, unroll, pdl), shard, out, peers,
+            cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int64(0),
+            cutlass.Int64(0), stream, options=options)
+        ptx, cubin = launch.__ptx__, launch.__cubin__
+        if isinstance(ptx, str) and os.path.exists(ptx):
+            ptx = open(ptx).read()
+        if isinstance(cubin, str) and os.path.exists(cubin):
+            cubin = open(cubin, "rb").read()
+    return CompiledGather(launch, threads, ptx or "", cubin or b"")

@@ -1,0 +1,97 @@
+"""Memory primitives of the Lamport gather, as single inline-PTX instructions.
+
+Every mailbox access moves one 16-byte fragment (four 32-bit words) so that a
+fragment is published or armed as a whole:
+
+- ``store_sys``: ``st.relaxed.sys.global.v4`` — a push into a peer's mailbox, which
+  another GPU polls; relaxed at system scope so it is neither cached nor merged.
+- ``load_volatile``: ``ld.volatile.global.v4`` — a poll of this rank's own mailbox;
+  volatile so every re-poll goes to memory.
+- ``load``/``store``: plain 16-byte accesses for the shard (written before the
+  kernel starts) and the output and re-arm (read after the kernel ends).
+- ``scrub``: a word equal to the sentinel becomes 0; compared as integers, since
+  a float compare would treat the BF16 pair (+0, -0) as zero and ftz could flush
+  denormal pairs to it.
+
+Pointer operands are raw 64-bit global addresses (``Int64``).
+"""
+
+from functools import wraps
+
+from cutlass import Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+SENTINEL = 0x80000000  # the BF16 pair (+0, -0): "not yet published"
+WORDS = 4  # 32-bit words per 16-byte fragment
+
+
+def _asm(code, constraints, operands, results, effects, loc, ip):
+    values = [v.ir_value(loc=loc, ip=ip) for v in operands]
+    if not results:
+        llvm.inline_asm(None, values, code, constraints, has_side_effects=effects,
+                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+        return None
+    struct = llvm.StructType.get_literal([Uint32.mlir_type] * results)
+    packed = llvm.inline_asm(struct, values, code, constraints, has_side_effects=effects,
+                             asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return tuple(
+        Uint32(llvm.extractvalue(Uint32.mlir_type, packed, [i], loc=loc, ip=ip))
+        for i in range(results)
+    )
+
+
+def _op(fn):
+    return dsl_user_op(wraps(fn)(fn))
+
+
+@_op
+def load(address, *, loc=None, ip=None):
+    """Four words at ``address``: a plain 16-byte load (the rank's own shard)."""
+    return _asm("ld.global.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,l",
+                [Int64(address)], 4, True, loc, ip)
+
+
+@_op
+def load_volatile(address, *, loc=None, ip=None):
+    """Four words at ``address``, read from memory on every call (a mailbox poll)."""
+    return _asm("ld.volatile.global.v4.u32 {$0,$1,$2,$3}, [$4];",
+                "=r,=r,=r,=r,l,~{memory}", [Int64(address)], 4, True, loc, ip)
+
+
+@_op
+def store(address, words, *, loc=None, ip=None):
+    """Four words to ``address``: a plain 16-byte store (output, re-arm)."""
+    _asm("st.global.v4.u32 [$0], {$1,$2,$3,$4};", "l,r,r,r,r,~{memory}",
+         [Int64(address), *(Uint32(w) for w in words)], 0, True, loc, ip)
+
+
+@_op
+def store_sys(address, words, *, loc=None, ip=None):
+    """Four words to ``address`` with a relaxed system-scope store (a peer push)."""
+    _asm("st.relaxed.sys.global.v4.u32 [$0], {$1,$2,$3,$4};", "l,r,r,r,r,~{memory}",
+         [Int64(address), *(Uint32(w) for w in words)], 0, True, loc, ip)
+
+
+@_op
+def store_word_sys(address, word, *, loc=None, ip=None):
+    """One word to ``address`` at system scope (the host-visible error record)."""
+    _asm("st.relaxed.sys.global.u32 [$0], $1;", "l,r,~{memory}",
+         [Int64(address), Uint32(word)], 0, True, loc, ip)
+
+
+@_op
+def scrub(word, *, loc=None, ip=None):
+    """``word``, or 0 where it equals the sentinel (an integer compare)."""
+    code = ("{ .reg .pred s; setp.eq.u32 s, $1, 0x80000000; "
+            "selp.u32 $0, 0, $1, s; }")
+    (out,) = _asm(code, "=r,r", [Uint32(word)], 1, False, loc, ip)
+    return out
+
+
+def armed(words):
+    """Number of sentinel words among ``words`` (0: the fragment has arrived)."""
+    count = Int32(0)
+    for w in words:
+        count = count + Int32(Uint32(w) == Uint32(SENTINEL))
+    return count

@@ -1,0 +1,33 @@
+"""lamport-head: the tensor-parallel logits gather of LLM decode on a Lamport mailbox.
+
+Public names (DESIGN.md): ``HeadGather``, ``install_logits_gather``, ``table``
+(``load_table``, ``Table``, ``RowPlan``, ``TableError``). Heavy modules load lazily so
+that ``import lamport_head`` is cheap and works without a GPU or vLLM.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "HeadGather": ("head_gather", "HeadGather"),
+    "GatherTimeout": ("head_gather", "GatherTimeout"),
+    "install_logits_gather": ("install", "install_logits_gather"),
+    "EmulatedGather": ("emulate", "EmulatedGather"),
+    "reference_gather": ("reference", "reference_gather"),
+}
+
+__all__ = [*_LAZY, "table"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        globals()[name] = value
+        return value
+    if name == "table":
+        import importlib
+
+        return importlib.import_module(".table", __name__)
+    raise AttributeError(f"module 'lamport_head' has no attribute {name!r}")

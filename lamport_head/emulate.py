@@ -1,0 +1,95 @@
+"""TP virtual ranks of HeadGather on one GPU, for tests, tuning and benchmarks.
+
+Each virtual rank launches on its own stream (forked from and joined back into the
+caller's current stream), so the ranks' kernels run concurrently as real ranks
+would; they share one ``LocalRows`` peer table. All CTAs of all ranks must fit on
+the device at once (a rank's CTAs wait for the others' pushes): construction checks
+that and raises a clear error otherwise.
+"""
+
+import torch
+
+from .head_gather import BUDGET_S, HeadGather
+from .mailbox import LocalRows
+from .reference import reference_gather
+
+
+class EmulatedGather:
+    """``gather(shards) -> outs``: one emulated step of ``tp`` ranks on ``device``."""
+
+    def __init__(self, device, tp, shard, rows, ctas=None, *, threads=256, unroll=4,
+                 pdl=True, budget_s=BUDGET_S):
+        self.device = torch.device(device)
+        rows = frozenset(rows)
+        self.tp, self.shard = tp, shard
+        self.box = LocalRows(self.device, tp, max(rows), tp * shard // 2)
+        self.ranks = [HeadGather(None, self.device, tp, r, shard, rows, ctas, mailbox=self.box,
+                                 threads=threads, unroll=unroll, pdl=pdl, budget_s=budget_s)
+                      for r in range(tp)]
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(tp)]
+        self.ctas = self.ranks[0].ctas
+        self.resident = self.ranks[0].resident
+
+    @property
+    def rows(self):
+        return self.ranks[0].rows
+
+    def __call__(self, shards, *, skip=()):
+        """Outputs of every virtual rank (``None`` for ranks in ``skip``, which are
+        never launched: their peers wait and time out)."""
+        if len(shards) != self.tp:
+            raise ValueError(f"need {self.tp} shards, got {len(shards)}")
+        here = torch.cuda.current_stream(self.device)
+        stock = _Stock(shards)
+        outs = []
+        for r, (gather, stream) in enumerate(zip(self.ranks, self.streams)):
+            if r in skip:
+                outs.append(None)
+                continue
+            stream.wait_stream(here)
+            with torch.cuda.stream(stream):
+                outs.append(gather(shards[r], stock))
+        for r, stream in enumerate(self.streams):
+            if r not in skip:
+                here.wait_stream(stream)
+        return outs
+
+    def launch(self, shards, outs, parity, ctas):
+        """Bare launches of every rank (for graph capture): no checks, no parity."""
+        here = torch.cuda.current_stream(self.device)
+        for gather, stream, shard, out in zip(self.ranks, self.streams, shards, outs):
+            stream.wait_stream(here)
+            with torch.cuda.stream(stream):
+                gather.launch(shard, out, parity, ctas)
+        for stream in self.streams:
+            here.wait_stream(stream)
+
+    def check(self):
+        for gather in self.ranks:
+            gather.check()
+
+    def reset(self):
+        for gather in self.ranks:
+            gather.reset()
+
+    def armed(self) -> bool:
+        """True when every mailbox word holds the sentinel (synchronizes)."""
+        torch.cuda.synchronize(self.device)
+        return bool((self.box.box == -0x80000000).all().item())
+
+
+class _Stock:
+    """The one-GPU stand-in for the stock all-gather: a cat of every rank's shard."""
+
+    def __init__(self, shards):
+        self.shards = shards
+
+    def __call__(self, logits):
+        return torch.cat(self.shards, dim=1)
+
+
+def stock_gather(shards):
+    return torch.cat(shards, dim=1)
+
+
+__all__ = ["EmulatedGather", "reference_gather", "stock_gather"]

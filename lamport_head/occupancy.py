@@ -1,0 +1,38 @@
+"""How many CTAs of a compiled kernel a device can hold at once.
+
+A Lamport gather's CTAs wait on pushes from other CTAs (the peers', and on one GPU
+the other virtual ranks'), so every CTA of every rank sharing a device must be
+resident together; a grid that does not fit would wait until its spin budget runs
+out. The count comes from the driver's occupancy calculator on the kernel's cubin.
+"""
+
+import functools
+
+import torch
+
+
+def _checked(result, what):
+    from cuda.bindings import driver as cu
+
+    status, *values = result
+    if status != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {status}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+@functools.lru_cache(maxsize=None)
+def resident_ctas(cubin: bytes, threads: int, device_index: int) -> int:
+    """CTAs of the cubin's single kernel (``threads`` per CTA) that fit on the device."""
+    from cuda.bindings import driver as cu
+
+    torch.cuda.init()
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream()  # makes torch's primary context current
+        library = _checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
+        count = _checked(cu.cuLibraryGetKernelCount(library), "cuLibraryGetKernelCount")
+        kernels = _checked(cu.cuLibraryEnumerateKernels(count, library), "cuLibraryEnumerateKernels")
+        function = _checked(cu.cuKernelGetFunction(kernels[0]), "cuKernelGetFunction")
+        per_sm = _checked(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, 0),
+                          "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return int(per_sm) * sms

@@ -1,0 +1,50 @@
+"""The gather's exact expected result, in plain torch (any device).
+
+``reference_gather(shards)``: the shards concatenated along the vocab axis (NCCL
+all-gather's layout), with every 32-bit word equal to the sentinel (the BF16 pair
+(+0, -0)) replaced by 0, the one change the Lamport protocol makes to the bytes.
+"""
+
+import torch
+
+SENTINEL = -0x80000000  # int32 view of 0x80000000
+
+
+def scrub(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` (BF16, last dim even) with sentinel words made (+0, +0)."""
+    words = logits.contiguous().view(torch.int32)
+    return words.masked_fill(words == SENTINEL, 0).view(torch.bfloat16)
+
+
+def reference_gather(shards) -> torch.Tensor:
+    """``[M, V]`` from the ranks' ``[M, V/TP]`` BF16 shards, sentinel words scrubbed."""
+    shards = list(shards)
+    if not shards:
+        raise ValueError("reference_gather needs at least one shard")
+    for s in shards:
+        if s.dtype != torch.bfloat16 or s.dim() != 2 or s.shape != shards[0].shape:
+            raise ValueError("shards must be equal-shaped 2-D BF16 tensors")
+        if s.shape[1] % 2:
+            raise ValueError("shard width must be even (whole 32-bit words)")
+    return scrub(torch.cat(shards, dim=1))
+
+
+SPECIAL = (SENTINEL, 0x00008000, -0x80000000 | 0x3F80, 0x3F808000, 0, 0x7FC07FC0,
+           0x7F80FF80, -0x00800000 | 0x7FC0, 0x7FFF7FFF)
+"""Planted words: the sentinel, -0 in the low half, -0 high with 1.0 low, -0 low
+with 1.0 high, (+0, +0), NaN pairs, (+Inf, -Inf), (NaN, -Inf), (max NaN payloads)."""
+
+
+def planted(*shape, generator=None, device="cpu") -> torch.Tensor:
+    """Random BF16 of ``shape`` (last dim even) with the words a gather must get right
+    planted at random places: every one of ``SPECIAL``, about 1 word in 64."""
+    data = torch.randn(*shape, generator=generator, device=device).to(torch.bfloat16)
+    words = data.view(torch.int32).view(-1)
+    n = words.numel()
+    special = torch.tensor(SPECIAL, dtype=torch.int32, device=device)
+    count = max(len(SPECIAL), n // 64)
+    where = torch.randint(0, n, (count,), generator=generator, device=device)
+    words[where] = special[torch.arange(count, device=device) % len(SPECIAL)]
+    if n >= len(SPECIAL):  # the first words hold every special for certain
+        words[: len(SPECIAL)] = special
+    return data
