@@ -61,9 +61,9 @@ def compile_gather(tp: int, shard_words: int, *, threads: int = 256, unroll: int
 
 def _compile(tp, shard_words, threads, unroll, pdl, arch):
     rows = cute.sym_int32()
-    shard = make_fake_compact_tensor(cutlass.BFloat16, (rows, 2 * shard_words), assumed_align=16)
-    out = make_fake_compact_tensor(cutlass.BFloat16, (rows, 2 * shard_words * tp), assumed_align=16)
-    peers = make_fake_compact_tensor(cutlass.Int64, (2, tp), assumed_align=8)
+    shard = make_fake_compact_tensor(cutlass.BFloat16, (rows, 2 * shard_words), stride_order=(1, 0), assumed_align=16)
+    out = make_fake_compact_tensor(cutlass.BFloat16, (rows, 2 * shard_words * tp), stride_order=(1, 0), assumed_align=16)
+    peers = make_fake_compact_tensor(cutlass.Int64, (2, tp), stride_order=(1, 0), assumed_align=8)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     with tempfile.TemporaryDirectory(prefix="lamport-head-") as dump:
         options = (f"--gpu-arch={arch} --enable-tvm-ffi --keep-ptx --keep-cubin "
