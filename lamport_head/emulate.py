@@ -28,7 +28,6 @@ class EmulatedGather:
                       for r in range(tp)]
         self.streams = [torch.cuda.Stream(self.device) for _ in range(tp)]
         self.ctas = self.ranks[0].ctas
-        self.resident = self.ranks[0].resident
 
     @property
     def rows(self):

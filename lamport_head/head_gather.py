@@ -75,9 +75,8 @@ class HeadGather:
         self.parity = 0
         self.group = group
         major, minor = torch.cuda.get_device_capability(self.device)
-        arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
-        self.kernel = compile_gather(tp, shard // 2, threads=threads, unroll=unroll, pdl=pdl, arch=arch)
-        self._launch = self.kernel.launch
+        self._arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+        self._pdl = pdl
         words = self.width // 2
         if mailbox is None:
             mailbox = LamportRows(group, self.device, tp, self.cap, words)
@@ -85,9 +84,9 @@ class HeadGather:
             raise ValueError("the shared mailbox does not fit this gather")
         self.box = mailbox
         self._peers = mailbox.peers
-        self.sharing = tp if mailbox.__class__.__name__ == "LocalRows" else 1
-        self.resident = self._resident() // self.sharing
-        self.ctas = self._plan(ctas, threads, unroll)
+        self.sharing = tp if getattr(mailbox, "emulated", False) else 1
+        self._route = self._plan(ctas, threads, unroll)
+        self.ctas = {m: c for m, (_, c) in self._route.items()}
         self.budget_ns = int(budget_s * 1e9)
         # Host-visible error record (pinned: the kernel writes it, the host reads it
         # with no device sync): [flag, parity, row, one word per peer].
@@ -97,29 +96,42 @@ class HeadGather:
         self._status_peers = STATUS_PEERS
         self.failed = None
 
-    def _resident(self):
+    def kernel(self, threads=256, unroll=4):
+        """The compiled gather for these knobs (compiled once per process)."""
+        return compile_gather(self.tp, self.shard // 2, threads=threads, unroll=unroll,
+                              pdl=self._pdl, arch=self._arch)
+
+    def resident(self, threads=256, unroll=4):
+        """CTAs per rank that fit on the device alongside the ranks sharing it."""
         from .occupancy import resident_ctas
 
-        return resident_ctas(self.kernel.cubin, self.kernel.threads, self.device.index)
+        k = self.kernel(threads, unroll)
+        return resident_ctas(k.cubin, k.threads, self.device.index) // self.sharing
 
     def _plan(self, ctas, threads, unroll):
+        """{rows: (launch, ctas)} from ``ctas``: None, an int, or a mapping of rows to
+        an int or a RowPlan-like object (``ctas``, ``threads``, ``unroll``)."""
         if ctas is None:
-            plan = {m: default_ctas(m, self.tp, self.shard, threads, unroll, self.resident)
+            limit = self.resident(threads, unroll)
+            ctas = {m: default_ctas(m, self.tp, self.shard, threads, unroll, limit)
                     for m in self.rows}
         elif isinstance(ctas, int):
-            plan = dict.fromkeys(self.rows, ctas)
-        else:
-            missing = self.rows - set(ctas)
-            if missing:
-                raise ValueError(f"no CTA count for rows {sorted(missing)}")
-            plan = {m: int(ctas[m]) for m in self.rows}
-        for m, c in plan.items():
-            if not 1 <= c <= self.resident:
+            ctas = dict.fromkeys(self.rows, ctas)
+        missing = self.rows - set(ctas)
+        if missing:
+            raise ValueError(f"no CTA count for rows {sorted(missing)}")
+        route = {}
+        for m in self.rows:
+            c = ctas[m]
+            t, u = getattr(c, "threads", threads), getattr(c, "unroll", unroll)
+            c = int(getattr(c, "ctas", c))
+            limit = self.resident(t, u)
+            if not 1 <= c <= limit:
                 raise ValueError(
                     f"{c} CTAs for {m} rows cannot all be co-resident: this device holds "
-                    f"{self.resident} CTAs of {threads} threads per rank "
-                    f"({self.sharing} rank(s) share it)")
-        return plan
+                    f"{limit} CTAs of {t} threads per rank ({self.sharing} rank(s) share it)")
+            route[m] = (self.kernel(t, u).launch, c)
+        return route
 
     def __call__(self, logits, stock):
         if self._flag.value:
@@ -127,21 +139,22 @@ class HeadGather:
         shape = logits.shape
         if (len(shape) != 2 or shape[1] != self.shard or logits.dtype != torch.bfloat16):
             return stock(logits)
-        ctas = self.ctas.get(shape[0])
-        if (ctas is None or logits.device != self.device or not logits.is_contiguous()
+        route = self._route.get(shape[0])
+        if (route is None or logits.device != self.device or not logits.is_contiguous()
                 or torch.cuda.is_current_stream_capturing()):
             return stock(logits)
         parity = self.parity
         self.parity = parity ^ 1
         out = logits.new_empty((shape[0], self.width))
-        self._launch(logits, out, self._peers, parity, self.rank, ctas, self.budget_ns,
+        launch, ctas = route
+        launch(logits, out, self._peers, parity, self.rank, ctas, self.budget_ns,
                      self._status_address)
         return out
 
     def launch(self, logits, out, parity, ctas):
         """The bare kernel launch on the current stream, with no checks and no parity
         bookkeeping: for graph capture in the benchmark (the caller alternates)."""
-        self._launch(logits, out, self._peers, parity, self.rank, ctas, self.budget_ns,
+        self._route[logits.shape[0]][0](logits, out, self._peers, parity, self.rank, ctas, self.budget_ns,
                      self._status_address)
 
     def _expired(self, logits, stock):

@@ -33,6 +33,8 @@ def _check(tp, cap, words):
 class LamportRows:
     """This rank's box on symmetric memory, and the group's peer table."""
 
+    emulated = False
+
     def __init__(self, group, device, tp: int, cap: int, words: int):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
@@ -63,6 +65,8 @@ class LamportRows:
 
 class LocalRows:
     """``tp`` virtual ranks' boxes on one device, one shared peer table."""
+
+    emulated = True
 
     def __init__(self, device, tp: int, cap: int, words: int):
         _check(tp, cap, words)

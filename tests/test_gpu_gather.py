@@ -77,7 +77,7 @@ def test_fallbacks_take_stock_bitwise():
     tp, shard = 4, 1024
     gather = EmulatedGather(device, tp, shard, (1, 2))
     g = gather.ranks[0]
-    stock = lambda x: torch.cat([x] * tp, dim=1)  # noqa: E731
+    stock = lambda x: torch.cat([x] * tp, dim=-1)  # noqa: E731
     x = planted(5, shard, device=device)  # 5 rows: not served
     assert same_bits(g(x, stock), stock(x))
     strided = planted(2, 2 * shard, device=device)[:, ::2]  # 2 rows, not contiguous

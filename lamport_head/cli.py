@@ -1,0 +1,229 @@
+"""The ``lamport-head`` command: tune, show, verify, bench.
+
+Errors are one line on stderr and a non-zero exit, never a traceback, for what a
+user can get wrong (no GPU, bad arguments, a malformed table).
+"""
+
+import argparse
+import os
+import shutil
+import sys
+
+
+def _rows(text):
+    try:
+        rows = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rows must be comma-separated ints, got {text!r}") from None
+    if not rows or rows[0] < 1:
+        raise argparse.ArgumentTypeError(f"rows must be positive, got {text!r}")
+    return rows
+
+
+def _ints(text):
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _positive(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def _margin(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"margin must be a number, got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"margin must be in [0, 1), got {text!r}")
+    return value
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="lamport-head", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tune", help="Optuna sweep that fills the HEAD_GATHER table")
+    t.add_argument("--tp", type=_positive, default=8)
+    t.add_argument("--dcp", type=_positive, default=1)
+    t.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"))
+    t.add_argument("--vocab", type=_positive, default=163840)
+    t.add_argument("--emulate", action="store_true", help="TP virtual ranks on one GPU")
+    t.add_argument("--auto", action="store_true",
+                   help="use every GPU here: torchrun over several, --emulate on one")
+    t.add_argument("--storage", help="Optuna storage URL (default: SQLite beside --out)")
+    t.add_argument("--trials", type=_positive, default=40, help="trials per row count")
+    t.add_argument("--margin", type=_margin, default=0.05)
+    t.add_argument("--threads", type=_ints, default=[128, 256, 512])
+    t.add_argument("--unroll", type=_ints, default=[2, 4, 8])
+    t.add_argument("--out", default="tables/head_gather.yaml")
+    t.add_argument("--plot", help="write a PNG of latency and speedup against rows")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    s = sub.add_parser("show", help="print the resolved plan")
+    s.add_argument("--device", help="GPU model (default: this machine's GPU)")
+    s.add_argument("--tp", type=_positive)
+    s.add_argument("--dcp", type=_positive, default=1)
+    s.add_argument("--table", help="table path (default: $LAMPORT_HEAD_TABLE or the packaged one)")
+    s.add_argument("--emulated", action="store_true", help="show emulated sections")
+
+    v = sub.add_parser("verify", help="bitwise check of the gather on this GPU (emulated ranks)")
+    v.add_argument("--tp", type=_positive, default=8)
+    v.add_argument("--vocab", type=_positive, default=163840)
+    v.add_argument("--rows", type=_rows, default=_rows("1,2,3,7,8,16,33,64"))
+    v.add_argument("--calls", type=_positive, default=200)
+
+    b = sub.add_parser("bench", help="Lamport vs stock latency, GPU time and host time")
+    b.add_argument("--tp", type=_positive, default=8)
+    b.add_argument("--dcp", type=_positive, default=1)
+    b.add_argument("--vocab", type=_positive, default=163840)
+    b.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"))
+    b.add_argument("--table")
+    b.add_argument("--out", default="results/bench")
+    b.add_argument("--plot")
+    return p
+
+
+def _fail(message, code=2):
+    print(f"lamport-head: {message}", file=sys.stderr)
+    return code
+
+
+def _need_cuda(command):
+    import torch
+
+    if not torch.cuda.is_available():
+        return _fail(f"{command}: no CUDA GPU on this machine; it measures the gather on GPUs "
+                     "(use `lamport-head show` to read tables here)")
+    return 0
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    from lamport_head.table import TableError
+
+    try:
+        if args.command == "show":
+            return show(args)
+        code = _need_cuda(args.command)
+        if code:
+            return code
+        if args.command == "tune":
+            if args.auto:
+                return auto_tune(args, argv)
+            from lamport_head.tuning.tune import run
+
+            for t in args.threads:
+                if t not in (64, 128, 256, 512, 1024):
+                    return _fail(f"tune: --threads {t} is not one of 64, 128, 256, 512, 1024")
+            if args.vocab % args.tp or (args.vocab // args.tp) % 8:
+                return _fail(f"tune: vocab {args.vocab} / tp {args.tp} is not a multiple of 8")
+            return run(args)
+        if args.command == "bench":
+            from lamport_head.tuning.bench import run
+
+            return run(args)
+        if args.command == "verify":
+            return verify(args)
+    except TableError as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return _fail("interrupted (finished trials are kept in the study storage)", 130)
+    return 0
+
+
+def auto_tune(args, argv):
+    import torch
+
+    count = torch.cuda.device_count()
+    rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--auto"]
+    if count > 1 and "WORLD_SIZE" not in os.environ:
+        rest = [a for a in rest if a != "--emulate"]
+        if "--tp" not in rest:
+            rest[1:1] = ["--tp", str(count)]
+        torchrun = shutil.which("torchrun") or "torchrun"
+        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                   NVSHMEM_DISABLE_NVLS="1")
+        os.execvpe(torchrun, [torchrun, "--nproc-per-node", str(count), "-m", "lamport_head.cli",
+                              *rest], env)
+    args.emulate = True
+    args.auto = False
+    return main([*rest, "--emulate"]) if "--emulate" not in rest else main(rest)
+
+
+def show(args):
+    from lamport_head.table import load_table, normalize
+
+    table = load_table(args.table)
+    device = args.device
+    if device is None:
+        import torch
+
+        if torch.cuda.is_available():
+            device = torch.cuda.get_device_name()
+    sections = [s for s in table.sections
+                if (device is None or normalize(s.device) == normalize(device))
+                and (args.tp is None or s.tp == args.tp) and s.dcp == args.dcp
+                and (args.emulated or not s.emulated)]
+    print(f"table: {table.path}")
+    if not sections:
+        what = f"{device or 'any GPU'}, tp={args.tp or 'any'}, dcp={args.dcp}"
+        print(f"no {'' if args.emulated else 'serving '}entries for {what}: the stock gather is used")
+        return 0
+    for s in sections:
+        print(f"\n{s.device}  tp={s.tp} dcp={s.dcp}" + ("  (emulated: never served)" if s.emulated else ""))
+        prov = s.provenance
+        if prov:
+            print(f"  measured {prov.get('date', '?')} on {prov.get('gpu', '?')}, "
+                  f"commit {prov.get('commit', '?')}")
+        print(f"  {'rows':>7} {'ctas':>5} {'threads':>7} {'unroll':>6} {'enabled':>7} "
+              f"{'lamport µs':>10} {'stock µs':>9}")
+        for key, entry in s.raw["rows"].items():
+            plan = s.rows[int(str(key).split("-")[0])]
+            lam = entry.get("lamport_us", "")
+            st = entry.get("stock_us", "")
+            print(f"  {str(key):>7} {plan.ctas:>5} {plan.threads:>7} {plan.unroll:>6} "
+                  f"{('yes' if plan.enabled else 'no'):>7} {lam!s:>10} {st!s:>9}")
+    return 0
+
+
+def verify(args):
+    import random
+
+    import torch
+
+    from lamport_head.emulate import EmulatedGather
+    from lamport_head.reference import planted, reference_gather
+
+    if args.vocab % args.tp or (args.vocab // args.tp) % 8:
+        return _fail(f"verify: vocab {args.vocab} / tp {args.tp} is not a multiple of 8")
+    device = torch.device("cuda", torch.cuda.current_device())
+    shard = args.vocab // args.tp
+    gather = EmulatedGather(device, args.tp, shard, args.rows)
+    rng = random.Random(0)
+    for call in range(args.calls):
+        rows = rng.choice(args.rows)
+        data = planted(args.tp, rows, shard, device=device)
+        shards = [data[r] for r in range(args.tp)]
+        want = reference_gather(shards).view(torch.int32)
+        for r, out in enumerate(gather(shards)):
+            if not torch.equal(out.view(torch.int32), want):
+                return _fail(f"verify: call {call}, rank {r}, rows {rows}: output differs", 1)
+    gather.check()
+    if not gather.armed():
+        return _fail("verify: mailbox words left un-armed", 1)
+    print(f"verify: {args.calls} emulated calls, tp={args.tp}, vocab={args.vocab}, rows "
+          f"{args.rows}, CTAs {gather.ctas}: bitwise equal to the reference, mailbox armed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

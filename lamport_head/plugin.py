@@ -1,0 +1,60 @@
+"""vLLM general plugin (entry point ``vllm.general_plugins`` -> ``lamport_head``).
+
+``register()`` wraps the GPU worker's ``load_model`` so that, once the model is
+loaded (before any CUDA graph capture), every TP worker calls
+``install_logits_gather`` with the TP device group, TP size and rank, its device and
+the DCP size. vLLM loads general plugins in every process and possibly more than
+once: wrapping is idempotent, and vLLM is imported only here, lazily.
+"""
+
+import functools
+import logging
+
+logger = logging.getLogger("lamport_head")
+_MARK = "_lamport_head_wrapped"
+
+
+def _install_after_load(worker):
+    from vllm.distributed import parallel_state as ps
+
+    from .install import install_logits_gather
+
+    tp_group = ps.get_tp_group()
+    try:
+        dcp = ps.get_dcp_group().world_size
+    except Exception:  # no DCP group in this configuration
+        dcp = 1
+    model = worker.model_runner.get_model()
+    return install_logits_gather(model, tp_group.device_group, tp_group.world_size,
+                                 tp_group.rank_in_group, worker.device, dcp)
+
+
+def wrap_worker(worker_cls):
+    """Make ``worker_cls.load_model`` install the gather afterwards (once)."""
+    original = worker_cls.load_model
+    if getattr(original, _MARK, False):
+        return False
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        try:
+            _install_after_load(self)
+        except Exception as exc:  # never break model loading
+            logger.warning("lamport-head: install skipped: %s: %s", type(exc).__name__, exc)
+        return result
+
+    setattr(load_model, _MARK, True)
+    worker_cls.load_model = load_model
+    return True
+
+
+def register():
+    """The plugin entry point: harmless when called twice or without vLLM's GPU worker."""
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception as exc:
+        logger.debug("lamport-head: no vLLM GPU worker to hook (%s)", exc)
+        return
+    if wrap_worker(Worker):
+        logger.info("lamport-head: logits gather hook registered on %s", Worker.__qualname__)

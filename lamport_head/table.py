@@ -1,0 +1,250 @@
+"""The HEAD_GATHER table: per GPU model, (TP, DCP) and row count, the CTA count and
+on/off flag of the Lamport gather (plus the measured latencies and provenance).
+
+Format (YAML; see tables/head_gather.yaml)::
+
+    schema: 1
+    devices:
+      NVIDIA H200:                # torch.cuda.get_device_name(), case-insensitive
+        - tp: 8
+          dcp: 1
+          emulated: false         # emulated sections are never used for serving
+          provenance: {gpu: ..., driver: ..., cuda: ..., torch: ..., cutlass_dsl: ...,
+                       date: ..., commit: ..., command: ...}
+          rows:                   # a row count or an inclusive range "a-b"
+            1: {ctas: 8, enabled: true, lamport_us: 5.1, stock_us: 19.8}
+            2-4: {ctas: 16, enabled: true, threads: 256, unroll: 4}
+
+Validation is strict: every defect raises ``TableError`` naming the file and the
+entry. YAML 1.1 reads a bare on/off/yes/no as a boolean, so such a plain scalar is
+rejected anywhere (write true/false, or quote it).
+"""
+
+import os
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+SCHEMA = 1
+SECTION_KEYS = {"tp", "dcp", "emulated", "provenance", "rows"}
+ROW_KEYS = {"ctas", "enabled", "threads", "unroll", "lamport_us", "stock_us"}
+PROVENANCE_KEYS = {"gpu", "driver", "cuda", "torch", "cutlass_dsl", "date", "commit",
+                   "command", "host", "note"}
+THREADS = (64, 128, 256, 512, 1024)
+YAML11_BOOLS = {"on", "off", "yes", "no", "y", "n"}
+_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
+
+
+class TableError(ValueError):
+    """A malformed HEAD_GATHER table; the message names the file and the entry."""
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    ctas: int
+    enabled: bool
+    threads: int = 256
+    unroll: int = 4
+
+
+def normalize(name: str) -> str:
+    """GPU model names compare case-insensitively, with whitespace collapsed."""
+    return " ".join(str(name).split()).lower()
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys and YAML 1.1 word booleans."""
+
+
+def _mapping(loader, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise TableError(f"duplicate key {key_node.value!r} (line {key_node.start_mark.line + 1}; "
+                             f"first at line {seen[key] + 1})")
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+def _bool(loader, node):
+    if node.style is None and node.value.lower() in YAML11_BOOLS:
+        raise TableError(
+            f"bare {node.value!r} at line {node.start_mark.line + 1} is read by YAML 1.1 as the "
+            f"boolean {node.value.lower() in ('on', 'yes', 'y')}; write true/false, or quote it")
+    return loader.construct_yaml_bool(node)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+_Loader.add_constructor("tag:yaml.org,2002:bool", _bool)
+
+
+def _int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rows_key(key, where):
+    if _int(key):
+        lo = hi = key
+    elif isinstance(key, str) and _RANGE.match(key):
+        lo, hi = (int(g) for g in _RANGE.match(key).groups())
+    else:
+        raise TableError(f"{where}: row key {key!r} is neither a row count nor a range 'a-b'")
+    if lo < 1:
+        raise TableError(f"{where}: row {key!r} must start at 1 or more")
+    if hi < lo:
+        raise TableError(f"{where}: row range {key!r} is reversed")
+    return lo, hi
+
+
+def _row(entry, where):
+    if not isinstance(entry, dict):
+        raise TableError(f"{where}: expected a mapping with ctas and enabled, got {entry!r}")
+    unknown = set(entry) - ROW_KEYS
+    if unknown:
+        raise TableError(f"{where}: unknown key(s) {sorted(map(str, unknown))}; allowed {sorted(ROW_KEYS)}")
+    for key in ("ctas", "enabled"):
+        if key not in entry:
+            raise TableError(f"{where}: missing {key!r}")
+    ctas = entry["ctas"]
+    if not _int(ctas) or not 1 <= ctas <= 1024:
+        raise TableError(f"{where}: ctas must be an int in [1, 1024], got {ctas!r}")
+    if not isinstance(entry["enabled"], bool):
+        raise TableError(f"{where}: enabled must be true or false, got {entry['enabled']!r}")
+    threads = entry.get("threads", 256)
+    if threads not in THREADS or not _int(threads):
+        raise TableError(f"{where}: threads must be one of {THREADS}, got {threads!r}")
+    unroll = entry.get("unroll", 4)
+    if not _int(unroll) or not 1 <= unroll <= 16:
+        raise TableError(f"{where}: unroll must be an int in [1, 16], got {unroll!r}")
+    for key in ("lamport_us", "stock_us"):
+        if key in entry:
+            v = entry[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
+                raise TableError(f"{where}: {key} must be a non-negative number, got {v!r}")
+    return RowPlan(ctas, entry["enabled"], threads, unroll)
+
+
+@dataclass
+class Section:
+    device: str
+    tp: int
+    dcp: int
+    emulated: bool
+    provenance: dict
+    rows: dict  # row count -> RowPlan (ranges expanded)
+    raw: dict  # the section as written
+
+
+class Table:
+    """A validated table. ``plan(device_name, tp, dcp)`` -> ``{rows: RowPlan}``."""
+
+    def __init__(self, path, sections):
+        self.path, self.sections = path, sections
+
+    def section(self, device_name, tp, dcp, *, emulated=False):
+        for s in self.sections:
+            if (normalize(s.device) == normalize(device_name) and s.tp == tp and s.dcp == dcp
+                    and s.emulated == emulated):
+                return s
+        return None
+
+    def plan(self, device_name, tp, dcp=1, *, emulated=False):
+        """The serving plan; ``{}`` for an unknown device or (tp, dcp). Emulated
+        sections are only returned when asked for with ``emulated=True``."""
+        s = self.section(device_name, tp, dcp, emulated=emulated)
+        return dict(s.rows) if s else {}
+
+
+def parse(text, path="<string>"):
+    """Validate YAML ``text``; ``path`` names it in errors."""
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except TableError as exc:
+        raise TableError(f"{path}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise TableError(f"{path}: YAML syntax error: {exc}") from None
+    if not isinstance(data, dict) or set(data) != {"schema", "devices"}:
+        keys = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+        raise TableError(f"{path}: the top level must be a mapping of exactly 'schema' and "
+                         f"'devices', got {keys}")
+    if data["schema"] != SCHEMA:
+        raise TableError(f"{path}: schema {data['schema']!r} is not supported (expected {SCHEMA})")
+    devices = data["devices"]
+    if not isinstance(devices, dict):
+        raise TableError(f"{path}: 'devices' must map GPU model names to lists of sections")
+    sections, names = [], {}
+    for device, entries in devices.items():
+        if not isinstance(device, str) or not device.strip():
+            raise TableError(f"{path}: device name {device!r} must be a non-empty string")
+        if normalize(device) in names:
+            raise TableError(f"{path}: device {device!r} repeats {names[normalize(device)]!r} "
+                             "(names compare case-insensitively)")
+        names[normalize(device)] = device
+        if not isinstance(entries, list) or not entries:
+            raise TableError(f"{path}: devices.{device}: expected a non-empty list of sections")
+        seen = set()
+        for i, sec in enumerate(entries):
+            where = f"{path}: devices.{device}[{i}]"
+            sections.append(_section(device, sec, where))
+            key = (sections[-1].tp, sections[-1].dcp, sections[-1].emulated)
+            if key in seen:
+                raise TableError(f"{where}: duplicate section for tp={key[0]}, dcp={key[1]}"
+                                 + (" (emulated)" if key[2] else ""))
+            seen.add(key)
+    return Table(path, sections)
+
+
+def _section(device, sec, where):
+    if not isinstance(sec, dict):
+        raise TableError(f"{where}: expected a mapping, got {sec!r}")
+    unknown = set(sec) - SECTION_KEYS
+    if unknown:
+        raise TableError(f"{where}: unknown key(s) {sorted(map(str, unknown))}; allowed {sorted(SECTION_KEYS)}")
+    tp, dcp = sec.get("tp"), sec.get("dcp", 1)
+    if not _int(tp) or tp < 1:
+        raise TableError(f"{where}: tp must be a positive int, got {tp!r}")
+    if not _int(dcp) or dcp < 1:
+        raise TableError(f"{where}: dcp must be a positive int, got {dcp!r}")
+    if tp % dcp:
+        raise TableError(f"{where}: tp={tp} is not a multiple of dcp={dcp}")
+    where = f"{where} (tp={tp}, dcp={dcp})"
+    emulated = sec.get("emulated", False)
+    if not isinstance(emulated, bool):
+        raise TableError(f"{where}: emulated must be true or false, got {emulated!r}")
+    provenance = sec.get("provenance", {})
+    if not isinstance(provenance, dict):
+        raise TableError(f"{where}: provenance must be a mapping")
+    unknown = set(provenance) - PROVENANCE_KEYS
+    if unknown:
+        raise TableError(f"{where}: unknown provenance key(s) {sorted(map(str, unknown))}")
+    rows = sec.get("rows")
+    if not isinstance(rows, dict) or not rows:
+        raise TableError(f"{where}: rows must be a non-empty mapping")
+    plan, spans = {}, []
+    for key, entry in rows.items():
+        lo, hi = _rows_key(key, f"{where} rows[{key!r}]")
+        for other, (a, b) in spans:
+            if lo <= b and a <= hi:
+                raise TableError(f"{where}: rows {key!r} overlap rows {other!r}")
+        spans.append((key, (lo, hi)))
+        row = _row(entry, f"{where} rows[{key!r}]")
+        plan.update(dict.fromkeys(range(lo, hi + 1), row))
+    return Section(device, tp, dcp, emulated, provenance, dict(sorted(plan.items())), sec)
+
+
+def packaged_path() -> Path:
+    return Path(str(resources.files("lamport_head.tables").joinpath("head_gather.yaml")))
+
+
+def load_table(path=None) -> Table:
+    """The table at ``path``; else ``$LAMPORT_HEAD_TABLE``; else the packaged one."""
+    path = path or os.environ.get("LAMPORT_HEAD_TABLE") or packaged_path()
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise TableError(f"{path}: cannot read the table: {exc.strerror or exc}") from None
+    return parse(text, str(path))

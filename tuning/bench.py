@@ -1,0 +1,119 @@
+"""``lamport-head bench``: Lamport vs stock per (TP, rows), measured in one run.
+
+Per row count: eager per-call latency, GPU time (CUDA-graph replay) and host µs per
+call of both paths, and their ratios; plus, for scale, the host µs of one
+``torch.add_`` on this machine. Results go to CSV and JSON (and a PNG with --plot).
+The Lamport configuration comes from the table (emulated sections included when
+emulating), else the built-in CTA heuristic.
+"""
+
+import csv
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lamport_head.head_gather import default_ctas
+from lamport_head.table import RowPlan, load_table
+
+FIELDS = ["tp", "rows", "ctas", "threads", "unroll", "lamport_eager_us", "lamport_graph_us",
+          "lamport_host_us", "stock_eager_us", "stock_graph_us", "stock_host_us",
+          "eager_speedup", "graph_speedup", "host_ratio"]
+
+
+def add_host_us(device, calls=200, reps=5):
+    x = torch.zeros(1024, device=device)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            x.add_(1.0)
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    torch.cuda.synchronize(device)
+    return statistics.median(times)
+
+
+def plan_for(target, rows, table_plan, threads=256, unroll=4):
+    if rows in table_plan:
+        return table_plan[rows]
+    limit = target.limit(threads, unroll)
+    return RowPlan(default_ctas(rows, target.tp, target.shard, threads, unroll, limit), True,
+                   threads, unroll)
+
+
+def run(args):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        import torch.distributed as dist
+
+        from .harness import DistributedTarget
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        device = torch.device("cuda", local)
+        target = DistributedTarget(None, device, world, dist.get_rank(), args.vocab)
+        root, emulated = dist.get_rank() == 0, False
+    else:
+        from .harness import EmulatedTarget
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        target = EmulatedTarget(device, args.tp, args.vocab)
+        root, emulated = True, True
+    name = torch.cuda.get_device_name(device)
+    table = load_table(args.table)
+    table_plan = table.plan(name, target.tp, args.dcp, emulated=emulated)
+    add_us = add_host_us(device)
+    records = []
+    for rows in args.rows:
+        plan = plan_for(target, rows, table_plan)
+        lam = target.lamport(rows, plan)
+        stock = target.stock(rows)
+        if lam is None:
+            raise SystemExit(f"lamport-head bench: rows={rows} {plan} failed verification")
+        records.append({
+            "tp": target.tp, "rows": rows, "ctas": plan.ctas, "threads": plan.threads,
+            "unroll": plan.unroll, "lamport_eager_us": lam.eager_us,
+            "lamport_graph_us": lam.graph_us, "lamport_host_us": lam.host_us,
+            "stock_eager_us": stock.eager_us, "stock_graph_us": stock.graph_us,
+            "stock_host_us": stock.host_us, "eager_speedup": stock.eager_us / lam.eager_us,
+            "graph_speedup": stock.graph_us / lam.graph_us,
+            "host_ratio": lam.host_us / stock.host_us})
+    if not root:
+        return 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in records:
+            w.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
+    meta = {"gpu": name, "emulated": emulated, "vocab": args.vocab, "tp": target.tp,
+            "torch_add_host_us": add_us, "records": records}
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+    print(f"lamport-head bench: {name}, tp={target.tp}, vocab={args.vocab}"
+          f"{' (emulated: one GPU, stock = cat of shards)' if emulated else ''}; "
+          f"torch.add_ host {add_us:.1f} µs")
+    print(f"{'rows':>4} {'ctas':>4} | {'lamport eager':>13} {'graph':>7} {'host':>6} | "
+          f"{'stock eager':>11} {'graph':>7} {'host':>6} | {'eager x':>7} {'graph x':>7}")
+    for r in records:
+        print(f"{r['rows']:>4} {r['ctas']:>4} | {r['lamport_eager_us']:>13.2f} "
+              f"{r['lamport_graph_us']:>7.2f} {r['lamport_host_us']:>6.2f} | "
+              f"{r['stock_eager_us']:>11.2f} {r['stock_graph_us']:>7.2f} "
+              f"{r['stock_host_us']:>6.2f} | {r['eager_speedup']:>6.2f}x {r['graph_speedup']:>6.2f}x")
+    if args.plot:
+        from .plot import plot_rows
+
+        plot_rows([dict(rows=r["rows"], lamport_us=r["lamport_eager_us"],
+                        stock_us=r["stock_eager_us"], lamport_graph_us=r["lamport_graph_us"],
+                        stock_graph_us=r["stock_graph_us"]) for r in records],
+                  args.plot, f"{name} tp={target.tp} V={args.vocab}"
+                  + (" (emulated)" if emulated else ""))
+    print(f"wrote {out.with_suffix('.csv')}, {out.with_suffix('.json')}"
+          + (f", {args.plot}" if args.plot else ""))
+    return 0 if all(math.isfinite(r["lamport_eager_us"]) for r in records) else 1

@@ -1,0 +1,220 @@
+"""Timing harness: Lamport and stock measured the same way, in the same run.
+
+Every candidate is verified bitwise on fresh planted data before it is timed. Then,
+per path, two figures (medians over ``reps`` repetitions, a barrier and a device
+sync before each):
+
+- eager: ``calls`` back-to-back calls as serving issues them, CUDA events around
+  them; the host time of issuing them is taken from the same loop (perf_counter).
+- graph: GPU time only, a CUDA graph of two steps (parity 0 then 1) replayed.
+
+Targets: ``EmulatedTarget`` (TP virtual ranks on one GPU; the stock baseline is the
+one-GPU equivalent, a cat of the shards) and ``DistributedTarget`` (one process per
+GPU under torchrun; stock is vLLM's: NCCL all-gather into ``[TP*M, V/TP]``, then the
+reorder to ``[M, V]``).
+"""
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lamport_head.reference import planted, reference_gather
+from lamport_head.table import RowPlan
+
+
+@dataclass(frozen=True)
+class Timing:
+    eager_us: float
+    graph_us: float
+    host_us: float
+
+
+def _median_eager(fn, device, calls, reps, barrier):
+    eager, host = [], []
+    for _ in range(reps):
+        barrier()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize(device)
+        eager.append(start.elapsed_time(end) * 1e3 / calls)
+        host.append((t1 - t0) * 1e6 / calls)
+    return statistics.median(eager), statistics.median(host)
+
+
+def _median_graph(step_pair, device, replays, reps, barrier):
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        step_pair()  # warm-up outside capture
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step_pair()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        barrier()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) * 1e3 / (2 * replays))
+    return statistics.median(times)
+
+
+class EmulatedTarget:
+    """TP virtual ranks on one GPU (see lamport_head.emulate)."""
+
+    emulated = True
+
+    def __init__(self, device, tp, vocab, *, calls=50, reps=7, replays=20, budget_s=2.0):
+        if vocab % tp or (vocab // tp) % 8:
+            raise ValueError(f"vocab {vocab} does not split into tp={tp} shards of whole 8-BF16 fragments")
+        self.device = torch.device(device)
+        self.tp, self.vocab, self.shard = tp, vocab, vocab // tp
+        self.calls, self.reps, self.replays, self.budget_s = calls, reps, replays, budget_s
+        self._limits = {}
+
+    def barrier(self):
+        pass
+
+    def limit(self, threads, unroll):
+        """Most CTAs per rank that stay co-resident with the other virtual ranks."""
+        key = (threads, unroll)
+        if key not in self._limits:
+            g = self._gather(1, RowPlan(1, True, threads, unroll))
+            self._limits[key] = g.ranks[0].resident(threads, unroll)
+        return self._limits[key]
+
+    def _gather(self, rows, plan):
+        from lamport_head.emulate import EmulatedGather
+
+        return EmulatedGather(self.device, self.tp, self.shard, {rows}, {rows: plan},
+                              threads=plan.threads, unroll=plan.unroll, budget_s=self.budget_s)
+
+    def _shards(self, rows):
+        data = planted(self.tp, rows, self.shard, device=self.device)
+        return [data[r] for r in range(self.tp)]
+
+    def verify(self, gather, rows, calls=3):
+        for _ in range(calls):
+            shards = self._shards(rows)
+            want = reference_gather(shards).view(torch.int32)
+            for out in gather(shards):
+                if not torch.equal(out.view(torch.int32), want):
+                    return False
+        gather.check()
+        return gather.armed()
+
+    def lamport(self, rows, plan):
+        """Timing of a verified configuration; None when it fails verification."""
+        gather = self._gather(rows, plan)
+        if not self.verify(gather, rows):
+            return None
+        shards = self._shards(rows)
+        eager, host = _median_eager(lambda: gather(shards), self.device, self.calls, self.reps,
+                                    self.barrier)
+        outs = [torch.empty(rows, self.vocab, dtype=torch.bfloat16, device=self.device)
+                for _ in range(self.tp)]
+
+        def pair():
+            gather.launch(shards, outs, 0, plan.ctas)
+            gather.launch(shards, outs, 1, plan.ctas)
+
+        graph = _median_graph(pair, self.device, self.replays, self.reps, self.barrier)
+        ok = self.verify(gather, rows, calls=1)
+        return Timing(eager, graph, host / self.tp) if ok else None
+
+    def stock(self, rows):
+        shards = self._shards(rows)
+        step = lambda: torch.cat(shards, dim=1)  # noqa: E731
+        eager, host = _median_eager(step, self.device, self.calls, self.reps, self.barrier)
+        graph = _median_graph(lambda: (step(), step()), self.device, self.replays, self.reps,
+                              self.barrier)
+        return Timing(eager, graph, host)
+
+
+class DistributedTarget:
+    """One rank per GPU (torchrun); the process group must be initialized (NCCL)."""
+
+    emulated = False
+
+    def __init__(self, group, device, tp, rank, vocab, *, calls=50, reps=7, replays=20,
+                 budget_s=2.0):
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.device = torch.device(device)
+        self.tp, self.rank, self.vocab, self.shard = tp, rank, vocab, vocab // tp
+        self.calls, self.reps, self.replays, self.budget_s = calls, reps, replays, budget_s
+        self._limits = {}
+
+    def barrier(self):
+        self.dist.barrier(group=self.group)
+
+    def _max(self, value):
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
+        return t.item()
+
+    def limit(self, threads, unroll):
+        key = (threads, unroll)
+        if key not in self._limits:
+            g = self._gather(1, RowPlan(1, True, threads, unroll))
+            self._limits[key] = int(-self._max(-g.resident(threads, unroll)))
+        return self._limits[key]
+
+    def _gather(self, rows, plan):
+        from lamport_head.head_gather import HeadGather
+
+        return HeadGather(self.group, self.device, self.tp, self.rank, self.shard, {rows},
+                          {rows: plan}, budget_s=self.budget_s)
+
+    def _stock_step(self, x, rows):
+        out = torch.empty(self.tp * rows, self.shard, dtype=x.dtype, device=self.device)
+        self.dist.all_gather_into_tensor(out, x, group=self.group)
+        return out.view(self.tp, rows, self.shard).movedim(0, 1).reshape(rows, self.vocab)
+
+    def verify(self, gather, rows, calls=3):
+        ok = True
+        for _ in range(calls):
+            data = planted(rows, self.shard, device=self.device)
+            want = reference_gather(self._stock_step(data, rows).split(self.shard, 1))
+            got = gather(data, lambda x: None)
+            ok &= got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        return self._max(0.0 if ok else 1.0) == 0.0
+
+    def lamport(self, rows, plan):
+        gather = self._gather(rows, plan)
+        if not self.verify(gather, rows):
+            return None
+        x = planted(rows, self.shard, device=self.device)
+        stock = lambda v: None  # noqa: E731
+        eager, host = _median_eager(lambda: gather(x, stock), self.device, self.calls,
+                                    self.reps, self.barrier)
+        out = torch.empty(rows, self.vocab, dtype=torch.bfloat16, device=self.device)
+        graph = _median_graph(lambda: (gather.launch(x, out, 0, plan.ctas),
+                                       gather.launch(x, out, 1, plan.ctas)),
+                              self.device, self.replays, self.reps, self.barrier)
+        return Timing(self._max(eager), self._max(graph), self._max(host))
+
+    def stock(self, rows):
+        x = planted(rows, self.shard, device=self.device)
+        step = lambda: self._stock_step(x, rows)  # noqa: E731
+        eager, host = _median_eager(step, self.device, self.calls, self.reps, self.barrier)
+        graph = _median_graph(lambda: (step(), step()), self.device, self.replays, self.reps,
+                              self.barrier)
+        return Timing(self._max(eager), self._max(graph), self._max(host))

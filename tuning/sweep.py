@@ -1,0 +1,169 @@
+"""The Optuna sweep behind ``lamport-head tune``: per row count, the fastest verified
+(CTAs, threads, unroll) and whether it beats stock by the margin.
+
+Rank agreement: rank 0 alone owns the study; it broadcasts each trial's parameters
+(or the stop signal) to every rank, every rank measures, and the trial's value is
+the maximum over ranks (the target does that reduction). Non-root ranks never
+touch the study, so the ranks cannot diverge in the collectives they issue.
+
+Resume and no repeats: studies live in ``storage`` under names carrying device, TP,
+DCP and rows; a re-run loads them, counts their finished trials against ``trials``,
+and a parameter set already finished is answered from the study, never re-timed.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import optuna
+
+from lamport_head.table import RowPlan
+
+THREADS = (128, 256, 512)
+UNROLL = (2, 4, 8)
+_CTA_STEPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+@dataclass
+class RowResult:
+    rows: int
+    plan: RowPlan  # the best verified configuration; enabled = beats stock by margin
+    lamport_us: float
+    stock_us: float
+    lamport_graph_us: float = math.nan
+    stock_graph_us: float = math.nan
+    trials: int = 0
+    timed: int = 0  # trials actually measured in this run
+
+    @property
+    def speedup(self):
+        return self.stock_us / self.lamport_us if self.lamport_us else math.nan
+
+
+class LocalComm:
+    """A single process: it is the root and agrees with itself."""
+
+    is_root = True
+
+    def broadcast(self, obj):
+        return obj
+
+
+class DistComm:
+    """Rank 0 decides; ``broadcast`` hands its object to every rank of ``group``."""
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.is_root = dist.get_rank(group) == 0
+
+    def broadcast(self, obj):
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=self.dist.get_global_rank(self.group, 0)
+                                        if self.group is not None else 0, group=self.group)
+        return box[0]
+
+
+def cta_choices(limit):
+    return [c for c in _CTA_STEPS if c <= limit]
+
+
+def grid(target, threads=THREADS, unroll=UNROLL):
+    """Every (ctas, threads, unroll) the device can hold co-resident."""
+    return [(c, t, u) for t in threads for u in unroll for c in cta_choices(target.limit(t, u))]
+
+
+def study_name(device, tp, dcp, rows, emulated):
+    return f"lamport-head|{device}|tp{tp}|dcp{dcp}|rows{rows}" + ("|emulated" if emulated else "")
+
+
+def tune_rows(target, rows, *, device, tp, dcp, trials, storage, comm=None, margin=0.05,
+              threads=THREADS, unroll=UNROLL, seed=0, on_trial=None):
+    """Sweep one row count; every rank calls it, only the root touches Optuna."""
+    comm = comm or LocalComm()
+    space = comm.broadcast(grid(target, threads, unroll) if comm.is_root else None)
+    stock = target.stock(rows)
+    timed, study, current = 0, None, None
+    if comm.is_root:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        small = len(space) <= trials
+        sampler = (optuna.samplers.GridSampler(
+            {"config": list(range(len(space)))}, seed=seed) if small
+            else optuna.samplers.TPESampler(seed=seed))
+        study = optuna.create_study(
+            study_name=study_name(device, tp, dcp, rows, target.emulated), storage=storage,
+            sampler=sampler, direction="minimize", load_if_exists=True)
+        done = {t.params["config"]: t for t in study.trials
+                if t.state == optuna.trial.TrialState.COMPLETE and "config" in t.params}
+        budget = max(0, min(trials, len(space)) - len(done))
+    while True:
+        order = None
+        if comm.is_root:
+            order = ("stop",)
+            while budget > 0:
+                trial = study.ask({"config": optuna.distributions.CategoricalDistribution(
+                    list(range(len(space))))})
+                index = trial.params["config"]
+                if index in done:  # already timed in this study: answer, don't re-time
+                    study.tell(trial, done[index].value)
+                    budget -= 1
+                    continue
+                current = trial
+                order = ("measure", index)
+                break
+        order = comm.broadcast(order)
+        if order[0] == "stop":
+            break
+        index = order[1]
+        ctas, t, u = space[index]
+        timing = target.lamport(rows, RowPlan(ctas, True, t, u))
+        timed += 1
+        value = timing.eager_us if timing is not None else math.inf
+        if comm.is_root:
+            if timing is None:  # failed verification: never a candidate
+                study.tell(current, state=optuna.trial.TrialState.FAIL)
+            else:
+                current.set_user_attr("graph_us", timing.graph_us)
+                current.set_user_attr("host_us", timing.host_us)
+                study.tell(current, value)
+                done[index] = study.trials[current.number]
+            budget -= 1
+        if on_trial:
+            on_trial(rows, (ctas, t, u), timing)
+    result = None
+    if comm.is_root:
+        finished = [tr for tr in study.trials if tr.state == optuna.trial.TrialState.COMPLETE]
+        if finished:
+            top = min(finished, key=lambda tr: tr.value)
+            ctas, t, u = space[top.params["config"]]
+            graph = top.user_attrs.get("graph_us", math.nan)
+            enabled = top.value < stock.eager_us * (1 - margin)
+            result = RowResult(rows, RowPlan(ctas, enabled, t, u), top.value, stock.eager_us,
+                               graph, stock.graph_us, len(finished), timed)
+        else:
+            result = RowResult(rows, RowPlan(1, False), math.inf, stock.eager_us,
+                               math.nan, stock.graph_us, 0, timed)
+    return comm.broadcast(result)
+
+
+def merge_rows(results):
+    """{key: entry} for the YAML: adjacent tuned rows with the same decision and
+    configuration merge into a range 'a-b' (entries carry the largest row's figures)."""
+    ordered = sorted(results, key=lambda r: r.rows)
+    groups = []
+    for r in ordered:
+        if groups and groups[-1][-1].plan == r.plan:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    table = {}
+    for g in groups:
+        key = g[0].rows if len(g) == 1 else f"{g[0].rows}-{g[-1].rows}"
+        last = g[-1]
+        entry = {"ctas": last.plan.ctas, "enabled": last.plan.enabled,
+                 "threads": last.plan.threads, "unroll": last.plan.unroll}
+        if math.isfinite(last.lamport_us):
+            entry["lamport_us"] = round(last.lamport_us, 2)
+        entry["stock_us"] = round(last.stock_us, 2)
+        table[key] = entry
+    return table

@@ -1,0 +1,157 @@
+"""``lamport-head tune``: sweep each row count, print a summary, merge the table.
+
+One GPU with ``--emulate``: TP virtual ranks (entries written ``emulated: true``,
+never served). Under torchrun: one rank per GPU, NCCL for the stock path, the
+mailbox on symmetric memory; rank 0 owns the studies and writes the table.
+"""
+
+import datetime
+import importlib.metadata
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .sweep import THREADS, UNROLL, DistComm, LocalComm, merge_rows, tune_rows
+
+
+def provenance(device, command):
+    def run(*cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10,
+                                  cwd=Path(__file__).resolve().parent).stdout.strip()
+        except Exception:
+            return ""
+
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
+
+    driver = run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
+    return {
+        "gpu": torch.cuda.get_device_name(device),
+        "driver": driver.splitlines()[0] if driver else "unknown",
+        "cuda": torch.version.cuda or "unknown",
+        "torch": torch.__version__,
+        "cutlass_dsl": version("nvidia-cutlass-dsl"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": run("git", "rev-parse", "--short=12", "HEAD") or "unknown",
+        "command": command,
+    }
+
+
+class Progress:
+    """A one-line progress bar over trials on stderr."""
+
+    def __init__(self, total, enabled=True):
+        self.total, self.done, self.enabled = max(total, 1), 0, enabled
+
+    def step(self, rows, config, timing):
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 30
+        fill = int(width * min(self.done, self.total) / self.total)
+        what = f"{timing.eager_us:8.2f} µs" if timing else "  failed verify"
+        ctas, threads, unroll = config
+        sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+                         f"rows={rows:<3} ctas={ctas:<4} threads={threads:<4} unroll={unroll} {what}")
+        sys.stderr.flush()
+
+    def close(self):
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def summary(results, emulated):
+    lines = [f"{'rows':>5} {'ctas':>5} {'thr':>5} {'unr':>4} {'lamport µs':>11} {'stock µs':>9} "
+             f"{'speedup':>8} {'enabled':>8}"]
+    for r in sorted(results, key=lambda r: r.rows):
+        lines.append(f"{r.rows:>5} {r.plan.ctas:>5} {r.plan.threads:>5} {r.plan.unroll:>4} "
+                     f"{r.lamport_us:>11.2f} {r.stock_us:>9.2f} {r.speedup:>7.2f}x "
+                     f"{str(r.plan.enabled).lower():>8}")
+    if emulated:
+        lines.append("emulated: TP virtual ranks on one GPU; stock = a cat of the shards. "
+                     "Written with emulated: true, never used for serving.")
+    return "\n".join(lines)
+
+
+def run(args):
+    """Entry of the tune subcommand (args from lamport_head.cli)."""
+    from lamport_head.table import normalize
+
+    rows_list = args.rows
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        import torch.distributed as dist
+
+        from .harness import DistributedTarget
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        if dist.get_world_size() != args.tp:
+            raise SystemExit(f"lamport-head tune: --tp {args.tp} but torchrun started "
+                             f"{dist.get_world_size()} ranks")
+        device = torch.device("cuda", local)
+        target = DistributedTarget(None, device, args.tp, dist.get_rank(), args.vocab)
+        comm = DistComm(None)
+        emulated = False
+    else:
+        if not args.emulate and args.tp > 1:
+            raise SystemExit("lamport-head tune: one process sees one rank; use --emulate for "
+                             "TP virtual ranks on one GPU, or torchrun --nproc-per-node TP")
+        from .harness import EmulatedTarget
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        target = EmulatedTarget(device, args.tp, args.vocab)
+        comm = LocalComm()
+        emulated = True
+    name = torch.cuda.get_device_name(device)
+    out = Path(args.out)
+    storage = args.storage or f"sqlite:///{out.with_name(out.stem + '.optuna.db').resolve()}"
+    root = comm.is_root
+    if root:
+        print(f"lamport-head tune: {name}, tp={args.tp}, dcp={args.dcp}, vocab={args.vocab}, "
+              f"rows {rows_list}, {'emulated on one GPU' if emulated else f'{world} GPUs'}; "
+              f"studies in {storage}", flush=True)
+    progress = Progress(args.trials * len(rows_list), enabled=root and not args.quiet)
+    results = []
+    for rows in rows_list:
+        results.append(tune_rows(target, rows, device=normalize(name), tp=args.tp, dcp=args.dcp,
+                                 trials=args.trials, storage=storage, comm=comm,
+                                 margin=args.margin, threads=tuple(args.threads),
+                                 unroll=tuple(args.unroll), on_trial=progress.step))
+    progress.close()
+    if not root:
+        return 0
+    print(summary(results, emulated))
+    command = "lamport-head " + " ".join(sys.argv[1:])
+    if world > 1:
+        command = f"torchrun --nproc-per-node {world} " + command
+    path = merge_section_for(out, name, args, results, provenance(device, command), emulated)
+    print(f"wrote {path} ({name}, tp={args.tp}, dcp={args.dcp}{', emulated' if emulated else ''})")
+    if args.plot:
+        from .plot import plot_rows
+
+        records = [dict(rows=r.rows, lamport_us=r.lamport_us, stock_us=r.stock_us,
+                        lamport_graph_us=r.lamport_graph_us, stock_graph_us=r.stock_graph_us)
+                   for r in results if math.isfinite(r.lamport_us)]
+        plot_rows(records, args.plot, f"{name} tp={args.tp}" + (" (emulated)" if emulated else ""))
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def merge_section_for(out, name, args, results, prov, emulated):
+    from .writer import merge_section
+
+    return merge_section(out, name, args.tp, args.dcp, merge_rows(results), prov,
+                         emulated=emulated)
+
+
+DEFAULT_THREADS, DEFAULT_UNROLL = THREADS, UNROLL

@@ -1,0 +1,65 @@
+"""Merging tuned sections into the HEAD_GATHER YAML, atomically.
+
+Only the section being written (device, tp, dcp, emulated) is replaced; every other
+device and section is kept as it was. The new text is validated with the loader
+before it replaces the file (write to a temporary file beside it, then rename), so a
+reader never sees a half-written or invalid table.
+"""
+
+import os
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from lamport_head.table import SCHEMA, normalize, parse
+
+
+def _load(path):
+    path = Path(path)
+    if not path.exists():
+        return {"schema": SCHEMA, "devices": {}}
+    parse(path.read_text(), str(path))  # refuse to merge into an invalid table
+    return yaml.safe_load(path.read_text())
+
+
+def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False):
+    """Write ``rows`` ({key: entry}) as the (device, tp, dcp, emulated) section."""
+    data = _load(path)
+    devices = data.setdefault("devices", {}) or {}
+    data["devices"] = devices
+    name = next((d for d in devices if normalize(d) == normalize(device)), device)
+    sections = [s for s in devices.get(name, [])
+                if not (s.get("tp") == tp and s.get("dcp", 1) == dcp
+                        and s.get("emulated", False) == emulated)]
+    section = {"tp": tp, "dcp": dcp, "emulated": emulated, "provenance": provenance,
+               "rows": rows}
+    sections.append(section)
+    sections.sort(key=lambda s: (s.get("emulated", False), s["tp"], s.get("dcp", 1)))
+    devices[name] = sections
+    text = _render(data)
+    parse(text, str(path))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+HEADER = """\
+# HEAD_GATHER: the Lamport logits gather's plan per GPU model, (TP, DCP) and row count.
+# Written by `lamport-head tune` (merged in place: other sections are kept). Format and
+# rules: lamport_head/table.py. Emulated sections (one GPU standing in for TP ranks)
+# are kept for reference and never used for serving.
+"""
+
+
+def _render(data):
+    body = yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)
+    return HEADER + body
