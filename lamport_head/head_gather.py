@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from .kernels import STATUS_PEERS, compile_gather
 from .mailbox import LamportRows
 
 BUDGET_S = 2.0  # default spin budget per call
@@ -56,7 +57,6 @@ class HeadGather:
 
     def __init__(self, group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None,
                  threads=256, unroll=4, pdl=True, budget_s=BUDGET_S):
-        from .kernels import STATUS_PEERS, compile_gather
 
         rows = frozenset(int(r) for r in rows)
         if not rows or min(rows) < 1:

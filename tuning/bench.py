@@ -1,6 +1,6 @@
 """``lamport-head bench``: Lamport vs stock per (TP, rows), measured in one run.
 
-Per row count: eager per-call latency, GPU time (CUDA-graph replay) and host µs per
+Per row count: eager per-call latency, GPU time (graph replay; emulated: a gated queue) and host µs per
 call of both paths, and their ratios; plus, for scale, the host µs of one
 ``torch.add_`` on this machine. Results go to CSV and JSON (and a PNG with --plot).
 The Lamport configuration comes from the table (emulated sections included when
@@ -20,9 +20,9 @@ import torch
 from lamport_head.head_gather import default_ctas
 from lamport_head.table import RowPlan, load_table
 
-FIELDS = ["tp", "rows", "ctas", "threads", "unroll", "lamport_eager_us", "lamport_graph_us",
-          "lamport_host_us", "stock_eager_us", "stock_graph_us", "stock_host_us",
-          "eager_speedup", "graph_speedup", "host_ratio"]
+FIELDS = ["tp", "rows", "ctas", "threads", "unroll", "lamport_eager_us", "lamport_gpu_us",
+          "lamport_host_us", "stock_eager_us", "stock_gpu_us", "stock_host_us",
+          "eager_speedup", "gpu_speedup", "host_ratio"]
 
 
 def add_host_us(device, calls=200, reps=5):
@@ -79,10 +79,10 @@ def run(args):
         records.append({
             "tp": target.tp, "rows": rows, "ctas": plan.ctas, "threads": plan.threads,
             "unroll": plan.unroll, "lamport_eager_us": lam.eager_us,
-            "lamport_graph_us": lam.graph_us, "lamport_host_us": lam.host_us,
-            "stock_eager_us": stock.eager_us, "stock_graph_us": stock.graph_us,
+            "lamport_gpu_us": lam.gpu_us, "lamport_host_us": lam.host_us,
+            "stock_eager_us": stock.eager_us, "stock_gpu_us": stock.gpu_us,
             "stock_host_us": stock.host_us, "eager_speedup": stock.eager_us / lam.eager_us,
-            "graph_speedup": stock.graph_us / lam.graph_us,
+            "gpu_speedup": stock.gpu_us / lam.gpu_us,
             "host_ratio": lam.host_us / stock.host_us})
     if not root:
         return 0
@@ -99,19 +99,19 @@ def run(args):
     print(f"lamport-head bench: {name}, tp={target.tp}, vocab={args.vocab}"
           f"{' (emulated: one GPU, stock = cat of shards)' if emulated else ''}; "
           f"torch.add_ host {add_us:.1f} µs")
-    print(f"{'rows':>4} {'ctas':>4} | {'lamport eager':>13} {'graph':>7} {'host':>6} | "
-          f"{'stock eager':>11} {'graph':>7} {'host':>6} | {'eager x':>7} {'graph x':>7}")
+    print(f"{'rows':>4} {'ctas':>4} | {'lamport eager':>13} {'gpu':>7} {'host':>6} | "
+          f"{'stock eager':>11} {'gpu':>7} {'host':>6} | {'eager x':>7} {'gpu x':>7}")
     for r in records:
         print(f"{r['rows']:>4} {r['ctas']:>4} | {r['lamport_eager_us']:>13.2f} "
-              f"{r['lamport_graph_us']:>7.2f} {r['lamport_host_us']:>6.2f} | "
-              f"{r['stock_eager_us']:>11.2f} {r['stock_graph_us']:>7.2f} "
-              f"{r['stock_host_us']:>6.2f} | {r['eager_speedup']:>6.2f}x {r['graph_speedup']:>6.2f}x")
+              f"{r['lamport_gpu_us']:>7.2f} {r['lamport_host_us']:>6.2f} | "
+              f"{r['stock_eager_us']:>11.2f} {r['stock_gpu_us']:>7.2f} "
+              f"{r['stock_host_us']:>6.2f} | {r['eager_speedup']:>6.2f}x {r['gpu_speedup']:>6.2f}x")
     if args.plot:
         from .plot import plot_rows
 
         plot_rows([dict(rows=r["rows"], lamport_us=r["lamport_eager_us"],
-                        stock_us=r["stock_eager_us"], lamport_graph_us=r["lamport_graph_us"],
-                        stock_graph_us=r["stock_graph_us"]) for r in records],
+                        stock_us=r["stock_eager_us"], lamport_gpu_us=r["lamport_gpu_us"],
+                        stock_gpu_us=r["stock_gpu_us"]) for r in records],
                   args.plot, f"{name} tp={target.tp} V={args.vocab}"
                   + (" (emulated)" if emulated else ""))
     print(f"wrote {out.with_suffix('.csv')}, {out.with_suffix('.json')}"

@@ -2,7 +2,7 @@
 
 
 def plot_rows(records, path, title):
-    """``records``: dicts with rows, lamport_us, stock_us (and optionally *_graph_us)."""
+    """``records``: dicts with rows, lamport_us, stock_us (and optionally *_gpu_us)."""
     try:
         import matplotlib
 
@@ -15,8 +15,8 @@ def plot_rows(records, path, title):
     fig, (lat, spd) = plt.subplots(1, 2, figsize=(11, 4.2))
     for key, label, style in (("lamport_us", "Lamport (eager)", "o-"),
                               ("stock_us", "stock (eager)", "s-"),
-                              ("lamport_graph_us", "Lamport (graph)", "o--"),
-                              ("stock_graph_us", "stock (graph)", "s--")):
+                              ("lamport_gpu_us", "Lamport (GPU)", "o--"),
+                              ("stock_gpu_us", "stock (GPU)", "s--")):
         ys = [r.get(key) for r in records]
         if any(y is not None and y == y for y in ys):
             lat.plot(rows, ys, style, label=label)
@@ -26,9 +26,9 @@ def plot_rows(records, path, title):
     lat.legend()
     lat.grid(alpha=0.3)
     spd.plot(rows, [r["stock_us"] / r["lamport_us"] for r in records], "o-", label="eager")
-    if all(r.get("lamport_graph_us") for r in records):
-        spd.plot(rows, [r["stock_graph_us"] / r["lamport_graph_us"] for r in records], "o--",
-                 label="graph")
+    if all(r.get("lamport_gpu_us") for r in records):
+        spd.plot(rows, [r["stock_gpu_us"] / r["lamport_gpu_us"] for r in records], "o--",
+                 label="GPU time")
     spd.axhline(1.0, color="gray", lw=0.8)
     spd.set_xscale("log", base=2)
     spd.set_xlabel("rows (M)")

@@ -1,5 +1,7 @@
 """The Optuna sweep behind ``lamport-head tune``: per row count, the fastest verified
-(CTAs, threads, unroll) and whether it beats stock by the margin.
+(CTAs, threads, unroll) and whether it beats stock by the margin. The figure
+minimized is the target's ``objective``: eager latency on real ranks (what serving
+sees), GPU time when emulated (there, eager time is the host launching TP ranks).
 
 Rank agreement: rank 0 alone owns the study; it broadcasts each trial's parameters
 (or the stop signal) to every rank, every rank measures, and the trial's value is
@@ -29,8 +31,8 @@ class RowResult:
     plan: RowPlan  # the best verified configuration; enabled = beats stock by margin
     lamport_us: float
     stock_us: float
-    lamport_graph_us: float = math.nan
-    stock_graph_us: float = math.nan
+    lamport_gpu_us: float = math.nan
+    stock_gpu_us: float = math.nan
     trials: int = 0
     timed: int = 0  # trials actually measured in this run
 
@@ -118,12 +120,15 @@ def tune_rows(target, rows, *, device, tp, dcp, trials, storage, comm=None, marg
         ctas, t, u = space[index]
         timing = target.lamport(rows, RowPlan(ctas, True, t, u))
         timed += 1
-        value = timing.eager_us if timing is not None else math.inf
+        value = getattr(timing, target.objective) if timing is not None else math.inf
+        if value != value:  # no usable figure (e.g. host-bound GPU timing)
+            timing, value = None, math.inf
         if comm.is_root:
             if timing is None:  # failed verification: never a candidate
                 study.tell(current, state=optuna.trial.TrialState.FAIL)
             else:
-                current.set_user_attr("graph_us", timing.graph_us)
+                current.set_user_attr("gpu_us", timing.gpu_us)
+                current.set_user_attr("eager_us", timing.eager_us)
                 current.set_user_attr("host_us", timing.host_us)
                 study.tell(current, value)
                 done[index] = study.trials[current.number]
@@ -136,13 +141,14 @@ def tune_rows(target, rows, *, device, tp, dcp, trials, storage, comm=None, marg
         if finished:
             top = min(finished, key=lambda tr: tr.value)
             ctas, t, u = space[top.params["config"]]
-            graph = top.user_attrs.get("graph_us", math.nan)
-            enabled = top.value < stock.eager_us * (1 - margin)
-            result = RowResult(rows, RowPlan(ctas, enabled, t, u), top.value, stock.eager_us,
-                               graph, stock.graph_us, len(finished), timed)
+            graph = top.user_attrs.get("gpu_us", math.nan)
+            base = getattr(stock, target.objective)
+            enabled = top.value < base * (1 - margin)
+            result = RowResult(rows, RowPlan(ctas, enabled, t, u), top.value, base,
+                               graph, stock.gpu_us, len(finished), timed)
         else:
-            result = RowResult(rows, RowPlan(1, False), math.inf, stock.eager_us,
-                               math.nan, stock.graph_us, 0, timed)
+            result = RowResult(rows, RowPlan(1, False), math.inf, getattr(stock, target.objective),
+                               math.nan, stock.gpu_us, 0, timed)
     return comm.broadcast(result)
 
 

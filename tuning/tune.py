@@ -140,7 +140,7 @@ def run(args):
         from .plot import plot_rows
 
         records = [dict(rows=r.rows, lamport_us=r.lamport_us, stock_us=r.stock_us,
-                        lamport_graph_us=r.lamport_graph_us, stock_graph_us=r.stock_graph_us)
+                        lamport_gpu_us=r.lamport_gpu_us, stock_gpu_us=r.stock_gpu_us)
                    for r in results if math.isfinite(r.lamport_us)]
         plot_rows(records, args.plot, f"{name} tp={args.tp}" + (" (emulated)" if emulated else ""))
         print(f"plot: {args.plot}")
