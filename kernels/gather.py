@@ -3,7 +3,8 @@
 Mailbox (one per rank, symmetric): ``[2 parities, cap rows, V/2]`` int32 words, every
 word armed with ``SENTINEL``. ``peers[p, r]`` is the address of rank ``r``'s parity-``p``
 box; rank ``r``'s shard lands at word columns ``r * S`` (``S = V/TP/2``), the layout
-of NCCL's all-gather. One launch per call and parity; invariants a change must keep:
+of NCCL's all-gather. ``peers`` is passed as the address of that int64 ``[2, tp]``
+table (an int, not a tensor: one fewer argument to convert per call). One launch per call and parity; invariants a change must keep:
 
 - push: every shard fragment (16 bytes) goes, scrubbed (a sentinel word becomes 0),
   into row m of every *peer's* box with a system-scope store; the rank's own
@@ -26,7 +27,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from .primitives import SENTINEL, WORDS, armed, load, load_volatile, scrub, store, store_sys, store_word_sys
+from .primitives import (SENTINEL, WORDS, armed, load, load_address, load_volatile, scrub, store,
+                         store_sys, store_word_sys)
 
 # Error record (int32 words in host-visible memory): see ``STATUS_*``.
 STATUS_FLAG, STATUS_PARITY, STATUS_ROW, STATUS_PEERS = 0, 1, 2, 3
@@ -46,7 +48,7 @@ class Gather:
         self.unroll, self.pdl = unroll, pdl
 
     @cute.jit
-    def __call__(self, shard: cute.Tensor, out: cute.Tensor, peers: cute.Tensor,
+    def __call__(self, shard: cute.Tensor, out: cute.Tensor, peers: Int64,
                  parity: Int32, rank: Int32, ctas: Int32, budget: Int64, status: Int64,
                  stream):
         self.kernel(shard, out, peers, parity, rank, budget, status).launch(
@@ -54,7 +56,7 @@ class Gather:
             use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, shard: cute.Tensor, out: cute.Tensor, peers: cute.Tensor,
+    def kernel(self, shard: cute.Tensor, out: cute.Tensor, peers: Int64,
                parity: Int32, rank: Int32, budget: Int64, status: Int64):
         tp: cutlass.Constexpr = self.tp
         unroll: cutlass.Constexpr = self.unroll
@@ -77,12 +79,13 @@ class Gather:
         start = cute.arch.globaltimer()
         src = Int64(shard.iterator.toint())
         dst = Int64(out.iterator.toint())
-        own = Int64(peers[parity, rank])
+        table = peers + Int64(parity * tp) * 8  # this parity's row of the peer table
+        own = load_address(table + Int64(rank) * 8)
         column = Int64(rank * span)
         # Peer box addresses in push order (rank + 1, rank + 2, ...), loaded once.
         targets = cute.make_rmem_tensor((tp,), Int64)
         for step in cutlass.range_constexpr(1, tp):
-            targets[step] = Int64(peers[parity, (rank + step) % tp])
+            targets[step] = load_address(table + Int64((rank + step) % tp) * 8)
 
         # Push: each fragment of this rank's rows to every peer, own copy to out.
         pushes = rows * frags

@@ -53,6 +53,16 @@ def load(address, *, loc=None, ip=None):
 
 
 @_op
+def load_address(address, *, loc=None, ip=None):
+    """The 64-bit word at ``address`` (an entry of the peer table)."""
+    values = [Int64(address).ir_value(loc=loc, ip=ip)]
+    word = llvm.inline_asm(Int64.mlir_type, values, "ld.global.b64 $0, [$1];", "=l,l",
+                           has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                           loc=loc, ip=ip)
+    return Int64(word)
+
+
+@_op
 def load_volatile(address, *, loc=None, ip=None):
     """Four words at ``address``, read from memory on every call (a mailbox poll)."""
     return _asm("ld.volatile.global.v4.u32 {$0,$1,$2,$3}, [$4];",

@@ -7,6 +7,8 @@ the device at once (a rank's CTAs wait for the others' pushes): construction che
 that and raises a clear error otherwise.
 """
 
+import time
+
 import torch
 
 from .head_gather import BUDGET_S, HeadGather
@@ -28,6 +30,7 @@ class EmulatedGather:
                       for r in range(tp)]
         self.streams = [torch.cuda.Stream(self.device) for _ in range(tp)]
         self.ctas = self.ranks[0].ctas
+        self.host_s = 0.0  # host seconds spent inside the ranks' HeadGather calls
 
     @property
     def rows(self):
@@ -47,7 +50,9 @@ class EmulatedGather:
                 continue
             stream.wait_stream(here)
             with torch.cuda.stream(stream):
+                t0 = time.perf_counter()
                 outs.append(gather(shards[r], stock))
+                self.host_s += time.perf_counter() - t0
         for r, stream in enumerate(self.streams):
             if r not in skip:
                 here.wait_stream(stream)

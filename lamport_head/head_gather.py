@@ -83,7 +83,7 @@ class HeadGather:
         elif mailbox.tp != tp or mailbox.cap < self.cap or mailbox.words != words:
             raise ValueError("the shared mailbox does not fit this gather")
         self.box = mailbox
-        self._peers = mailbox.peers
+        self._peers = mailbox.peers.data_ptr()  # the kernel reads the table by address
         self.sharing = tp if getattr(mailbox, "emulated", False) else 1
         self._route = self._plan(ctas, threads, unroll)
         self.ctas = {m: c for m, (_, c) in self._route.items()}

@@ -84,19 +84,19 @@ def _median_gated(step, device, steps, reps, cycles_per_step=600_000):
     times = []
     for _ in range(reps):
         torch.cuda.synchronize(device)
-        torch.cuda._sleep(steps * cycles_per_step)  # hold the GPU while the host queues
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        gate, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         t0 = time.perf_counter()
+        gate.record()
+        torch.cuda._sleep(steps * cycles_per_step)  # hold the GPU while the host queues
+        start.record()
         for _ in range(steps):
             step()
-        queued = time.perf_counter() - t0
         end.record()
+        queued = time.perf_counter() - t0
         torch.cuda.synchronize(device)
-        total = start.elapsed_time(end) * 1e-3
-        if queued > total:  # the host, not the GPU, set the pace: not a GPU time
+        if queued * 1e3 > gate.elapsed_time(start):  # the host set the pace: no GPU time
             return math.nan
-        times.append(total * 1e6 / steps)
+        times.append(start.elapsed_time(end) * 1e3 / steps)
     return statistics.median(times)
 
 
@@ -151,11 +151,13 @@ class EmulatedTarget:
         if not self.verify(gather, rows):
             return None
         shards = self._shards(rows)
-        eager, host = _median_eager(lambda: gather(shards), self.device, self.calls, self.reps,
-                                    self.barrier)
+        gather.host_s = 0.0
+        eager, _ = _median_eager(lambda: gather(shards), self.device, self.calls, self.reps,
+                                 self.barrier)
+        host = gather.host_s / (self.calls * self.reps * self.tp)  # inside HeadGather calls
         gpu = _median_gated(lambda: gather(shards), self.device, self.replays, self.reps)
         ok = self.verify(gather, rows, calls=1)
-        return Timing(eager, gpu, host / self.tp) if ok else None
+        return Timing(eager, gpu, host * 1e6) if ok else None
 
     def stock(self, rows):
         shards = self._shards(rows)

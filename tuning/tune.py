@@ -37,7 +37,7 @@ def provenance(device, command):
         "gpu": torch.cuda.get_device_name(device),
         "driver": driver.splitlines()[0] if driver else "unknown",
         "cuda": torch.version.cuda or "unknown",
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),
         "cutlass_dsl": version("nvidia-cutlass-dsl"),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": run("git", "rev-parse", "--short=12", "HEAD") or "unknown",
