@@ -80,7 +80,7 @@ def _median_graph(step_pair, device, replays, reps, barrier):
     return statistics.median(times)
 
 
-def _median_gated(step, device, steps, reps, cycles_per_step=600_000):
+def _median_gated(step, device, steps, reps, cycles_per_step=3_000_000):
     times = []
     for _ in range(reps):
         torch.cuda.synchronize(device)

@@ -88,16 +88,19 @@ def tune_rows(target, rows, *, device, tp, dcp, trials, storage, comm=None, marg
     timed, study, current = 0, None, None
     if comm.is_root:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        small = len(space) <= trials
-        sampler = (optuna.samplers.GridSampler(
-            {"config": list(range(len(space)))}, seed=seed) if small
-            else optuna.samplers.TPESampler(seed=seed))
         study = optuna.create_study(
             study_name=study_name(device, tp, dcp, rows, target.emulated), storage=storage,
-            sampler=sampler, direction="minimize", load_if_exists=True)
+            sampler=optuna.samplers.TPESampler(seed=seed), direction="minimize",
+            load_if_exists=True)
         done = {t.params["config"]: t for t in study.trials
-                if t.state == optuna.trial.TrialState.COMPLETE and "config" in t.params}
+                if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+                and "config" in t.params}
         budget = max(0, min(trials, len(space)) - len(done))
+        repeats = 0
+        if len(space) <= trials:  # a small grid: walk it (enqueued), TPE never guesses
+            for index in range(len(space)):
+                if index not in done:
+                    study.enqueue_trial({"config": index})
     while True:
         order = None
         if comm.is_root:
@@ -107,9 +110,20 @@ def tune_rows(target, rows, *, device, tp, dcp, trials, storage, comm=None, marg
                     list(range(len(space))))})
                 index = trial.params["config"]
                 if index in done:  # already timed in this study: answer, don't re-time
-                    study.tell(trial, done[index].value)
-                    budget -= 1
+                    if done[index].state == optuna.trial.TrialState.FAIL:
+                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    else:
+                        study.tell(trial, done[index].value)
+                    repeats += 1
+                    if repeats >= 20:  # TPE keeps proposing known points: take an untried one
+                        untried = [i for i in range(len(space)) if i not in done]
+                        if not untried:
+                            budget = 0
+                        else:
+                            study.enqueue_trial({"config": untried[0]})
+                        repeats = 0
                     continue
+                repeats = 0
                 current = trial
                 order = ("measure", index)
                 break
@@ -126,6 +140,7 @@ def tune_rows(target, rows, *, device, tp, dcp, trials, storage, comm=None, marg
         if comm.is_root:
             if timing is None:  # failed verification: never a candidate
                 study.tell(current, state=optuna.trial.TrialState.FAIL)
+                done[index] = study.trials[current.number]
             else:
                 current.set_user_attr("gpu_us", timing.gpu_us)
                 current.set_user_attr("eager_us", timing.eager_us)
@@ -145,7 +160,8 @@ def tune_rows(target, rows, *, device, tp, dcp, trials, storage, comm=None, marg
             base = getattr(stock, target.objective)
             enabled = top.value < base * (1 - margin)
             result = RowResult(rows, RowPlan(ctas, enabled, t, u), top.value, base,
-                               graph, stock.gpu_us, len(finished), timed)
+                               graph, stock.gpu_us,
+                               len({tr.params['config'] for tr in finished}), timed)
         else:
             result = RowResult(rows, RowPlan(1, False), math.inf, getattr(stock, target.objective),
                                math.nan, stock.gpu_us, 0, timed)

@@ -1,0 +1,46 @@
+"""Every kernel variant cross-compiles for sm_90a on the CPU; its PTX moves mailbox
+data in 16-byte system-scope stores and volatile polls, bounds its spin with the
+global timer, and never uses multicast."""
+
+import re
+
+import pytest
+
+from lamport_head.kernels import compile_gather
+
+
+def _ops(ptx):
+    return set(re.findall(r"\b(?:st|ld|multimem)\.[a-z0-9.:]+", ptx))
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("threads,unroll", [(128, 2), (256, 4), (512, 8)])
+def test_variant_ptx(tp, threads, unroll):
+    k = compile_gather(tp, 163840 // tp // 2, threads=threads, unroll=unroll)
+    ops = _ops(k.ptx)
+    assert "st.relaxed.sys.global.v4.u32" in ops  # peer pushes
+    assert "ld.volatile.global.v4.u32" in ops  # own-box polls
+    assert "st.global.v4.u32" in ops  # output and re-arm
+    assert not any("multimem" in op for op in ops) and "multimem" not in k.ptx
+    assert "%globaltimer" in k.ptx  # bounded spin
+    assert "griddepcontrol.wait" in k.ptx
+    # every push is one 16-byte store per peer per fragment in flight
+    assert len(re.findall(r"st\.relaxed\.sys\.global\.v4\.u32", k.ptx)) == unroll * (tp - 1)
+    assert k.cubin[:4] == b"\x7fELF"
+
+
+def test_without_pdl_no_griddepcontrol():
+    k = compile_gather(4, 1024, pdl=False)
+    assert "griddepcontrol" not in k.ptx
+
+
+def test_compile_cache_and_validation():
+    assert compile_gather(2, 512) is compile_gather(2, 512)
+    with pytest.raises(ValueError, match="tp"):
+        compile_gather(1, 512)
+    with pytest.raises(ValueError, match="multiple of 4 words"):
+        compile_gather(2, 510)
+    with pytest.raises(ValueError, match="threads"):
+        compile_gather(2, 512, threads=96)
+    with pytest.raises(ValueError, match="unroll"):
+        compile_gather(2, 512, unroll=0)

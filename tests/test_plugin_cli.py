@@ -1,0 +1,134 @@
+"""The vLLM plugin on a stand-in worker, the installed metadata, and the CLI."""
+
+import importlib.metadata
+import subprocess
+import sys
+import types
+
+import pytest
+
+from lamport_head import cli, plugin
+
+
+def fake_vllm(monkeypatch):
+    calls = []
+
+    class Worker:
+        def __init__(self):
+            self.device = "cuda:1"
+            self.model_runner = types.SimpleNamespace(get_model=lambda: "the model")
+
+        def load_model(self, *, load_dummy_weights=False):
+            calls.append(("load", load_dummy_weights))
+
+    group = types.SimpleNamespace(device_group="tp-device-group", world_size=4, rank_in_group=1)
+    ps = types.SimpleNamespace(get_tp_group=lambda: group,
+                               get_dcp_group=lambda: types.SimpleNamespace(world_size=2))
+    mods = {"vllm": types.ModuleType("vllm"), "vllm.v1": types.ModuleType("vllm.v1"),
+            "vllm.v1.worker": types.ModuleType("vllm.v1.worker"),
+            "vllm.v1.worker.gpu_worker": types.ModuleType("vllm.v1.worker.gpu_worker"),
+            "vllm.distributed": types.ModuleType("vllm.distributed")}
+    mods["vllm.v1.worker.gpu_worker"].Worker = Worker
+    mods["vllm.distributed"].parallel_state = ps
+    mods["vllm.distributed.parallel_state"] = ps
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return Worker, calls
+
+
+def test_plugin_installs_after_load_once(monkeypatch):
+    Worker, calls = fake_vllm(monkeypatch)
+    import lamport_head.install as install
+
+    monkeypatch.setattr(install, "install_logits_gather",
+                        lambda *a: calls.append(("install", a)) or (1, 2))
+    plugin.register()
+    plugin.register()  # loading twice is harmless
+    Worker().load_model(load_dummy_weights=True)
+    assert calls == [("load", True), ("install", ("the model", "tp-device-group", 4, 1, "cuda:1", 2))]
+
+
+def test_plugin_never_breaks_loading(monkeypatch):
+    Worker, calls = fake_vllm(monkeypatch)
+    import lamport_head.install as install
+
+    def boom(*a):
+        raise RuntimeError("no symmetric memory")
+
+    monkeypatch.setattr(install, "install_logits_gather", boom)
+    plugin.register()
+    Worker().load_model()
+    assert calls == [("load", False)]
+
+
+def test_plugin_without_vllm_is_harmless(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert plugin.register() is None
+
+
+def test_installed_metadata():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(e.name == "lamport_head" and e.value == "lamport_head.plugin:register" for e in eps)
+    scripts = importlib.metadata.entry_points(group="console_scripts")
+    assert any(e.name == "lamport-head" for e in scripts)
+    import lamport_head
+    from lamport_head.table import packaged_path
+
+    for name in ("HeadGather", "install_logits_gather", "GatherTimeout"):
+        assert getattr(lamport_head, name)
+    assert lamport_head.table.load_table and packaged_path().exists()
+    import lamport_head.kernels
+    import lamport_head.tuning.sweep  # noqa: F401
+
+
+SHOW_TABLE = """\
+schema: 1
+devices:
+  NVIDIA H200:
+    - tp: 8
+      dcp: 1
+      provenance: {date: '2026-12-02', gpu: NVIDIA H200, commit: abc}
+      rows:
+        1-4: {ctas: 8, enabled: true, lamport_us: 4.5, stock_us: 20.1}
+        8: {ctas: 32, enabled: false}
+"""
+
+
+def test_show_prints_plan(tmp_path, capsys):
+    p = tmp_path / "t.yaml"
+    p.write_text(SHOW_TABLE)
+    assert cli.main(["show", "--table", str(p), "--device", "nvidia h200", "--tp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA H200  tp=8 dcp=1" in out and "1-4" in out and "4.5" in out
+    assert cli.main(["show", "--table", str(p), "--device", "NVIDIA H100"]) == 0
+    assert "stock gather is used" in capsys.readouterr().out
+
+
+def test_show_bad_table_is_one_line(tmp_path, capsys):
+    p = tmp_path / "bad.yaml"
+    p.write_text("schema: 7\ndevices: {}\n")
+    assert cli.main(["show", "--table", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "schema 7" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["tune", "bench", "verify"])
+def test_gpu_commands_refuse_cleanly_without_cuda(command):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    run = subprocess.run([sys.executable, "-m", "lamport_head.cli", command],
+                         capture_output=True, text=True)
+    assert run.returncode == 2
+    assert "no CUDA GPU" in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_bad_arguments_are_clear(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--rows", "1,x"])
+    assert "comma-separated ints" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--margin", "2"])
+    assert "margin must be in [0, 1)" in capsys.readouterr().err

@@ -1,0 +1,44 @@
+import torch
+
+from lamport_head.reference import SPECIAL, planted, reference_gather, scrub
+
+
+def words(x):
+    return x.view(torch.int32)
+
+
+def test_scrub_only_touches_the_sentinel_word():
+    w = torch.tensor([[-0x80000000, 0x00008000, 0x3F808000, -0x80000000 | 0x3F80, 0x7FC07FC0,
+                       0x7F80FF80, 0, 1]], dtype=torch.int32)
+    got = words(scrub(w.view(torch.bfloat16)))
+    want = w.clone()
+    want[0, 0] = 0
+    assert torch.equal(got, want)
+
+
+def test_reference_is_cat_then_scrub():
+    g = torch.Generator().manual_seed(1)
+    shards = [planted(3, 16, generator=g) for _ in range(4)]
+    out = reference_gather(shards)
+    assert out.shape == (3, 64)
+    cat = words(torch.cat(shards, 1))
+    assert torch.equal(words(out), torch.where(cat == -0x80000000, 0, cat))
+    assert not (words(out) == -0x80000000).any()
+
+
+def test_planted_holds_every_special_word():
+    x = planted(2, 64)
+    present = set(words(x).flatten().tolist())
+    assert set(SPECIAL) <= present
+    assert x.dtype == torch.bfloat16 and x.shape == (2, 64)
+
+
+def test_reference_rejects_bad_shards():
+    import pytest
+
+    with pytest.raises(ValueError):
+        reference_gather([])
+    with pytest.raises(ValueError):
+        reference_gather([torch.zeros(2, 4, dtype=torch.float32)])
+    with pytest.raises(ValueError):
+        reference_gather([torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16)])

@@ -1,0 +1,117 @@
+"""The HEAD_GATHER loader: good tables with ranges, and a corpus of bad ones, each
+rejected with a TableError naming the file and the entry."""
+
+import pytest
+
+from lamport_head.table import RowPlan, TableError, load_table, parse
+
+GOOD = """\
+schema: 1
+devices:
+  NVIDIA H200:
+    - tp: 8
+      dcp: 1
+      provenance: {gpu: NVIDIA H200, date: '2026-12-02', command: lamport-head tune}
+      rows:
+        1: {ctas: 8, enabled: true, lamport_us: 5.1, stock_us: 19.8}
+        2-4: {ctas: 16, enabled: true, threads: 512, unroll: 2}
+        5-64: {ctas: 32, enabled: false}
+    - tp: 8
+      dcp: 1
+      emulated: true
+      rows:
+        1: {ctas: 4, enabled: true}
+    - tp: 4
+      dcp: 2
+      rows:
+        "1 - 2": {ctas: 1, enabled: true}
+"""
+
+
+def test_good_table_expands_ranges(tmp_path):
+    t = parse(GOOD, "good.yaml")
+    plan = t.plan("nvidia  h200", 8, 1)
+    assert plan[1] == RowPlan(8, True)
+    assert plan[3] == RowPlan(16, True, 512, 2)
+    assert plan[64] == RowPlan(32, False) and 65 not in plan
+    assert sorted(plan) == list(range(1, 65))
+    assert t.plan("NVIDIA H200", 8, 1, emulated=True) == {1: RowPlan(4, True)}
+    assert t.plan("NVIDIA H200", 4, 2) == {1: RowPlan(1, True), 2: RowPlan(1, True)}
+    assert t.plan("NVIDIA H100", 8, 1) == {} and t.plan("NVIDIA H200", 2, 1) == {}
+
+
+def test_env_override_and_packaged(tmp_path, monkeypatch):
+    p = tmp_path / "t.yaml"
+    p.write_text(GOOD)
+    monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(p))
+    assert load_table().plan("NVIDIA H200", 8, 1)[1].ctas == 8
+    monkeypatch.delenv("LAMPORT_HEAD_TABLE")
+    assert load_table().path.endswith("head_gather.yaml")  # the packaged one loads
+
+
+def section(rows="1: {ctas: 8, enabled: true}", extra=""):
+    return f"schema: 1\ndevices:\n  GPU X:\n    - tp: 8\n      dcp: 1\n{extra}      rows:\n        {rows}\n"
+
+
+BAD = {
+    "syntax": ("schema: 1\ndevices: {GPU: [", "YAML syntax"),
+    "top_list": ("- 1\n- 2\n", "top level"),
+    "extra_top": ("schema: 1\ndevices: {}\nextra: 1\n", "top level"),
+    "schema": ("schema: 2\ndevices: {}\n", "schema 2"),
+    "devices_list": ("schema: 1\ndevices: [1]\n", "'devices' must map"),
+    "sections_empty": ("schema: 1\ndevices:\n  GPU X: []\n", "non-empty list"),
+    "unknown_section_key": (section(extra="      colour: red\n"), "unknown key"),
+    "unknown_row_key": (section("1: {ctas: 8, enabled: true, speed: 3}"), "unknown key"),
+    "tp_zero": (section().replace("tp: 8", "tp: 0"), "tp must be a positive int"),
+    "tp_str": (section().replace("tp: 8", "tp: eight"), "tp must be a positive int"),
+    "dcp_bad": (section().replace("dcp: 1", "dcp: 3"), "not a multiple of dcp"),
+    "dup_section": ("schema: 1\ndevices:\n  G:\n    - {tp: 2, rows: {1: {ctas: 1, enabled: true}}}\n"
+                    "    - {tp: 2, dcp: 1, rows: {1: {ctas: 2, enabled: true}}}\n", "duplicate section"),
+    "rows_empty": (section("{}").replace("rows:\n        {}", "rows: {}"), "rows must be a non-empty"),
+    "range_malformed": (section("1-x: {ctas: 8, enabled: true}"), "neither a row count nor a range"),
+    "range_reversed": (section("8-4: {ctas: 8, enabled: true}"), "reversed"),
+    "row_zero": (section("0: {ctas: 8, enabled: true}"), "start at 1"),
+    "range_zero": (section("0-4: {ctas: 8, enabled: true}"), "start at 1"),
+    "overlap": (section("1-4: {ctas: 8, enabled: true}\n        4-8: {ctas: 8, enabled: true}"), "overlap"),
+    "ctas_zero": (section("1: {ctas: 0, enabled: true}"), "ctas must be an int in"),
+    "ctas_big": (section("1: {ctas: 2048, enabled: true}"), "ctas must be an int in"),
+    "ctas_float": (section("1: {ctas: 8.5, enabled: true}"), "ctas must be an int in"),
+    "ctas_missing": (section("1: {enabled: true}"), "missing 'ctas'"),
+    "enabled_int": (section("1: {ctas: 8, enabled: 1}"), "enabled must be true or false"),
+    "enabled_str": (section("1: {ctas: 8, enabled: 'true'}"), "enabled must be true or false"),
+    "latency_negative": (section("1: {ctas: 8, enabled: true, lamport_us: -1}"), "non-negative"),
+    "latency_str": (section("1: {ctas: 8, enabled: true, stock_us: fast}"), "non-negative"),
+    "threads_bad": (section("1: {ctas: 8, enabled: true, threads: 100}"), "threads must be"),
+    "dup_row_key": (section("1: {ctas: 8, enabled: true}\n        1: {ctas: 4, enabled: true}"), "duplicate key '1'"),
+    "dup_device": ("schema: 1\ndevices:\n  G: []\n  G: []\n", "duplicate key 'G'"),
+    "bare_on_value": (section("1: {ctas: 8, enabled: on}"), "bare 'on'"),
+    "bare_off_value": (section("1: {ctas: 8, enabled: off}"), "bare 'off'"),
+    "bare_yes_key": (section("1: {ctas: 8, enabled: true}").replace("dcp: 1", "dcp: 1\n      yes: 1"), "bare 'yes'"),
+    "bare_on_key": (section("1: {ctas: 8, on: true}"), "read by YAML 1.1 as the boolean True"),
+    "bare_no": (section("1: {ctas: 8, enabled: no}"), "bare 'no'"),
+    "provenance_unknown": (section(extra="      provenance: {colour: red}\n"), "unknown provenance"),
+    "emulated_str": (section(extra="      emulated: maybe\n"), "emulated must be true or false"),
+    "device_case_dup": ("schema: 1\ndevices:\n  GPU X: [{tp: 2, rows: {1: {ctas: 1, enabled: true}}}]\n"
+                        "  gpu x: [{tp: 2, rows: {1: {ctas: 1, enabled: true}}}]\n", "case-insensitively"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_table_names_file_and_entry(tmp_path, name):
+    text, message = BAD[name]
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    with pytest.raises(TableError) as err:
+        load_table(path)
+    assert str(path) in str(err.value)
+    assert message in str(err.value)
+
+
+def test_missing_file_is_a_table_error(tmp_path):
+    with pytest.raises(TableError, match="cannot read"):
+        load_table(tmp_path / "nope.yaml")
+
+
+def test_quoted_words_are_fine():
+    t = parse(section("1: {ctas: 8, enabled: true}").replace("GPU X", "'on'"))
+    assert t.plan("on", 8, 1)[1].ctas == 8
