@@ -28,7 +28,8 @@ _LOCK = threading.Lock()
 
 @dataclass(frozen=True)
 class CompiledGather:
-    """``launch(shard, out, peers_address, parity, rank, ctas, budget_ns, status_address)``
+    """``launch(shard, out_address, peers_address, parity, rank, ctas, budget_ns,
+    status_address)``
     plus the artifacts a host needs to check the launch (cubin: occupancy) and a
     test needs to audit it (ptx)."""
 
@@ -62,13 +63,12 @@ def compile_gather(tp: int, shard_words: int, *, threads: int = 256, unroll: int
 def _compile(tp, shard_words, threads, unroll, pdl, arch):
     rows = cute.sym_int32()
     shard = make_fake_compact_tensor(cutlass.BFloat16, (rows, 2 * shard_words), stride_order=(1, 0), assumed_align=16)
-    out = make_fake_compact_tensor(cutlass.BFloat16, (rows, 2 * shard_words * tp), stride_order=(1, 0), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     with tempfile.TemporaryDirectory(prefix="lamport-head-") as dump:
         options = (f"--gpu-arch={arch} --enable-tvm-ffi --keep-ptx --keep-cubin "
                    f"--dump-dir={dump}")
         launch = cute.compile(
-            Gather(tp, shard_words, threads, unroll, pdl), shard, out, cutlass.Int64(0),
+            Gather(tp, shard_words, threads, unroll, pdl), shard, cutlass.Int64(0), cutlass.Int64(0),
             cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int64(0),
             cutlass.Int64(0), stream, options=options)
         ptx, cubin = launch.__ptx__, launch.__cubin__

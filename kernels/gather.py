@@ -4,7 +4,9 @@ Mailbox (one per rank, symmetric): ``[2 parities, cap rows, V/2]`` int32 words, 
 word armed with ``SENTINEL``. ``peers[p, r]`` is the address of rank ``r``'s parity-``p``
 box; rank ``r``'s shard lands at word columns ``r * S`` (``S = V/TP/2``), the layout
 of NCCL's all-gather. ``peers`` is passed as the address of that int64 ``[2, tp]``
-table (an int, not a tensor: one fewer argument to convert per call). One launch per call and parity; invariants a change must keep:
+table, and ``out`` (a contiguous ``[M, V]`` BF16 tensor the host just allocated) by its
+address: ints, not tensors, so a call converts one tensor (the shard, which also
+gives M, the device and the stream) instead of three. One launch per call and parity; invariants a change must keep:
 
 - push: every shard fragment (16 bytes) goes, scrubbed (a sentinel word becomes 0),
   into row m of every *peer's* box with a system-scope store; the rank's own
@@ -48,7 +50,7 @@ class Gather:
         self.unroll, self.pdl = unroll, pdl
 
     @cute.jit
-    def __call__(self, shard: cute.Tensor, out: cute.Tensor, peers: Int64,
+    def __call__(self, shard: cute.Tensor, out: Int64, peers: Int64,
                  parity: Int32, rank: Int32, ctas: Int32, budget: Int64, status: Int64,
                  stream):
         self.kernel(shard, out, peers, parity, rank, budget, status).launch(
@@ -56,7 +58,7 @@ class Gather:
             use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, shard: cute.Tensor, out: cute.Tensor, peers: Int64,
+    def kernel(self, shard: cute.Tensor, out: Int64, peers: Int64,
                parity: Int32, rank: Int32, budget: Int64, status: Int64):
         tp: cutlass.Constexpr = self.tp
         unroll: cutlass.Constexpr = self.unroll
@@ -78,7 +80,7 @@ class Gather:
             cute.arch.griddepcontrol_launch_dependents()
         start = cute.arch.globaltimer()
         src = Int64(shard.iterator.toint())
-        dst = Int64(out.iterator.toint())
+        dst = out
         table = peers + Int64(parity * tp) * 8  # this parity's row of the peer table
         own = load_address(table + Int64(rank) * 8)
         column = Int64(rank * span)

@@ -58,6 +58,23 @@ class EmulatedGather:
                 here.wait_stream(stream)
         return outs
 
+    def run_steps(self, shards, steps):
+        """``steps`` calls per rank, each rank on its own stream with no join between
+        steps (as real ranks run: the mailbox alone orders them); joined at the end.
+        Returns the last step's outputs."""
+        here = torch.cuda.current_stream(self.device)
+        stock = _Stock(shards)
+        for stream in self.streams:
+            stream.wait_stream(here)
+        outs = [None] * self.tp
+        for _ in range(steps):
+            for r, (gather, stream) in enumerate(zip(self.ranks, self.streams)):
+                with torch.cuda.stream(stream):
+                    outs[r] = gather(shards[r], stock)
+        for stream in self.streams:
+            here.wait_stream(stream)
+        return outs
+
     def launch(self, shards, outs, parity, ctas):
         """Bare launches of every rank (for graph capture): no checks, no parity."""
         here = torch.cuda.current_stream(self.device)

@@ -71,6 +71,7 @@ class HeadGather:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.tp, self.rank, self.shard, self.width = tp, rank, shard, tp * shard
+        self._index = self.device.index
         self.rows, self.cap = rows, max(rows)
         self.parity = 0
         self.group = group
@@ -140,21 +141,21 @@ class HeadGather:
         if (len(shape) != 2 or shape[1] != self.shard or logits.dtype != torch.bfloat16):
             return stock(logits)
         route = self._route.get(shape[0])
-        if (route is None or logits.device != self.device or not logits.is_contiguous()
+        if (route is None or logits.get_device() != self._index or not logits.is_contiguous()
                 or torch.cuda.is_current_stream_capturing()):
             return stock(logits)
         parity = self.parity
         self.parity = parity ^ 1
         out = logits.new_empty((shape[0], self.width))
         launch, ctas = route
-        launch(logits, out, self._peers, parity, self.rank, ctas, self.budget_ns,
+        launch(logits, out.data_ptr(), self._peers, parity, self.rank, ctas, self.budget_ns,
                      self._status_address)
         return out
 
     def launch(self, logits, out, parity, ctas):
         """The bare kernel launch on the current stream, with no checks and no parity
         bookkeeping: for graph capture in the benchmark (the caller alternates)."""
-        self._route[logits.shape[0]][0](logits, out, self._peers, parity, self.rank, ctas, self.budget_ns,
+        self._route[logits.shape[0]][0](logits, out.data_ptr(), self._peers, parity, self.rank, ctas, self.budget_ns,
                      self._status_address)
 
     def _expired(self, logits, stock):

@@ -17,14 +17,15 @@ class Recorder:
         self.calls = []
 
     def __call__(self, shard, out, peers, parity, rank, ctas, budget, status):
-        self.calls.append((tuple(shard.shape), tuple(out.shape), parity, rank, ctas))
-        out.zero_()
+        assert isinstance(out, int) and isinstance(peers, int)  # addresses, not tensors
+        self.calls.append((tuple(shard.shape), parity, rank, ctas))
 
 
 def fake_gather(rows=(1, 2, 4)):
     g = HeadGather.__new__(HeadGather)
     rec = Recorder()
     g.device, g.tp, g.rank, g.shard, g.width = torch.device("cpu"), TP, 1, SHARD, TP * SHARD
+    g._index = -1  # what Tensor.get_device() answers for CPU tensors
     g.rows, g.cap, g.parity, g.group, g.failed = frozenset(rows), max(rows), 0, None, None
     g._route = {m: (rec, 10 + m) for m in rows}
     g.ctas = {m: 10 + m for m in rows}
@@ -55,9 +56,9 @@ def test_served_rows_launch_with_alternating_parity():
     for m in (1, 2, 4, 2, 1):
         out = g(torch.randn(m, SHARD).bfloat16(), stock)
         assert out.shape == (m, TP * SHARD) and out.dtype == torch.bfloat16
-    assert [c[2] for c in rec.calls] == [0, 1, 0, 1, 0]
-    assert [c[4] for c in rec.calls] == [11, 12, 14, 12, 11]
-    assert all(c[3] == 1 for c in rec.calls)
+    assert [c[1] for c in rec.calls] == [0, 1, 0, 1, 0]
+    assert [c[3] for c in rec.calls] == [11, 12, 14, 12, 11]
+    assert all(c[2] == 1 for c in rec.calls)
 
 
 @pytest.mark.parametrize("bad", [
