@@ -80,7 +80,8 @@ def _median_graph(step_pair, device, replays, reps, barrier):
     return statistics.median(times)
 
 
-def _median_gated(step, device, steps, reps, cycles_per_step=3_000_000):
+def _median_gated(run, device, steps, reps, cycles_per_step=3_000_000):
+    """GPU µs per step of ``run(steps)``, queued behind a spin; NaN if host-bound."""
     times = []
     for _ in range(reps):
         torch.cuda.synchronize(device)
@@ -89,8 +90,7 @@ def _median_gated(step, device, steps, reps, cycles_per_step=3_000_000):
         gate.record()
         torch.cuda._sleep(steps * cycles_per_step)  # hold the GPU while the host queues
         start.record()
-        for _ in range(steps):
-            step()
+        run(steps)
         end.record()
         queued = time.perf_counter() - t0
         torch.cuda.synchronize(device)
@@ -122,7 +122,9 @@ class EmulatedTarget:
         key = (threads, unroll)
         if key not in self._limits:
             g = self._gather(1, RowPlan(1, True, threads, unroll))
-            self._limits[key] = g.ranks[0].resident(threads, unroll)
+            # Half: with PDL a rank's next kernel can be resident (waiting) beside its
+            # current one, and every virtual rank shares this GPU.
+            self._limits[key] = g.ranks[0].resident(threads, unroll) // 2
         return self._limits[key]
 
     def _gather(self, rows, plan):
@@ -155,7 +157,10 @@ class EmulatedTarget:
         eager, _ = _median_eager(lambda: gather(shards), self.device, self.calls, self.reps,
                                  self.barrier)
         host = gather.host_s / (self.calls * self.reps * self.tp)  # inside HeadGather calls
-        gpu = _median_gated(lambda: gather(shards), self.device, self.replays, self.reps)
+        # Each rank on its own stream, no per-step join (as real ranks run): a fork
+        # and join of TP streams per step alone costs ~40 µs (tuning/diagnose.py).
+        gpu = _median_gated(lambda n: gather.run_steps(shards, n), self.device, self.replays,
+                            self.reps)
         ok = self.verify(gather, rows, calls=1)
         return Timing(eager, gpu, host * 1e6) if ok else None
 
@@ -163,7 +168,8 @@ class EmulatedTarget:
         shards = self._shards(rows)
         step = lambda: torch.cat(shards, dim=1)  # noqa: E731
         eager, host = _median_eager(step, self.device, self.calls, self.reps, self.barrier)
-        gpu = _median_gated(step, self.device, self.replays, self.reps)
+        gpu = _median_gated(lambda n: [step() for _ in range(n)], self.device, self.replays,
+                            self.reps)
         return Timing(eager, gpu, host)
 
 
