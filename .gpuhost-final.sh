@@ -1,6 +1,7 @@
-# Final GPU-host pass: GPU tests after the host-path change, the diagnosis, the bench.
+# Final GPU-host pass: emulated tune, then the bench reading the new table.
 set -o pipefail
 source .gpuhost-run.sh
-timeout 120 python3 -m pytest -q tests/ -m gpu 2>&1 | tee $OUT/gpu-tests.log | tail -3
-timeout 170 python3 -m lamport_head.tuning.diagnose 2>&1 | tee $OUT/diagnose.log | grep -v Warn
-timeout 120 lamport-head bench --tp 8 --rows 1,8,64 --out $OUT/bench --plot $OUT/bench.png 2>&1 | tee $OUT/bench.log | grep -v Warn
+rm -f tables/head_gather.optuna.db
+timeout 170 lamport-head tune --emulate --tp 8 --rows 1,2,4,8,16,32,64 --trials 10 --quiet --plot $OUT/tune.png 2>&1 | tee $OUT/tune.log | tail -11
+cp tables/head_gather.yaml $OUT/
+timeout 100 lamport-head bench --tp 8 --rows 1,2,4,8,16,32,64 --out $OUT/bench --plot $OUT/bench.png 2>&1 | tee $OUT/bench.log | grep -v Warn
