@@ -79,6 +79,14 @@ def test_fallbacks_are_stock_bitwise_and_leave_parity(bad):
     assert rec.calls == [] and g.parity == 0
 
 
+def test_tensor_on_another_device_takes_stock():
+    g, rec = fake_gather()
+    g._index = 0  # the gather lives on cuda:0; this tensor does not
+    x = torch.randn(2, SHARD).bfloat16()
+    assert torch.equal(bits(g(x, stock)), bits(stock(x)))
+    assert rec.calls == []
+
+
 def test_graph_capture_takes_stock(monkeypatch):
     g, rec = fake_gather()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

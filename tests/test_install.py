@@ -60,6 +60,13 @@ def _worker(rank, init, out, table, case):
         return FakeGather(plan)
 
     install._build = build
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("lamport_head").addHandler(handler)
+    logging.getLogger("lamport_head").setLevel(logging.INFO)
     m = model()
     other = model()
     served = install.install_logits_gather(m, None, 2, rank, "cpu")
@@ -68,7 +75,8 @@ def _worker(rank, init, out, table, case):
               "routed": m.logits_processor._gather_logits(torch.zeros(1, 64, dtype=torch.bfloat16)),
               "unrouted": m.logits_processor._gather_logits(torch.zeros(3, 64, dtype=torch.bfloat16))
               if served else None,
-              "other": other.logits_processor._gather_logits(torch.zeros(1, 64))}
+              "other": other.logits_processor._gather_logits(torch.zeros(1, 64)),
+              "log": seen}
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -95,6 +103,11 @@ def test_one_rank_failing_leaves_both_stock(tmp_path, caplog):
     results = _run(tmp_path, "fail_rank1")
     for r in results:
         assert r["served"] == [] and r["routed"] == ["stock", 1]
+        warnings = [line for line in r["log"] if "stays stock" in line]
+        assert len(warnings) == 2  # one warning per install attempt (the worker tries twice)
+    # the failing rank names its cause; the healthy one says another rank failed
+    assert "RuntimeError: symmetric memory unavailable" in results[1]["log"][-1]
+    assert "failed on another TP rank" in results[0]["log"][-1]
 
 
 @pytest.mark.parametrize("overrides", [
