@@ -62,7 +62,7 @@ def test_soak_emulated_tp8():
     gather.check()
     assert gather.armed()
     if baseline_gpu is not None:
-        outs = sums = None
+        outs = sums = ref = None  # the test's own last tensors (ref: up to M*V*2 bytes)
         torch.cuda.synchronize(device)
         grown_gpu = torch.cuda.memory_allocated(device) - baseline_gpu
         grown_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline_rss
