@@ -40,7 +40,8 @@ def provenance(device, command):
         "torch": str(torch.__version__),
         "cutlass_dsl": version("nvidia-cutlass-dsl"),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": run("git", "rev-parse", "--short=12", "HEAD") or "unknown",
+        "commit": (run("git", "rev-parse", "--short=12", "HEAD")
+                   or os.environ.get("LAMPORT_HEAD_COMMIT", "unknown")),
         "command": command,
     }
 
