@@ -13,7 +13,6 @@ import torch
 
 from .head_gather import BUDGET_S, HeadGather
 from .mailbox import LocalRows
-from .reference import reference_gather
 
 
 class EmulatedGather:
@@ -108,9 +107,3 @@ class _Stock:
     def __call__(self, logits):
         return torch.cat(self.shards, dim=1)
 
-
-def stock_gather(shards):
-    return torch.cat(shards, dim=1)
-
-
-__all__ = ["EmulatedGather", "reference_gather", "stock_gather"]

@@ -10,33 +10,14 @@ GPU, so events time the GPU alone):
 Run: python -m lamport_head.tuning.diagnose
 """
 
-import statistics
 import sys
-import time
 
 import torch
 
 from lamport_head.emulate import EmulatedGather
 from lamport_head.reference import planted, reference_gather
 
-
-def gated(run, device, steps, reps=5, cycles_per_step=3_000_000):
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize(device)
-        gate, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        t0 = time.perf_counter()
-        gate.record()
-        torch.cuda._sleep(steps * cycles_per_step)
-        start.record()
-        run(steps)
-        end.record()
-        queued = time.perf_counter() - t0
-        torch.cuda.synchronize(device)
-        if queued * 1e3 > gate.elapsed_time(start):
-            return float("nan")
-        times.append(start.elapsed_time(end) * 1e3 / steps)
-    return statistics.median(times)
+from .harness import gated_gpu_us
 
 
 def main(tp=8, vocab=163840, steps=20):
@@ -66,8 +47,8 @@ def main(tp=8, vocab=163840, steps=20):
         for s in streams:
             here.wait_stream(s)
 
-    print(f"fork/join of {tp} streams around a tiny kernel: {gated(forkjoin, device, steps):.2f} µs/step; "
-          f"streams only: {gated(streams_only, device, steps):.2f} µs/step", flush=True)
+    print(f"fork/join of {tp} streams around a tiny kernel: {gated_gpu_us(forkjoin, device, steps, 5):.2f} µs/step; "
+          f"streams only: {gated_gpu_us(streams_only, device, steps, 5):.2f} µs/step", flush=True)
     print(f"{'rows':>4} {'ctas':>5} {'pdl':>5} {'joined µs':>10} {'streams µs':>11} {'ok':>3}")
     for rows in (1, 8, 64):
         for pdl in (False, True):
@@ -79,8 +60,8 @@ def main(tp=8, vocab=163840, steps=20):
                 g = EmulatedGather(device, tp, shard, {rows}, {rows: ctas}, pdl=pdl, budget_s=0.5)
                 data = planted(tp, rows, shard, device=device)
                 shards = [data[r] for r in range(tp)]
-                joined = gated(lambda n: [g(shards) for _ in range(n)], device, steps)
-                alone = gated(lambda n: g.run_steps(shards, n), device, steps)
+                joined = gated_gpu_us(lambda n: [g(shards) for _ in range(n)], device, steps, 5)
+                alone = gated_gpu_us(lambda n: g.run_steps(shards, n), device, steps, 5)
                 want = reference_gather(shards).view(torch.int32)
                 outs = g.run_steps(shards, 1)
                 ok = all(torch.equal(o.view(torch.int32), want) for o in outs)

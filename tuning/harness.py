@@ -81,7 +81,7 @@ def _median_graph(step_pair, device, replays, reps, barrier):
     return statistics.median(times)
 
 
-def _median_gated(run, device, steps, reps, cycles_per_step=3_000_000):
+def gated_gpu_us(run, device, steps, reps, cycles_per_step=3_000_000):
     """GPU µs per step of ``run(steps)``, queued behind a spin; NaN if host-bound."""
     times = []
     for _ in range(reps):
@@ -160,7 +160,7 @@ class EmulatedTarget:
         host = gather.host_s / (self.calls * self.reps * self.tp)  # inside HeadGather calls
         # Each rank on its own stream, no per-step join (as real ranks run): a fork
         # and join of TP streams per step alone costs ~40 µs (tuning/diagnose.py).
-        gpu = _median_gated(lambda n: gather.run_steps(shards, n), self.device, self.replays,
+        gpu = gated_gpu_us(lambda n: gather.run_steps(shards, n), self.device, self.replays,
                             self.reps)
         ok = self.verify(gather, rows, calls=1)
         return Timing(eager, gpu, host * 1e6) if ok else None
@@ -169,7 +169,7 @@ class EmulatedTarget:
         shards = self._shards(rows)
         step = lambda: torch.cat(shards, dim=1)  # noqa: E731
         eager, host = _median_eager(step, self.device, self.calls, self.reps, self.barrier)
-        gpu = _median_gated(lambda n: [step() for _ in range(n)], self.device, self.replays,
+        gpu = gated_gpu_us(lambda n: [step() for _ in range(n)], self.device, self.replays,
                             self.reps)
         return Timing(eager, gpu, host)
 
