@@ -74,7 +74,7 @@ class HeadGather:
         self._index = self.device.index
         self.rows, self.cap = rows, max(rows)
         self.parity = 0
-        self.group = group
+        self.group = group  # None: the default group (real ranks) or no group (emulated)
         major, minor = torch.cuda.get_device_capability(self.device)
         self._arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
         self._pdl = pdl

@@ -42,6 +42,7 @@ class LamportRows:
         _check(tp, cap, words)
         self.tp, self.cap, self.words = tp, cap, words
         self.device = torch.device(device)
+        group = group if group is not None else dist.group.WORLD
         self.box = symm_mem.empty((2, cap, words), dtype=torch.int32, device=self.device)
         handle = symm_mem.rendezvous(self.box, group)
         if handle.world_size != tp:
