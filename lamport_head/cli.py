@@ -108,6 +108,7 @@ def _need_cuda(command):
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])  # for provenance
     from lamport_head.table import TableError
 
     try:

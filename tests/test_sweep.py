@@ -154,3 +154,31 @@ def test_ranks_agree_on_one_choice(tmp_path):
     a, b = (json.loads(open(f"{out}.{r}").read()) for r in range(2))
     assert a == b  # same result, and the same configurations measured in the same order
     assert a["ctas"] != 4  # the max over ranks ruled out rank 0's favourite
+
+
+def test_tune_command_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
+    """`lamport-head tune --emulate` through the CLI: studies, summary, table, plot."""
+    import lamport_head.tuning.harness as harness
+    from lamport_head import cli
+
+    class FakeTarget(CostModel):
+        def __init__(self, device, tp, vocab):
+            super().__init__(limit=16)
+
+    monkeypatch.setattr(harness, "EmulatedTarget", FakeTarget)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    out, png = tmp_path / "t.yaml", tmp_path / "t.png"
+    argv = ["tune", "--emulate", "--tp", "8", "--rows", "1,2,4", "--trials", "6", "--quiet",
+            "--out", str(out), "--plot", str(png)]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "rows  ctas" in text and "emulated: TP virtual ranks" in text
+    section = load_table(out).section("NVIDIA H200", 8, 1, emulated=True)
+    assert section is not None and section.provenance["command"].startswith("lamport-head tune")
+    assert set(section.rows) >= {1, 2, 4}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "t.optuna.db").exists()
+    # a re-run resumes: nothing left to time for the same trial budget
+    assert cli.main(argv) == 0

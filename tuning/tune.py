@@ -9,6 +9,7 @@ import datetime
 import importlib.metadata
 import math
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -132,7 +133,7 @@ def run(args):
     if not root:
         return 0
     print(summary(results, emulated))
-    command = "lamport-head " + " ".join(sys.argv[1:])
+    command = "lamport-head " + shlex.join(getattr(args, "argv", sys.argv[1:]))
     if world > 1:
         command = f"torchrun --nproc-per-node {world} " + command
     path = merge_section_for(out, name, args, results, provenance(device, command), emulated)
