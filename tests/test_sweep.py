@@ -182,3 +182,35 @@ def test_tune_command_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "t.optuna.db").exists()
     # a re-run resumes: nothing left to time for the same trial budget
     assert cli.main(argv) == 0
+
+
+def test_bench_command_writes_csv_json_png(tmp_path, monkeypatch, capsys):
+    import csv as csvmod
+
+    import lamport_head.tuning.bench as bench
+    import lamport_head.tuning.harness as harness
+    from lamport_head import cli
+
+    class FakeTarget(CostModel):
+        def __init__(self, device, tp, vocab):
+            super().__init__(limit=16)
+            self.tp, self.shard = tp, vocab // tp
+
+    monkeypatch.setattr(harness, "EmulatedTarget", FakeTarget)
+    monkeypatch.setattr(bench, "add_host_us", lambda device: 6.5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("schema: 1\ndevices: {}\n")
+    out = tmp_path / "b"
+    assert cli.main(["bench", "--tp", "8", "--rows", "1,8", "--table", str(empty), "--out", str(out),
+                     "--plot", str(tmp_path / "b.png")]) == 0
+    rows = list(csvmod.DictReader(open(tmp_path / "b.csv")))
+    assert [int(r["rows"]) for r in rows] == [1, 8]
+    assert float(rows[0]["eager_speedup"]) == pytest.approx(
+        float(rows[0]["stock_eager_us"]) / float(rows[0]["lamport_eager_us"]), rel=1e-3)
+    meta = json.loads((tmp_path / "b.json").read_text())
+    assert meta["emulated"] and meta["torch_add_host_us"] == 6.5
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    assert "torch.add_ host 6.5" in capsys.readouterr().out
