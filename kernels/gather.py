@@ -6,7 +6,9 @@ box; rank ``r``'s shard lands at word columns ``r * S`` (``S = V/TP/2``), the la
 of NCCL's all-gather. ``peers`` is passed as the address of that int64 ``[2, tp]``
 table, and ``out`` (a contiguous ``[M, V]`` BF16 tensor the host just allocated) by its
 address: ints, not tensors, so a call converts one tensor (the shard, which also
-gives M, the device and the stream) instead of three. One launch per call and parity; invariants a change must keep:
+gives M, the device and the stream) instead of three.
+
+One launch per call and parity; invariants a change must keep:
 
 - push: every shard fragment (16 bytes) goes, scrubbed (a sentinel word becomes 0),
   into row m of every *peer's* box with a system-scope store; the rank's own
@@ -20,6 +22,9 @@ gives M, the device and the stream) instead of three. One launch per call and pa
 - every wait is bounded by ``budget`` nanoseconds of ``%globaltimer``; on expiry the
   thread records (flag, parity, row, missing peers) in the host-visible ``status``
   words and exits without writing the fragment.
+- with PDL the kernel waits (``griddepcontrol.wait``) before reading the shard: the
+  shard is the previous kernel's output, and the previous gather on this stream must
+  have finished re-arming before this one's pushes reach a peer that is ahead.
 
 The grid's CTAs must all be co-resident with the peers' (their polls wait on pushes
 from other CTAs); the host checks that, not this module.
