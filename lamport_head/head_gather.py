@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .kernels import STATUS_PEERS, compile_gather
+from .kernels import STATUS_PARITY, STATUS_PEERS, STATUS_ROW, compile_gather
 from .mailbox import LamportRows
 
 BUDGET_S = 2.0  # default spin budget per call
@@ -57,7 +57,6 @@ class HeadGather:
 
     def __init__(self, group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None,
                  threads=256, unroll=4, pdl=True, budget_s=BUDGET_S):
-
         rows = frozenset(int(r) for r in rows)
         if not rows or min(rows) < 1:
             raise ValueError(f"rows must be a non-empty set of positive row counts, got {sorted(rows)}")
@@ -94,7 +93,6 @@ class HeadGather:
         self._status = torch.zeros(STATUS_PEERS + tp, dtype=torch.int32, pin_memory=True)
         self._status_address = self._status.data_ptr()
         self._flag = ctypes.c_int32.from_address(self._status_address)
-        self._status_peers = STATUS_PEERS
         self.failed = None
 
     def kernel(self, threads=256, unroll=4):
@@ -149,14 +147,15 @@ class HeadGather:
         out = logits.new_empty((shape[0], self.width))
         launch, ctas = route
         launch(logits, out.data_ptr(), self._peers, parity, self.rank, ctas, self.budget_ns,
-                     self._status_address)
+               self._status_address)
         return out
 
     def launch(self, logits, out, parity, ctas):
         """The bare kernel launch on the current stream, with no checks and no parity
         bookkeeping: for graph capture in the benchmark (the caller alternates)."""
-        self._route[logits.shape[0]][0](logits, out.data_ptr(), self._peers, parity, self.rank, ctas, self.budget_ns,
-                     self._status_address)
+        launch = self._route[logits.shape[0]][0]
+        launch(logits, out.data_ptr(), self._peers, parity, self.rank, ctas, self.budget_ns,
+               self._status_address)
 
     def _expired(self, logits, stock):
         if self.failed is None:
@@ -166,8 +165,8 @@ class HeadGather:
 
     def _timeout(self):
         record = self._status.tolist()
-        missing = [r for r in range(self.tp) if record[self._status_peers + r]]
-        return GatherTimeout(self.rank, missing, record[1], record[2])
+        missing = [r for r in range(self.tp) if record[STATUS_PEERS + r]]
+        return GatherTimeout(self.rank, missing, record[STATUS_PARITY], record[STATUS_ROW])
 
     def check(self):
         """Raise ``GatherTimeout`` if any call of this gather has timed out."""

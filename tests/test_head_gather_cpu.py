@@ -33,7 +33,6 @@ def fake_gather(rows=(1, 2, 4)):
     g._status = torch.zeros(STATUS_PEERS + TP, dtype=torch.int32)
     g._status_address = g._status.data_ptr()
     g._flag = ctypes.c_int32.from_address(g._status_address)
-    g._status_peers = STATUS_PEERS
     return g, rec
 
 
