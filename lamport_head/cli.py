@@ -109,7 +109,7 @@ def _need_cuda(command):
 def main(argv=None):
     args = parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])  # for provenance
-    from lamport_head.table import TableError
+    from lamport_head.table import THREADS, TableError
 
     try:
         if args.command == "show":
@@ -123,8 +123,8 @@ def main(argv=None):
             from lamport_head.tuning.tune import run
 
             for t in args.threads:
-                if t not in (64, 128, 256, 512, 1024):
-                    return _fail(f"tune: --threads {t} is not one of 64, 128, 256, 512, 1024")
+                if t not in THREADS:
+                    return _fail(f"tune: --threads {t} is not one of {', '.join(map(str, THREADS))}")
             if args.vocab % args.tp or (args.vocab // args.tp) % 8:
                 return _fail(f"tune: vocab {args.vocab} / tp {args.tp} is not a multiple of 8")
             return run(args)

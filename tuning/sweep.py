@@ -14,7 +14,7 @@ and a parameter set already finished is answered from the study, never re-timed.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import optuna
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .sweep import THREADS, UNROLL, DistComm, LocalComm, merge_rows, tune_rows
+from .sweep import DistComm, LocalComm, merge_rows, tune_rows
+from .writer import merge_section
 
 
 def provenance(device, command):
@@ -136,7 +137,8 @@ def run(args):
     command = "lamport-head " + shlex.join(getattr(args, "argv", sys.argv[1:]))
     if world > 1:
         command = f"torchrun --nproc-per-node {world} " + command
-    path = merge_section_for(out, name, args, results, provenance(device, command), emulated)
+    path = merge_section(out, name, args.tp, args.dcp, merge_rows(results),
+                         provenance(device, command), emulated=emulated)
     print(f"wrote {path} ({name}, tp={args.tp}, dcp={args.dcp}{', emulated' if emulated else ''})")
     if args.plot:
         from .plot import plot_rows
@@ -147,13 +149,3 @@ def run(args):
         plot_rows(records, args.plot, f"{name} tp={args.tp}" + (" (emulated)" if emulated else ""))
         print(f"plot: {args.plot}")
     return 0
-
-
-def merge_section_for(out, name, args, results, prov, emulated):
-    from .writer import merge_section
-
-    return merge_section(out, name, args.tp, args.dcp, merge_rows(results), prov,
-                         emulated=emulated)
-
-
-DEFAULT_THREADS, DEFAULT_UNROLL = THREADS, UNROLL
