@@ -1,10 +1,21 @@
 """CuTe DSL device code of lamport-head: the Lamport gather and its primitives.
 
-Imports nothing from the runtime or the tuner."""
+Imports nothing from the runtime or the tuner. ``protocol`` (the constants) is plain
+Python; the compiler entry points load the DSL only when first asked for.
+"""
 
-from .compile import THREADS, CompiledGather, compile_gather
-from .gather import STATUS_FLAG, STATUS_PARITY, STATUS_PEERS, STATUS_ROW, Gather
-from .primitives import SENTINEL
+from .protocol import SENTINEL, THREADS
 
-__all__ = ["THREADS", "CompiledGather", "compile_gather", "Gather", "SENTINEL", "STATUS_FLAG", "STATUS_PARITY",
-           "STATUS_PEERS", "STATUS_ROW"]
+_LAZY = {"CompiledGather": "compile", "compile_gather": "compile", "Gather": "gather"}
+
+__all__ = ["SENTINEL", "THREADS", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lamport_head.kernels' has no attribute {name!r}")

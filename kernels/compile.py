@@ -20,8 +20,8 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .gather import Gather
+from .protocol import DEFAULT_THREADS, DEFAULT_UNROLL, MAX_TP, THREADS, UNROLL_MAX
 
-THREADS = (64, 128, 256, 512, 1024)
 _CACHE: dict = {}
 _LOCK = threading.Lock()
 
@@ -39,20 +39,21 @@ class CompiledGather:
     cubin: bytes
 
 
-def compile_gather(tp: int, shard_words: int, *, threads: int = 256, unroll: int = 4,
+def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
+                   unroll: int = DEFAULT_UNROLL,
                    pdl: bool = True, arch: str = "sm_90a") -> CompiledGather:
     """The compiled gather for this key, compiled at most once per process.
 
     Raises ValueError on a key the kernel cannot serve."""
-    if not isinstance(tp, int) or tp < 2:
-        raise ValueError(f"tp must be an int >= 2, got {tp!r}")
+    if not isinstance(tp, int) or not 2 <= tp <= MAX_TP:
+        raise ValueError(f"tp must be an int in [2, {MAX_TP}], got {tp!r}")
     if not isinstance(shard_words, int) or shard_words <= 0 or shard_words % 4:
         raise ValueError(f"a shard row of {shard_words!r} words is not a positive multiple "
                          "of 4 words (the shard width must be a multiple of 8 BF16)")
     if threads not in THREADS:
         raise ValueError(f"threads must be one of {THREADS}, got {threads!r}")
-    if not isinstance(unroll, int) or not 1 <= unroll <= 16:
-        raise ValueError(f"unroll must be an int in [1, 16], got {unroll!r}")
+    if not isinstance(unroll, int) or not 1 <= unroll <= UNROLL_MAX:
+        raise ValueError(f"unroll must be an int in [1, {UNROLL_MAX}], got {unroll!r}")
     key = (tp, shard_words, threads, unroll, bool(pdl), arch)
     with _LOCK:
         if key not in _CACHE:

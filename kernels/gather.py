@@ -1,30 +1,25 @@
 """The Lamport logits gather: ``[M, V/TP]`` BF16 shards -> ``[M, V]`` on every rank.
 
-Mailbox (one per rank, symmetric): ``[2 parities, cap rows, V/2]`` int32 words, every
-word armed with ``SENTINEL``. ``peers[p, r]`` is the address of rank ``r``'s parity-``p``
-box; rank ``r``'s shard lands at word columns ``r * S`` (``S = V/TP/2``), the layout
-of NCCL's all-gather. ``peers`` is passed as the address of that int64 ``[2, tp]``
-table, and ``out`` (a contiguous ``[M, V]`` BF16 tensor the host just allocated) by its
-address: ints, not tensors, so a call converts one tensor (the shard, which also
-gives M, the device and the stream) instead of three.
+Mailbox layout, peer table, control block and status record: ``protocol``. ``peers``
+(the int64 ``[3, tp]`` table) and ``out`` (a contiguous ``[M, V]`` BF16 tensor the
+host just allocated) come as addresses: ints, not tensors, so a call converts one
+tensor (the shard, which also gives M, the device and the stream) instead of three.
 
-One launch per call and parity; invariants a change must keep:
+One launch per call and parity. ``Gather.kernel`` is the protocol, step by step
+(``steps`` holds each step and the invariant it keeps):
 
-- push: every shard fragment (16 bytes) goes, scrubbed (a sentinel word becomes 0),
-  into row m of every *peer's* box with a system-scope store; the rank's own
-  fragment goes, scrubbed the same way, straight to the output and never through its
-  own box, so every rank's output holds the same bits.
-- poll: a thread issues the loads of all its fragments before the first check and
-  re-polls only the dirty ones; a fragment is complete when none of its words is the
-  sentinel (integer compares).
-- the reader re-arms: after copying a fragment to the output, this rank writes the
-  sentinel back into its own box. Nobody else ever re-arms it.
-- every wait is bounded by ``budget`` nanoseconds of ``%globaltimer``; on expiry the
-  thread records (flag, parity, row, missing peers) in the host-visible ``status``
-  words and exits without writing the fragment.
-- with PDL the kernel waits (``griddepcontrol.wait``) before reading the shard: the
-  shard is the previous kernel's output, and the previous gather on this stream must
-  have finished re-arming before this one's pushes reach a peer that is ahead.
+1. wait for the previous kernel (PDL), start the clock, read the fail-stop mark;
+2. ``push`` this rank's rows to every peer (not when marked) and to the output;
+3. per batch: ``fetch`` every fragment, ``repoll`` the dirty ones until they all
+   arrived, the budget ran out or the mark appeared, then ``deliver`` (copy and
+   re-arm; NaN for what never came). After a give-up the remaining batches are
+   fetched once, without waiting, so every missing rank is recorded;
+4. ``report`` a give-up: the status record, and on a time-out the mark in every
+   rank's control block.
+
+With PDL the kernel waits (``griddepcontrol.wait``) before reading the shard: the
+shard is the previous kernel's output, and the previous gather on this stream must
+have finished re-arming before this one's pushes reach a peer that is ahead.
 
 The grid's CTAs must all be co-resident with the peers' (their polls wait on pushes
 from other CTAs); the host checks that, not this module.
@@ -34,11 +29,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from .primitives import (SENTINEL, WORDS, armed, load, load_address, load_volatile, scrub, store,
-                         store_sys, store_word_sys)
-
-# Error record (int32 words in host-visible memory): see ``STATUS_*``.
-STATUS_FLAG, STATUS_PARITY, STATUS_ROW, STATUS_PEERS = 0, 1, 2, 3
+from .primitives import load_address
+from .protocol import CAUSE_ABORT, CAUSE_TIMEOUT, PEER_CONTROL, WORDS
+from .steps import deliver, fetch, marked, push, repoll, report
 
 
 class Gather:
@@ -67,10 +60,8 @@ class Gather:
                parity: Int32, rank: Int32, budget: Int64, status: Int64):
         tp: cutlass.Constexpr = self.tp
         unroll: cutlass.Constexpr = self.unroll
-        span: cutlass.Constexpr = self.shard_words  # words of one rank's shard row
-        frags: cutlass.Constexpr = self.shard_words // WORDS  # fragments of it
+        frags: cutlass.Constexpr = self.shard_words // WORDS  # fragments of a shard row
         width: cutlass.Constexpr = self.tp * self.shard_words  # words of a full row
-        others: cutlass.Constexpr = (self.tp - 1) * frags  # peer fragments per row
 
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -84,80 +75,38 @@ class Gather:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         start = cute.arch.globaltimer()
-        src = Int64(shard.iterator.toint())
-        dst = out
-        table = peers + Int64(parity * tp) * 8  # this parity's row of the peer table
-        own = load_address(table + Int64(rank) * 8)
-        column = Int64(rank * span)
-        # Peer box addresses in push order (rank + 1, rank + 2, ...), loaded once.
+        boxes = peers + Int64(parity * tp) * 8  # this parity's row of the peer table
+        # Box and control addresses in push order (rank, rank + 1, ...), loaded once.
         targets = cute.make_rmem_tensor((tp,), Int64)
-        for step in cutlass.range_constexpr(1, tp):
-            targets[step] = load_address(table + Int64((rank + step) % tp) * 8)
+        controls = cute.make_rmem_tensor((tp,), Int64)
+        for step in cutlass.range_constexpr(tp):
+            targets[step] = load_address(boxes + Int64((rank + step) % tp) * 8)
+        for q in cutlass.range_constexpr(tp):
+            controls[q] = load_address(peers + Int64(PEER_CONTROL * tp + q) * 8)
+        own = targets[0]
+        own_control = load_address(peers + Int64(PEER_CONTROL * tp + rank) * 8)
+        cause = CAUSE_ABORT * marked(own_control)
 
-        # Push: each fragment of this rank's rows to every peer, own copy to out.
-        pushes = rows * frags
-        base = me
-        while base < pushes:
-            held = cute.make_rmem_tensor((unroll, WORDS), Uint32)
-            for i in cutlass.range_constexpr(unroll):
-                f = base + i * stride
-                if f < pushes:
-                    words = load(src + Int64(f) * 16)
-                    for k in cutlass.range_constexpr(WORDS):
-                        held[i, k] = words[k]
-            for i in cutlass.range_constexpr(unroll):
-                f = base + i * stride
-                if f < pushes:
-                    m = f // frags
-                    offset = (Int64(m) * width + column + Int64(f - m * frags) * WORDS) * 4
-                    clean = tuple(scrub(held[i, k]) for k in range(WORDS))
-                    for step in cutlass.range_constexpr(1, tp):
-                        store_sys(targets[step] + offset, clean)
-                    store(dst + offset, clean)  # every rank gets the same bits
-            base = base + stride * unroll
+        push(Int64(shard.iterator.toint()), out, targets, Int64(rank * self.shard_words), rows,
+             me, stride, cause, tp, frags, width, unroll)
 
-        # Poll this rank's own box for the peers' fragments; copy out and re-arm.
-        polls = rows * others
+        polls = rows * (tp - 1) * frags
+        missing = Int32(0)
         base = me
-        late = Int32(0)
-        while (base < polls) & (late == 0):
+        while base < polls:
             held = cute.make_rmem_tensor((unroll, WORDS), Uint32)
             where = cute.make_rmem_tensor((unroll,), Int64)
-            pending = Int32(0)
-            for i in cutlass.range_constexpr(unroll):
-                f = base + i * stride
-                where[i] = Int64(0)
-                if f < polls:
-                    m = f // others
-                    j = f - m * others
-                    j = j + frags * Int32(j >= rank * frags)  # skip our own columns
-                    where[i] = (Int64(m) * width + Int64(j) * WORDS) * 4
-                    words = load_volatile(own + where[i])
-                    for k in cutlass.range_constexpr(WORDS):
-                        held[i, k] = words[k]
-                    if armed(words) != 0:
-                        pending = pending | (1 << i)
-            while (pending != 0) & (late == 0):
-                for i in cutlass.range_constexpr(unroll):
-                    if (pending >> i) & 1:
-                        words = load_volatile(own + where[i])
-                        for k in cutlass.range_constexpr(WORDS):
-                            held[i, k] = words[k]
-                        if armed(words) == 0:
-                            pending = pending & ~(1 << i)
+            source = cute.make_rmem_tensor((unroll,), Int32)
+            pending = fetch(own, held, where, source, base, stride, polls, rank, frags, width,
+                            unroll)
+            while (pending != 0) & (cause == 0):
+                pending = repoll(own, held, where, pending, unroll)
                 if cute.arch.globaltimer() - start > budget:
-                    late = Int32(1)
-            for i in cutlass.range_constexpr(unroll):
-                f = base + i * stride
-                if f < polls:
-                    if (pending >> i) & 1:
-                        m = f // others
-                        peer = Int32(where[i] // 4 % width) // span
-                        store_word_sys(status + STATUS_PARITY * 4, parity)
-                        store_word_sys(status + STATUS_ROW * 4, m)
-                        store_word_sys(status + (STATUS_PEERS + Int64(peer)) * 4, 1)
-                        store_word_sys(status + STATUS_FLAG * 4, 1)
-                    else:
-                        store(dst + where[i], tuple(held[i, k] for k in range(WORDS)))
-                        store(own + where[i], (Uint32(SENTINEL),) * WORDS)
+                    cause = Int32(CAUSE_TIMEOUT)
+                elif marked(own_control) != 0:
+                    cause = Int32(CAUSE_ABORT)
+            missing = deliver(own, out, held, where, source, pending, missing, base, stride,
+                              polls, unroll)
             base = base + stride * unroll
+        if cause != 0:
+            report(status, controls, own_control, cause, missing, parity, tp)

@@ -12,6 +12,10 @@ fragment is published or armed as a whole:
 - ``scrub``: a word equal to the sentinel becomes 0; compared as integers, since
   a float compare would treat the BF16 pair (+0, -0) as zero and ftz could flush
   denormal pairs to it.
+- ``load_word_volatile``/``store_word_sys``/``fence_sys``: the control words (the
+  fail-stop mark in every mailbox and the host-visible status record): details are
+  stored, then ``fence.sc.sys``, then the flag, so a reader that sees the flag sees
+  the details.
 
 Pointer operands are raw 64-bit global addresses (``Int64``).
 """
@@ -22,8 +26,7 @@ from cutlass import Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-SENTINEL = 0x80000000  # the BF16 pair (+0, -0): "not yet published"
-WORDS = 4  # 32-bit words per 16-byte fragment
+from .protocol import SENTINEL, WORDS
 
 
 def _asm(code, constraints, operands, results, effects, loc, ip):
@@ -91,9 +94,23 @@ def store_word_sys(address, word, *, loc=None, ip=None):
 
 
 @_op
+def load_word_volatile(address, *, loc=None, ip=None):
+    """One word at ``address``, read from memory on every call (a control word)."""
+    (word,) = _asm("ld.volatile.global.u32 $0, [$1];", "=r,l,~{memory}", [Int64(address)], 1,
+                   True, loc, ip)
+    return word
+
+
+@_op
+def fence_sys(*, loc=None, ip=None):
+    """Orders this thread's earlier stores before its later ones at system scope."""
+    _asm("fence.sc.sys;", "~{memory}", [], 0, True, loc, ip)
+
+
+@_op
 def scrub(word, *, loc=None, ip=None):
     """``word``, or 0 where it equals the sentinel (an integer compare)."""
-    code = ("{ .reg .pred s; setp.eq.u32 s, $1, 0x80000000; "
+    code = ("{ .reg .pred s; setp.eq.u32 s, $1, " + hex(SENTINEL) + "; "
             "selp.u32 $0, 0, $1, s; }")
     (out,) = _asm(code, "=r,r", [Uint32(word)], 1, False, loc, ip)
     return out

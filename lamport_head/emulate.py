@@ -12,14 +12,15 @@ import time
 import torch
 
 from .head_gather import BUDGET_S, HeadGather
+from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 from .mailbox import LocalRows
 
 
 class EmulatedGather:
     """``gather(shards) -> outs``: one emulated step of ``tp`` ranks on ``device``."""
 
-    def __init__(self, device, tp, shard, rows, ctas=None, *, threads=256, unroll=4,
-                 pdl=True, budget_s=BUDGET_S):
+    def __init__(self, device, tp, shard, rows, ctas=None, *, threads=DEFAULT_THREADS,
+                 unroll=DEFAULT_UNROLL, pdl=True, budget_s=BUDGET_S):
         self.device = torch.device(device)
         rows = frozenset(rows)
         self.tp, self.shard = tp, shard
@@ -58,18 +59,30 @@ class EmulatedGather:
         return outs
 
     def run_steps(self, shards, steps):
-        """``steps`` calls per rank, each rank on its own stream with no join between
-        steps (as real ranks run: the mailbox alone orders them); joined at the end.
-        Returns the last step's outputs."""
+        """``steps`` calls per rank on the same shards; see ``free_run``. Returns the
+        last step's outputs."""
+        return self.free_run([shards] * steps)[-1]
+
+    def free_run(self, steps, *, delay=None):
+        """One call per rank per element of ``steps`` (each a list of ``tp`` shards),
+        each rank on its own stream with no join between steps, as real ranks run:
+        the mailbox alone orders them, so a rank may be whole calls ahead. Joined at
+        the end. ``delay``: {rank: GPU cycles} that rank's stream sleeps before its
+        first call (a slow rank). Returns the outputs, ``[step][rank]``."""
         here = torch.cuda.current_stream(self.device)
-        stock = _Stock(shards)
         for stream in self.streams:
             stream.wait_stream(here)
-        outs = [None] * self.tp
-        for _ in range(steps):
+        for r, cycles in (delay or {}).items():
+            with torch.cuda.stream(self.streams[r]):
+                torch.cuda._sleep(cycles)
+        outs = []
+        for shards in steps:
+            stock = _Stock(shards)
+            row = []
             for r, (gather, stream) in enumerate(zip(self.ranks, self.streams)):
                 with torch.cuda.stream(stream):
-                    outs[r] = gather(shards[r], stock)
+                    row.append(gather(shards[r], stock))
+            outs.append(row)
         for stream in self.streams:
             here.wait_stream(stream)
         return outs
@@ -93,9 +106,9 @@ class EmulatedGather:
             gather.reset()
 
     def armed(self) -> bool:
-        """True when every mailbox word holds the sentinel (synchronizes)."""
+        """True when every mailbox word is armed and no mark is set (synchronizes)."""
         torch.cuda.synchronize(self.device)
-        return bool((self.box.box == -0x80000000).all().item())
+        return self.box.armed()
 
 
 class _Stock:

@@ -1,88 +1,236 @@
-"""Lamport mailboxes: ``[2 parities, cap rows, words]`` int32 per rank, armed.
+"""Lamport mailboxes: per rank, ``[2 parities, cap rows, words]`` int32 words, armed,
+plus a control block (layout: ``lamport_head.kernels.protocol``).
 
-Every word starts as ``SENTINEL`` (the BF16 pair (+0, -0)). Peers write into a box
-with pushes; only the box's own rank reads and re-arms it (the gather kernel does
-that per fragment). ``peers`` is an int64 ``[2, tp]`` device tensor: ``peers[p, r]``
-is the address of rank r's parity-p box, the table the kernel pushes through.
+Peers store into a box with pushes; only the box's own rank reads and re-arms it
+(the gather kernel does that per fragment). ``peers`` is an int64 ``[3, tp]``
+device tensor: each rank's parity-0 box, parity-1 box and control block, as mapped
+in this process: the table the kernel pushes through.
 
-Two kinds, one interface (``peers``, ``words``, ``cap``, ``tp``, ``arm()``):
+Backends, one interface (``peers``, ``tp``, ``cap``, ``words``, ``sharing``,
+``emulated``, ``arm()``, ``armed()``, ``barrier()``, ``close()``):
 
-- ``LamportRows``: one box per process on symmetric memory over a process group
-  (``torch.distributed._symmetric_memory`` ``empty`` + ``rendezvous``; peer
-  pointers only, multicast never requested). Construction arms and then barriers,
-  so no rank pushes into a peer's box before that peer armed it.
-- ``LocalRows``: ``tp`` virtual ranks' boxes in one device tensor, for one-GPU
-  emulation; every virtual rank shares the one peer table. Construction arms and
-  synchronizes the device.
+- ``symmetric``: torch symmetric memory (``empty`` + ``rendezvous``, peer pointers
+  only, multicast never asked for) for ranks on distinct GPUs.
+- ``ipc``: a plain allocation whose CUDA IPC handle goes to every peer over the
+  process group (torch's CUDA tensor sharing); for ranks that share a GPU (NCCL and
+  symmetric memory both refuse that) or where symmetric memory is missing.
+- ``local``: ``tp`` virtual ranks in one process (``LocalRows``): tests, emulation.
+
+Real-rank backends are built in two steps so that a local failure can never strand
+a peer inside a collective: the constructor only allocates (local), ``connect()``
+exchanges addresses (collective). The caller agrees between the steps (HeadGather
+does: allocate, agree, connect, agree, arm, sync, barrier). ``close()`` waits for
+every rank (barrier) before the box can be freed: a peer may still push into it.
 """
+
+import os
+import pickle
+import socket
 
 import torch
 
-SENTINEL = -0x80000000  # 0x80000000 as a signed int32
+from .collective import all_gather_objects, barrier
+from .kernels.protocol import MAX_TP, PEER_CONTROL, PEER_ROWS, SENTINEL_I32, box_words
+
+BACKEND_ENV = "LAMPORT_HEAD_MAILBOX"
+BACKENDS = ("symmetric", "ipc")
 
 
 def _check(tp, cap, words):
-    if tp < 2:
-        raise ValueError(f"a mailbox needs tp >= 2, got {tp}")
+    if not 2 <= tp <= MAX_TP:
+        raise ValueError(f"a mailbox needs 2 <= tp <= {MAX_TP}, got {tp}")
     if cap < 1:
         raise ValueError(f"a mailbox needs cap >= 1 rows, got {cap}")
     if words < 4 or words % 4:
         raise ValueError(f"a row of {words} words is not whole 16-byte fragments")
 
 
-class LamportRows:
-    """This rank's box on symmetric memory, and the group's peer table."""
+def peer_table(bases, cap, words):
+    """The ``[3, tp]`` address rows for boxes starting at ``bases`` (one per rank)."""
+    parity = cap * words * 4
+    rows = [[b + p * parity for b in bases] for p in range(2)]
+    rows.insert(PEER_CONTROL, [b + 2 * parity for b in bases])
+    assert len(rows) == PEER_ROWS
+    return rows
+
+
+class _Rows:
+    """What every backend shares: the armed layout of one or more boxes."""
 
     emulated = False
+    sharing = 1  # ranks whose CTAs must be co-resident on this device (contexts time-slice)
 
-    def __init__(self, group, device, tp: int, cap: int, words: int):
-        import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
-
-        _check(tp, cap, words)
-        self.tp, self.cap, self.words = tp, cap, words
-        self.device = torch.device(device)
-        group = group if group is not None else dist.group.WORLD
-        self.box = symm_mem.empty((2, cap, words), dtype=torch.int32, device=self.device)
-        handle = symm_mem.rendezvous(self.box, group)
-        if handle.world_size != tp:
-            raise RuntimeError(f"symmetric memory spans {handle.world_size} ranks, expected tp={tp}")
-        parity_bytes = cap * words * 4
-        bases = [int(p) for p in handle.buffer_ptrs]
-        self.peers = torch.tensor([[b + p * parity_bytes for b in bases] for p in range(2)],
-                                  dtype=torch.int64, device=self.device)
-        self.handle = handle
-        self.arm()
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=group)
+    def _split(self, box):
+        split = 2 * self.cap * self.words
+        return box[..., :split], box[..., split:]
 
     def arm(self):
-        """Every word back to the sentinel (the caller orders it against peers)."""
-        self.box.fill_(SENTINEL)
+        """Every box word to the sentinel, every control word to 0 (this process's
+        boxes only; the caller orders it against peers' pushes)."""
+        data, control = self._split(self.box)
+        data.fill_(SENTINEL_I32)
+        control.zero_()
 
-    def boxes(self):
-        return [self.box]
+    def armed(self) -> bool:
+        """True when every word of this process's boxes is armed (synchronizes)."""
+        data, control = self._split(self.box)
+        return bool((data == SENTINEL_I32).all().item() and (control == 0).all().item())
 
 
-class LocalRows:
+class LocalRows(_Rows):
     """``tp`` virtual ranks' boxes on one device, one shared peer table."""
 
     emulated = True
 
     def __init__(self, device, tp: int, cap: int, words: int):
         _check(tp, cap, words)
-        self.tp, self.cap, self.words = tp, cap, words
+        self.tp, self.cap, self.words, self.sharing = tp, cap, words, tp
         self.device = torch.device(device)
-        self.box = torch.empty((tp, 2, cap, words), dtype=torch.int32, device=self.device)
-        base, parity_bytes = self.box.data_ptr(), cap * words * 4
-        self.peers = torch.tensor(
-            [[base + (r * 2 + p) * parity_bytes for r in range(tp)] for p in range(2)],
-            dtype=torch.int64, device=self.device)
+        self.box = torch.empty((tp, box_words(cap, words)), dtype=torch.int32, device=self.device)
+        stride = self.box.stride(0) * 4
+        bases = [self.box.data_ptr() + r * stride for r in range(tp)]
+        self.peers = torch.tensor(peer_table(bases, cap, words), dtype=torch.int64,
+                                  device=self.device)
         self.arm()
         torch.cuda.synchronize(self.device)
 
-    def arm(self):
-        self.box.fill_(SENTINEL)
+    def barrier(self):
+        pass  # one process: a device sync orders every virtual rank
 
-    def boxes(self):
-        return list(self.box)
+    def close(self):
+        torch.cuda.synchronize(self.device)
+
+
+class _ProcessRows(_Rows):
+    """One box per process; ``connect()`` (collective) fills ``peers``."""
+
+    def __init__(self, group, device, tp: int, rank: int, cap: int, words: int):
+        _check(tp, cap, words)
+        self.group, self.tp, self.rank, self.cap, self.words = group, tp, rank, cap, words
+        self.device = torch.device(device)
+        self.box = self._allocate(box_words(cap, words))
+        self.peers = None
+
+    def _set_bases(self, bases):
+        self.peers = torch.tensor(peer_table(bases, self.cap, self.words), dtype=torch.int64,
+                                  device=self.device)
+
+    def barrier(self):
+        barrier(self.group, self.device)
+
+    def close(self):
+        """Collective: no rank frees its box while a peer may still push into it."""
+        torch.cuda.synchronize(self.device)
+        self.barrier()
+        self._release()
+        self.box = self.peers = None
+
+    def _release(self):
+        pass
+
+
+class IpcRows(_ProcessRows):
+    """A plain device allocation shared with every peer through CUDA IPC."""
+
+    name = "ipc"
+
+    def _allocate(self, count):
+        return torch.empty(count, dtype=torch.int32, device=self.device)
+
+    def connect(self):
+        """Collective: every rank maps every peer's box; ``peers`` holds the mappings."""
+        import torch.multiprocessing  # noqa: F401  registers torch's CUDA IPC reductions
+        from multiprocessing.reduction import ForkingPickler
+
+        blobs = all_gather_objects(bytes(ForkingPickler.dumps(self.box)), self.group)
+        if len(blobs) != self.tp:
+            raise RuntimeError(f"the group has {len(blobs)} ranks, expected tp={self.tp}")
+        self._mapped = [None if r == self.rank else pickle.loads(b) for r, b in enumerate(blobs)]
+        self._set_bases([self.box.data_ptr() if m is None else m.data_ptr() for m in self._mapped])
+
+    def _release(self):
+        self._mapped = None  # closes the peers' mappings (torch's IPC cache drops them)
+
+
+def symmetric_bases(buffer_ptrs, own_ptr: int, rank: int):
+    """Each rank's address of *this box*, from a symmetric-memory handle's
+    ``buffer_ptrs``. PyTorch versions point those at the allocation segment's base
+    or at the tensor itself; the box sits at the same offset on every rank, so that
+    offset is taken from this rank's own pointer and applied to every peer's."""
+    ptrs = [int(p) for p in buffer_ptrs]
+    offset = own_ptr - ptrs[rank]
+    if offset < 0:
+        raise RuntimeError(f"symmetric memory handle points past this box ({ptrs[rank]:#x} > "
+                           f"{own_ptr:#x}); cannot derive peer addresses")
+    return [p + offset for p in ptrs]
+
+
+class SymmetricRows(_ProcessRows):
+    """A torch symmetric-memory allocation (ranks on distinct GPUs)."""
+
+    name = "symmetric"
+
+    def _allocate(self, count):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        return symm_mem.empty(count, dtype=torch.int32, device=self.device)
+
+    def connect(self):
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = self.group if self.group is not None else dist.group.WORLD
+        self.handle = symm_mem.rendezvous(self.box, group)
+        if self.handle.world_size != self.tp:
+            raise RuntimeError(f"symmetric memory spans {self.handle.world_size} ranks, "
+                               f"expected tp={self.tp}")
+        self._set_bases(symmetric_bases(self.handle.buffer_ptrs, self.box.data_ptr(), self.rank))
+
+    def _release(self):
+        self.handle = None
+
+
+ROWS = {"ipc": IpcRows, "symmetric": SymmetricRows}
+
+
+def _device_key(device):
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    return socket.gethostname(), str(uuid) if uuid is not None else str(torch.device(device))
+
+
+def _symmetric_available():
+    try:
+        import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
+
+        return hasattr(symm_mem, "rendezvous") and hasattr(symm_mem, "empty")
+    except Exception:
+        return False
+
+
+def decide(keys, symmetric, forced=None):
+    """The backend every rank uses, from every rank's (host, GPU) key and whether it
+    has symmetric memory: a pure function of gathered facts, so ranks cannot differ."""
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={forced!r}: expected one of {', '.join(BACKENDS)}")
+        return forced
+    if len(set(keys)) < len(keys) or not all(symmetric):
+        return "ipc"
+    return "symmetric"
+
+
+def choose_backend(group, device, backend=None):
+    """Collective: every rank gets the same backend name. ``backend`` (or
+    ``$LAMPORT_HEAD_MAILBOX``) forces one; else ipc where ranks share a GPU or a rank
+    lacks symmetric memory, symmetric otherwise."""
+    forced = backend or os.environ.get(BACKEND_ENV) or None
+    facts = all_gather_objects((_device_key(device), _symmetric_available(), forced), group)
+    asked = {f for _, _, f in facts}
+    if len(asked) > 1:
+        raise ValueError(f"ranks disagree on the mailbox backend: {sorted(map(str, asked))}")
+    return decide([k for k, _, _ in facts], [s for _, s, _ in facts], forced)
+
+
+__all__ = ["LocalRows", "IpcRows", "SymmetricRows", "ROWS", "choose_backend", "decide",
+           "peer_table", "symmetric_bases"]

@@ -7,7 +7,7 @@ all-gather's layout), with every 32-bit word equal to the sentinel (the BF16 pai
 
 import torch
 
-SENTINEL = -0x80000000  # int32 view of 0x80000000
+from .kernels.protocol import SENTINEL_I32 as SENTINEL
 
 
 def scrub(logits: torch.Tensor) -> torch.Tensor:

@@ -1,43 +1,78 @@
-"""HeadGather's routing, parity and timeout handling with the kernel replaced by a
-recording fake (no GPU): what launches, with which parity, and what takes stock."""
+"""HeadGather's host logic with the kernel replaced by a recording fake (no GPU):
+routing, parity, stream order, the fail-stop record and ``reset``'s order."""
 
 import ctypes
 
 import pytest
 import torch
 
+from lamport_head import head_gather
 from lamport_head.head_gather import GatherTimeout, HeadGather, default_ctas
-from lamport_head.kernels import STATUS_PEERS
+from lamport_head.kernels.protocol import (CAUSE_ABORT, CAUSE_TIMEOUT, STATUS_CAUSE, STATUS_FLAG,
+                                           STATUS_PARITY, STATUS_PEERS, STATUS_WORDS)
 
 TP, SHARD = 4, 64
 
 
 class Recorder:
-    def __init__(self):
-        self.calls = []
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
 
     def __call__(self, shard, out, peers, parity, rank, ctas, budget, status):
         assert isinstance(out, int) and isinstance(peers, int)  # addresses, not tensors
+        if self.fail:
+            raise RuntimeError("launch failed")
         self.calls.append((tuple(shard.shape), parity, rank, ctas))
 
 
-def fake_gather(rows=(1, 2, 4)):
+class FakeBox:
+    def __init__(self, log):
+        self.log = log
+
+    def barrier(self):
+        self.log.append("barrier")
+
+    def arm(self):
+        self.log.append("arm")
+
+
+def fake_gather(rows=(1, 2, 4), log=None):
     g = HeadGather.__new__(HeadGather)
     rec = Recorder()
     g.device, g.tp, g.rank, g.shard, g.width = torch.device("cpu"), TP, 1, SHARD, TP * SHARD
     g._index = -1  # what Tensor.get_device() answers for CPU tensors
-    g.rows, g.cap, g.parity, g.group, g.failed = frozenset(rows), max(rows), 0, None, None
+    g.rows, g.cap, g.parity, g.group = frozenset(rows), max(rows), 0, None
     g._route = {m: (rec, 10 + m) for m in rows}
     g.ctas = {m: 10 + m for m in rows}
     g._peers, g.budget_ns = 1234, 10**9
-    g._status = torch.zeros(STATUS_PEERS + TP, dtype=torch.int32)
+    g._status = torch.zeros(STATUS_WORDS, dtype=torch.int32)
     g._status_address = g._status.data_ptr()
     g._flag = ctypes.c_int32.from_address(g._status_address)
+    g._stream_id, g._stream = None, None
+    g.box = FakeBox(log if log is not None else [])
     return g, rec
 
 
+class FakeStream:
+    def __init__(self, ident, log):
+        self.ident, self.log = ident, log
+
+    def wait_stream(self, other):
+        self.log.append((self.ident, "waits for", other.ident))
+
+
+@pytest.fixture
+def streams(monkeypatch):
+    """A fake current stream the test can switch; logs every wait."""
+    state = {"now": 1, "log": []}
+    monkeypatch.setattr(head_gather, "_raw_stream", lambda index: state["now"])
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: FakeStream(state["now"], state["log"]))
+    return state
+
+
 @pytest.fixture(autouse=True)
-def no_capture(monkeypatch):
+def no_capture(monkeypatch, streams):
     # CPU builds of torch cannot answer the capture query; serving runs on CUDA.
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
@@ -60,6 +95,13 @@ def test_served_rows_launch_with_alternating_parity():
     assert all(c[2] == 1 for c in rec.calls)
 
 
+def _misaligned(rows):
+    flat = torch.randn(rows * SHARD + 1).bfloat16()
+    view = flat[1:].view(rows, SHARD)  # contiguous, 2 bytes past a 16-byte boundary
+    assert view.is_contiguous() and view.data_ptr() % 16
+    return view
+
+
 @pytest.mark.parametrize("bad", [
     torch.randn(3, SHARD).bfloat16(),  # rows not served
     torch.randn(0, SHARD).bfloat16(),  # M = 0
@@ -70,6 +112,7 @@ def test_served_rows_launch_with_alternating_parity():
     torch.randn(SHARD).bfloat16(),  # 1-D
     torch.randn(1, 2, SHARD).bfloat16(),  # 3-D
     torch.randn(2, 2 * SHARD).bfloat16()[:, ::2],  # not contiguous
+    _misaligned(2),  # contiguous but not 16-byte aligned
 ])
 def test_fallbacks_are_stock_bitwise_and_leave_parity(bad):
     g, rec = fake_gather()
@@ -94,20 +137,80 @@ def test_graph_capture_takes_stock(monkeypatch):
     assert rec.calls == []
 
 
-def test_timeout_raises_once_naming_ranks_then_stock():
+def test_parity_flips_only_after_a_launch():
     g, rec = fake_gather()
     g(torch.randn(1, SHARD).bfloat16(), stock)
-    g._status[1], g._status[2] = 1, 7  # what the kernel writes on expiry
-    g._status[STATUS_PEERS + 0] = g._status[STATUS_PEERS + 3] = 1
-    g._status[0] = 1
+    assert g.parity == 1
+    failing = Recorder(fail=True)
+    g._route[2] = (failing, 12)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        g(torch.randn(2, SHARD).bfloat16(), stock)
+    assert g.parity == 1  # the failed launch used no parity
+    g(torch.randn(1, SHARD).bfloat16(), stock)
+    assert [c[1] for c in rec.calls] == [0, 1]
+
+
+def test_a_new_stream_waits_for_the_previous_one(streams):
+    g, rec = fake_gather()
     x = torch.randn(1, SHARD).bfloat16()
-    with pytest.raises(GatherTimeout, match=r"rank 1 timed out: rank\(s\) 0, 3 never published "
-                                            r"\(parity 1, row 7\)"):
-        g(x, stock)
-    assert torch.equal(bits(g(x, stock)), bits(stock(x)))  # stays stock
+    g(x, stock)
+    g(x, stock)
+    assert streams["log"] == []  # same stream: stream order alone orders the calls
+    streams["now"] = 2
+    g(x, stock)
+    assert streams["log"] == [(2, "waits for", 1)]
+    g(x, stock)
+    streams["now"] = 1
+    g(x, stock)
+    assert streams["log"] == [(2, "waits for", 1), (1, "waits for", 2)]
+
+
+def _mark(g, cause, peers, parity):
+    """What the kernel writes on a give-up: details first, the flag last."""
+    g._status[STATUS_PARITY], g._status[STATUS_CAUSE] = parity, cause
+    for p in peers:
+        g._status[STATUS_PEERS + p] = 1
+    g._status[STATUS_FLAG] = 1
+
+
+def test_timeout_raises_on_every_call_until_reset():
+    log = []
+    g, rec = fake_gather(log=log)
+    g(torch.randn(1, SHARD).bfloat16(), stock)
+    _mark(g, CAUSE_TIMEOUT, (0, 3), 1)
+    x = torch.randn(1, SHARD).bfloat16()
+    for _ in range(3):  # never stock on its own: raises every time
+        with pytest.raises(GatherTimeout, match=r"rank 1 timed out: rank\(s\) 0, 3 never "
+                                                r"published \(parity 1\)"):
+            g(x, stock)
     with pytest.raises(GatherTimeout):
+        g(torch.randn(3, SHARD).bfloat16(), stock)  # not even a row count stock would serve
+    with pytest.raises(GatherTimeout) as info:
         g.check()
+    assert info.value.peers == (0, 3) and info.value.cause == CAUSE_TIMEOUT
     assert len(rec.calls) == 1
+
+
+def test_a_peers_mark_names_the_missing_ranks():
+    g, _ = fake_gather()
+    _mark(g, CAUSE_ABORT, (2,), 0)
+    with pytest.raises(GatherTimeout, match=r"rank 1 stopped by a peer's time-out: rank\(s\) 2"):
+        g.check()
+
+
+def test_reset_order_and_recovery(monkeypatch):
+    log = []
+    g, rec = fake_gather(log=log)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    g(torch.randn(1, SHARD).bfloat16(), stock)
+    _mark(g, CAUSE_TIMEOUT, (0,), 0)
+    g.reset()
+    # stop -> sync -> barrier -> arm -> (status cleared) -> sync -> barrier
+    assert log == ["sync", "barrier", "arm", "sync", "barrier"]
+    assert not g._status.any() and g.parity == 0
+    g.check()
+    g(torch.randn(1, SHARD).bfloat16(), stock)
+    assert [c[1] for c in rec.calls] == [0, 0]
 
 
 def test_default_ctas_scales_and_clamps():

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from lamport_head.kernels import compile_gather
+from lamport_head.kernels.protocol import NAN_PAIR
 
 
 def _ops(ptx):
@@ -23,6 +24,9 @@ def test_variant_ptx(tp, threads, unroll):
     assert "st.global.v4.u32" in ops  # output and re-arm
     assert not any("multimem" in op for op in ops) and "multimem" not in k.ptx
     assert "%globaltimer" in k.ptx  # bounded spin
+    assert "ld.volatile.global.u32" in ops  # the fail-stop mark is polled from memory
+    assert "st.relaxed.sys.global.u32" in ops and "fence.sc.sys" in k.ptx  # record, fence, flag
+    assert str(NAN_PAIR) in k.ptx or hex(NAN_PAIR) in k.ptx.lower()  # missing -> NaN
     assert "griddepcontrol.wait" in k.ptx
     # every push is one 16-byte store per peer per fragment in flight
     assert len(re.findall(r"st\.relaxed\.sys\.global\.v4\.u32", k.ptx)) == unroll * (tp - 1)
@@ -38,6 +42,8 @@ def test_compile_cache_and_validation():
     assert compile_gather(2, 512) is compile_gather(2, 512)
     with pytest.raises(ValueError, match="tp"):
         compile_gather(1, 512)
+    with pytest.raises(ValueError, match="tp"):
+        compile_gather(33, 512)  # the control block holds one word per rank, up to MAX_TP
     with pytest.raises(ValueError, match="multiple of 4 words"):
         compile_gather(2, 510)
     with pytest.raises(ValueError, match="threads"):

@@ -1,0 +1,50 @@
+"""The mailbox protocol's constants: the one definition every layer imports.
+
+Plain Python (no DSL import), so the runtime, the tuner and the tests can read it
+without compiling anything.
+
+Mailbox of one rank, int32 words, contiguous::
+
+    [parity 0: cap rows x W words][parity 1: cap rows x W words][control: CONTROL_WORDS]
+
+``W = V / 2`` (a full logits row). Box words start armed with ``SENTINEL``; control
+words start at 0. The peer table handed to the kernel is int64 ``[3, tp]``: rows
+``PEER_PARITY0``/``PEER_PARITY1`` hold each rank's parity boxes, row ``PEER_CONTROL``
+each rank's control block (addresses as mapped in the calling process).
+
+Control block (written by peers, read by its owner; cleared only by ``reset``):
+``CONTROL_ABORT`` is nonzero once any rank gave up on a call (the fail-stop mark);
+``CONTROL_MISSING + r`` is 1 when some rank found rank ``r``'s fragments missing.
+
+Status record (host-visible, one per rank; the kernel writes it, the host reads it
+without a device sync): details first, a system-scope fence, then ``STATUS_FLAG``:
+``STATUS_CAUSE`` is ``CAUSE_TIMEOUT`` (this rank's own wait ran out) or
+``CAUSE_ABORT`` (a peer's mark stopped it); ``STATUS_PEERS + r`` is 1 for each rank
+recorded missing. Every writer of a word writes the same value, so no update can be
+lost and no atomic is needed.
+"""
+
+SENTINEL = 0x80000000  # the BF16 pair (+0, -0): "not yet published"
+SENTINEL_I32 = SENTINEL - (1 << 32)  # the same word as a signed int32 (torch's view)
+NAN_PAIR = 0x7FC07FC0  # what a fragment that never arrived is written as
+WORDS = 4  # 32-bit words per 16-byte fragment
+FRAGMENT_BF16 = 2 * WORDS  # BF16 values per fragment
+
+MAX_TP = 32
+CONTROL_WORDS = 4 * ((1 + MAX_TP + 3) // 4)  # whole fragments, so the boxes stay aligned
+CONTROL_ABORT, CONTROL_MISSING = 0, 1
+PEER_PARITY0, PEER_PARITY1, PEER_CONTROL = 0, 1, 2
+PEER_ROWS = 3
+
+STATUS_FLAG, STATUS_PARITY, STATUS_CAUSE, STATUS_PEERS = 0, 1, 2, 3
+STATUS_WORDS = STATUS_PEERS + MAX_TP
+CAUSE_TIMEOUT, CAUSE_ABORT = 1, 2
+
+THREADS = (64, 128, 256, 512, 1024)  # CTA sizes the kernel compiles for
+UNROLL_MAX = 16  # fragments in flight per thread, at most
+DEFAULT_THREADS, DEFAULT_UNROLL = 256, 4
+
+
+def box_words(cap: int, words: int) -> int:
+    """int32 words of one rank's mailbox allocation (both parities and control)."""
+    return 2 * cap * words + CONTROL_WORDS

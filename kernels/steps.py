@@ -1,0 +1,151 @@
+"""The gather's protocol steps as device functions; ``Gather.kernel`` composes them.
+
+A *fragment* is 16 bytes (``WORDS`` int32 words) of one row of one rank's shard; it
+is published, polled, copied and re-armed as a whole. Offsets are bytes from the
+start of a parity box (or of the output: both are ``[rows, width]`` words).
+
+Invariants every step keeps:
+
+- ``push``: this rank's own fragments go, scrubbed, to the output and never through
+  its own box; the peers' copies go with system-scope stores, and not at all once
+  the fail-stop mark is seen (the call is void; ``reset`` re-arms every box).
+- ``fetch``/``repoll``: all of a batch's loads are issued before the first check;
+  only dirty fragments are polled again.
+- ``deliver``: the reader re-arms what it copied; nobody else re-arms a box.
+- ``give_up``: a fragment that never arrived is written as NaN, never left as what
+  the allocator had; its rank joins the thread's ``missing`` mask.
+- ``report``: details, then ``fence_sys``, then the flags; a rank whose own wait ran
+  out marks every rank's control block, so every rank's next kernel stops at once.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+
+from .primitives import (armed, fence_sys, load, load_address, load_volatile, load_word_volatile,
+                         scrub, store, store_sys, store_word_sys)
+from .protocol import (CAUSE_ABORT, CAUSE_TIMEOUT, CONTROL_ABORT, CONTROL_MISSING, NAN_PAIR,
+                       SENTINEL, STATUS_CAUSE, STATUS_FLAG, STATUS_PARITY, STATUS_PEERS,
+                       WORDS)
+
+
+@cute.jit
+def marked(control: Int64) -> Int32:
+    """1 when this rank's control block carries the fail-stop mark."""
+    return Int32(load_word_volatile(control + CONTROL_ABORT * 4) != Uint32(0))
+
+
+@cute.jit
+def push(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int32,
+         first: Int32, stride: Int32, stop: Int32, tp: cutlass.Constexpr,
+         frags: cutlass.Constexpr, width: cutlass.Constexpr, unroll: cutlass.Constexpr):
+    """This rank's fragments (``first``, ``first + stride``, ...) to the output and,
+    unless ``stop``, into row m of every peer's box (``targets[1:]``)."""
+    pushes = rows * frags
+    base = first
+    while base < pushes:
+        held = cute.make_rmem_tensor((unroll, WORDS), Uint32)
+        for i in cutlass.range_constexpr(unroll):  # every load before any store
+            f = base + i * stride
+            if f < pushes:
+                words = load(src + Int64(f) * 16)
+                for k in cutlass.range_constexpr(WORDS):
+                    held[i, k] = words[k]
+        for i in cutlass.range_constexpr(unroll):
+            f = base + i * stride
+            if f < pushes:
+                m = f // frags
+                offset = (Int64(m) * width + column + Int64(f - m * frags) * WORDS) * 4
+                clean = tuple(scrub(held[i, k]) for k in range(WORDS))
+                if stop == 0:
+                    for step in cutlass.range_constexpr(1, tp):
+                        store_sys(targets[step] + offset, clean)
+                store(dst + offset, clean)  # every rank's output holds the same bits
+        base = base + stride * unroll
+
+
+@cute.jit
+def fetch(own: Int64, held: cute.Tensor, where: cute.Tensor, source: cute.Tensor,
+          base: Int32, stride: Int32, polls: Int32, rank: Int32, frags: cutlass.Constexpr,
+          width: cutlass.Constexpr, unroll: cutlass.Constexpr) -> Int32:
+    """Load a batch of peer fragments from this rank's box; the dirty ones' mask."""
+    others: cutlass.Constexpr = width // WORDS - frags  # peer fragments per row
+    pending = Int32(0)
+    for i in cutlass.range_constexpr(unroll):
+        f = base + i * stride
+        where[i] = Int64(0)
+        source[i] = Int32(0)
+        if f < polls:
+            m = f // others
+            j = f - m * others
+            j = j + frags * Int32(j >= rank * frags)  # skip our own columns
+            source[i] = j // frags
+            where[i] = (Int64(m) * width + Int64(j) * WORDS) * 4
+            words = load_volatile(own + where[i])
+            for k in cutlass.range_constexpr(WORDS):
+                held[i, k] = words[k]
+            if armed(words) != 0:
+                pending = pending | (1 << i)
+    return pending
+
+
+@cute.jit
+def repoll(own: Int64, held: cute.Tensor, where: cute.Tensor, pending: Int32,
+           unroll: cutlass.Constexpr) -> Int32:
+    """Poll the dirty fragments of a batch once more; the mask still dirty."""
+    for i in cutlass.range_constexpr(unroll):
+        if (pending >> i) & 1:
+            words = load_volatile(own + where[i])
+            for k in cutlass.range_constexpr(WORDS):
+                held[i, k] = words[k]
+            if armed(words) == 0:
+                pending = pending & ~(1 << i)
+    return pending
+
+
+@cute.jit
+def deliver(own: Int64, dst: Int64, held: cute.Tensor, where: cute.Tensor, source: cute.Tensor,
+            pending: Int32, missing: Int32, base: Int32, stride: Int32, polls: Int32,
+            unroll: cutlass.Constexpr) -> Int32:
+    """Copy a batch's arrived fragments out and re-arm them; write the rest as NaN
+    (``give_up``). Returns ``missing`` with those fragments' ranks added."""
+    for i in cutlass.range_constexpr(unroll):
+        if base + i * stride < polls:
+            if (pending >> i) & 1:
+                store(dst + where[i], (Uint32(NAN_PAIR),) * WORDS)  # give_up
+                missing = missing | (1 << source[i])
+            else:
+                store(dst + where[i], tuple(held[i, k] for k in range(WORDS)))
+                store(own + where[i], (Uint32(SENTINEL),) * WORDS)
+    return missing
+
+
+@cute.jit
+def report(status: Int64, controls: cute.Tensor, own_control: Int64, cause: Int32,
+           missing: Int32, parity: Int32, tp: cutlass.Constexpr):
+    """Publish why this thread stopped: its own time-out (``missing`` ranks, marked
+    in every rank's control block) or a peer's mark (copied from its own block)."""
+    if cause == CAUSE_TIMEOUT:
+        for q in cutlass.range_constexpr(tp):
+            for p in cutlass.range_constexpr(tp):
+                if (missing >> p) & 1:
+                    store_word_sys(controls[q] + (CONTROL_MISSING + p) * 4, 1)
+        for p in cutlass.range_constexpr(tp):
+            if (missing >> p) & 1:
+                store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
+    else:
+        fence_sys()  # the mark was seen: read the ranks it names after it
+        for p in cutlass.range_constexpr(tp):
+            if load_word_volatile(own_control + (CONTROL_MISSING + p) * 4) != Uint32(0):
+                store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
+    store_word_sys(status + STATUS_PARITY * 4, parity)
+    store_word_sys(status + STATUS_CAUSE * 4, cause)
+    fence_sys()
+    if cause == CAUSE_TIMEOUT:
+        for q in cutlass.range_constexpr(tp):
+            store_word_sys(controls[q] + CONTROL_ABORT * 4, 1)
+    store_word_sys(status + STATUS_FLAG * 4, 1)
+
+
+__all__ = ["marked", "push", "fetch", "repoll", "deliver", "report", "CAUSE_ABORT",
+           "CAUSE_TIMEOUT", "load_address"]
