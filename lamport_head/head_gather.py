@@ -91,7 +91,8 @@ class HeadGather:
         self.budget_ns = int(budget_s * 1e9)
         # Host-visible status record (pinned: the kernel writes it, the host reads it
         # with no device sync); layout in kernels.protocol.
-        self._status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=True)
+        self._status = torch.zeros(STATUS_WORDS, dtype=torch.int32,
+                                   pin_memory=torch.cuda.is_available())
         self._status_address = self._status.data_ptr()
         self._flag = ctypes.c_int32.from_address(self._status_address)
         self._stream_id, self._stream = None, None

@@ -1,12 +1,13 @@
 """``install_logits_gather``: route a model's LogitsProcessor gather through HeadGather
 for the rows the HEAD_GATHER table enables on this GPU model and (TP, DCP).
 
-Collective over the TP group whenever a table entry applies: every rank runs the
-same checks on the same inputs, builds its HeadGather, and the ranks agree with a
-MIN all-reduce, so either every rank serves the rows or every rank stays stock. That
-all-reduce also orders every rank's armed mailbox before any rank's first push.
-Never raises into serving: a missing table entry, a non-CUDA device or a failed
-build leaves the stock gather with one log line.
+Fail-stop order: the model checks (the same on every rank) need no collective; then
+each rank reads the tables alone (anything can fail here), the ranks agree on the
+plan (one all-gather: a rank whose table failed or differs takes every rank to
+stock), and only then build the HeadGather, itself collective and fail-stop (local
+part, agree, map the peers' mailboxes, agree, arm, barrier): every rank serves the
+rows or every rank stays stock. Never raises into serving: a missing table entry,
+a non-CUDA device or a failed build leaves the stock gather with one log line.
 """
 
 import logging
@@ -14,6 +15,8 @@ import os
 from functools import partial
 
 import torch
+
+from .collective import all_gather_objects
 
 logger = logging.getLogger("lamport_head")
 
@@ -24,16 +27,6 @@ def _device_name(device):
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_name(device)
-
-
-def _agree(ok: bool, group, device) -> bool:
-    """MIN over the group of each rank's outcome (True only if every rank built)."""
-    import torch.distributed as dist
-
-    where = torch.device(device) if torch.device(device).type == "cuda" else torch.device("cpu")
-    flag = torch.tensor([int(ok)], dtype=torch.int32, device=where)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 def _build(group, device, tp, rank, shard, plan):
@@ -75,31 +68,32 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1):
     shard = weight.shape[0]
     if shard % 8:
         return ()
-    from .table import TableError
-
-    try:
-        name, plan = serving_plan(tp, dcp, device)
-    except TableError as exc:
-        logger.warning("lamport-head: stock logits gather: %s", exc)
-        return ()
-    if name is None:
+    name = _device_name(device)
+    if name is None:  # the same on every rank: no collective needed to agree
         logger.info("lamport-head: %s is not a CUDA device; stock logits gather", device)
+        return ()
+    plan, reason = _local_plan(tp, dcp, device)
+    # Collective 1: agree on the plan. A rank whose table failed or differs must not
+    # be left behind while its peers enter the mailbox's collectives.
+    views = all_gather_objects((_digest(plan), reason), group)
+    reasons = [(r, why) for r, (_, why) in enumerate(views) if why]
+    if reasons:
+        mine = reason or f"rank {reasons[0][0]}: {reasons[0][1]}"
+        logger.warning("lamport-head: logits gather stays stock: %s", mine)
+        return ()
+    if len({d for d, _ in views}) > 1:
+        logger.warning("lamport-head: logits gather stays stock: the TP ranks resolved "
+                       "different HEAD_GATHER plans (different tables or environments)")
         return ()
     if not plan:
         logger.info("lamport-head: no enabled HEAD_GATHER rows for %s, tp=%d, dcp=%d; "
                     "stock logits gather", name, tp, dcp)
         return ()
-    gather, error = None, "it failed on another TP rank"
-    try:
+    try:  # collective, fail-stop: every rank gets a gather or every rank raises
         gather = _build(group, device, tp, rank, shard, plan)
-    except Exception as exc:  # a capability fallback: the stock gather
-        error = f"{type(exc).__name__}: {exc}"
-    try:
-        built = _agree(gather is not None, group, device)
-    except Exception as exc:
-        built, error = False, f"the ranks could not agree: {exc}"
-    if not built:
-        logger.warning("lamport-head: logits gather stays stock: %s", error)
+    except Exception as exc:  # a capability fallback, taken by every rank together
+        logger.warning("lamport-head: logits gather stays stock: %s: %s",
+                       type(exc).__name__, exc)
         return ()
     stock = lp._gather_logits
     lp.head_gather = gather
@@ -108,3 +102,17 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1):
     logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d) for rows %s",
                 name, tp, dcp, served)
     return served
+
+
+def _local_plan(tp, dcp, device):
+    """(plan, None) or ({}, why): this rank's reading of the tables, no collectives."""
+    from .table import TableError
+
+    try:
+        return serving_plan(tp, dcp, device)[1], None
+    except TableError as exc:
+        return {}, str(exc)
+
+
+def _digest(plan):
+    return tuple(sorted((m, p.ctas, p.threads, p.unroll) for m, p in plan.items()))

@@ -148,6 +148,10 @@ class IpcRows(_ProcessRows):
         self._mapped = [None if r == self.rank else pickle.loads(b) for r, b in enumerate(blobs)]
         self._set_bases([self.box.data_ptr() if m is None else m.data_ptr() for m in self._mapped])
 
+    def peer_view(self, peer):
+        """``peer``'s whole box as a tensor of this process (tests of late pushes)."""
+        return self.box if peer == self.rank else self._mapped[peer]
+
     def _release(self):
         self._mapped = None  # closes the peers' mappings (torch's IPC cache drops them)
 
@@ -184,7 +188,14 @@ class SymmetricRows(_ProcessRows):
         if self.handle.world_size != self.tp:
             raise RuntimeError(f"symmetric memory spans {self.handle.world_size} ranks, "
                                f"expected tp={self.tp}")
-        self._set_bases(symmetric_bases(self.handle.buffer_ptrs, self.box.data_ptr(), self.rank))
+        bases = symmetric_bases(self.handle.buffer_ptrs, self.box.data_ptr(), self.rank)
+        self._offset = (bases[self.rank] - int(self.handle.buffer_ptrs[self.rank])) // 4
+        self._set_bases(bases)
+
+    def peer_view(self, peer):
+        """``peer``'s whole box as a tensor of this process (tests of late pushes)."""
+        return self.handle.get_buffer(peer, self.box.shape, torch.int32,
+                                      storage_offset=self._offset)
 
     def _release(self):
         self.handle = None

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn import spawn
 
 from lamport_head import install
 
@@ -26,16 +26,6 @@ devices:
 """
 
 
-class FakeGather:
-    def __init__(self, rows):
-        self.rows = frozenset(rows)
-        self.calls = 0
-
-    def __call__(self, logits, stock):
-        self.calls += 1
-        return ("lamport", logits.shape[0])
-
-
 def model(**overrides):
     lp = types.SimpleNamespace(logits_as_input=False, head_dtype=None, use_all_gather=True)
     lp._gather_logits = lambda x: ("stock", x.shape[0])
@@ -47,67 +37,132 @@ def model(**overrides):
     return m
 
 
-def _worker(rank, init, out, table, case):
-    os.environ["LAMPORT_HEAD_TABLE"] = table
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    install._device_name = lambda device: "NVIDIA H200"
-    built = []
+FAKE_BYTE = 0x11  # what the fake kernel writes into every output byte
 
-    def build(group, device, tp, r, shard, plan):
-        if case == "fail_rank1" and r == 1:
-            raise RuntimeError("symmetric memory unavailable")
-        built.append((shard, {m: p.ctas for m, p in plan.items()}))
-        return FakeGather(plan)
 
-    install._build = build
+def _fake_cuda(monkeypatch_like, rank, case):
+    """Every CUDA-only piece of HeadGather's construction replaced on CPU: the local
+    part (compile, occupancy) by a fake route, the device key, the mailbox by a CPU
+    box whose connect() is a real gloo collective. ``case`` picks the failing step."""
+    import ctypes
+
+    from lamport_head import head_gather, mailbox
+
+    set_ = monkeypatch_like
+    fail_rank = int(case.split("@")[1]) if "@" in case else -1
+    step = case.split("@")[0]
+
+    def prepare(self, tp, rank_, shard, rows, ctas, threads, unroll, pdl, box):
+        if step == "prepare" and rank == fail_rank:
+            raise RuntimeError("compile failed")
+        self.tp, self.rank, self.shard, self.width = tp, rank_, shard, tp * shard
+        self._index, self.sharing, self.parity = -1, 1, 0
+        self.rows, self.cap = frozenset(rows), max(rows)
+
+        def launch(logits, out, peers, parity, r, c, budget, status):
+            ctypes.memset(out, FAKE_BYTE, logits.shape[0] * self.width * 2)
+
+        self._route = {m: (launch, getattr(ctas[m], "ctas", 1)) for m in self.rows}
+        self.ctas = {m: c for m, (_, c) in self._route.items()}
+
+    class CpuRows(mailbox._ProcessRows):
+        def _allocate(self, count):
+            if step == "alloc" and rank == fail_rank:
+                raise MemoryError("injected: mailbox allocation refused")
+            return torch.empty(count, dtype=torch.int32)
+
+        def connect(self):
+            bases = mailbox.all_gather_objects(self.box.data_ptr(), self.group)
+            if step == "connect" and rank == fail_rank:
+                raise RuntimeError("cannot map a peer")
+            self.peers = torch.tensor(mailbox.peer_table(bases, self.cap, self.words))
+
+    set_(head_gather.HeadGather, "_prepare", prepare)
+    set_(head_gather, "ROWS", {"ipc": CpuRows, "symmetric": CpuRows})
+    set_(mailbox, "_device_key", lambda device: ("host", "the one GPU"))
+    set_(head_gather, "_raw_stream", lambda index: 0)
+    set_(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
+        wait_stream=lambda other: None))
+    set_(torch.cuda, "synchronize", lambda device=None: None)
+    set_(torch.cuda, "is_current_stream_capturing", lambda: False)
+    set_(install, "_device_name", lambda device: "NVIDIA H200")
+
+
+def _install_worker(rank, nprocs, table, case, other_table):
     import logging
 
+    os.environ["LAMPORT_HEAD_TABLE"] = other_table if (case == "table@1" and rank == 1) else table
+    _fake_cuda(setattr, rank, case)
     seen = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
     logging.getLogger("lamport_head").addHandler(handler)
     logging.getLogger("lamport_head").setLevel(logging.INFO)
-    m = model()
-    other = model()
-    served = install.install_logits_gather(m, None, 2, rank, "cpu")
-    again = install.install_logits_gather(m, None, 2, rank, "cpu")
-    result = {"served": list(served), "again": list(again), "built": [[s, {str(k): v for k, v in c.items()}] for s, c in built],
-              "routed": m.logits_processor._gather_logits(torch.zeros(1, 64, dtype=torch.bfloat16)),
-              "unrouted": m.logits_processor._gather_logits(torch.zeros(3, 64, dtype=torch.bfloat16))
-              if served else None,
-              "other": other.logits_processor._gather_logits(torch.zeros(1, 64)),
-              "log": seen}
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+    m = model(lm__tp_size=nprocs)
+    other = model(lm__tp_size=nprocs)
+    served = install.install_logits_gather(m, None, nprocs, rank, "cpu")
+    again = install.install_logits_gather(m, None, nprocs, rank, "cpu")
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    routed = m.logits_processor._gather_logits(x)
+    routed = (sorted(set(routed.view(torch.uint8).flatten().tolist())) if torch.is_tensor(routed)
+              else routed)
+    return {"served": list(served), "again": list(again), "routed": routed,
+            "unrouted": m.logits_processor._gather_logits(torch.zeros(3, 64, dtype=torch.bfloat16)),
+            "other": other.logits_processor._gather_logits(torch.zeros(1, 64)), "log": seen}
 
 
-def _run(tmp_path, case):
+def _run(tmp_path, case, nprocs=2, other=None):
     table = tmp_path / "t.yaml"
-    table.write_text(TABLE)
-    out = tmp_path / "result"
-    mp.spawn(_worker, args=(f"file://{tmp_path / 'init'}", str(out), str(table), case), nprocs=2)
-    return [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
+    table.write_text(TABLE.replace("tp: 2", f"tp: {nprocs}"))
+    other_table = tmp_path / "other.yaml"
+    other_table.write_text(other or "schema: 1\ndevices: {NVIDIA H200: [{tp: 9, rows: {1: "
+                                    "{ctas: 1, enabled: on}}}]}\n")
+    return spawn(_install_worker, nprocs, tmp_path, str(table), case, str(other_table))
 
 
-def test_install_serves_enabled_rows_on_both_ranks(tmp_path):
-    for r in _run(tmp_path, "ok"):
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_install_serves_enabled_rows_on_every_rank(tmp_path, nprocs):
+    for r in _run(tmp_path, "ok", nprocs):
         assert r["served"] == [1, 2, 4] and r["again"] == [1, 2, 4]
-        assert r["built"] == [[64, {"1": 4, "2": 4, "4": 8}]]
-        assert r["routed"] == ["lamport", 1]
-        assert r["unrouted"] == ["lamport", 3]  # HeadGather itself sends it to stock
+        assert r["routed"] == [FAKE_BYTE]  # the (fake) kernel wrote the output
+        assert r["unrouted"] == ["stock", 3]  # rows 3 are disabled: HeadGather takes stock
         assert r["other"] == ["stock", 1]  # another processor keeps its gather
 
 
-def test_one_rank_failing_leaves_both_stock(tmp_path, caplog):
-    results = _run(tmp_path, "fail_rank1")
-    for r in results:
+@pytest.mark.parametrize("case,cause", [
+    ("prepare@1", "RuntimeError: compile failed"),
+    ("alloc@2", "MemoryError: injected: mailbox allocation refused"),
+    ("connect@0", "RuntimeError: cannot map a peer"),
+])
+def test_one_rank_failing_any_step_leaves_every_rank_stock(tmp_path, case, cause):
+    """Item: a failure on one rank during install hangs no peer (the spawn deadline
+    fails a hang) and takes every rank to stock, the failing rank naming its cause."""
+    results = _run(tmp_path, case, nprocs=3)
+    failing = int(case.split("@")[1])
+    for rank, r in enumerate(results):
         assert r["served"] == [] and r["routed"] == ["stock", 1]
         warnings = [line for line in r["log"] if "stays stock" in line]
-        assert len(warnings) == 2  # one warning per install attempt (the worker tries twice)
-    # the failing rank names its cause; the healthy one says another rank failed
-    assert "RuntimeError: symmetric memory unavailable" in results[1]["log"][-1]
-    assert "failed on another TP rank" in results[0]["log"][-1]
+        assert len(warnings) == 2  # one per install attempt (the worker tries twice)
+        if rank == failing:
+            assert cause in warnings[-1]
+        else:
+            assert "another rank failed" in warnings[-1]
+
+
+def test_a_rank_whose_table_is_broken_takes_every_rank_to_stock(tmp_path):
+    results = _run(tmp_path, "table@1", nprocs=2)
+    for r in results:
+        assert r["served"] == [] and r["routed"] == ["stock", 1]
+    assert "bare 'on'" in results[1]["log"][-1]
+    assert results[0]["log"][-1].startswith("lamport-head: logits gather stays stock: rank 1: ")
+
+
+def test_ranks_with_different_plans_stay_stock(tmp_path):
+    other = TABLE.replace("ctas: 8", "ctas: 9")
+    results = _run(tmp_path, "table@1", nprocs=2, other=other)
+    for r in results:
+        assert r["served"] == []
+        assert "different HEAD_GATHER plans" in r["log"][-1]
 
 
 @pytest.mark.parametrize("overrides", [
@@ -129,7 +184,16 @@ def test_checks_leave_stock_without_collectives(overrides, monkeypatch):
     assert built == [] and not hasattr(m.logits_processor, "head_gather")
 
 
-def test_no_logits_processor_tp1_cpu_and_disable(monkeypatch, tmp_path, caplog):
+@pytest.fixture
+def solo_group(tmp_path):
+    """A one-process gloo group: the plan agreement is a real collective."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'solo'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_no_logits_processor_tp1_cpu_and_disable(monkeypatch, tmp_path, caplog, solo_group):
     assert install.install_logits_gather(types.SimpleNamespace(), None, 2, 0, "cpu") == ()
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
     assert install.install_logits_gather(model(lm__tp_size=1), None, 1, 0, "cpu") == ()
@@ -146,7 +210,7 @@ def test_no_logits_processor_tp1_cpu_and_disable(monkeypatch, tmp_path, caplog):
     assert install.install_logits_gather(model(), None, 2, 0, "cpu") == ()
 
 
-def test_malformed_table_warns_and_stays_stock(monkeypatch, tmp_path, caplog):
+def test_malformed_table_warns_and_stays_stock(monkeypatch, tmp_path, caplog, solo_group):
     bad = tmp_path / "bad.yaml"
     bad.write_text("schema: 1\ndevices:\n  NVIDIA H200: [{tp: 2, rows: {1: {ctas: 1, enabled: on}}}]\n")
     monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(bad))
