@@ -49,16 +49,16 @@ def plan_for(target, rows, table_plan, threads=256, unroll=4):
 def run(args):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        import torch.distributed as dist
+        from lamport_head.procs import SHARED_NOTE, init_ranks
 
         from .harness import DistributedTarget
 
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        device = torch.device("cuda", local)
-        target = DistributedTarget(None, device, world, dist.get_rank(), args.vocab)
-        root, emulated = dist.get_rank() == 0, False
+        ranks = init_ranks()
+        device = ranks.device
+        target = DistributedTarget(ranks, args.vocab)
+        root, emulated = ranks.is_root, ranks.shared
+        if ranks.shared and root:
+            print(f"lamport-head bench: {SHARED_NOTE}", flush=True)
     else:
         from .harness import EmulatedTarget
 
@@ -97,7 +97,7 @@ def run(args):
             "torch_add_host_us": add_us, "records": records}
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     print(f"lamport-head bench: {name}, tp={target.tp}, vocab={args.vocab}"
-          f"{' (emulated: one GPU, stock = cat of shards)' if emulated else ''}; "
+          f"{(' (processes sharing one GPU, stock = gloo: not performance)' if world > 1 else ' (emulated: one GPU, stock = cat of shards)') if emulated else ''}; "
           f"torch.add_ host {add_us:.1f} µs")
     print(f"{'rows':>4} {'ctas':>4} | {'lamport eager':>13} {'gpu':>7} {'host':>6} | "
           f"{'stock eager':>11} {'gpu':>7} {'host':>6} | {'eager x':>7} {'gpu x':>7}")

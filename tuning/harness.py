@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lamport_head.collective import all_max, all_min, barrier
 from lamport_head.reference import planted, reference_gather
 from lamport_head.stock import all_gather_logits
 from lamport_head.table import RowPlan
@@ -62,9 +63,11 @@ def _median_graph(step_pair, device, replays, reps, barrier):
         step_pair()  # warm-up outside capture
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
+    barrier()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step_pair()
+    barrier()
     graph.replay()
     torch.cuda.synchronize(device)
     times = []
@@ -149,7 +152,16 @@ class EmulatedTarget:
         return gather.armed()
 
     def lamport(self, rows, plan):
-        """Timing of a verified configuration; None when it fails verification."""
+        """Timing of a verified configuration; None when it fails verification or a
+        wait runs out while it is measured (a failed trial, never a figure)."""
+        from lamport_head.head_gather import GatherTimeout
+
+        try:
+            return self._measure(rows, plan)
+        except GatherTimeout:
+            return None
+
+    def _measure(self, rows, plan):
         gather = self._gather(rows, plan)
         if not self.verify(gather, rows):
             return None
@@ -175,72 +187,113 @@ class EmulatedTarget:
 
 
 class DistributedTarget:
-    """One rank per GPU (torchrun); the process group must be initialized (NCCL)."""
+    """One process per rank under torchrun (``lamport_head.procs.init_ranks``).
+
+    Every method is collective and every rank issues the same collectives in the same
+    order whatever happens locally: a gather that raises is recorded, never allowed
+    to cut a loop short, and the trial's outcome is agreed (MAX) at its end. On
+    shared-GPU ranks (gloo) the stock path is gloo's and has no graph figure."""
 
     emulated = False
     objective = "eager_us"  # what serving sees
 
-    def __init__(self, group, device, tp, rank, vocab, *, calls=50, reps=7, replays=20,
-                 budget_s=2.0):
-        import torch.distributed as dist
-
-        self.dist, self.group = dist, group
-        self.device = torch.device(device)
-        self.tp, self.rank, self.vocab, self.shard = tp, rank, vocab, vocab // tp
+    def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=2.0):
+        self.ranks, self.group, self.device = ranks, ranks.group, ranks.device
+        self.tp, self.rank, self.vocab, self.shard = ranks.world, ranks.rank, vocab, vocab // ranks.world
+        self.emulated = ranks.shared  # time-sliced processes: never a serving figure
         self.calls, self.reps, self.replays, self.budget_s = calls, reps, replays, budget_s
         self._limits = {}
 
     def barrier(self):
-        self.dist.barrier(group=self.group)
+        barrier(self.group, self.device)
 
     def _max(self, value):
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
-        return t.item()
+        return all_max(value, self.group, self.device)
 
     def limit(self, threads, unroll):
+        """Most CTAs per rank every rank's GPU holds: the occupancy calculator on the
+        compiled kernel (local, no mailbox), then MIN over ranks (collective)."""
         key = (threads, unroll)
         if key not in self._limits:
-            g = self._gather(1, RowPlan(1, True, threads, unroll))
-            self._limits[key] = int(-self._max(-g.resident(threads, unroll)))
+            from lamport_head.kernels import compile_gather
+            from lamport_head.occupancy import resident_ctas
+
+            major, minor = torch.cuda.get_device_capability(self.device)
+            arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+            k = compile_gather(self.tp, self.shard // 2, threads=threads, unroll=unroll, arch=arch)
+            self._limits[key] = all_min(resident_ctas(k.cubin, k.threads, self.device.index),
+                                        self.group, self.device)
         return self._limits[key]
 
     def _gather(self, rows, plan):
         from lamport_head.head_gather import HeadGather
 
         return HeadGather(self.group, self.device, self.tp, self.rank, self.shard, {rows},
-                          {rows: plan}, budget_s=self.budget_s)
+                          {rows: plan}, threads=plan.threads, unroll=plan.unroll,
+                          budget_s=self.budget_s)
 
     def _stock_step(self, x, rows):
         return all_gather_logits(x, self.group)
 
-    def verify(self, gather, rows, calls=3):
+    def _call(self, gather, x, failed):
+        """One gather call; a GatherTimeout is recorded, the caller's loop goes on."""
+        from lamport_head.head_gather import GatherTimeout
+
+        try:
+            return gather(x, _never_stock)
+        except GatherTimeout:
+            failed[0] = True
+            return None
+
+    def verify(self, gather, rows, failed, calls=3):
         ok = True
         for _ in range(calls):
             data = planted(rows, self.shard, device=self.device)
             want = reference_gather(self._stock_step(data, rows).split(self.shard, 1))
-            got = gather(data, lambda x: None)
+            got = self._call(gather, data, failed)
             ok &= got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
-        return self._max(0.0 if ok else 1.0) == 0.0
+        return ok
 
     def lamport(self, rows, plan):
-        gather = self._gather(rows, plan)
-        if not self.verify(gather, rows):
+        """Timing of a verified configuration; None (on every rank) when it fails to
+        build, to verify, or times out anywhere while measured."""
+        try:
+            gather = self._gather(rows, plan)  # collective and fail-stop: all or none
+        except Exception:
+            return None
+        failed = [False]
+        ok = self.verify(gather, rows, failed)
+        if self._max(0.0 if ok else 1.0):
+            gather.close()
             return None
         x = planted(rows, self.shard, device=self.device)
-        stock = lambda v: None  # noqa: E731
-        eager, host = _median_eager(lambda: gather(x, stock), self.device, self.calls,
-                                    self.reps, self.barrier)
+        eager, host = _median_eager(lambda: self._call(gather, x, failed), self.device,
+                                    self.calls, self.reps, self.barrier)
         out = torch.empty(rows, self.vocab, dtype=torch.bfloat16, device=self.device)
-        graph = _median_graph(lambda: (gather.launch(x, out, 0, plan.ctas),
-                                       gather.launch(x, out, 1, plan.ctas)),
+        first = gather.parity  # continue the call sequence: never a parity twice in a row
+        graph = _median_graph(lambda: (gather.launch(x, out, first, plan.ctas),
+                                       gather.launch(x, out, first ^ 1, plan.ctas)),
                               self.device, self.replays, self.reps, self.barrier)
-        return Timing(self._max(eager), self._max(graph), self._max(host))
+        torch.cuda.synchronize(self.device)
+        try:
+            gather.check()
+        except Exception:
+            failed[0] = True
+        bad = self._max(1.0 if failed[0] else 0.0)
+        timing = Timing(self._max(eager), self._max(graph), self._max(host))
+        gather.close()
+        return None if bad else timing
 
     def stock(self, rows):
         x = planted(rows, self.shard, device=self.device)
         step = lambda: self._stock_step(x, rows)  # noqa: E731
         eager, host = _median_eager(step, self.device, self.calls, self.reps, self.barrier)
-        graph = _median_graph(lambda: (step(), step()), self.device, self.replays, self.reps,
-                              self.barrier)
+        graph = math.nan  # gloo's host copies cannot be captured
+        if not self.ranks.shared:
+            graph = _median_graph(lambda: (step(), step()), self.device, self.replays,
+                                  self.reps, self.barrier)
         return Timing(self._max(eager), self._max(graph), self._max(host))
+
+
+def _never_stock(x):
+    raise AssertionError("the timed row count is served: stock must not run")

@@ -168,7 +168,10 @@ def kill(args, ranks, gather, calls):
     run_calls(gather, calls, 0, args.kill_after, bad, ranks.device)
     if ranks.rank == args.kill_rank:
         torch.cuda.synchronize(ranks.device)
-        os._exit(17)  # dies without a word: its peers wait for pushes that never come
+        print(f"rank {ranks.rank}: exits without a word after call {args.kill_after}", flush=True)
+        # Gone mid-run: its peers wait for pushes that never come. Exit status 0 so that
+        # torchrun's agent does not take the survivors down before they report.
+        os._exit(0)
     start, i = time.monotonic(), args.kill_after
     try:
         while time.monotonic() - start < args.budget + 30:

@@ -91,20 +91,21 @@ def run(args):
     rows_list = args.rows
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        import torch.distributed as dist
+        from lamport_head.procs import SHARED_NOTE, init_ranks
 
         from .harness import DistributedTarget
 
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        if dist.get_world_size() != args.tp:
+        ranks = init_ranks()
+        if ranks.world != args.tp:
             raise SystemExit(f"lamport-head tune: --tp {args.tp} but torchrun started "
-                             f"{dist.get_world_size()} ranks")
-        device = torch.device("cuda", local)
-        target = DistributedTarget(None, device, args.tp, dist.get_rank(), args.vocab)
+                             f"{ranks.world} ranks")
+        device = ranks.device
+        target = DistributedTarget(ranks, args.vocab)
         comm = DistComm(None)
-        emulated = False
+        emulated = ranks.shared  # time-sliced processes: written emulated, never served
+        if ranks.shared and ranks.is_root:
+            print(f"lamport-head tune: {SHARED_NOTE}; the section is written emulated: true",
+                  flush=True)
     else:
         if not args.emulate and args.tp > 1:
             raise SystemExit("lamport-head tune: one process sees one rank; use --emulate for "

@@ -1,0 +1,114 @@
+"""Real processes, one GPU: N ranks share the GPU through the CUDA IPC mailbox and a
+gloo group (NCCL and symmetric memory refuse two ranks on one GPU). Each case
+starts ``python -m lamport_head.tuning.ranks`` in N processes with torchrun's
+environment (our own launcher: torchrun's agent would kill the survivors of the
+killed-rank case before they report). Skips without CUDA; correctness only, the
+contexts time-slice the GPU."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multiproc]
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(n, *args, timeout=300):
+    """``n`` ranks of the real-rank tool; (return codes, stdout+stderr per rank, wall s)."""
+    port = _port()
+    procs = []
+    start = time.monotonic()
+    for rank in range(n):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
+                   LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                   NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
+        if torch.cuda.device_count() > 1:
+            env["CUDA_VISIBLE_DEVICES"] = "0"  # the one-GPU mode even on a larger machine
+        procs.append(subprocess.Popen([sys.executable, "-m", "lamport_head.tuning.ranks", *args],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs, codes = [], []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a rank was still running after {timeout} s: a hang")
+        outs.append(out)
+        codes.append(p.returncode)
+    return codes, outs, time.monotonic() - start
+
+
+def _show(outs):
+    return "\n".join(f"--- rank {r}\n{o[-3000:]}" for r, o in enumerate(outs))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_free_running_processes_bitwise(n):
+    codes, outs, wall = launch(n, "--calls", "300", timeout=420)
+    assert codes == [0] * n, _show(outs)
+    line = next(x for x in outs[0].splitlines() if x.startswith("ranks check:"))
+    print(f"\n{line} ({wall:.0f} s wall)")
+    assert "bitwise equal to the reference on every rank and call, every mailbox word armed" in line
+    assert "timings in this mode are not performance" in line
+
+
+def test_killed_process_every_survivor_raises_within_budget_then_gpu_works():
+    n, budget = 4, 2.0
+    codes, outs, _ = launch(n, "--calls", "1000", "--kill-rank", "1", "--kill-after", "40",
+                            "--budget", str(budget), timeout=240)
+    assert codes[1] == 0 and "exits without a word after call 40" in outs[1], _show(outs)
+    lines = []
+    for r in (0, 2, 3):
+        assert codes[r] == 0, _show(outs)
+        found = re.search(r"rank\(s\) ([\d, ]+) never published.* after ([\d.]+) s", outs[r])
+        assert found and "1" in found.group(1).split(", "), _show(outs)
+        assert float(found.group(2)) < budget + 1.0
+        lines.append(outs[r].strip().splitlines()[-1])
+    print("\n" + "\n".join(lines))
+    # the GPU serves the next process group
+    codes, outs, _ = launch(2, "--calls", "30")
+    assert codes == [0, 0], _show(outs)
+
+
+def test_slow_process_inside_the_budget_is_right():
+    codes, outs, _ = launch(2, "--calls", "40", "--slow-rank", "1", "--slow-s", "0.5",
+                            "--budget", "3")
+    assert codes == [0, 0], _show(outs)
+    assert "every output right" in outs[0]
+
+
+def test_slow_process_past_the_budget_all_raise_and_a_late_push_is_harmless():
+    codes, outs, _ = launch(3, "--calls", "40", "--slow-rank", "1", "--slow-s", "2.5",
+                            "--budget", "1", "--late-push")
+    assert codes == [0, 0, 0], _show(outs)
+    assert "every rank raised, none served; right again after reset()" in outs[0], _show(outs)
+    print("\n" + outs[0].strip())
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_install_across_processes_serves_bitwise(n):
+    codes, outs, _ = launch(n, "--install", "--calls", "60")
+    assert codes == [0] * n, _show(outs)
+    line = next(x for x in outs[0].splitlines() if x.startswith("ranks install:"))
+    print("\n" + line)
+    assert "served rows [1, 2, 3, 5, 8, 16, 64] on every rank" in line
+
+
+def test_one_process_failing_its_mailbox_leaves_every_process_stock():
+    codes, outs, _ = launch(3, "--install", "--fail-alloc-rank", "2", "--calls", "20", timeout=180)
+    assert codes == [0, 0, 0], _show(outs)
+    assert "served rows none (stock) on every rank" in outs[0], _show(outs)
