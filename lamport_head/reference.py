@@ -37,14 +37,18 @@ with 1.0 high, (+0, +0), NaN pairs, (+Inf, -Inf), (NaN, -Inf), (max NaN payloads
 
 def planted(*shape, generator=None, device="cpu") -> torch.Tensor:
     """Random BF16 of ``shape`` (last dim even) with the words a gather must get right
-    planted at random places: every one of ``SPECIAL``, about 1 word in 64."""
+    planted at random places: every one of ``SPECIAL``, about 1 word in 64.
+
+    Deterministic for a seeded ``generator`` on any device (elementwise choices, no
+    scatter whose duplicate indices a GPU may resolve either way): processes that
+    share a seed build the same shards, so each can check a gather on its own."""
     data = torch.randn(*shape, generator=generator, device=device).to(torch.bfloat16)
     words = data.view(torch.int32).view(-1)
     n = words.numel()
     special = torch.tensor(SPECIAL, dtype=torch.int32, device=device)
-    count = max(len(SPECIAL), n // 64)
-    where = torch.randint(0, n, (count,), generator=generator, device=device)
-    words[where] = special[torch.arange(count, device=device) % len(SPECIAL)]
+    pick = torch.randint(0, 64 * len(SPECIAL), (n,), generator=generator, device=device)
+    hit = pick < len(SPECIAL)
+    words.copy_(torch.where(hit, special[pick.clamp(max=len(SPECIAL) - 1)], words))
     if n >= len(SPECIAL):  # the first words hold every special for certain
         words[: len(SPECIAL)] = special
     return data

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiproc]
+VOCAB3 = "129024"  # splits into 3 shards of whole 16-byte fragments (163840 does not)
 
 
 def _port():
@@ -93,7 +94,7 @@ def test_slow_process_inside_the_budget_is_right():
 
 def test_slow_process_past_the_budget_all_raise_and_a_late_push_is_harmless():
     codes, outs, _ = launch(3, "--calls", "40", "--slow-rank", "1", "--slow-s", "2.5",
-                            "--budget", "1", "--late-push")
+                            "--budget", "1", "--late-push", "--vocab", VOCAB3)
     assert codes == [0, 0, 0], _show(outs)
     assert "every rank raised, none served; right again after reset()" in outs[0], _show(outs)
     print("\n" + outs[0].strip())
@@ -109,6 +110,7 @@ def test_install_across_processes_serves_bitwise(n):
 
 
 def test_one_process_failing_its_mailbox_leaves_every_process_stock():
-    codes, outs, _ = launch(3, "--install", "--fail-alloc-rank", "2", "--calls", "20", timeout=180)
+    codes, outs, _ = launch(3, "--install", "--fail-alloc-rank", "2", "--calls", "20",
+                            "--vocab", VOCAB3, timeout=180)
     assert codes == [0, 0, 0], _show(outs)
     assert "served rows none (stock) on every rank" in outs[0], _show(outs)
