@@ -50,5 +50,4 @@ def test_planted_is_deterministic_per_seed():
 
     assert torch.equal(words(make(7)), words(make(7)))
     assert not torch.equal(words(make(7)), words(make(8)))
-    share = (words(make(7))[..., 9:] != words(torch.randn(1).bfloat16())).float().mean()
-    assert share > 0.9  # still mostly random data
+    assert (words(make(7)) != words(make(8))).float().mean() > 0.9  # mostly random data
