@@ -75,7 +75,8 @@ def parser():
     s.add_argument("--table", help="table path (default: $LAMPORT_HEAD_TABLE or the packaged one)")
     s.add_argument("--emulated", action="store_true", help="show emulated sections")
 
-    v = sub.add_parser("verify", help="bitwise check of the gather on this GPU (emulated ranks)")
+    v = sub.add_parser("verify", help="bitwise check of the gather on this GPU (emulated ranks; "
+                                      "under torchrun: real ranks, free-running)")
     v.add_argument("--tp", type=_positive, default=8)
     v.add_argument("--vocab", type=_positive, default=163840)
     v.add_argument("--rows", type=_rows, default=_rows("1,2,3,7,8,16,33,64"))
@@ -204,6 +205,11 @@ def verify(args):
     from lamport_head.emulate import EmulatedGather
     from lamport_head.reference import planted, reference_gather
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # real ranks: the free-running check
+        from lamport_head.tuning.ranks import main as ranks_main
+
+        return ranks_main(["--calls", str(args.calls), "--vocab", str(args.vocab),
+                           "--rows", ",".join(map(str, args.rows))])
     if args.vocab % args.tp or (args.vocab // args.tp) % 8:
         return _fail(f"verify: vocab {args.vocab} / tp {args.tp} is not a multiple of 8")
     device = torch.device("cuda", torch.cuda.current_device())

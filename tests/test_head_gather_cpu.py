@@ -217,3 +217,26 @@ def test_default_ctas_scales_and_clamps():
     assert default_ctas(1, 8, 20480, 256, 4, 100) == 18
     assert default_ctas(64, 8, 20480, 256, 4, 100) == 100
     assert default_ctas(1, 2, 8, 256, 4, 100) == 1
+
+
+def test_symmetric_bases_apply_this_ranks_offset_to_every_peer():
+    from lamport_head.mailbox import symmetric_bases
+
+    # handle.buffer_ptrs at the tensors themselves (offset 0)
+    assert symmetric_bases([0x1000, 0x9000], 0x9000, 1) == [0x1000, 0x9000]
+    # at the allocation segments' bases: the box sits 0x200 in on every rank
+    assert symmetric_bases([0x1000, 0x9000, 0x5000], 0x1200, 0) == [0x1200, 0x9200, 0x5200]
+    with pytest.raises(RuntimeError, match="points past this box"):
+        symmetric_bases([0x2000, 0x9000], 0x1000, 0)
+
+
+def test_backend_choice_is_a_function_of_every_ranks_facts():
+    from lamport_head.mailbox import decide
+
+    distinct = [("h", "gpu0"), ("h", "gpu1")]
+    assert decide(distinct, [True, True]) == "symmetric"
+    assert decide([("h", "gpu0"), ("h", "gpu0")], [True, True]) == "ipc"  # a shared GPU
+    assert decide(distinct, [True, False]) == "ipc"  # a rank without symmetric memory
+    assert decide(distinct, [True, True], "ipc") == "ipc"  # forced
+    with pytest.raises(ValueError, match="LAMPORT_HEAD_MAILBOX='nvls'"):
+        decide(distinct, [True, True], "nvls")
