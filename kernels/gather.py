@@ -13,7 +13,10 @@ One launch per call and parity. ``Gather.kernel`` is the protocol, step by step
 3. per batch: ``fetch`` every fragment, ``repoll`` the dirty ones until they all
    arrived, the budget ran out or the mark appeared, then ``deliver`` (copy and
    re-arm; NaN for what never came). After a give-up the remaining batches are
-   fetched once, without waiting, so every missing rank is recorded;
+   fetched once, without waiting, so every missing rank is recorded. A kernel that
+   finds the mark already set delivers no peer fragment at all: the mark was set
+   before any late push of a void call could land in this box, so what the box
+   holds now may be such a push (NaN instead, until ``reset`` re-arms);
 4. ``report`` a give-up: the status record, and on a time-out the mark in every
    rank's control block.
 
@@ -85,7 +88,8 @@ class Gather:
             controls[q] = load_address(peers + Int64(PEER_CONTROL * tp + q) * 8)
         own = targets[0]
         own_control = load_address(peers + Int64(PEER_CONTROL * tp + rank) * 8)
-        cause = CAUSE_ABORT * marked(own_control)
+        stopped = marked(own_control)
+        cause = CAUSE_ABORT * stopped
 
         push(Int64(shard.iterator.toint()), out, targets, Int64(rank * self.shard_words), rows,
              me, stride, cause, tp, frags, width, unroll)
@@ -99,6 +103,8 @@ class Gather:
             source = cute.make_rmem_tensor((unroll,), Int32)
             pending = fetch(own, held, where, source, base, stride, polls, rank, frags, width,
                             unroll)
+            if stopped != 0:  # marked before this call began: its box may hold late
+                pending = Int32((1 << unroll) - 1)  # pushes of a void call; deliver none
             while (pending != 0) & (cause == 0):
                 pending = repoll(own, held, where, pending, unroll)
                 if cute.arch.globaltimer() - start > budget:

@@ -152,11 +152,17 @@ def test_slow_rank_past_the_budget_every_rank_raises_none_serves():
     cols = slice(slow * shard // 2, (slow + 1) * shard // 2)
     for r, out in enumerate(outs):
         words = out.view(torch.int32)
-        if r != slow:  # the slow rank's fragments never came: NaN, never stale bytes
-            assert (words[:, cols] == NAN_PAIR).all(), f"rank {r}: missing columns not NaN"
-            rest = torch.ones_like(words, dtype=torch.bool)
-            rest[:, cols] = False
-            assert torch.equal(words[rest], want[rest])
+        # the slow rank's fragments never came: NaN, never stale bytes. The slow rank
+        # found the mark set when it began: it delivers no peer fragment, only its own.
+        own = slice(r * shard // 2, (r + 1) * shard // 2)
+        nan = torch.zeros_like(words, dtype=torch.bool)
+        if r != slow:
+            nan[:, cols] = True
+        else:
+            nan[:, :] = True
+            nan[:, own] = False
+        assert (words[nan] == NAN_PAIR).all(), f"rank {r}: missing columns not NaN"
+        assert torch.equal(words[~nan], want[~nan])
     for r, g in enumerate(gather.ranks):  # every rank raises, the slow one too
         for _ in range(2):  # and keeps raising: nobody switches to stock alone
             with pytest.raises(GatherTimeout, match=rf"rank\(s\) {slow} never published"):
