@@ -213,3 +213,83 @@ def test_bench_command_writes_csv_json_png(tmp_path, monkeypatch, capsys):
     assert meta["emulated"] and meta["torch_add_host_us"] == 6.5
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert "torch.add_ host 6.5" in capsys.readouterr().out
+
+
+class CollectiveCost(CostModel):
+    """A target as real ranks see it: every method issues a gloo collective (limit a
+    MIN, lamport and stock a MAX), so a rank that skips a call deadlocks its peers.
+    ``fail_rank`` fails verification (None) at ``fail_at`` on that rank alone."""
+
+    def __init__(self, rank, fail_rank=None, fail_at=(16, 256, 4)):
+        super().__init__(limit=16 + 8 * rank)  # ranks disagree until they reduce
+        self.rank, self.fail_rank, self.fail_at = rank, fail_rank, fail_at
+
+    def _reduce(self, value, op):
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        return t.item()
+
+    def limit(self, threads, unroll):
+        return int(self._reduce(self.limit_ctas, dist.ReduceOp.MIN))
+
+    def lamport(self, rows, plan):
+        t = super().lamport(rows, plan)
+        us = self._reduce(t.gpu_us, dist.ReduceOp.MAX)
+        if self.rank == self.fail_rank and (plan.ctas, plan.threads, plan.unroll) == self.fail_at:
+            return None  # this rank's verification failed; its peers saw a figure
+        return Timing(t.eager_us, us, t.host_us)
+
+    def stock(self, rows):
+        t = super().stock(rows)
+        return Timing(t.eager_us, self._reduce(t.gpu_us, dist.ReduceOp.MAX), t.host_us)
+
+
+def _collective_worker(rank, world, init, db, out, fail_rank):
+    import datetime
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    target, seen = CollectiveCost(rank, fail_rank), []
+    r = sweep.tune_rows(target, 4, device="g", tp=world, dcp=1, trials=40, storage=db,
+                        comm=sweep.DistComm(None), threads=(256,), unroll=(2, 4),
+                        on_trial=lambda rows, config, timing: seen.append(
+                            [list(config), timing and timing.gpu_us]))
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"plan": [r.plan.ctas, r.plan.enabled, r.plan.threads, r.plan.unroll],
+                   "us": [r.lamport_us, r.stock_us], "trials": r.trials, "seen": seen}, f)
+    dist.destroy_process_group()
+
+
+def run_ranks(worker, world, args, deadline_s=120):
+    """Spawn ``world`` ranks of ``worker(rank, world, *args)``; a deadlock fails the
+    test at the deadline instead of hanging it."""
+    import time
+
+    ctx = mp.start_processes(worker, args=(world, *args), nprocs=world, join=False,
+                             start_method="spawn")
+    end = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=max(0.0, end - time.monotonic())):
+            if time.monotonic() >= end:
+                pytest.fail(f"{world} ranks still running after {deadline_s} s: deadlock")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.parametrize("world, fail_rank", [(2, None), (3, None), (2, 1), (3, 0)])
+def test_every_rank_takes_part_in_every_collective(tmp_path, world, fail_rank):
+    out = tmp_path / "r"
+    run_ranks(_collective_worker, world,
+              (f"file://{tmp_path / 'init'}", storage(tmp_path), str(out), fail_rank))
+    results = [json.loads(open(f"{out}.{r}").read()) for r in range(world)]
+    assert all(r == results[0] for r in results)  # same result, same trials, same story
+    first = results[0]
+    assert len(first["seen"]) == 2 * len(sweep.cta_choices(16))  # the whole grid, once
+    assert first["trials"] == len(first["seen"]) - (fail_rank is not None)  # completed ones
+    if fail_rank is None:
+        assert first["plan"] == [16, True, 256, 4]  # the cost model's argmin
+    else:
+        assert [[16, 256, 4], None] in first["seen"]  # failed on every rank
+        assert first["plan"][0] != 16

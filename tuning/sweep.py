@@ -3,10 +3,13 @@
 minimized is the target's ``objective``: eager latency on real ranks (what serving
 sees), GPU time when emulated (there, eager time is the host launching TP ranks).
 
-Rank agreement: rank 0 alone owns the study; it broadcasts each trial's parameters
-(or the stop signal) to every rank, every rank measures, and the trial's value is
-the maximum over ranks (the target does that reduction). Non-root ranks never
-touch the study, so the ranks cannot diverge in the collectives they issue.
+Rank agreement: every rank issues every collective the target issues, in the same
+order: every rank builds the search space (``target.limit`` is collective on real
+ranks), times stock, and times each trial. Rank 0 alone owns the study; it
+broadcasts its search space, each trial's parameters (or the stop signal) to every
+rank, every rank measures, and the trial's value is the maximum over ranks (the
+target reduces its figures; the sweep also agrees on failure: a trial that failed
+on any rank failed on all). Non-root ranks never touch the study.
 
 Resume and no repeats: studies live in ``storage`` under names carrying device, TP,
 DCP and rows; a re-run loads them, counts their finished trials against ``trials``,
@@ -49,6 +52,9 @@ class LocalComm:
     def broadcast(self, obj):
         return obj
 
+    def max(self, value):
+        return value
+
 
 class DistComm:
     """Rank 0 decides; ``broadcast`` hands its object to every rank of ``group``."""
@@ -64,6 +70,13 @@ class DistComm:
         self.dist.broadcast_object_list(box, src=self.dist.get_global_rank(self.group, 0)
                                         if self.group is not None else 0, group=self.group)
         return box[0]
+
+    def max(self, value):
+        """The largest of every rank's float (collective; NaN-free inputs)."""
+        values = [None] * self.dist.get_world_size(self.group)
+        # An object collective: works on gloo (CPU) and NCCL (current device) alike.
+        self.dist.all_gather_object(values, float(value), group=self.group)
+        return max(values)
 
 
 def cta_choices(limit):
@@ -83,7 +96,9 @@ def tune_rows(target, rows, *, device, tp, dcp, trials, storage, comm=None, marg
               threads=THREADS, unroll=UNROLL, seed=0, on_trial=None):
     """Sweep one row count; every rank calls it, only the root touches Optuna."""
     comm = comm or LocalComm()
-    space = comm.broadcast(grid(target, threads, unroll) if comm.is_root else None)
+    # Every rank builds the grid: target.limit is collective on real ranks. The ranks
+    # then use the root's grid, so they index the same configurations.
+    space = comm.broadcast(grid(target, threads, unroll))
     stock = target.stock(rows)
     timed, study, current = 0, None, None
     if comm.is_root:
@@ -136,7 +151,12 @@ def tune_rows(target, rows, *, device, tp, dcp, trials, storage, comm=None, marg
         timed += 1
         value = getattr(timing, target.objective) if timing is not None else math.inf
         if value != value:  # no usable figure (e.g. host-bound GPU timing)
-            timing, value = None, math.inf
+            value = math.inf
+        # A failure on one rank (None or no figure) is a failure on all: every rank
+        # must tell the study, the callback and its peers the same story.
+        value = comm.max(value)
+        if value == math.inf:
+            timing = None
         if comm.is_root:
             if timing is None:  # failed verification: never a candidate
                 study.tell(current, state=optuna.trial.TrialState.FAIL)
