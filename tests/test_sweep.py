@@ -40,13 +40,16 @@ class CostModel:
         return Timing(10 + rows + 5, 10 + rows, 9.0)
 
 
+V = 163840
+
+
 def storage(tmp_path):
     return f"sqlite:///{tmp_path / 'study.db'}"
 
 
 def test_grid_finds_the_argmin_and_times_each_config_once(tmp_path):
     target = CostModel(limit=64)
-    r = sweep.tune_rows(target, 4, device="gpu x", tp=8, dcp=1, trials=10_000,
+    r = sweep.tune_rows(target, 4, device="gpu x", tp=8, dcp=1, vocab=V, trials=10_000,
                         storage=storage(tmp_path))
     assert (r.plan.ctas, r.plan.threads, r.plan.unroll) == (16, 256, 4)
     assert r.lamport_us == pytest.approx(3.5) and r.stock_us == 14 and r.plan.enabled
@@ -55,42 +58,103 @@ def test_grid_finds_the_argmin_and_times_each_config_once(tmp_path):
 
 def test_margin_decides_enabled(tmp_path):
     target = CostModel(limit=64)
-    r = sweep.tune_rows(target, 64, device="g", tp=8, dcp=1, trials=10_000, storage=storage(tmp_path),
+    r = sweep.tune_rows(target, 64, device="g", tp=8, dcp=1, vocab=V, trials=10_000, storage=storage(tmp_path),
                         margin=0.0)
     assert r.plan.enabled  # 3 + 8 + penalty(64 vs 256 -> 2) = 13 < 74
-    r = sweep.tune_rows(target, 64, device="g2", tp=8, dcp=1, trials=10_000,
+    r = sweep.tune_rows(target, 64, device="g2", tp=8, dcp=1, vocab=V, trials=10_000,
                         storage=storage(tmp_path), margin=0.9)
     assert not r.plan.enabled  # must be under 7.4 µs
 
 
 def test_failed_verification_is_never_chosen(tmp_path):
     target = CostModel(limit=64, bad={(16, 256, 4)})
-    r = sweep.tune_rows(target, 4, device="g", tp=8, dcp=1, trials=10_000, storage=storage(tmp_path))
+    r = sweep.tune_rows(target, 4, device="g", tp=8, dcp=1, vocab=V, trials=10_000, storage=storage(tmp_path))
     assert (r.plan.ctas, r.plan.threads, r.plan.unroll) != (16, 256, 4)
 
 
 def test_resume_times_nothing_twice(tmp_path):
     first = CostModel()
-    r1 = sweep.tune_rows(first, 2, device="g", tp=8, dcp=1, trials=20, storage=storage(tmp_path))
+    r1 = sweep.tune_rows(first, 2, device="g", tp=8, dcp=1, vocab=V, trials=20, storage=storage(tmp_path))
     second = CostModel()
-    r2 = sweep.tune_rows(second, 2, device="g", tp=8, dcp=1, trials=30, storage=storage(tmp_path))
+    r2 = sweep.tune_rows(second, 2, device="g", tp=8, dcp=1, vocab=V, trials=30, storage=storage(tmp_path))
     assert len(first.timed) == 20 and len(second.timed) == 10
     assert not set(first.timed) & set(second.timed)
     assert r2.trials == 30 and r2.lamport_us <= r1.lamport_us
     third = CostModel()
-    sweep.tune_rows(third, 2, device="g", tp=8, dcp=1, trials=30, storage=storage(tmp_path))
+    sweep.tune_rows(third, 2, device="g", tp=8, dcp=1, vocab=V, trials=30, storage=storage(tmp_path))
     assert third.timed == []
+
+
+def test_resume_with_other_threads_reports_only_what_it_timed(tmp_path):
+    """Run 2 sweeps threads 128 where run 1 swept 256: same grid size, same indices;
+    it must time its own configurations, never report run 1's figures for them."""
+    first = CostModel(limit=16)
+    sweep.tune_rows(first, 4, device="g", tp=8, dcp=1, vocab=V, trials=100,
+                    storage=storage(tmp_path), threads=(256,), unroll=(4,))
+    second = CostModel(limit=16)
+    r = sweep.tune_rows(second, 4, device="g", tp=8, dcp=1, vocab=V, trials=100,
+                        storage=storage(tmp_path), threads=(128,), unroll=(4,))
+    chosen = (4, r.plan.ctas, r.plan.threads, r.plan.unroll)
+    assert r.plan.threads == 128 and chosen in second.timed
+    assert r.lamport_us == pytest.approx(second.lamport(4, r.plan).gpu_us)
+
+
+def test_study_key_separates_vocab_and_kernel(tmp_path):
+    runs = [dict(vocab=V, kernel="k1"), dict(vocab=V, kernel="k1"), dict(vocab=129280, kernel="k1"),
+            dict(vocab=V, kernel="k2")]
+    timed = []
+    for keys in runs:
+        target = CostModel(limit=16)
+        sweep.tune_rows(target, 2, device="g", tp=8, dcp=1, trials=100, storage=storage(tmp_path),
+                        threads=(256,), unroll=(4,), **keys)
+        timed.append(len(target.timed))
+    assert timed == [8, 0, 8, 8]  # only the identical run resumes
+
+
+def test_trials_store_configuration_values(tmp_path):
+    import optuna
+
+    sweep.tune_rows(CostModel(limit=4), 1, device="g", tp=8, dcp=1, vocab=V, trials=100,
+                    storage=storage(tmp_path), threads=(128,), unroll=(2,))
+    (summary,) = optuna.get_all_study_summaries(storage(tmp_path))
+    assert f"vocab{V}" in summary.study_name and "kernel-" in summary.study_name
+    study = optuna.load_study(study_name=summary.study_name, storage=storage(tmp_path))
+    got = sorted((t.params["config"], t.user_attrs["ctas"], t.user_attrs["threads"],
+                  t.user_attrs["unroll"]) for t in study.trials)
+    assert got == [(f"ctas={c},threads=128,unroll=2", c, 128, 2) for c in (1, 2, 3, 4)]
+
+
+def test_kernel_identity_follows_sources_and_dsl_version(tmp_path, monkeypatch):
+    import importlib.util
+    import shutil
+    import subprocess
+    import sys
+
+    installed = importlib.util.find_spec("lamport_head.kernels").submodule_search_locations[0]
+    copy = tmp_path / "kernels"
+    shutil.copytree(installed, copy)
+    ident = sweep.kernel_identity()
+    assert len(ident) == 12 and int(ident, 16) >= 0
+    assert sweep.kernel_identity(copy) == ident
+    (copy / "gather.py").write_bytes((copy / "gather.py").read_bytes() + b"\n# edited\n")
+    assert sweep.kernel_identity(copy) != ident
+    monkeypatch.setattr(sweep.importlib.metadata, "version", lambda name: "0.0.0-other")
+    assert sweep.kernel_identity() != ident
+    # Computed without importing the kernels (or cutlass).
+    code = ("import sys; from lamport_head.tuning.sweep import kernel_identity; kernel_identity(); "
+            "assert 'cutlass' not in sys.modules and 'lamport_head.kernels' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_tpe_beyond_the_grid_never_repeats(tmp_path):
     target = CostModel(limit=1024)
-    sweep.tune_rows(target, 8, device="g", tp=8, dcp=1, trials=25, storage=storage(tmp_path))
+    sweep.tune_rows(target, 8, device="g", tp=8, dcp=1, vocab=V, trials=25, storage=storage(tmp_path))
     assert len(target.timed) == len(set(target.timed)) <= 25
 
 
 def test_merge_rows_ranges_and_yaml_round_trip(tmp_path):
     target = CostModel(limit=12)
-    results = [sweep.tune_rows(target, m, device="g", tp=8, dcp=1, trials=10_000,
+    results = [sweep.tune_rows(target, m, device="g", tp=8, dcp=1, vocab=V, trials=10_000,
                                storage=storage(tmp_path)) for m in (2, 4, 8, 16)]
     rows = sweep.merge_rows(results)
     assert list(rows) == [2, "4-16"]  # 4..16 share ctas=12 (capped) and the decision
@@ -140,7 +204,7 @@ class RankCost(CostModel):
 def _agree_worker(rank, init, db, out):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     target = RankCost(rank)
-    r = sweep.tune_rows(target, 1, device="g", tp=2, dcp=1, trials=40, storage=db,
+    r = sweep.tune_rows(target, 1, device="g", tp=2, dcp=1, vocab=V, trials=40, storage=db,
                         comm=sweep.DistComm(None))
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"ctas": r.plan.ctas, "us": r.lamport_us, "timed": target.timed}, f)
@@ -250,7 +314,7 @@ def _collective_worker(rank, world, init, db, out, fail_rank):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     target, seen = CollectiveCost(rank, fail_rank), []
-    r = sweep.tune_rows(target, 4, device="g", tp=world, dcp=1, trials=40, storage=db,
+    r = sweep.tune_rows(target, 4, device="g", tp=world, dcp=1, vocab=V, trials=40, storage=db,
                         comm=sweep.DistComm(None), threads=(256,), unroll=(2, 4),
                         on_trial=lambda rows, config, timing: seen.append(
                             [list(config), timing and timing.gpu_us]))

@@ -127,7 +127,7 @@ def run(args):
     results = []
     for rows in rows_list:
         results.append(tune_rows(target, rows, device=normalize(name), tp=args.tp, dcp=args.dcp,
-                                 trials=args.trials, storage=storage, comm=comm,
+                                 vocab=args.vocab, trials=args.trials, storage=storage, comm=comm,
                                  margin=args.margin, threads=tuple(args.threads),
                                  unroll=tuple(args.unroll), on_trial=progress.step))
     progress.close()
