@@ -9,6 +9,8 @@ import os
 import shutil
 import sys
 
+from lamport_head.table import KIMI_K2_VOCAB
+
 
 def _rows(text):
     try:
@@ -55,7 +57,7 @@ def parser():
     t.add_argument("--tp", type=_positive, default=8)
     t.add_argument("--dcp", type=_positive, default=1)
     t.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"))
-    t.add_argument("--vocab", type=_positive, default=163840)
+    t.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB)
     t.add_argument("--emulate", action="store_true", help="TP virtual ranks on one GPU")
     t.add_argument("--auto", action="store_true",
                    help="use every GPU here: torchrun over several, --emulate on one")
@@ -77,14 +79,14 @@ def parser():
 
     v = sub.add_parser("verify", help="bitwise check of the gather on this GPU (emulated ranks)")
     v.add_argument("--tp", type=_positive, default=8)
-    v.add_argument("--vocab", type=_positive, default=163840)
+    v.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB)
     v.add_argument("--rows", type=_rows, default=_rows("1,2,3,7,8,16,33,64"))
     v.add_argument("--calls", type=_positive, default=200)
 
     b = sub.add_parser("bench", help="Lamport vs stock latency, GPU time and host time")
     b.add_argument("--tp", type=_positive, default=8)
     b.add_argument("--dcp", type=_positive, default=1)
-    b.add_argument("--vocab", type=_positive, default=163840)
+    b.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB)
     b.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"))
     b.add_argument("--table")
     b.add_argument("--out", default="results/bench")

@@ -29,6 +29,8 @@ from pathlib import Path
 import yaml
 
 SCHEMA = 1
+MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are far smaller)
+KIMI_K2_VOCAB = 163840  # the vocab the tools default to, and the mailbox-size example
 SECTION_KEYS = {"tp", "dcp", "emulated", "provenance", "rows"}
 ROW_KEYS = {"ctas", "enabled", "threads", "unroll", "lamport_us", "stock_us"}
 PROVENANCE_KEYS = {"gpu", "driver", "cuda", "torch", "cutlass_dsl", "date", "commit",
@@ -63,6 +65,11 @@ def _mapping(loader, node, deep=False):
     seen = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:  # a sequence or mapping used as a key (`? [1, 2]`)
+            raise TableError(f"key {type(key).__name__} at line {key_node.start_mark.line + 1} "
+                             "is not a scalar; keys are names, numbers or ranges") from None
         if key in seen:
             raise TableError(f"duplicate key {key_node.value!r} (line {key_node.start_mark.line + 1}; "
                              f"first at line {seen[key] + 1})")
@@ -97,7 +104,18 @@ def _rows_key(key, where):
         raise TableError(f"{where}: row {key!r} must start at 1 or more")
     if hi < lo:
         raise TableError(f"{where}: row range {key!r} is reversed")
+    if hi > MAX_ROWS:  # checked before any range is expanded: a huge range stays cheap
+        what = f"row {hi}" if lo == hi else f"rows {lo}-{hi}"
+        raise TableError(f"{where}: {what} exceed{'s' if lo == hi else ''} the limit of "
+                         f"{MAX_ROWS} rows: {mailbox_cost(hi)}")
     return lo, hi
+
+
+def mailbox_cost(rows, vocab=KIMI_K2_VOCAB):
+    """Why rows are capped: every rank holds a mailbox of 2 parities x rows x V BF16."""
+    size = 2 * rows * vocab * 2
+    return (f"a mailbox for {rows} rows costs {size / 1e9:.1f} GB per rank at V = {vocab} "
+            "(2 parities x rows x V x 2 bytes)")
 
 
 def _row(entry, where):
@@ -171,7 +189,7 @@ def parse(text, path="<string>"):
         keys = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
         raise TableError(f"{path}: the top level must be a mapping of exactly 'schema' and "
                          f"'devices', got {keys}")
-    if data["schema"] != SCHEMA:
+    if not _int(data["schema"]) or data["schema"] != SCHEMA:  # True == 1 == 1.0 in Python
         raise TableError(f"{path}: schema {data['schema']!r} is not supported (expected {SCHEMA})")
     devices = data["devices"]
     if not isinstance(devices, dict):

@@ -91,6 +91,14 @@ BAD = {
     "bare_no": (section("1: {ctas: 8, enabled: no}"), "bare 'no'"),
     "provenance_unknown": (section(extra="      provenance: {colour: red}\n"), "unknown provenance"),
     "emulated_str": (section(extra="      emulated: maybe\n"), "emulated must be true or false"),
+    "unhashable_list_key": (section("? [1, 2]\n        : {ctas: 8, enabled: true}"), "key list at line 7"),
+    "unhashable_map_key": ("schema: 1\n? {a: 1}\n: x\n", "key dict at line 2"),
+    "schema_true": ("schema: true\ndevices: {}\n", "schema True is not supported"),
+    "schema_float": ("schema: 1.0\ndevices: {}\n", "schema 1.0 is not supported"),
+    "rows_over_limit": (section("1-4096: {ctas: 8, enabled: true}"),
+                        "rows 1-4096 exceed the limit of 1024 rows: a mailbox for 4096 rows costs "
+                        "2.7 GB per rank at V = 163840 (2 parities x rows x V x 2 bytes)"),
+    "row_over_limit": (section("2048: {ctas: 8, enabled: true}"), "row 2048 exceeds the limit"),
     "device_case_dup": ("schema: 1\ndevices:\n  GPU X: [{tp: 2, rows: {1: {ctas: 1, enabled: true}}}]\n"
                         "  gpu x: [{tp: 2, rows: {1: {ctas: 1, enabled: true}}}]\n", "case-insensitively"),
 }
@@ -115,3 +123,16 @@ def test_missing_file_is_a_table_error(tmp_path):
 def test_quoted_words_are_fine():
     t = parse(section("1: {ctas: 8, enabled: true}").replace("GPU X", "'on'"))
     assert t.plan("on", 8, 1)[1].ctas == 8
+
+
+def test_huge_range_is_rejected_before_it_is_expanded():
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(TableError, match="rows 1-30000000 exceed the limit of 1024 rows"):
+        parse(section("1-30000000: {ctas: 8, enabled: true}"), "huge.yaml")
+    assert time.perf_counter() - start < 2.0
+
+
+def test_range_up_to_the_limit_loads():
+    assert len(parse(section("1-1024: {ctas: 8, enabled: true}")).plan("GPU X", 8, 1)) == 1024
