@@ -187,15 +187,30 @@ def show(args):
         if prov:
             print(f"  measured {prov.get('date', '?')} on {prov.get('gpu', '?')}, "
                   f"commit {prov.get('commit', '?')}")
-        print(f"  {'rows':>7} {'ctas':>5} {'threads':>7} {'unroll':>6} {'enabled':>7} "
+        print(f"  {'rows':>9} {'ctas':>5} {'threads':>7} {'unroll':>6} {'enabled':>7} "
               f"{'lamport µs':>10} {'stock µs':>9}")
-        for key, entry in s.raw["rows"].items():
-            plan = s.rows[int(str(key).split("-")[0])]
+        for key, plan, entry, note in _show_rows(s):
             lam = entry.get("lamport_us", "")
             st = entry.get("stock_us", "")
-            print(f"  {str(key):>7} {plan.ctas:>5} {plan.threads:>7} {plan.unroll:>6} "
-                  f"{('yes' if plan.enabled else 'no'):>7} {lam!s:>10} {st!s:>9}")
+            print(f"  {key:>9} {plan.ctas:>5} {plan.threads:>7} {plan.unroll:>6} "
+                  f"{('yes' if plan.enabled else 'no'):>7} {lam!s:>10} {st!s:>9}{note}")
     return 0
+
+
+def _show_rows(section):
+    """(key, plan, entry, note) in row order: the measured entries as written, and
+    between them the rows serving fills in (entry ``{}``, a note naming the source)."""
+    from lamport_head.table import fill, row_span
+
+    plan = fill(section.rows)
+    measured = sorted((row_span(key), key, entry) for key, entry in section.raw["rows"].items())
+    last = None
+    for (lo, hi), key, entry in measured:
+        if last is not None and lo > last + 1:
+            gap = str(last + 1) if lo == last + 2 else f"{last + 1}-{lo - 1}"
+            yield gap, plan[lo - 1], {}, f"  filled (not measured) from rows {lo}"
+        yield str(key), plan[lo], entry, ""
+        last = hi
 
 
 def verify(args):

@@ -14,6 +14,11 @@ Format (YAML; see tables/head_gather.yaml)::
           rows:                   # a row count or an inclusive range "a-b"
             1: {ctas: 8, enabled: true, lamport_us: 5.1, stock_us: 19.8}
             2-4: {ctas: 16, enabled: true, threads: 256, unroll: 4}
+            8: {ctas: 32, enabled: true}
+
+The tuner writes one entry per measured row count; serving fills the rows between
+two measured ones (5-7 above) from the row above, enabled only when both neighbours
+are (``fill``). Rows outside the measured span use the stock gather.
 
 Validation is strict: every defect raises ``TableError`` naming the file and the
 entry. YAML 1.1 reads a bare on/off/yes/no as a boolean, so such a plain scalar is
@@ -22,7 +27,7 @@ rejected anywhere (write true/false, or quote it).
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -50,6 +55,25 @@ class RowPlan:
     enabled: bool
     threads: int = 256
     unroll: int = 4
+    filled: bool = False  # not measured: filled in from the measured row above (fill())
+
+
+def fill(measured):
+    """The serving plan ``{rows: RowPlan}`` from the measured rows (a range counts as
+    measured for each of its rows). A row between two measured rows takes the plan of
+    the measured row above it (its CTAs were found for at least as many rows, so they
+    cover the bytes), marked ``filled``, enabled only when both neighbours are
+    enabled. Rows below the smallest measured row have no lower neighbour, and rows
+    past the largest have no upper one: both stay stock (absent). When the smallest
+    measured row is 1 there is no row below it."""
+    rows = sorted(measured)
+    plan = dict(measured)
+    for below, above in zip(rows, rows[1:]):
+        if above - below > 1:
+            enabled = measured[below].enabled and measured[above].enabled
+            gap = replace(measured[above], enabled=enabled, filled=True)
+            plan.update(dict.fromkeys(range(below + 1, above), gap))
+    return dict(sorted(plan.items()))
 
 
 def normalize(name: str) -> str:
@@ -93,7 +117,8 @@ def _int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _rows_key(key, where):
+def row_span(key, where="rows"):
+    """(first, last) row of a row key: a count ``8`` or an inclusive range ``'2-4'``."""
     if _int(key):
         lo = hi = key
     elif isinstance(key, str) and _RANGE.match(key):
@@ -153,7 +178,7 @@ class Section:
     dcp: int
     emulated: bool
     provenance: dict
-    rows: dict  # row count -> RowPlan (ranges expanded)
+    rows: dict  # measured row count -> RowPlan (ranges expanded); Table.plan fills gaps
     raw: dict  # the section as written
 
 
@@ -171,10 +196,11 @@ class Table:
         return None
 
     def plan(self, device_name, tp, dcp=1, *, emulated=False):
-        """The serving plan; ``{}`` for an unknown device or (tp, dcp). Emulated
-        sections are only returned when asked for with ``emulated=True``."""
+        """The serving plan, gaps between measured rows filled (``fill``); ``{}`` for an
+        unknown device or (tp, dcp). Emulated sections are only returned when asked
+        for with ``emulated=True``."""
         s = self.section(device_name, tp, dcp, emulated=emulated)
-        return dict(s.rows) if s else {}
+        return fill(s.rows) if s else {}
 
 
 def parse(text, path="<string>"):
@@ -244,7 +270,7 @@ def _section(device, sec, where):
         raise TableError(f"{where}: rows must be a non-empty mapping")
     plan, spans = {}, []
     for key, entry in rows.items():
-        lo, hi = _rows_key(key, f"{where} rows[{key!r}]")
+        lo, hi = row_span(key, f"{where} rows[{key!r}]")
         for other, (a, b) in spans:
             if lo <= b and a <= hi:
                 raise TableError(f"{where}: rows {key!r} overlap rows {other!r}")

@@ -9,10 +9,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from lamport_head.table import load_table
+from lamport_head.table import RowPlan, load_table
 from lamport_head.tuning import sweep
 from lamport_head.tuning.harness import Timing
-from lamport_head.tuning.writer import merge_section
+from lamport_head.tuning.writer import measured_rows, merge_section
 
 
 class CostModel:
@@ -152,12 +152,15 @@ def test_tpe_beyond_the_grid_never_repeats(tmp_path):
     assert len(target.timed) == len(set(target.timed)) <= 25
 
 
-def test_merge_rows_ranges_and_yaml_round_trip(tmp_path):
+def test_measured_rows_one_entry_each_and_yaml_round_trip(tmp_path):
     target = CostModel(limit=12)
     results = [sweep.tune_rows(target, m, device="g", tp=8, dcp=1, vocab=V, trials=10_000,
                                storage=storage(tmp_path)) for m in (2, 4, 8, 16)]
-    rows = sweep.merge_rows(results)
-    assert list(rows) == [2, "4-16"]  # 4..16 share ctas=12 (capped) and the decision
+    rows = measured_rows(results)
+    # 4..16 share ctas=12 (capped) and the decision, yet each row is its own entry:
+    # a range "4-16" would claim rows 5..7 and 9..15 were measured.
+    assert list(rows) == [2, 4, 8, 16]
+    assert rows[4]["stock_us"] == 14 and rows[16]["stock_us"] == 26  # each row its own figures
     path = tmp_path / "head_gather.yaml"
     path.write_text(yaml.safe_dump({"schema": 1, "devices": {"Other GPU": [
         {"tp": 2, "dcp": 1, "rows": {1: {"ctas": 1, "enabled": True}}}]}}))
@@ -168,7 +171,9 @@ def test_merge_rows_ranges_and_yaml_round_trip(tmp_path):
     assert t.plan("Other GPU", 2, 1)[1].ctas == 1  # untouched
     assert t.plan("GPU X", 8, 1) == {}  # emulated: never served
     plan = t.plan("GPU X", 8, 1, emulated=True)
-    assert plan[2].ctas == 8 and plan[12].ctas == 12 and plan[16].enabled
+    assert plan[2].ctas == 8 and plan[16].enabled and not plan[16].filled
+    assert plan[12] == RowPlan(12, True, 256, 4, filled=True)  # served from row 16
+    assert 1 not in plan and 17 not in plan  # outside the measured rows: stock
     assert len(t.sections) == 2
     assert not list(tmp_path.glob(".head_gather.yaml.*"))  # no temporary left behind
 

@@ -3,7 +3,7 @@ rejected with a TableError naming the file and the entry."""
 
 import pytest
 
-from lamport_head.table import RowPlan, TableError, load_table, parse
+from lamport_head.table import RowPlan, TableError, fill, load_table, parse
 
 GOOD = """\
 schema: 1
@@ -136,3 +136,39 @@ def test_huge_range_is_rejected_before_it_is_expanded():
 
 def test_range_up_to_the_limit_loads():
     assert len(parse(section("1-1024: {ctas: 8, enabled: true}")).plan("GPU X", 8, 1)) == 1024
+
+
+FILL = """\
+schema: 1
+devices:
+  GPU X:
+    - tp: 8
+      rows:
+        2: {ctas: 2, enabled: true}
+        4: {ctas: 4, enabled: true, threads: 128}
+        8: {ctas: 8, enabled: false}
+        16-20: {ctas: 16, enabled: true}
+        32: {ctas: 32, enabled: true, unroll: 8}
+"""
+
+
+def test_gaps_fill_from_the_row_above():
+    plan = parse(FILL).plan("GPU X", 8, 1)
+    assert 1 not in plan  # below the smallest measured row: no lower neighbour, stock
+    assert plan[2] == RowPlan(2, True)  # measured rows are served as written
+    assert plan[3] == RowPlan(4, True, 128, filled=True)  # both neighbours enabled
+    for m in (5, 6, 7):  # enabled below, disabled above: stays disabled
+        assert plan[m] == RowPlan(8, False, filled=True)
+    for m in range(9, 16):  # disabled below, enabled above: stays disabled
+        assert plan[m] == RowPlan(16, False, filled=True)
+    assert all(plan[m] == RowPlan(16, True) for m in range(16, 21))  # a range: all measured
+    assert all(plan[m] == RowPlan(32, True, 256, 8, filled=True) for m in range(21, 32))
+    assert max(plan) == 32  # past the largest measured row: stock
+    assert sorted(plan) == list(range(2, 33))
+
+
+def test_fill_from_row_one_leaves_nothing_below():
+    plan = fill({1: RowPlan(4, True), 4: RowPlan(8, True)})
+    assert plan == {1: RowPlan(4, True), 2: RowPlan(8, True, filled=True),
+                    3: RowPlan(8, True, filled=True), 4: RowPlan(8, True)}
+    assert fill({}) == {} and fill({5: RowPlan(1, False)}) == {5: RowPlan(1, False)}

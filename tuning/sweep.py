@@ -243,26 +243,3 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
             result = RowResult(rows, RowPlan(1, False), math.inf, getattr(stock, target.objective),
                                math.nan, stock.gpu_us, 0, timed)
     return comm.broadcast(result)
-
-
-def merge_rows(results):
-    """{key: entry} for the YAML: adjacent tuned rows with the same decision and
-    configuration merge into a range 'a-b' (entries carry the largest row's figures)."""
-    ordered = sorted(results, key=lambda r: r.rows)
-    groups = []
-    for r in ordered:
-        if groups and groups[-1][-1].plan == r.plan:
-            groups[-1].append(r)
-        else:
-            groups.append([r])
-    table = {}
-    for g in groups:
-        key = g[0].rows if len(g) == 1 else f"{g[0].rows}-{g[-1].rows}"
-        last = g[-1]
-        entry = {"ctas": last.plan.ctas, "enabled": last.plan.enabled,
-                 "threads": last.plan.threads, "unroll": last.plan.unroll}
-        if math.isfinite(last.lamport_us):
-            entry["lamport_us"] = round(last.lamport_us, 2)
-        entry["stock_us"] = round(last.stock_us, 2)
-        table[key] = entry
-    return table

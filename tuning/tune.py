@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .sweep import DistComm, LocalComm, merge_rows, tune_rows
-from .writer import merge_section
+from .sweep import DistComm, LocalComm, tune_rows
+from .writer import measured_rows, merge_section
 
 
 def provenance(device, command):
@@ -137,7 +137,7 @@ def run(args):
     command = "lamport-head " + shlex.join(getattr(args, "argv", sys.argv[1:]))
     if world > 1:
         command = f"torchrun --nproc-per-node {world} " + command
-    path = merge_section(out, name, args.tp, args.dcp, merge_rows(results),
+    path = merge_section(out, name, args.tp, args.dcp, measured_rows(results),
                          provenance(device, command), emulated=emulated)
     print(f"wrote {path} ({name}, tp={args.tp}, dcp={args.dcp}{', emulated' if emulated else ''})")
     if args.plot:
