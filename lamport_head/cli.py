@@ -66,7 +66,8 @@ def parser():
     t.add_argument("--margin", type=_margin, default=0.05)
     t.add_argument("--threads", type=_ints, default=[128, 256, 512])
     t.add_argument("--unroll", type=_ints, default=[2, 4, 8])
-    t.add_argument("--out", default="tables/head_gather.yaml")
+    t.add_argument("--out", help="table to merge into (default: the user table, "
+                   "$LAMPORT_HEAD_CACHE/head_gather.yaml or ~/.cache/lamport-head/head_gather.yaml)")
     t.add_argument("--plot", help="write a PNG of latency and speedup against rows")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -74,7 +75,8 @@ def parser():
     s.add_argument("--device", help="GPU model (default: this machine's GPU)")
     s.add_argument("--tp", type=_positive)
     s.add_argument("--dcp", type=_positive, default=1)
-    s.add_argument("--table", help="table path (default: $LAMPORT_HEAD_TABLE or the packaged one)")
+    s.add_argument("--table", help="one table file (default: the layers serving reads: packaged "
+                   "< user table < $LAMPORT_HEAD_TABLE)")
     s.add_argument("--emulated", action="store_true", help="show emulated sections")
 
     v = sub.add_parser("verify", help="bitwise check of the gather on this GPU (emulated ranks)")
@@ -176,13 +178,14 @@ def show(args):
                 if (device is None or normalize(s.device) == normalize(device))
                 and (args.tp is None or s.tp == args.tp) and s.dcp == args.dcp
                 and (args.emulated or not s.emulated)]
-    print(f"table: {table.path}")
+    print("table: " + " < ".join(table.layers))
     if not sections:
         what = f"{device or 'any GPU'}, tp={args.tp or 'any'}, dcp={args.dcp}"
         print(f"no {'' if args.emulated else 'serving '}entries for {what}: the stock gather is used")
         return 0
     for s in sections:
         print(f"\n{s.device}  tp={s.tp} dcp={s.dcp}" + ("  (emulated: never served)" if s.emulated else ""))
+        print(f"  from {s.source}")
         prov = s.provenance
         if prov:
             print(f"  measured {prov.get('date', '?')} on {prov.get('gpu', '?')}, "

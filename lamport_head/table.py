@@ -180,13 +180,22 @@ class Section:
     provenance: dict
     rows: dict  # measured row count -> RowPlan (ranges expanded); Table.plan fills gaps
     raw: dict  # the section as written
+    source: str = ""  # the file it was read from
+
+
+def section_key(section):
+    """What a section is for; a higher layer's section replaces a lower one's alike."""
+    return normalize(section.device), section.tp, section.dcp, section.emulated
 
 
 class Table:
-    """A validated table. ``plan(device_name, tp, dcp)`` -> ``{rows: RowPlan}``."""
+    """A validated table. ``plan(device_name, tp, dcp)`` -> ``{rows: RowPlan}``.
+    ``path`` is its file (the highest layer's, for a layered view); ``layers`` every
+    file read, lowest first. No two sections share a ``section_key``."""
 
-    def __init__(self, path, sections):
+    def __init__(self, path, sections, layers=None):
         self.path, self.sections = path, sections
+        self.layers = layers or [path]
 
     def section(self, device_name, tp, dcp, *, emulated=False):
         for s in self.sections:
@@ -234,6 +243,7 @@ def parse(text, path="<string>"):
         for i, sec in enumerate(entries):
             where = f"{path}: devices.{device}[{i}]"
             sections.append(_section(device, sec, where))
+            sections[-1].source = path
             key = (sections[-1].tp, sections[-1].dcp, sections[-1].emulated)
             if key in seen:
                 raise TableError(f"{where}: duplicate section for tp={key[0]}, dcp={key[1]}"
@@ -284,9 +294,45 @@ def packaged_path() -> Path:
     return Path(str(resources.files("lamport_head.tables").joinpath("head_gather.yaml")))
 
 
+def user_path() -> Path:
+    """The user's table, written by ``tune``: ``$LAMPORT_HEAD_CACHE/head_gather.yaml``,
+    the cache directory defaulting to ``$XDG_CACHE_HOME/lamport-head`` (XDG's
+    default: ``~/.cache``)."""
+    cache = os.environ.get("LAMPORT_HEAD_CACHE")
+    if not cache:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        cache = Path(base) / "lamport-head"
+    return Path(cache) / "head_gather.yaml"
+
+
+def layer_paths():
+    """The table files serving reads, lowest to highest: the packaged table, the
+    user's table (when it exists), ``$LAMPORT_HEAD_TABLE`` (when set; it must exist)."""
+    paths = [packaged_path()]
+    if user_path().exists():
+        paths.append(user_path())
+    if os.environ.get("LAMPORT_HEAD_TABLE"):
+        paths.append(Path(os.environ["LAMPORT_HEAD_TABLE"]))
+    return paths
+
+
+def load_layers() -> Table:
+    """The merged view of ``layer_paths()``: a higher layer's section for the same
+    (GPU model, TP, DCP, emulated) replaces the lower one's; each section keeps the
+    file it came from in ``source``. Any malformed layer raises its TableError."""
+    paths = [str(p) for p in layer_paths()]
+    sections = {}
+    for path in paths:
+        for s in load_table(path).sections:
+            sections[section_key(s)] = s
+    return Table(paths[-1], list(sections.values()), paths)
+
+
 def load_table(path=None) -> Table:
-    """The table at ``path``; else ``$LAMPORT_HEAD_TABLE``; else the packaged one."""
-    path = path or os.environ.get("LAMPORT_HEAD_TABLE") or packaged_path()
+    """The table at ``path`` (that one file); without a path, the layered view
+    (``load_layers``)."""
+    if path is None:
+        return load_layers()
     try:
         text = Path(path).read_text()
     except OSError as exc:

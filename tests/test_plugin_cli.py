@@ -100,6 +100,7 @@ def test_show_prints_plan(tmp_path, capsys):
     assert cli.main(["show", "--table", str(p), "--device", "nvidia h200", "--tp", "8"]) == 0
     out = capsys.readouterr().out
     assert "NVIDIA H200  tp=8 dcp=1" in out and "1-4" in out and "4.5" in out
+    assert f"from {p}" in out  # each section names its file
     assert cli.main(["show", "--table", str(p), "--device", "NVIDIA H100"]) == 0
     assert "stock gather is used" in capsys.readouterr().out
 

@@ -252,6 +252,31 @@ def test_tune_command_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert cli.main(argv) == 0
 
 
+def test_tune_writes_the_user_layer_by_default(monkeypatch, capsys):
+    import lamport_head.tuning.harness as harness
+    from lamport_head import cli
+    from lamport_head.table import user_path
+
+    class FakeTarget(CostModel):
+        def __init__(self, device, tp, vocab):
+            super().__init__(limit=4)
+
+    monkeypatch.setattr(harness, "EmulatedTarget", FakeTarget)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU Q")
+    assert not user_path().exists()
+    assert cli.main(["tune", "--emulate", "--tp", "2", "--rows", "1,4", "--trials", "4",
+                     "--quiet"]) == 0
+    assert user_path().exists() and user_path().with_name("head_gather.optuna.db").exists()
+    layered = load_table()  # serving's view now holds the tuned section
+    assert layered.section("GPU Q", 2, 1, emulated=True).source == str(user_path())
+    capsys.readouterr()
+    assert cli.main(["show", "--device", "GPU Q", "--tp", "2", "--emulated"]) == 0
+    out = capsys.readouterr().out
+    assert f"from {user_path()}" in out and "filled (not measured) from rows 4" in out
+
+
 def test_bench_command_writes_csv_json_png(tmp_path, monkeypatch, capsys):
     import csv as csvmod
 

@@ -172,3 +172,68 @@ def test_fill_from_row_one_leaves_nothing_below():
     assert plan == {1: RowPlan(4, True), 2: RowPlan(8, True, filled=True),
                     3: RowPlan(8, True, filled=True), 4: RowPlan(8, True)}
     assert fill({}) == {} and fill({5: RowPlan(1, False)}) == {5: RowPlan(1, False)}
+
+
+def layer(*sections):
+    """A table text of (device, tp, ctas, emulated) sections, each serving row 1."""
+    return "schema: 1\ndevices:\n" + "".join(
+        f"  {device}:\n    - tp: {tp}\n      emulated: {str(emulated).lower()}\n"
+        f"      rows:\n        1: {{ctas: {ctas}, enabled: true}}\n"
+        for device, tp, ctas, emulated in sections)
+
+
+def test_layers_higher_replaces_lower(tmp_path, monkeypatch):
+    from lamport_head.table import layer_paths, packaged_path, user_path
+
+    shipped = next(s for s in load_table(packaged_path()).sections)
+    assert layer_paths() == [packaged_path()]  # no user table yet, no env
+    assert load_table().plan(shipped.device, shipped.tp, shipped.dcp, emulated=shipped.emulated)
+    user = user_path()
+    user.parent.mkdir(parents=True, exist_ok=True)
+    # the user's section for the shipped key is spelled in another case: still the same key
+    user.write_text(layer(("GPU X", 8, 2, False), ("GPU Z", 4, 4, False),
+                          (shipped.device.lower(), shipped.tp, 5, shipped.emulated)))
+    t = load_table()
+    assert t.layers == [str(packaged_path()), str(user)]
+    assert t.plan("GPU X", 8, 1)[1].ctas == 2
+    assert t.plan(shipped.device, shipped.tp, 1, emulated=shipped.emulated) == {1: RowPlan(5, True)}
+    assert t.section(shipped.device, shipped.tp, 1, emulated=shipped.emulated).source == str(user)
+    env = tmp_path / "env.yaml"
+    env.write_text(layer(("GPU X", 8, 3, False)))
+    monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(env))
+    t = load_table()
+    assert t.layers == [str(packaged_path()), str(user), str(env)] and t.path == str(env)
+    assert t.plan("GPU X", 8, 1)[1].ctas == 3  # the env layer wins
+    assert t.section("GPU X", 8, 1).source == str(env)
+    assert t.plan("GPU Z", 4, 1)[1].ctas == 4  # a section only the user has stays
+    keys = [(s.device.lower(), s.tp, s.dcp, s.emulated) for s in t.sections]
+    assert len(keys) == len(set(keys))  # one section per key
+    one = load_table(env)  # a path reads that one file
+    assert one.layers == [str(env)] and len(one.sections) == 1
+
+
+def test_user_table_location(tmp_path, monkeypatch):
+    from lamport_head.table import user_path
+
+    monkeypatch.setenv("LAMPORT_HEAD_CACHE", str(tmp_path / "c"))
+    assert user_path() == tmp_path / "c" / "head_gather.yaml"
+    monkeypatch.delenv("LAMPORT_HEAD_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert user_path() == tmp_path / "xdg" / "lamport-head" / "head_gather.yaml"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert user_path() == tmp_path / "home" / ".cache" / "lamport-head" / "head_gather.yaml"
+
+
+def test_bad_layer_names_its_file(tmp_path, monkeypatch):
+    from lamport_head.table import user_path
+
+    user_path().parent.mkdir(parents=True, exist_ok=True)
+    user_path().write_text(section("1: {ctas: 8, enabled: on}"))
+    with pytest.raises(TableError, match="bare 'on'") as err:
+        load_table()
+    assert str(user_path()) in str(err.value)
+    monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(tmp_path / "missing.yaml"))
+    user_path().unlink()
+    with pytest.raises(TableError, match="missing.yaml: cannot read"):
+        load_table()

@@ -2,7 +2,9 @@
 
 One GPU with ``--emulate``: TP virtual ranks (entries written ``emulated: true``,
 never served). Under torchrun: one rank per GPU, NCCL for the stock path, the
-mailbox on symmetric memory; rank 0 owns the studies and writes the table.
+mailbox on symmetric memory; rank 0 owns the studies and writes the table: the
+user's table by default (``lamport_head.table.user_path``, a serving layer above the
+packaged one), its Optuna studies beside it.
 """
 
 import datetime
@@ -86,7 +88,7 @@ def summary(results, emulated):
 
 def run(args):
     """Entry of the tune subcommand (args from lamport_head.cli)."""
-    from lamport_head.table import normalize
+    from lamport_head.table import normalize, user_path
 
     rows_list = args.rows
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -116,7 +118,7 @@ def run(args):
         comm = LocalComm()
         emulated = True
     name = torch.cuda.get_device_name(device)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else user_path()  # the user layer by default
     storage = args.storage or f"sqlite:///{out.with_name(out.stem + '.optuna.db').resolve()}"
     root = comm.is_root
     if root:
