@@ -224,19 +224,26 @@ def test_ranks_agree_on_one_choice(tmp_path):
     assert a["ctas"] != 4  # the max over ranks ruled out rank 0's favourite
 
 
-def test_tune_command_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
-    """`lamport-head tune --emulate` through the CLI: studies, summary, table, plot."""
+def fake_gpu(monkeypatch, name="NVIDIA H200", limit=16):
+    """The CLI on a machine that claims one GPU ``name``; targets are cost models."""
     import lamport_head.tuning.harness as harness
-    from lamport_head import cli
 
     class FakeTarget(CostModel):
         def __init__(self, device, tp, vocab):
-            super().__init__(limit=16)
+            super().__init__(limit=limit)
+            self.tp, self.shard = tp, vocab // tp
 
     monkeypatch.setattr(harness, "EmulatedTarget", FakeTarget)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+
+
+def test_tune_command_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
+    """`lamport-head tune --emulate` through the CLI: studies, summary, table, plot."""
+    from lamport_head import cli
+
+    fake_gpu(monkeypatch)
     out, png = tmp_path / "t.yaml", tmp_path / "t.png"
     argv = ["tune", "--emulate", "--tp", "8", "--rows", "1,2,4", "--trials", "6", "--quiet",
             "--out", str(out), "--plot", str(png)]
@@ -253,18 +260,10 @@ def test_tune_command_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
 
 
 def test_tune_writes_the_user_layer_by_default(monkeypatch, capsys):
-    import lamport_head.tuning.harness as harness
     from lamport_head import cli
     from lamport_head.table import user_path
 
-    class FakeTarget(CostModel):
-        def __init__(self, device, tp, vocab):
-            super().__init__(limit=4)
-
-    monkeypatch.setattr(harness, "EmulatedTarget", FakeTarget)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU Q")
+    fake_gpu(monkeypatch, "GPU Q", limit=4)
     assert not user_path().exists()
     assert cli.main(["tune", "--emulate", "--tp", "2", "--rows", "1,4", "--trials", "4",
                      "--quiet"]) == 0
@@ -281,19 +280,10 @@ def test_bench_command_writes_csv_json_png(tmp_path, monkeypatch, capsys):
     import csv as csvmod
 
     import lamport_head.tuning.bench as bench
-    import lamport_head.tuning.harness as harness
     from lamport_head import cli
 
-    class FakeTarget(CostModel):
-        def __init__(self, device, tp, vocab):
-            super().__init__(limit=16)
-            self.tp, self.shard = tp, vocab // tp
-
-    monkeypatch.setattr(harness, "EmulatedTarget", FakeTarget)
+    fake_gpu(monkeypatch)
     monkeypatch.setattr(bench, "add_host_us", lambda device: 6.5)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     empty = tmp_path / "empty.yaml"
     empty.write_text("schema: 1\ndevices: {}\n")
     out = tmp_path / "b"
