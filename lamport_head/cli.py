@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 
-from lamport_head.table import KIMI_K2_VOCAB
+from lamport_head.table import KIMI_K2_VOCAB, MAX_ROWS, mailbox_cost
 
 
 def _rows(text):
@@ -19,6 +19,9 @@ def _rows(text):
         raise argparse.ArgumentTypeError(f"rows must be comma-separated ints, got {text!r}") from None
     if not rows or rows[0] < 1:
         raise argparse.ArgumentTypeError(f"rows must be positive, got {text!r}")
+    if rows[-1] > MAX_ROWS:  # refused up front, not after a sweep whose table can't load
+        raise argparse.ArgumentTypeError(f"rows {rows[-1]} exceed the limit of {MAX_ROWS} rows: "
+                                         f"{mailbox_cost(rows[-1])}")
     return rows
 
 

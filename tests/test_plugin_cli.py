@@ -133,6 +133,9 @@ def test_bad_arguments_are_clear(capsys):
     with pytest.raises(SystemExit):
         cli.main(["tune", "--margin", "2"])
     assert "margin must be in [0, 1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--rows", "1,2048"])
+    assert "rows 2048 exceed the limit of 1024 rows: a mailbox for 2048" in capsys.readouterr().err
 
 
 def test_show_marks_filled_rows(tmp_path, capsys):
