@@ -9,6 +9,8 @@ import os
 import shutil
 import sys
 
+from lamport_head.table import KIMI_K2_VOCAB, MAX_ROWS, mailbox_cost
+
 
 def _rows(text):
     try:
@@ -17,6 +19,9 @@ def _rows(text):
         raise argparse.ArgumentTypeError(f"rows must be comma-separated ints, got {text!r}") from None
     if not rows or rows[0] < 1:
         raise argparse.ArgumentTypeError(f"rows must be positive, got {text!r}")
+    if rows[-1] > MAX_ROWS:  # refused up front, not after a sweep whose table can't load
+        raise argparse.ArgumentTypeError(f"rows {rows[-1]} exceed the limit of {MAX_ROWS} rows: "
+                                         f"{mailbox_cost(rows[-1])}")
     return rows
 
 
@@ -55,16 +60,19 @@ def parser():
     t.add_argument("--tp", type=_positive, default=8)
     t.add_argument("--dcp", type=_positive, default=1)
     t.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"))
-    t.add_argument("--vocab", type=_positive, default=163840)
+    t.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB)
     t.add_argument("--emulate", action="store_true", help="TP virtual ranks on one GPU")
     t.add_argument("--auto", action="store_true",
                    help="use every GPU here: torchrun over several, --emulate on one")
     t.add_argument("--storage", help="Optuna storage URL (default: SQLite beside --out)")
     t.add_argument("--trials", type=_positive, default=40, help="trials per row count")
     t.add_argument("--margin", type=_margin, default=0.05)
-    t.add_argument("--threads", type=_ints, default=[128, 256, 512])
-    t.add_argument("--unroll", type=_ints, default=[2, 4, 8])
-    t.add_argument("--out", default="tables/head_gather.yaml")
+    t.add_argument("--threads", type=_ints, default=None,
+                   help="CTA sizes to try (default: the sweep's SWEEP_THREADS)")
+    t.add_argument("--unroll", type=_ints, default=None,
+                   help="fragments in flight per thread to try (default: the sweep's SWEEP_UNROLL)")
+    t.add_argument("--out", help="table to merge into (default: the user table, "
+                   "$LAMPORT_HEAD_CACHE/head_gather.yaml or ~/.cache/lamport-head/head_gather.yaml)")
     t.add_argument("--plot", help="write a PNG of latency and speedup against rows")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -72,20 +80,21 @@ def parser():
     s.add_argument("--device", help="GPU model (default: this machine's GPU)")
     s.add_argument("--tp", type=_positive)
     s.add_argument("--dcp", type=_positive, default=1)
-    s.add_argument("--table", help="table path (default: $LAMPORT_HEAD_TABLE or the packaged one)")
+    s.add_argument("--table", help="one table file (default: the layers serving reads: packaged "
+                   "< user table < $LAMPORT_HEAD_TABLE)")
     s.add_argument("--emulated", action="store_true", help="show emulated sections")
 
     v = sub.add_parser("verify", help="bitwise check of the gather on this GPU (emulated ranks; "
                                       "under torchrun: real ranks, free-running)")
     v.add_argument("--tp", type=_positive, default=8)
-    v.add_argument("--vocab", type=_positive, default=163840)
+    v.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB)
     v.add_argument("--rows", type=_rows, default=_rows("1,2,3,7,8,16,33,64"))
     v.add_argument("--calls", type=_positive, default=200)
 
     b = sub.add_parser("bench", help="Lamport vs stock latency, GPU time and host time")
     b.add_argument("--tp", type=_positive, default=8)
     b.add_argument("--dcp", type=_positive, default=1)
-    b.add_argument("--vocab", type=_positive, default=163840)
+    b.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB)
     b.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"))
     b.add_argument("--table")
     b.add_argument("--out", default="results/bench")
@@ -110,7 +119,8 @@ def _need_cuda(command):
 def main(argv=None):
     args = parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])  # for provenance
-    from lamport_head.table import THREADS, TableError
+    from lamport_head.kernels.protocol import THREADS
+    from lamport_head.table import TableError
 
     try:
         if args.command == "show":
@@ -123,6 +133,10 @@ def main(argv=None):
                 return auto_tune(args, argv)
             from lamport_head.tuning.tune import run
 
+            from lamport_head.tuning.sweep import SWEEP_THREADS, SWEEP_UNROLL
+
+            args.threads = args.threads or list(SWEEP_THREADS)
+            args.unroll = args.unroll or list(SWEEP_UNROLL)
             for t in args.threads:
                 if t not in THREADS:
                     return _fail(f"tune: --threads {t} is not one of {', '.join(map(str, THREADS))}")
@@ -175,26 +189,42 @@ def show(args):
                 if (device is None or normalize(s.device) == normalize(device))
                 and (args.tp is None or s.tp == args.tp) and s.dcp == args.dcp
                 and (args.emulated or not s.emulated)]
-    print(f"table: {table.path}")
+    print("table: " + " < ".join(table.layers))
     if not sections:
         what = f"{device or 'any GPU'}, tp={args.tp or 'any'}, dcp={args.dcp}"
         print(f"no {'' if args.emulated else 'serving '}entries for {what}: the stock gather is used")
         return 0
     for s in sections:
         print(f"\n{s.device}  tp={s.tp} dcp={s.dcp}" + ("  (emulated: never served)" if s.emulated else ""))
+        print(f"  from {s.source}")
         prov = s.provenance
         if prov:
             print(f"  measured {prov.get('date', '?')} on {prov.get('gpu', '?')}, "
                   f"commit {prov.get('commit', '?')}")
-        print(f"  {'rows':>7} {'ctas':>5} {'threads':>7} {'unroll':>6} {'enabled':>7} "
+        print(f"  {'rows':>9} {'ctas':>5} {'threads':>7} {'unroll':>6} {'enabled':>7} "
               f"{'lamport µs':>10} {'stock µs':>9}")
-        for key, entry in s.raw["rows"].items():
-            plan = s.rows[int(str(key).split("-")[0])]
+        for key, plan, entry, note in _show_rows(s):
             lam = entry.get("lamport_us", "")
             st = entry.get("stock_us", "")
-            print(f"  {str(key):>7} {plan.ctas:>5} {plan.threads:>7} {plan.unroll:>6} "
-                  f"{('yes' if plan.enabled else 'no'):>7} {lam!s:>10} {st!s:>9}")
+            print(f"  {key:>9} {plan.ctas:>5} {plan.threads:>7} {plan.unroll:>6} "
+                  f"{('yes' if plan.enabled else 'no'):>7} {lam!s:>10} {st!s:>9}{note}")
     return 0
+
+
+def _show_rows(section):
+    """(key, plan, entry, note) in row order: the measured entries as written, and
+    between them the rows serving fills in (entry ``{}``, a note naming the source)."""
+    from lamport_head.table import fill, row_span
+
+    plan = fill(section.rows)
+    measured = sorted((row_span(key), key, entry) for key, entry in section.raw["rows"].items())
+    last = None
+    for (lo, hi), key, entry in measured:
+        if last is not None and lo > last + 1:
+            gap = str(last + 1) if lo == last + 2 else f"{last + 1}-{lo - 1}"
+            yield gap, plan[lo - 1], {}, f"  filled (not measured) from rows {lo}"
+        yield str(key), plan[lo], entry, ""
+        last = hi
 
 
 def verify(args):

@@ -14,6 +14,11 @@ Format (YAML; see tables/head_gather.yaml)::
           rows:                   # a row count or an inclusive range "a-b"
             1: {ctas: 8, enabled: true, lamport_us: 5.1, stock_us: 19.8}
             2-4: {ctas: 16, enabled: true, threads: 256, unroll: 4}
+            8: {ctas: 32, enabled: true}
+
+The tuner writes one entry per measured row count; serving fills the rows between
+two measured ones (5-7 above) from the row above, enabled only when both neighbours
+are (``fill``). Rows outside the measured span use the stock gather.
 
 Validation is strict: every defect raises ``TableError`` naming the file and the
 entry. YAML 1.1 reads a bare on/off/yes/no as a boolean, so such a plain scalar is
@@ -22,18 +27,21 @@ rejected anywhere (write true/false, or quote it).
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
 import yaml
 
+from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL, THREADS, UNROLL_MAX
+
 SCHEMA = 1
+MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are far smaller)
+KIMI_K2_VOCAB = 163840  # the vocab the tools default to, and the mailbox-size example
 SECTION_KEYS = {"tp", "dcp", "emulated", "provenance", "rows"}
 ROW_KEYS = {"ctas", "enabled", "threads", "unroll", "lamport_us", "stock_us"}
 PROVENANCE_KEYS = {"gpu", "driver", "cuda", "torch", "cutlass_dsl", "date", "commit",
                    "command", "host", "note"}
-THREADS = (64, 128, 256, 512, 1024)
 YAML11_BOOLS = {"on", "off", "yes", "no", "y", "n"}
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
@@ -46,8 +54,27 @@ class TableError(ValueError):
 class RowPlan:
     ctas: int
     enabled: bool
-    threads: int = 256
-    unroll: int = 4
+    threads: int = DEFAULT_THREADS
+    unroll: int = DEFAULT_UNROLL
+    filled: bool = False  # not measured: filled in from the measured row above (fill())
+
+
+def fill(measured):
+    """The serving plan ``{rows: RowPlan}`` from the measured rows (a range counts as
+    measured for each of its rows). A row between two measured rows takes the plan of
+    the measured row above it (its CTAs were found for at least as many rows, so they
+    cover the bytes), marked ``filled``, enabled only when both neighbours are
+    enabled. Rows below the smallest measured row have no lower neighbour, and rows
+    past the largest have no upper one: both stay stock (absent). When the smallest
+    measured row is 1 there is no row below it."""
+    rows = sorted(measured)
+    plan = dict(measured)
+    for below, above in zip(rows, rows[1:]):
+        if above - below > 1:
+            enabled = measured[below].enabled and measured[above].enabled
+            gap = replace(measured[above], enabled=enabled, filled=True)
+            plan.update(dict.fromkeys(range(below + 1, above), gap))
+    return dict(sorted(plan.items()))
 
 
 def normalize(name: str) -> str:
@@ -63,6 +90,11 @@ def _mapping(loader, node, deep=False):
     seen = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:  # a sequence or mapping used as a key (`? [1, 2]`)
+            raise TableError(f"key {type(key).__name__} at line {key_node.start_mark.line + 1} "
+                             "is not a scalar; keys are names, numbers or ranges") from None
         if key in seen:
             raise TableError(f"duplicate key {key_node.value!r} (line {key_node.start_mark.line + 1}; "
                              f"first at line {seen[key] + 1})")
@@ -86,7 +118,8 @@ def _int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _rows_key(key, where):
+def row_span(key, where="rows"):
+    """(first, last) row of a row key: a count ``8`` or an inclusive range ``'2-4'``."""
     if _int(key):
         lo = hi = key
     elif isinstance(key, str) and _RANGE.match(key):
@@ -97,7 +130,18 @@ def _rows_key(key, where):
         raise TableError(f"{where}: row {key!r} must start at 1 or more")
     if hi < lo:
         raise TableError(f"{where}: row range {key!r} is reversed")
+    if hi > MAX_ROWS:  # checked before any range is expanded: a huge range stays cheap
+        what = f"row {hi}" if lo == hi else f"rows {lo}-{hi}"
+        raise TableError(f"{where}: {what} exceed{'s' if lo == hi else ''} the limit of "
+                         f"{MAX_ROWS} rows: {mailbox_cost(hi)}")
     return lo, hi
+
+
+def mailbox_cost(rows, vocab=KIMI_K2_VOCAB):
+    """Why rows are capped: every rank holds a mailbox of 2 parities x rows x V BF16."""
+    size = 2 * rows * vocab * 2
+    return (f"a mailbox for {rows} rows costs {size / 1e9:.1f} GB per rank at V = {vocab} "
+            "(2 parities x rows x V x 2 bytes)")
 
 
 def _row(entry, where):
@@ -114,12 +158,12 @@ def _row(entry, where):
         raise TableError(f"{where}: ctas must be an int in [1, 1024], got {ctas!r}")
     if not isinstance(entry["enabled"], bool):
         raise TableError(f"{where}: enabled must be true or false, got {entry['enabled']!r}")
-    threads = entry.get("threads", 256)
+    threads = entry.get("threads", DEFAULT_THREADS)
     if threads not in THREADS or not _int(threads):
         raise TableError(f"{where}: threads must be one of {THREADS}, got {threads!r}")
-    unroll = entry.get("unroll", 4)
-    if not _int(unroll) or not 1 <= unroll <= 16:
-        raise TableError(f"{where}: unroll must be an int in [1, 16], got {unroll!r}")
+    unroll = entry.get("unroll", DEFAULT_UNROLL)
+    if not _int(unroll) or not 1 <= unroll <= UNROLL_MAX:
+        raise TableError(f"{where}: unroll must be an int in [1, {UNROLL_MAX}], got {unroll!r}")
     for key in ("lamport_us", "stock_us"):
         if key in entry:
             v = entry[key]
@@ -135,15 +179,24 @@ class Section:
     dcp: int
     emulated: bool
     provenance: dict
-    rows: dict  # row count -> RowPlan (ranges expanded)
+    rows: dict  # measured row count -> RowPlan (ranges expanded); Table.plan fills gaps
     raw: dict  # the section as written
+    source: str = ""  # the file it was read from
+
+
+def section_key(section):
+    """What a section is for; a higher layer's section replaces a lower one's alike."""
+    return normalize(section.device), section.tp, section.dcp, section.emulated
 
 
 class Table:
-    """A validated table. ``plan(device_name, tp, dcp)`` -> ``{rows: RowPlan}``."""
+    """A validated table. ``plan(device_name, tp, dcp)`` -> ``{rows: RowPlan}``.
+    ``path`` is its file (the highest layer's, for a layered view); ``layers`` every
+    file read, lowest first. No two sections share a ``section_key``."""
 
-    def __init__(self, path, sections):
+    def __init__(self, path, sections, layers=None):
         self.path, self.sections = path, sections
+        self.layers = layers or [path]
 
     def section(self, device_name, tp, dcp, *, emulated=False):
         for s in self.sections:
@@ -153,10 +206,11 @@ class Table:
         return None
 
     def plan(self, device_name, tp, dcp=1, *, emulated=False):
-        """The serving plan; ``{}`` for an unknown device or (tp, dcp). Emulated
-        sections are only returned when asked for with ``emulated=True``."""
+        """The serving plan, gaps between measured rows filled (``fill``); ``{}`` for an
+        unknown device or (tp, dcp). Emulated sections are only returned when asked
+        for with ``emulated=True``."""
         s = self.section(device_name, tp, dcp, emulated=emulated)
-        return dict(s.rows) if s else {}
+        return fill(s.rows) if s else {}
 
 
 def parse(text, path="<string>"):
@@ -171,7 +225,7 @@ def parse(text, path="<string>"):
         keys = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
         raise TableError(f"{path}: the top level must be a mapping of exactly 'schema' and "
                          f"'devices', got {keys}")
-    if data["schema"] != SCHEMA:
+    if not _int(data["schema"]) or data["schema"] != SCHEMA:  # True == 1 == 1.0 in Python
         raise TableError(f"{path}: schema {data['schema']!r} is not supported (expected {SCHEMA})")
     devices = data["devices"]
     if not isinstance(devices, dict):
@@ -190,6 +244,7 @@ def parse(text, path="<string>"):
         for i, sec in enumerate(entries):
             where = f"{path}: devices.{device}[{i}]"
             sections.append(_section(device, sec, where))
+            sections[-1].source = path
             key = (sections[-1].tp, sections[-1].dcp, sections[-1].emulated)
             if key in seen:
                 raise TableError(f"{where}: duplicate section for tp={key[0]}, dcp={key[1]}"
@@ -226,7 +281,7 @@ def _section(device, sec, where):
         raise TableError(f"{where}: rows must be a non-empty mapping")
     plan, spans = {}, []
     for key, entry in rows.items():
-        lo, hi = _rows_key(key, f"{where} rows[{key!r}]")
+        lo, hi = row_span(key, f"{where} rows[{key!r}]")
         for other, (a, b) in spans:
             if lo <= b and a <= hi:
                 raise TableError(f"{where}: rows {key!r} overlap rows {other!r}")
@@ -240,9 +295,45 @@ def packaged_path() -> Path:
     return Path(str(resources.files("lamport_head.tables").joinpath("head_gather.yaml")))
 
 
+def user_path() -> Path:
+    """The user's table, written by ``tune``: ``$LAMPORT_HEAD_CACHE/head_gather.yaml``,
+    the cache directory defaulting to ``$XDG_CACHE_HOME/lamport-head`` (XDG's
+    default: ``~/.cache``)."""
+    cache = os.environ.get("LAMPORT_HEAD_CACHE")
+    if not cache:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        cache = Path(base) / "lamport-head"
+    return Path(cache) / "head_gather.yaml"
+
+
+def layer_paths():
+    """The table files serving reads, lowest to highest: the packaged table, the
+    user's table (when it exists), ``$LAMPORT_HEAD_TABLE`` (when set; it must exist)."""
+    paths = [packaged_path()]
+    if user_path().exists():
+        paths.append(user_path())
+    if os.environ.get("LAMPORT_HEAD_TABLE"):
+        paths.append(Path(os.environ["LAMPORT_HEAD_TABLE"]))
+    return paths
+
+
+def load_layers() -> Table:
+    """The merged view of ``layer_paths()``: a higher layer's section for the same
+    (GPU model, TP, DCP, emulated) replaces the lower one's; each section keeps the
+    file it came from in ``source``. Any malformed layer raises its TableError."""
+    paths = [str(p) for p in layer_paths()]
+    sections = {}
+    for path in paths:
+        for s in load_table(path).sections:
+            sections[section_key(s)] = s
+    return Table(paths[-1], list(sections.values()), paths)
+
+
 def load_table(path=None) -> Table:
-    """The table at ``path``; else ``$LAMPORT_HEAD_TABLE``; else the packaged one."""
-    path = path or os.environ.get("LAMPORT_HEAD_TABLE") or packaged_path()
+    """The table at ``path`` (that one file); without a path, the layered view
+    (``load_layers``)."""
+    if path is None:
+        return load_layers()
     try:
         text = Path(path).read_text()
     except OSError as exc:

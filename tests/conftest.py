@@ -6,6 +6,12 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 
+@pytest.fixture(autouse=True)
+def _own_user_table(tmp_path_factory, monkeypatch):
+    """Tests never read or write the developer's user table (~/.cache/lamport-head)."""
+    monkeypatch.setenv("LAMPORT_HEAD_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
 def _cuda():
     try:
         import torch

@@ -100,6 +100,7 @@ def test_show_prints_plan(tmp_path, capsys):
     assert cli.main(["show", "--table", str(p), "--device", "nvidia h200", "--tp", "8"]) == 0
     out = capsys.readouterr().out
     assert "NVIDIA H200  tp=8 dcp=1" in out and "1-4" in out and "4.5" in out
+    assert f"from {p}" in out  # each section names its file
     assert cli.main(["show", "--table", str(p), "--device", "NVIDIA H100"]) == 0
     assert "stock gather is used" in capsys.readouterr().out
 
@@ -132,3 +133,18 @@ def test_bad_arguments_are_clear(capsys):
     with pytest.raises(SystemExit):
         cli.main(["tune", "--margin", "2"])
     assert "margin must be in [0, 1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--rows", "1,2048"])
+    assert "rows 2048 exceed the limit of 1024 rows: a mailbox for 2048" in capsys.readouterr().err
+
+
+def test_show_marks_filled_rows(tmp_path, capsys):
+    p = tmp_path / "t.yaml"
+    p.write_text(SHOW_TABLE)
+    assert cli.main(["show", "--table", str(p), "--device", "NVIDIA H200", "--tp", "8"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()
+             if line.strip() and line.split()[0][0].isdigit()}
+    assert list(lines) == ["1-4", "5-7", "8"]
+    assert "filled (not measured) from rows 8" in lines["5-7"]
+    assert lines["5-7"].split()[1:5] == ["32", "256", "4", "no"]  # row 8's plan, disabled
+    assert "filled" not in lines["1-4"] and "filled" not in lines["8"]

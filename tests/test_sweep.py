@@ -9,10 +9,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from lamport_head.table import load_table
+from lamport_head.table import RowPlan, load_table
 from lamport_head.tuning import sweep
 from lamport_head.tuning.harness import Timing
-from lamport_head.tuning.writer import merge_section
+from lamport_head.tuning.writer import measured_rows, merge_section
 
 
 class CostModel:
@@ -40,13 +40,16 @@ class CostModel:
         return Timing(10 + rows + 5, 10 + rows, 9.0)
 
 
+V = 163840
+
+
 def storage(tmp_path):
     return f"sqlite:///{tmp_path / 'study.db'}"
 
 
 def test_grid_finds_the_argmin_and_times_each_config_once(tmp_path):
     target = CostModel(limit=64)
-    r = sweep.tune_rows(target, 4, device="gpu x", tp=8, dcp=1, trials=10_000,
+    r = sweep.tune_rows(target, 4, device="gpu x", tp=8, dcp=1, vocab=V, trials=10_000,
                         storage=storage(tmp_path))
     assert (r.plan.ctas, r.plan.threads, r.plan.unroll) == (16, 256, 4)
     assert r.lamport_us == pytest.approx(3.5) and r.stock_us == 14 and r.plan.enabled
@@ -55,45 +58,109 @@ def test_grid_finds_the_argmin_and_times_each_config_once(tmp_path):
 
 def test_margin_decides_enabled(tmp_path):
     target = CostModel(limit=64)
-    r = sweep.tune_rows(target, 64, device="g", tp=8, dcp=1, trials=10_000, storage=storage(tmp_path),
+    r = sweep.tune_rows(target, 64, device="g", tp=8, dcp=1, vocab=V, trials=10_000, storage=storage(tmp_path),
                         margin=0.0)
     assert r.plan.enabled  # 3 + 8 + penalty(64 vs 256 -> 2) = 13 < 74
-    r = sweep.tune_rows(target, 64, device="g2", tp=8, dcp=1, trials=10_000,
+    r = sweep.tune_rows(target, 64, device="g2", tp=8, dcp=1, vocab=V, trials=10_000,
                         storage=storage(tmp_path), margin=0.9)
     assert not r.plan.enabled  # must be under 7.4 µs
 
 
 def test_failed_verification_is_never_chosen(tmp_path):
     target = CostModel(limit=64, bad={(16, 256, 4)})
-    r = sweep.tune_rows(target, 4, device="g", tp=8, dcp=1, trials=10_000, storage=storage(tmp_path))
+    r = sweep.tune_rows(target, 4, device="g", tp=8, dcp=1, vocab=V, trials=10_000, storage=storage(tmp_path))
     assert (r.plan.ctas, r.plan.threads, r.plan.unroll) != (16, 256, 4)
 
 
 def test_resume_times_nothing_twice(tmp_path):
     first = CostModel()
-    r1 = sweep.tune_rows(first, 2, device="g", tp=8, dcp=1, trials=20, storage=storage(tmp_path))
+    r1 = sweep.tune_rows(first, 2, device="g", tp=8, dcp=1, vocab=V, trials=20, storage=storage(tmp_path))
     second = CostModel()
-    r2 = sweep.tune_rows(second, 2, device="g", tp=8, dcp=1, trials=30, storage=storage(tmp_path))
+    r2 = sweep.tune_rows(second, 2, device="g", tp=8, dcp=1, vocab=V, trials=30, storage=storage(tmp_path))
     assert len(first.timed) == 20 and len(second.timed) == 10
     assert not set(first.timed) & set(second.timed)
     assert r2.trials == 30 and r2.lamport_us <= r1.lamport_us
     third = CostModel()
-    sweep.tune_rows(third, 2, device="g", tp=8, dcp=1, trials=30, storage=storage(tmp_path))
+    sweep.tune_rows(third, 2, device="g", tp=8, dcp=1, vocab=V, trials=30, storage=storage(tmp_path))
     assert third.timed == []
+
+
+def test_resume_with_other_threads_reports_only_what_it_timed(tmp_path):
+    """Run 2 sweeps threads 128 where run 1 swept 256: same grid size, same indices;
+    it must time its own configurations, never report run 1's figures for them."""
+    first = CostModel(limit=16)
+    sweep.tune_rows(first, 4, device="g", tp=8, dcp=1, vocab=V, trials=100,
+                    storage=storage(tmp_path), threads=(256,), unroll=(4,))
+    second = CostModel(limit=16)
+    r = sweep.tune_rows(second, 4, device="g", tp=8, dcp=1, vocab=V, trials=100,
+                        storage=storage(tmp_path), threads=(128,), unroll=(4,))
+    chosen = (4, r.plan.ctas, r.plan.threads, r.plan.unroll)
+    assert r.plan.threads == 128 and chosen in second.timed
+    assert r.lamport_us == pytest.approx(second.lamport(4, r.plan).gpu_us)
+
+
+def test_study_key_separates_vocab_and_kernel(tmp_path):
+    runs = [dict(vocab=V, kernel="k1"), dict(vocab=V, kernel="k1"), dict(vocab=129280, kernel="k1"),
+            dict(vocab=V, kernel="k2")]
+    timed = []
+    for keys in runs:
+        target = CostModel(limit=16)
+        sweep.tune_rows(target, 2, device="g", tp=8, dcp=1, trials=100, storage=storage(tmp_path),
+                        threads=(256,), unroll=(4,), **keys)
+        timed.append(len(target.timed))
+    assert timed == [8, 0, 8, 8]  # only the identical run resumes
+
+
+def test_trials_store_configuration_values(tmp_path):
+    import optuna
+
+    sweep.tune_rows(CostModel(limit=4), 1, device="g", tp=8, dcp=1, vocab=V, trials=100,
+                    storage=storage(tmp_path), threads=(128,), unroll=(2,))
+    (summary,) = optuna.get_all_study_summaries(storage(tmp_path))
+    assert f"vocab{V}" in summary.study_name and "kernel-" in summary.study_name
+    study = optuna.load_study(study_name=summary.study_name, storage=storage(tmp_path))
+    got = sorted((t.params["config"], t.user_attrs["ctas"], t.user_attrs["threads"],
+                  t.user_attrs["unroll"]) for t in study.trials)
+    assert got == [(f"ctas={c},threads=128,unroll=2", c, 128, 2) for c in (1, 2, 3, 4)]
+
+
+def test_kernel_identity_follows_sources_and_dsl_version(tmp_path, monkeypatch):
+    import importlib.util
+    import shutil
+    import subprocess
+    import sys
+
+    installed = importlib.util.find_spec("lamport_head.kernels").submodule_search_locations[0]
+    copy = tmp_path / "kernels"
+    shutil.copytree(installed, copy)
+    ident = sweep.kernel_identity()
+    assert len(ident) == 12 and int(ident, 16) >= 0
+    assert sweep.kernel_identity(copy) == ident
+    (copy / "gather.py").write_bytes((copy / "gather.py").read_bytes() + b"\n# edited\n")
+    assert sweep.kernel_identity(copy) != ident
+    monkeypatch.setattr(sweep.importlib.metadata, "version", lambda name: "0.0.0-other")
+    assert sweep.kernel_identity() != ident
+    # Computed without importing the kernels (or cutlass).
+    code = ("import sys; from lamport_head.tuning.sweep import kernel_identity; kernel_identity(); "
+            "assert 'cutlass' not in sys.modules and 'lamport_head.kernels.compile' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_tpe_beyond_the_grid_never_repeats(tmp_path):
     target = CostModel(limit=1024)
-    sweep.tune_rows(target, 8, device="g", tp=8, dcp=1, trials=25, storage=storage(tmp_path))
+    sweep.tune_rows(target, 8, device="g", tp=8, dcp=1, vocab=V, trials=25, storage=storage(tmp_path))
     assert len(target.timed) == len(set(target.timed)) <= 25
 
 
-def test_merge_rows_ranges_and_yaml_round_trip(tmp_path):
+def test_measured_rows_one_entry_each_and_yaml_round_trip(tmp_path):
     target = CostModel(limit=12)
-    results = [sweep.tune_rows(target, m, device="g", tp=8, dcp=1, trials=10_000,
+    results = [sweep.tune_rows(target, m, device="g", tp=8, dcp=1, vocab=V, trials=10_000,
                                storage=storage(tmp_path)) for m in (2, 4, 8, 16)]
-    rows = sweep.merge_rows(results)
-    assert list(rows) == [2, "4-16"]  # 4..16 share ctas=12 (capped) and the decision
+    rows = measured_rows(results)
+    # 4..16 share ctas=12 (capped) and the decision, yet each row is its own entry:
+    # a range "4-16" would claim rows 5..7 and 9..15 were measured.
+    assert list(rows) == [2, 4, 8, 16]
+    assert rows[4]["stock_us"] == 14 and rows[16]["stock_us"] == 26  # each row its own figures
     path = tmp_path / "head_gather.yaml"
     path.write_text(yaml.safe_dump({"schema": 1, "devices": {"Other GPU": [
         {"tp": 2, "dcp": 1, "rows": {1: {"ctas": 1, "enabled": True}}}]}}))
@@ -104,7 +171,9 @@ def test_merge_rows_ranges_and_yaml_round_trip(tmp_path):
     assert t.plan("Other GPU", 2, 1)[1].ctas == 1  # untouched
     assert t.plan("GPU X", 8, 1) == {}  # emulated: never served
     plan = t.plan("GPU X", 8, 1, emulated=True)
-    assert plan[2].ctas == 8 and plan[12].ctas == 12 and plan[16].enabled
+    assert plan[2].ctas == 8 and plan[16].enabled and not plan[16].filled
+    assert plan[12] == RowPlan(12, True, 256, 4, filled=True)  # served from row 16
+    assert 1 not in plan and 17 not in plan  # outside the measured rows: stock
     assert len(t.sections) == 2
     assert not list(tmp_path.glob(".head_gather.yaml.*"))  # no temporary left behind
 
@@ -140,7 +209,7 @@ class RankCost(CostModel):
 def _agree_worker(rank, init, db, out):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     target = RankCost(rank)
-    r = sweep.tune_rows(target, 1, device="g", tp=2, dcp=1, trials=40, storage=db,
+    r = sweep.tune_rows(target, 1, device="g", tp=2, dcp=1, vocab=V, trials=40, storage=db,
                         comm=sweep.DistComm(None))
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"ctas": r.plan.ctas, "us": r.lamport_us, "timed": target.timed}, f)
@@ -155,19 +224,26 @@ def test_ranks_agree_on_one_choice(tmp_path):
     assert a["ctas"] != 4  # the max over ranks ruled out rank 0's favourite
 
 
-def test_tune_command_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
-    """`lamport-head tune --emulate` through the CLI: studies, summary, table, plot."""
+def fake_gpu(monkeypatch, name="NVIDIA H200", limit=16):
+    """The CLI on a machine that claims one GPU ``name``; targets are cost models."""
     import lamport_head.tuning.harness as harness
-    from lamport_head import cli
 
     class FakeTarget(CostModel):
         def __init__(self, device, tp, vocab):
-            super().__init__(limit=16)
+            super().__init__(limit=limit)
+            self.tp, self.shard = tp, vocab // tp
 
     monkeypatch.setattr(harness, "EmulatedTarget", FakeTarget)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+
+
+def test_tune_command_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
+    """`lamport-head tune --emulate` through the CLI: studies, summary, table, plot."""
+    from lamport_head import cli
+
+    fake_gpu(monkeypatch)
     out, png = tmp_path / "t.yaml", tmp_path / "t.png"
     argv = ["tune", "--emulate", "--tp", "8", "--rows", "1,2,4", "--trials", "6", "--quiet",
             "--out", str(out), "--plot", str(png)]
@@ -183,23 +259,31 @@ def test_tune_command_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert cli.main(argv) == 0
 
 
+def test_tune_writes_the_user_layer_by_default(monkeypatch, capsys):
+    from lamport_head import cli
+    from lamport_head.table import user_path
+
+    fake_gpu(monkeypatch, "GPU Q", limit=4)
+    assert not user_path().exists()
+    assert cli.main(["tune", "--emulate", "--tp", "2", "--rows", "1,4", "--trials", "4",
+                     "--quiet"]) == 0
+    assert user_path().exists() and user_path().with_name("head_gather.optuna.db").exists()
+    layered = load_table()  # serving's view now holds the tuned section
+    assert layered.section("GPU Q", 2, 1, emulated=True).source == str(user_path())
+    capsys.readouterr()
+    assert cli.main(["show", "--device", "GPU Q", "--tp", "2", "--emulated"]) == 0
+    out = capsys.readouterr().out
+    assert f"from {user_path()}" in out and "filled (not measured) from rows 4" in out
+
+
 def test_bench_command_writes_csv_json_png(tmp_path, monkeypatch, capsys):
     import csv as csvmod
 
     import lamport_head.tuning.bench as bench
-    import lamport_head.tuning.harness as harness
     from lamport_head import cli
 
-    class FakeTarget(CostModel):
-        def __init__(self, device, tp, vocab):
-            super().__init__(limit=16)
-            self.tp, self.shard = tp, vocab // tp
-
-    monkeypatch.setattr(harness, "EmulatedTarget", FakeTarget)
+    fake_gpu(monkeypatch)
     monkeypatch.setattr(bench, "add_host_us", lambda device: 6.5)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     empty = tmp_path / "empty.yaml"
     empty.write_text("schema: 1\ndevices: {}\n")
     out = tmp_path / "b"
@@ -213,3 +297,83 @@ def test_bench_command_writes_csv_json_png(tmp_path, monkeypatch, capsys):
     assert meta["emulated"] and meta["torch_add_host_us"] == 6.5
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert "torch.add_ host 6.5" in capsys.readouterr().out
+
+
+class CollectiveCost(CostModel):
+    """A target as real ranks see it: every method issues a gloo collective (limit a
+    MIN, lamport and stock a MAX), so a rank that skips a call deadlocks its peers.
+    ``fail_rank`` fails verification (None) at ``fail_at`` on that rank alone."""
+
+    def __init__(self, rank, fail_rank=None, fail_at=(16, 256, 4)):
+        super().__init__(limit=16 + 8 * rank)  # ranks disagree until they reduce
+        self.rank, self.fail_rank, self.fail_at = rank, fail_rank, fail_at
+
+    def _reduce(self, value, op):
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        return t.item()
+
+    def limit(self, threads, unroll):
+        return int(self._reduce(self.limit_ctas, dist.ReduceOp.MIN))
+
+    def lamport(self, rows, plan):
+        t = super().lamport(rows, plan)
+        us = self._reduce(t.gpu_us, dist.ReduceOp.MAX)
+        if self.rank == self.fail_rank and (plan.ctas, plan.threads, plan.unroll) == self.fail_at:
+            return None  # this rank's verification failed; its peers saw a figure
+        return Timing(t.eager_us, us, t.host_us)
+
+    def stock(self, rows):
+        t = super().stock(rows)
+        return Timing(t.eager_us, self._reduce(t.gpu_us, dist.ReduceOp.MAX), t.host_us)
+
+
+def _collective_worker(rank, world, init, db, out, fail_rank):
+    import datetime
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    target, seen = CollectiveCost(rank, fail_rank), []
+    r = sweep.tune_rows(target, 4, device="g", tp=world, dcp=1, vocab=V, trials=40, storage=db,
+                        comm=sweep.DistComm(None), threads=(256,), unroll=(2, 4),
+                        on_trial=lambda rows, config, timing: seen.append(
+                            [list(config), timing and timing.gpu_us]))
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"plan": [r.plan.ctas, r.plan.enabled, r.plan.threads, r.plan.unroll],
+                   "us": [r.lamport_us, r.stock_us], "trials": r.trials, "seen": seen}, f)
+    dist.destroy_process_group()
+
+
+def run_ranks(worker, world, args, deadline_s=120):
+    """Spawn ``world`` ranks of ``worker(rank, world, *args)``; a deadlock fails the
+    test at the deadline instead of hanging it."""
+    import time
+
+    ctx = mp.start_processes(worker, args=(world, *args), nprocs=world, join=False,
+                             start_method="spawn")
+    end = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=max(0.0, end - time.monotonic())):
+            if time.monotonic() >= end:
+                pytest.fail(f"{world} ranks still running after {deadline_s} s: deadlock")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.parametrize("world, fail_rank", [(2, None), (3, None), (2, 1), (3, 0)])
+def test_every_rank_takes_part_in_every_collective(tmp_path, world, fail_rank):
+    out = tmp_path / "r"
+    run_ranks(_collective_worker, world,
+              (f"file://{tmp_path / 'init'}", storage(tmp_path), str(out), fail_rank))
+    results = [json.loads(open(f"{out}.{r}").read()) for r in range(world)]
+    assert all(r == results[0] for r in results)  # same result, same trials, same story
+    first = results[0]
+    assert len(first["seen"]) == 2 * len(sweep.cta_choices(16))  # the whole grid, once
+    assert first["trials"] == len(first["seen"]) - (fail_rank is not None)  # completed ones
+    if fail_rank is None:
+        assert first["plan"] == [16, True, 256, 4]  # the cost model's argmin
+    else:
+        assert [[16, 256, 4], None] in first["seen"]  # failed on every rank
+        assert first["plan"][0] != 16

@@ -3,7 +3,7 @@ rejected with a TableError naming the file and the entry."""
 
 import pytest
 
-from lamport_head.table import RowPlan, TableError, load_table, parse
+from lamport_head.table import RowPlan, TableError, fill, load_table, parse
 
 GOOD = """\
 schema: 1
@@ -91,6 +91,14 @@ BAD = {
     "bare_no": (section("1: {ctas: 8, enabled: no}"), "bare 'no'"),
     "provenance_unknown": (section(extra="      provenance: {colour: red}\n"), "unknown provenance"),
     "emulated_str": (section(extra="      emulated: maybe\n"), "emulated must be true or false"),
+    "unhashable_list_key": (section("? [1, 2]\n        : {ctas: 8, enabled: true}"), "key list at line 7"),
+    "unhashable_map_key": ("schema: 1\n? {a: 1}\n: x\n", "key dict at line 2"),
+    "schema_true": ("schema: true\ndevices: {}\n", "schema True is not supported"),
+    "schema_float": ("schema: 1.0\ndevices: {}\n", "schema 1.0 is not supported"),
+    "rows_over_limit": (section("1-4096: {ctas: 8, enabled: true}"),
+                        "rows 1-4096 exceed the limit of 1024 rows: a mailbox for 4096 rows costs "
+                        "2.7 GB per rank at V = 163840 (2 parities x rows x V x 2 bytes)"),
+    "row_over_limit": (section("2048: {ctas: 8, enabled: true}"), "row 2048 exceeds the limit"),
     "device_case_dup": ("schema: 1\ndevices:\n  GPU X: [{tp: 2, rows: {1: {ctas: 1, enabled: true}}}]\n"
                         "  gpu x: [{tp: 2, rows: {1: {ctas: 1, enabled: true}}}]\n", "case-insensitively"),
 }
@@ -115,3 +123,117 @@ def test_missing_file_is_a_table_error(tmp_path):
 def test_quoted_words_are_fine():
     t = parse(section("1: {ctas: 8, enabled: true}").replace("GPU X", "'on'"))
     assert t.plan("on", 8, 1)[1].ctas == 8
+
+
+def test_huge_range_is_rejected_before_it_is_expanded():
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(TableError, match="rows 1-30000000 exceed the limit of 1024 rows"):
+        parse(section("1-30000000: {ctas: 8, enabled: true}"), "huge.yaml")
+    assert time.perf_counter() - start < 2.0
+
+
+def test_range_up_to_the_limit_loads():
+    assert len(parse(section("1-1024: {ctas: 8, enabled: true}")).plan("GPU X", 8, 1)) == 1024
+
+
+FILL = """\
+schema: 1
+devices:
+  GPU X:
+    - tp: 8
+      rows:
+        2: {ctas: 2, enabled: true}
+        4: {ctas: 4, enabled: true, threads: 128}
+        8: {ctas: 8, enabled: false}
+        16-20: {ctas: 16, enabled: true}
+        32: {ctas: 32, enabled: true, unroll: 8}
+"""
+
+
+def test_gaps_fill_from_the_row_above():
+    plan = parse(FILL).plan("GPU X", 8, 1)
+    assert 1 not in plan  # below the smallest measured row: no lower neighbour, stock
+    assert plan[2] == RowPlan(2, True)  # measured rows are served as written
+    assert plan[3] == RowPlan(4, True, 128, filled=True)  # both neighbours enabled
+    for m in (5, 6, 7):  # enabled below, disabled above: stays disabled
+        assert plan[m] == RowPlan(8, False, filled=True)
+    for m in range(9, 16):  # disabled below, enabled above: stays disabled
+        assert plan[m] == RowPlan(16, False, filled=True)
+    assert all(plan[m] == RowPlan(16, True) for m in range(16, 21))  # a range: all measured
+    assert all(plan[m] == RowPlan(32, True, 256, 8, filled=True) for m in range(21, 32))
+    assert max(plan) == 32  # past the largest measured row: stock
+    assert sorted(plan) == list(range(2, 33))
+
+
+def test_fill_from_row_one_leaves_nothing_below():
+    plan = fill({1: RowPlan(4, True), 4: RowPlan(8, True)})
+    assert plan == {1: RowPlan(4, True), 2: RowPlan(8, True, filled=True),
+                    3: RowPlan(8, True, filled=True), 4: RowPlan(8, True)}
+    assert fill({}) == {} and fill({5: RowPlan(1, False)}) == {5: RowPlan(1, False)}
+
+
+def layer(*sections):
+    """A table text of (device, tp, ctas, emulated) sections, each serving row 1."""
+    return "schema: 1\ndevices:\n" + "".join(
+        f"  {device}:\n    - tp: {tp}\n      emulated: {str(emulated).lower()}\n"
+        f"      rows:\n        1: {{ctas: {ctas}, enabled: true}}\n"
+        for device, tp, ctas, emulated in sections)
+
+
+def test_layers_higher_replaces_lower(tmp_path, monkeypatch):
+    from lamport_head.table import layer_paths, packaged_path, user_path
+
+    shipped = next(s for s in load_table(packaged_path()).sections)
+    assert layer_paths() == [packaged_path()]  # no user table yet, no env
+    assert load_table().plan(shipped.device, shipped.tp, shipped.dcp, emulated=shipped.emulated)
+    user = user_path()
+    user.parent.mkdir(parents=True, exist_ok=True)
+    # the user's section for the shipped key is spelled in another case: still the same key
+    user.write_text(layer(("GPU X", 8, 2, False), ("GPU Z", 4, 4, False),
+                          (shipped.device.lower(), shipped.tp, 5, shipped.emulated)))
+    t = load_table()
+    assert t.layers == [str(packaged_path()), str(user)]
+    assert t.plan("GPU X", 8, 1)[1].ctas == 2
+    assert t.plan(shipped.device, shipped.tp, 1, emulated=shipped.emulated) == {1: RowPlan(5, True)}
+    assert t.section(shipped.device, shipped.tp, 1, emulated=shipped.emulated).source == str(user)
+    env = tmp_path / "env.yaml"
+    env.write_text(layer(("GPU X", 8, 3, False)))
+    monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(env))
+    t = load_table()
+    assert t.layers == [str(packaged_path()), str(user), str(env)] and t.path == str(env)
+    assert t.plan("GPU X", 8, 1)[1].ctas == 3  # the env layer wins
+    assert t.section("GPU X", 8, 1).source == str(env)
+    assert t.plan("GPU Z", 4, 1)[1].ctas == 4  # a section only the user has stays
+    keys = [(s.device.lower(), s.tp, s.dcp, s.emulated) for s in t.sections]
+    assert len(keys) == len(set(keys))  # one section per key
+    one = load_table(env)  # a path reads that one file
+    assert one.layers == [str(env)] and len(one.sections) == 1
+
+
+def test_user_table_location(tmp_path, monkeypatch):
+    from lamport_head.table import user_path
+
+    monkeypatch.setenv("LAMPORT_HEAD_CACHE", str(tmp_path / "c"))
+    assert user_path() == tmp_path / "c" / "head_gather.yaml"
+    monkeypatch.delenv("LAMPORT_HEAD_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert user_path() == tmp_path / "xdg" / "lamport-head" / "head_gather.yaml"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert user_path() == tmp_path / "home" / ".cache" / "lamport-head" / "head_gather.yaml"
+
+
+def test_bad_layer_names_its_file(tmp_path, monkeypatch):
+    from lamport_head.table import user_path
+
+    user_path().parent.mkdir(parents=True, exist_ok=True)
+    user_path().write_text(section("1: {ctas: 8, enabled: on}"))
+    with pytest.raises(TableError, match="bare 'on'") as err:
+        load_table()
+    assert str(user_path()) in str(err.value)
+    monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(tmp_path / "missing.yaml"))
+    user_path().unlink()
+    with pytest.raises(TableError, match="missing.yaml: cannot read"):
+        load_table()

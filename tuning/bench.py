@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from lamport_head.head_gather import default_ctas
+from lamport_head.kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 from lamport_head.table import RowPlan, load_table
 
 FIELDS = ["tp", "rows", "ctas", "threads", "unroll", "lamport_eager_us", "lamport_gpu_us",
@@ -38,7 +39,7 @@ def add_host_us(device, calls=200, reps=5):
     return statistics.median(times)
 
 
-def plan_for(target, rows, table_plan, threads=256, unroll=4):
+def plan_for(target, rows, table_plan, threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL):
     if rows in table_plan:
         return table_plan[rows]
     limit = target.limit(threads, unroll)

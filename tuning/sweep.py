@@ -3,25 +3,34 @@
 minimized is the target's ``objective``: eager latency on real ranks (what serving
 sees), GPU time when emulated (there, eager time is the host launching TP ranks).
 
-Rank agreement: rank 0 alone owns the study; it broadcasts each trial's parameters
-(or the stop signal) to every rank, every rank measures, and the trial's value is
-the maximum over ranks (the target does that reduction). Non-root ranks never
-touch the study, so the ranks cannot diverge in the collectives they issue.
+Rank agreement: every rank issues every collective the target issues, in the same
+order: every rank builds the search space (``target.limit`` is collective on real
+ranks), times stock, and times each trial. Rank 0 alone owns the study; it
+broadcasts its search space, each trial's parameters (or the stop signal) to every
+rank, every rank measures, and the trial's value is the maximum over ranks (the
+target reduces its figures; the sweep also agrees on failure: a trial that failed
+on any rank failed on all). Non-root ranks never touch the study.
 
 Resume and no repeats: studies live in ``storage`` under names carrying device, TP,
-DCP and rows; a re-run loads them, counts their finished trials against ``trials``,
-and a parameter set already finished is answered from the study, never re-timed.
+DCP, vocab, rows, the kernel's identity and the search space (``study_name``); each
+trial stores its configuration's values (``label``), never an index into a grid. A
+re-run loads its study, counts the finished trials against ``trials``, and a
+configuration already finished is answered from the study, never re-timed.
 """
 
+import hashlib
+import importlib.metadata
+import importlib.util
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import optuna
 
 from lamport_head.table import RowPlan
 
-THREADS = (128, 256, 512)
-UNROLL = (2, 4, 8)
+SWEEP_THREADS = (128, 256, 512)  # the CTA sizes a sweep tries (a subset of the kernel's THREADS)
+SWEEP_UNROLL = (2, 4, 8)
 _CTA_STEPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
@@ -49,6 +58,9 @@ class LocalComm:
     def broadcast(self, obj):
         return obj
 
+    def max(self, value):
+        return value
+
 
 class DistComm:
     """Rank 0 decides; ``broadcast`` hands its object to every rank of ``group``."""
@@ -56,67 +68,123 @@ class DistComm:
     def __init__(self, group=None):
         import torch.distributed as dist
 
-        self.dist, self.group = dist, group
+        self.group = group
         self.is_root = dist.get_rank(group) == 0
 
     def broadcast(self, obj):
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=self.dist.get_global_rank(self.group, 0)
-                                        if self.group is not None else 0, group=self.group)
-        return box[0]
+        from lamport_head.collective import broadcast_object
+
+        return broadcast_object(obj, self.group)
+
+    def max(self, value):
+        """The largest of every rank's float (collective; NaN-free inputs). An object
+        collective: works on gloo (CPU) and NCCL (current device) alike."""
+        from lamport_head.collective import all_gather_objects
+
+        return max(all_gather_objects(float(value), self.group))
 
 
 def cta_choices(limit):
     return [c for c in _CTA_STEPS if c <= limit]
 
 
-def grid(target, threads=THREADS, unroll=UNROLL):
+def grid(target, threads=SWEEP_THREADS, unroll=SWEEP_UNROLL):
     """Every (ctas, threads, unroll) the device can hold co-resident."""
     return [(c, t, u) for t in threads for u in unroll for c in cta_choices(target.limit(t, u))]
 
 
-def study_name(device, tp, dcp, rows, emulated):
-    return f"lamport-head|{device}|tp{tp}|dcp{dcp}|rows{rows}" + ("|emulated" if emulated else "")
+def label(config):
+    """A configuration's values as the study stores them: 'ctas=32,threads=128,unroll=4'."""
+    ctas, threads, unroll = config
+    return f"ctas={ctas},threads={threads},unroll={unroll}"
 
 
-def tune_rows(target, rows, *, device, tp, dcp, trials, storage, comm=None, margin=0.05,
-              threads=THREADS, unroll=UNROLL, seed=0, on_trial=None):
-    """Sweep one row count; every rank calls it, only the root touches Optuna."""
+def _digest(*parts, size=12):
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))  # length-prefixed: no two splits collide
+        h.update(part)
+    return h.hexdigest()[:size]
+
+
+def kernel_identity(sources=None):
+    """12 hex digits naming the kernel build a timing belongs to: the bytes of the
+    kernel package's ``*.py`` files (by name; default: the installed
+    ``lamport_head.kernels`` directory) and the nvidia-cutlass-dsl version. Reads the
+    files without importing the package, which would import cutlass."""
+    if sources is None:
+        sources = importlib.util.find_spec("lamport_head.kernels").submodule_search_locations
+    elif isinstance(sources, (str, Path)):
+        sources = [sources]
+    parts = []
+    for directory in sources:
+        for path in sorted(Path(directory).glob("*.py")):
+            parts += [path.name.encode(), path.read_bytes()]
+    try:
+        dsl = importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        dsl = "absent"
+    return _digest(*parts, f"nvidia-cutlass-dsl {dsl}".encode())
+
+
+def study_name(device, tp, dcp, rows, emulated, *, vocab, kernel, space):
+    """The study key: a timing is reused only for the same device, TP, DCP, vocab,
+    rows and kernel build. The search space's hash is in it too: Optuna refuses a
+    categorical parameter whose choices change within a study."""
+    grid_hash = _digest(*(label(c).encode() for c in space), size=8)
+    return (f"lamport-head|{device}|tp{tp}|dcp{dcp}|vocab{vocab}|rows{rows}|kernel-{kernel}"
+            f"|space-{grid_hash}" + ("|emulated" if emulated else ""))
+
+
+def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=None,
+              margin=0.05, threads=SWEEP_THREADS, unroll=SWEEP_UNROLL, seed=0, on_trial=None, kernel=None):
+    """Sweep one row count; every rank calls it, only the root touches Optuna.
+
+    ``kernel`` (default ``kernel_identity()``) names the kernel build in the study key.
+    Invariant: the result names a configuration timed in this study (these device,
+    TP, DCP, vocab, rows, kernel and search space), never one merely indexed alike.
+    """
     comm = comm or LocalComm()
-    space = comm.broadcast(grid(target, threads, unroll) if comm.is_root else None)
+    # Every rank builds the grid: target.limit is collective on real ranks. The ranks
+    # then use the root's grid, so they measure the same configurations.
+    space = comm.broadcast(grid(target, threads, unroll))
     stock = target.stock(rows)
     timed, study, current = 0, None, None
     if comm.is_root:
+        labels = {label(c): c for c in space}
+        choices = optuna.distributions.CategoricalDistribution(list(labels))
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(
-            study_name=study_name(device, tp, dcp, rows, target.emulated), storage=storage,
-            sampler=optuna.samplers.TPESampler(seed=seed), direction="minimize",
-            load_if_exists=True)
+            study_name=study_name(device, tp, dcp, rows, target.emulated, vocab=vocab,
+                                  kernel=kernel or kernel_identity(), space=space),
+            storage=storage, sampler=optuna.samplers.TPESampler(seed=seed),
+            direction="minimize", load_if_exists=True)
         done = {t.params["config"]: t for t in study.trials
                 if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
-                and "config" in t.params}
+                and t.params.get("config") in labels}
         budget = max(0, min(trials, len(space)) - len(done))
         repeats = 0
         if len(space) <= trials:  # a small grid: walk it (enqueued), TPE never guesses
-            for index in range(len(space)):
-                if index not in done:
-                    study.enqueue_trial({"config": index})
+            for name in labels:
+                if name not in done:
+                    study.enqueue_trial({"config": name})
     while True:
         order = None
         if comm.is_root:
             order = ("stop",)
             while budget > 0:
-                trial = study.ask({"config": optuna.distributions.CategoricalDistribution(
-                    list(range(len(space))))})
-                index = trial.params["config"]
-                if index in done:  # already timed in this study: answer, don't re-time
-                    if done[index].state == optuna.trial.TrialState.FAIL:
+                trial = study.ask({"config": choices})
+                name = trial.params["config"]
+                if name in done:  # already timed in this study: answer, don't re-time
+                    for key, value in done[name].user_attrs.items():
+                        trial.set_user_attr(key, value)
+                    if done[name].state == optuna.trial.TrialState.FAIL:
                         study.tell(trial, state=optuna.trial.TrialState.FAIL)
                     else:
-                        study.tell(trial, done[index].value)
+                        study.tell(trial, done[name].value)
                     repeats += 1
                     if repeats >= 20:  # TPE keeps proposing known points: take an untried one
-                        untried = [i for i in range(len(space)) if i not in done]
+                        untried = [n for n in labels if n not in done]
                         if not untried:
                             budget = 0
                         else:
@@ -125,37 +193,45 @@ def tune_rows(target, rows, *, device, tp, dcp, trials, storage, comm=None, marg
                     continue
                 repeats = 0
                 current = trial
-                order = ("measure", index)
+                order = ("measure", labels[name])
                 break
         order = comm.broadcast(order)
         if order[0] == "stop":
             break
-        index = order[1]
-        ctas, t, u = space[index]
+        ctas, t, u = config = order[1]
         timing = target.lamport(rows, RowPlan(ctas, True, t, u))
         timed += 1
         value = getattr(timing, target.objective) if timing is not None else math.inf
         if value != value:  # no usable figure (e.g. host-bound GPU timing)
-            timing, value = None, math.inf
+            value = math.inf
+        # A failure on one rank (None or no figure) is a failure on all: every rank
+        # must tell the study, the callback and its peers the same story.
+        value = comm.max(value)
+        if value == math.inf:
+            timing = None
         if comm.is_root:
+            # The configuration's values travel with the trial, so a reader of the
+            # study never has to trust an index into some run's grid.
+            for key, v in zip(("ctas", "threads", "unroll"), config):
+                current.set_user_attr(key, v)
             if timing is None:  # failed verification: never a candidate
                 study.tell(current, state=optuna.trial.TrialState.FAIL)
-                done[index] = study.trials[current.number]
             else:
                 current.set_user_attr("gpu_us", timing.gpu_us)
                 current.set_user_attr("eager_us", timing.eager_us)
                 current.set_user_attr("host_us", timing.host_us)
                 study.tell(current, value)
-                done[index] = study.trials[current.number]
+            done[label(config)] = study.trials[current.number]
             budget -= 1
         if on_trial:
-            on_trial(rows, (ctas, t, u), timing)
+            on_trial(rows, config, timing)
     result = None
     if comm.is_root:
-        finished = [tr for tr in study.trials if tr.state == optuna.trial.TrialState.COMPLETE]
+        finished = [tr for tr in study.trials if tr.state == optuna.trial.TrialState.COMPLETE
+                    and tr.params.get("config") in labels]
         if finished:
             top = min(finished, key=lambda tr: tr.value)
-            ctas, t, u = space[top.params["config"]]
+            ctas, t, u = labels[top.params["config"]]
             graph = top.user_attrs.get("gpu_us", math.nan)
             base = getattr(stock, target.objective)
             enabled = top.value < base * (1 - margin)
@@ -166,26 +242,3 @@ def tune_rows(target, rows, *, device, tp, dcp, trials, storage, comm=None, marg
             result = RowResult(rows, RowPlan(1, False), math.inf, getattr(stock, target.objective),
                                math.nan, stock.gpu_us, 0, timed)
     return comm.broadcast(result)
-
-
-def merge_rows(results):
-    """{key: entry} for the YAML: adjacent tuned rows with the same decision and
-    configuration merge into a range 'a-b' (entries carry the largest row's figures)."""
-    ordered = sorted(results, key=lambda r: r.rows)
-    groups = []
-    for r in ordered:
-        if groups and groups[-1][-1].plan == r.plan:
-            groups[-1].append(r)
-        else:
-            groups.append([r])
-    table = {}
-    for g in groups:
-        key = g[0].rows if len(g) == 1 else f"{g[0].rows}-{g[-1].rows}"
-        last = g[-1]
-        entry = {"ctas": last.plan.ctas, "enabled": last.plan.enabled,
-                 "threads": last.plan.threads, "unroll": last.plan.unroll}
-        if math.isfinite(last.lamport_us):
-            entry["lamport_us"] = round(last.lamport_us, 2)
-        entry["stock_us"] = round(last.stock_us, 2)
-        table[key] = entry
-    return table

@@ -2,7 +2,9 @@
 
 One GPU with ``--emulate``: TP virtual ranks (entries written ``emulated: true``,
 never served). Under torchrun: one rank per GPU, NCCL for the stock path, the
-mailbox on symmetric memory; rank 0 owns the studies and writes the table.
+mailbox on symmetric memory; rank 0 owns the studies and writes the table: the
+user's table by default (``lamport_head.table.user_path``, a serving layer above the
+packaged one), its Optuna studies beside it.
 """
 
 import datetime
@@ -16,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .sweep import DistComm, LocalComm, merge_rows, tune_rows
-from .writer import merge_section
+from .sweep import DistComm, LocalComm, tune_rows
+from .writer import measured_rows, merge_section
 
 
 def provenance(device, command):
@@ -86,7 +88,7 @@ def summary(results, emulated):
 
 def run(args):
     """Entry of the tune subcommand (args from lamport_head.cli)."""
-    from lamport_head.table import normalize
+    from lamport_head.table import normalize, user_path
 
     rows_list = args.rows
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -117,7 +119,7 @@ def run(args):
         comm = LocalComm()
         emulated = True
     name = torch.cuda.get_device_name(device)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else user_path()  # the user layer by default
     storage = args.storage or f"sqlite:///{out.with_name(out.stem + '.optuna.db').resolve()}"
     root = comm.is_root
     if root:
@@ -128,7 +130,7 @@ def run(args):
     results = []
     for rows in rows_list:
         results.append(tune_rows(target, rows, device=normalize(name), tp=args.tp, dcp=args.dcp,
-                                 trials=args.trials, storage=storage, comm=comm,
+                                 vocab=args.vocab, trials=args.trials, storage=storage, comm=comm,
                                  margin=args.margin, threads=tuple(args.threads),
                                  unroll=tuple(args.unroll), on_trial=progress.step))
     progress.close()
@@ -138,7 +140,7 @@ def run(args):
     command = "lamport-head " + shlex.join(getattr(args, "argv", sys.argv[1:]))
     if world > 1:
         command = f"torchrun --nproc-per-node {world} " + command
-    path = merge_section(out, name, args.tp, args.dcp, merge_rows(results),
+    path = merge_section(out, name, args.tp, args.dcp, measured_rows(results),
                          provenance(device, command), emulated=emulated)
     print(f"wrote {path} ({name}, tp={args.tp}, dcp={args.dcp}{', emulated' if emulated else ''})")
     if args.plot:

@@ -6,6 +6,7 @@ before it replaces the file (write to a temporary file beside it, then rename), 
 reader never sees a half-written or invalid table.
 """
 
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -21,6 +22,20 @@ def _load(path):
         return {"schema": SCHEMA, "devices": {}}
     parse(path.read_text(), str(path))  # refuse to merge into an invalid table
     return yaml.safe_load(path.read_text())
+
+
+def measured_rows(results):
+    """{rows: entry} for the YAML: one entry per measured row count, never a range.
+    The tuner writes only what it measured; serving fills the gaps (table.fill)."""
+    table = {}
+    for r in sorted(results, key=lambda r: r.rows):
+        entry = {"ctas": r.plan.ctas, "enabled": r.plan.enabled,
+                 "threads": r.plan.threads, "unroll": r.plan.unroll}
+        if math.isfinite(r.lamport_us):
+            entry["lamport_us"] = round(r.lamport_us, 2)
+        entry["stock_us"] = round(r.stock_us, 2)
+        table[r.rows] = entry
+    return table
 
 
 def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False):
