@@ -1,7 +1,7 @@
 """``compile_gather``: one compiled Gather per shape key, cached per process.
 
 The key is everything the kernel specializes on: (tp, shard words, threads, unroll,
-pdl, arch). M, the CTA count, parity, rank, budget and the status address are
+pdl, arch). M, the CTA count, rank, budget and the status address are
 run-time arguments, so one compilation serves every row count.
 
 The callable goes through TVM-FFI: it takes torch tensors directly and launches on
@@ -28,8 +28,7 @@ _LOCK = threading.Lock()
 
 @dataclass(frozen=True)
 class CompiledGather:
-    """``launch(shard, out_address, peers_address, parity, rank, ctas, budget_ns,
-    status_address)``
+    """``launch(shard, out_address, peers_address, rank, ctas, budget_ns, status_address)``
     plus the artifacts a host needs to check the launch (cubin: occupancy) and a
     test needs to audit it (ptx)."""
 
@@ -70,8 +69,8 @@ def _compile(tp, shard_words, threads, unroll, pdl, arch):
                    f"--dump-dir={dump}")
         launch = cute.compile(
             Gather(tp, shard_words, threads, unroll, pdl), shard, cutlass.Int64(0), cutlass.Int64(0),
-            cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int64(0),
-            cutlass.Int64(0), stream, options=options)
+            cutlass.Int32(0), cutlass.Int32(1), cutlass.Int64(0), cutlass.Int64(0), stream,
+            options=options)
         ptx, cubin = launch.__ptx__, launch.__cubin__
         if isinstance(ptx, str) and os.path.exists(ptx):
             ptx = open(ptx).read()

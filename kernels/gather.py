@@ -5,10 +5,12 @@ Mailbox layout, peer table, control block and status record: ``protocol``. ``pee
 host just allocated) come as addresses: ints, not tensors, so a call converts one
 tensor (the shard, which also gives M, the device and the stream) instead of three.
 
-One launch per call and parity. ``Gather.kernel`` is the protocol, step by step
+One launch per call. ``Gather.kernel`` is the protocol, step by step
 (``steps`` holds each step and the invariant it keeps):
 
-1. wait for the previous kernel (PDL), start the clock, read the fail-stop mark;
+1. wait for the previous kernel (PDL), start the clock, read this rank's epoch (its
+   low bit is the parity: the kernel keeps the alternation in device memory, so a
+   CUDA graph replay alternates like an eager call) and the fail-stop mark;
 2. ``push`` this rank's rows to every peer (not when marked) and to the output;
 3. per batch: ``fetch`` every fragment, ``repoll`` the dirty ones until they all
    arrived, the budget ran out or the mark appeared, then ``deliver`` (copy and
@@ -18,7 +20,8 @@ One launch per call and parity. ``Gather.kernel`` is the protocol, step by step
    before any late push of a void call could land in this box, so what the box
    holds now may be such a push (NaN instead, until ``reset`` re-arms);
 4. ``report`` a give-up: the status record, and on a time-out the mark in every
-   rank's control block.
+   rank's control block;
+5. ``advance`` the epoch (the launch's last CTA, once).
 
 With PDL the kernel waits (``griddepcontrol.wait``) before reading the shard: the
 shard is the previous kernel's output, and the previous gather on this stream must
@@ -34,15 +37,16 @@ from cutlass import Int32, Int64, Uint32
 
 from .primitives import load_address
 from .protocol import CAUSE_ABORT, CAUSE_TIMEOUT, PEER_CONTROL, WORDS
-from .steps import deliver, fetch, marked, push, repoll, report
+from .steps import advance, deliver, epoch_of, fetch, marked, push, repoll, report
 
 
 class Gather:
     """One compiled gather for ``tp`` ranks of ``shard_words`` words per row.
 
     Compile-time: tp, shard width, threads per CTA, fragments in flight per thread
-    (``unroll``) and PDL. Run-time: M (the shard's rows), the CTA count, the parity,
-    the rank, the spin budget and the status record's address."""
+    (``unroll``) and PDL. Run-time: M (the shard's rows), the CTA count, the rank,
+    the spin budget and the status record's address; the parity comes from the
+    rank's epoch in device memory."""
 
     def __init__(self, tp: int, shard_words: int, threads: int, unroll: int, pdl: bool):
         if shard_words % WORDS:
@@ -51,16 +55,15 @@ class Gather:
         self.unroll, self.pdl = unroll, pdl
 
     @cute.jit
-    def __call__(self, shard: cute.Tensor, out: Int64, peers: Int64,
-                 parity: Int32, rank: Int32, ctas: Int32, budget: Int64, status: Int64,
-                 stream):
-        self.kernel(shard, out, peers, parity, rank, budget, status).launch(
+    def __call__(self, shard: cute.Tensor, out: Int64, peers: Int64, rank: Int32, ctas: Int32,
+                 budget: Int64, status: Int64, stream):
+        self.kernel(shard, out, peers, rank, budget, status).launch(
             grid=(ctas, 1, 1), block=(self.threads, 1, 1), stream=stream,
             use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, shard: cute.Tensor, out: Int64, peers: Int64,
-               parity: Int32, rank: Int32, budget: Int64, status: Int64):
+    def kernel(self, shard: cute.Tensor, out: Int64, peers: Int64, rank: Int32, budget: Int64,
+               status: Int64):
         tp: cutlass.Constexpr = self.tp
         unroll: cutlass.Constexpr = self.unroll
         frags: cutlass.Constexpr = self.shard_words // WORDS  # fragments of a shard row
@@ -78,6 +81,9 @@ class Gather:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         start = cute.arch.globaltimer()
+        own_control = load_address(peers + Int64(PEER_CONTROL * tp + rank) * 8)
+        epoch = epoch_of(own_control)
+        parity = epoch & 1
         boxes = peers + Int64(parity * tp) * 8  # this parity's row of the peer table
         # Box and control addresses in push order (rank, rank + 1, ...), loaded once.
         targets = cute.make_rmem_tensor((tp,), Int64)
@@ -87,7 +93,6 @@ class Gather:
         for q in cutlass.range_constexpr(tp):
             controls[q] = load_address(peers + Int64(PEER_CONTROL * tp + q) * 8)
         own = targets[0]
-        own_control = load_address(peers + Int64(PEER_CONTROL * tp + rank) * 8)
         stopped = marked(own_control)
         cause = CAUSE_ABORT * stopped
 
@@ -116,3 +121,4 @@ class Gather:
             base = base + stride * unroll
         if cause != 0:
             report(status, controls, own_control, cause, missing, parity, tp)
+        advance(own_control, epoch, grid, tid)

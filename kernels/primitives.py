@@ -102,6 +102,21 @@ def load_word_volatile(address, *, loc=None, ip=None):
 
 
 @_op
+def store_word(address, word, *, loc=None, ip=None):
+    """One word to ``address``, a plain store (this rank's own control words)."""
+    _asm("st.global.u32 [$0], $1;", "l,r,~{memory}", [Int64(address), Uint32(word)], 0, True,
+         loc, ip)
+
+
+@_op
+def atomic_add_word(address, value, *, loc=None, ip=None):
+    """Adds ``value`` to the word at ``address`` (device scope); the old word."""
+    (old,) = _asm("atom.global.add.u32 $0, [$1], $2;", "=r,l,r,~{memory}",
+                  [Int64(address), Uint32(value)], 1, True, loc, ip)
+    return old
+
+
+@_op
 def fence_sys(*, loc=None, ip=None):
     """Orders this thread's earlier stores before its later ones at system scope."""
     _asm("fence.sc.sys;", "~{memory}", [], 0, True, loc, ip)

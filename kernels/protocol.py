@@ -12,9 +12,14 @@ words start at 0. The peer table handed to the kernel is int64 ``[3, tp]``: rows
 ``PEER_PARITY0``/``PEER_PARITY1`` hold each rank's parity boxes, row ``PEER_CONTROL``
 each rank's control block (addresses as mapped in the calling process).
 
-Control block (written by peers, read by its owner; cleared only by ``reset``):
+Control block (cleared only by ``reset``): written by peers, read by its owner:
 ``CONTROL_ABORT`` is nonzero once any rank gave up on a call (the fail-stop mark);
 ``CONTROL_MISSING + r`` is 1 when some rank found rank ``r``'s fragments missing.
+Owned by the rank's own kernels: ``CONTROL_EPOCH`` counts this rank's launches (the
+parity of a call is its epoch's low bit, so eager calls and CUDA-graph replays share
+one alternation) and ``CONTROL_DONE`` counts a launch's finished CTAs; the last CTA
+to finish resets it and advances the epoch. The next launch on the stream reads the
+epoch only after this one completed (stream order; PDL's ``griddepcontrol.wait``).
 
 Status record (host-visible, one per rank; the kernel writes it, the host reads it
 without a device sync): details first, a system-scope fence, then ``STATUS_FLAG``:
@@ -31,8 +36,9 @@ WORDS = 4  # 32-bit words per 16-byte fragment
 FRAGMENT_BF16 = 2 * WORDS  # BF16 values per fragment
 
 MAX_TP = 32
-CONTROL_WORDS = 4 * ((1 + MAX_TP + 3) // 4)  # whole fragments, so the boxes stay aligned
 CONTROL_ABORT, CONTROL_MISSING = 0, 1
+CONTROL_EPOCH, CONTROL_DONE = CONTROL_MISSING + MAX_TP, CONTROL_MISSING + MAX_TP + 1
+CONTROL_WORDS = 4 * ((CONTROL_DONE + 1 + 3) // 4)  # whole fragments: the boxes stay aligned
 PEER_PARITY0, PEER_PARITY1, PEER_CONTROL = 0, 1, 2
 PEER_ROWS = 3
 

@@ -16,15 +16,18 @@ Invariants every step keeps:
   the allocator had; its rank joins the thread's ``missing`` mask.
 - ``report``: details, then ``fence_sys``, then the flags; a rank whose own wait ran
   out marks every rank's control block, so every rank's next kernel stops at once.
+- ``epoch_of``/``advance``: every CTA reads the epoch before any CTA of the launch
+  can advance it; only the launch's last CTA advances it, once.
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from .primitives import (armed, fence_sys, load, load_address, load_volatile, load_word_volatile,
-                         scrub, store, store_sys, store_word_sys)
-from .protocol import (CAUSE_ABORT, CAUSE_TIMEOUT, CONTROL_ABORT, CONTROL_MISSING, NAN_PAIR,
+from .primitives import (armed, atomic_add_word, fence_sys, load, load_address, load_volatile,
+                         load_word_volatile, scrub, store, store_sys, store_word, store_word_sys)
+from .protocol import (CAUSE_ABORT, CAUSE_TIMEOUT, CONTROL_ABORT, CONTROL_DONE, CONTROL_EPOCH,
+                       CONTROL_MISSING, NAN_PAIR,
                        SENTINEL, STATUS_CAUSE, STATUS_FLAG, STATUS_PARITY, STATUS_PEERS,
                        WORDS)
 
@@ -33,6 +36,23 @@ from .protocol import (CAUSE_ABORT, CAUSE_TIMEOUT, CONTROL_ABORT, CONTROL_MISSIN
 def marked(control: Int64) -> Int32:
     """1 when this rank's control block carries the fail-stop mark."""
     return Int32(load_word_volatile(control + CONTROL_ABORT * 4) != Uint32(0))
+
+
+@cute.jit
+def epoch_of(control: Int64) -> Int32:
+    """This rank's launch count; its low bit is this call's parity."""
+    return Int32(load_word_volatile(control + CONTROL_EPOCH * 4))
+
+
+@cute.jit
+def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32):
+    """The last CTA to finish moves the epoch on. Every thread read ``epoch`` before
+    its CTA reached the barrier, so no CTA of this launch can see the new value."""
+    cute.arch.sync_threads()
+    if tid == 0:
+        if atomic_add_word(control + CONTROL_DONE * 4, 1) == Uint32(grid - 1):
+            store_word(control + CONTROL_DONE * 4, 0)
+            store_word(control + CONTROL_EPOCH * 4, epoch + 1)
 
 
 @cute.jit
@@ -147,5 +167,5 @@ def report(status: Int64, controls: cute.Tensor, own_control: Int64, cause: Int3
     store_word_sys(status + STATUS_FLAG * 4, 1)
 
 
-__all__ = ["marked", "push", "fetch", "repoll", "deliver", "report", "CAUSE_ABORT",
+__all__ = ["epoch_of", "advance", "marked", "push", "fetch", "repoll", "deliver", "report", "CAUSE_ABORT",
            "CAUSE_TIMEOUT", "load_address"]

@@ -87,13 +87,13 @@ class EmulatedGather:
             here.wait_stream(stream)
         return outs
 
-    def launch(self, shards, outs, parity, ctas):
-        """Bare launches of every rank (for graph capture): no checks, no parity."""
+    def launch(self, shards, outs, ctas):
+        """Bare launches of every rank into ``outs``: no checks."""
         here = torch.cuda.current_stream(self.device)
         for gather, stream, shard, out in zip(self.ranks, self.streams, shards, outs):
             stream.wait_stream(here)
             with torch.cuda.stream(stream):
-                gather.launch(shard, out, parity, ctas)
+                gather.launch(shard, out, ctas)
         for stream in self.streams:
             here.wait_stream(stream)
 

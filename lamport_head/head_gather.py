@@ -3,14 +3,19 @@ set of row counts, on two parities of a Lamport mailbox.
 
 Invariants a change must keep:
 
-- Parity alternates per successful launch, and every rank calls in the same order
-  (the model runner's): two uses of a parity are then separated by a use of the
-  other, so a rank pushes into a parity only after every peer finished reading and
-  re-arming it. A call on another stream than the previous call first waits for the
-  previous stream, so the calls stay one sequence. Calls under CUDA graph capture
-  take ``stock`` (a replay would not advance the parity).
+- Parity alternates per launch, kept by the kernel itself (the rank's epoch in
+  device memory), and every rank launches in the same order (the model runner's):
+  two uses of a parity are then separated by a use of the other, so a rank pushes
+  into a parity only after every peer finished reading and re-arming it. Under CUDA
+  graph capture the launch is recorded like any other: each replay reads and
+  advances the epoch, so replays and eager calls interleave on one stream. An eager
+  call on another stream than the previous call first waits for the previous
+  stream, so the calls stay one sequence (graph replays must be issued in that
+  order by the caller, as engines do).
 - Every shape the kernel does not serve takes ``stock``: rows not in ``rows``, not
   2-D, not BF16, the wrong width, another device, non-contiguous, not 16-byte aligned.
+  The decision depends on the shape only, so every rank takes the same path, and a
+  captured graph holds the same path on every rank.
 - Bytes move unchanged but for the sentinel word (+0, -0), which arrives as (+0, +0).
 - Fail-stop: a wait past the spin budget writes the missing fragments as NaN and
   marks every rank's mailbox; from then on every rank's next call (and ``check()``)
@@ -174,14 +179,14 @@ class HeadGather:
             return stock(logits)
         route = self._route.get(shape[0])
         if (route is None or logits.get_device() != self._index or not logits.is_contiguous()
-                or logits.data_ptr() % 16 or torch.cuda.is_current_stream_capturing()):
+                or logits.data_ptr() % 16):
             return stock(logits)
         self._follow_stream()
-        out = logits.new_empty((shape[0], self.width))
+        out = logits.new_empty((shape[0], self.width))  # under capture: the graph's own
         launch, ctas = route
-        launch(logits, out.data_ptr(), self._peers, self.parity, self.rank, ctas, self.budget_ns,
+        launch(logits, out.data_ptr(), self._peers, self.rank, ctas, self.budget_ns,
                self._status_address)
-        self.parity ^= 1  # only after a launch: a failed one leaves the sequence as it was
+        self.parity ^= 1  # the host's view only; the kernel keeps the real alternation
         return out
 
     def _follow_stream(self):
@@ -191,15 +196,17 @@ class HeadGather:
                else torch.cuda.current_stream(self.device).cuda_stream)
         if now != self._stream_id:
             current = torch.cuda.current_stream(self.device)
-            if self._stream is not None:
+            # A capture may not wait on work outside it; its replays are ordered by the
+            # stream the caller launches them on.
+            if self._stream is not None and not torch.cuda.is_current_stream_capturing():
                 current.wait_stream(self._stream)
             self._stream_id, self._stream = now, current
 
-    def launch(self, logits, out, parity, ctas):
-        """The bare kernel launch on the current stream, with no checks and no parity
-        bookkeeping: for graph capture in the benchmark (the caller alternates)."""
+    def launch(self, logits, out, ctas):
+        """The bare kernel launch into ``out`` on the current stream, with no checks:
+        explicitly poisoned outputs in tests, CTA counts outside the plan in tuning."""
         launch = self._route[logits.shape[0]][0]
-        launch(logits, out.data_ptr(), self._peers, parity, self.rank, ctas, self.budget_ns,
+        launch(logits, out.data_ptr(), self._peers, self.rank, ctas, self.budget_ns,
                self._status_address)
 
     def _failure(self):
@@ -224,7 +231,7 @@ class HeadGather:
         self.box.barrier()
         self.box.arm()
         self._status.zero_()
-        self.parity = 0
+        self.parity = 0  # arm() zeroed the epoch too
         torch.cuda.synchronize(self.device)
         self.box.barrier()
 

@@ -59,7 +59,7 @@ def _fake_cuda(monkeypatch_like, rank, case):
         self._index, self.sharing, self.parity = -1, 1, 0
         self.rows, self.cap = frozenset(rows), max(rows)
 
-        def launch(logits, out, peers, parity, r, c, budget, status):
+        def launch(logits, out, peers, r, c, budget, status):
             ctypes.memset(out, FAKE_BYTE, logits.shape[0] * self.width * 2)
 
         self._route = {m: (launch, getattr(ctas[m], "ctas", 1)) for m in self.rows}

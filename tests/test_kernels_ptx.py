@@ -26,6 +26,7 @@ def test_variant_ptx(tp, threads, unroll):
     assert "%globaltimer" in k.ptx  # bounded spin
     assert "ld.volatile.global.u32" in ops  # the fail-stop mark is polled from memory
     assert "st.relaxed.sys.global.u32" in ops and "fence.sc.sys" in k.ptx  # record, fence, flag
+    assert "atom.global.add.u32" in ops or "atom.global.add.u32" in k.ptx  # the epoch's CTA count
     assert str(NAN_PAIR) in k.ptx or hex(NAN_PAIR) in k.ptx.lower()  # missing -> NaN
     assert "griddepcontrol.wait" in k.ptx
     # every push is one 16-byte store per peer per fragment in flight

@@ -114,3 +114,12 @@ def test_one_process_failing_its_mailbox_leaves_every_process_stock():
                             "--vocab", VOCAB3, timeout=180)
     assert codes == [0, 0, 0], _show(outs)
     assert "served rows none (stock) on every rank" in outs[0], _show(outs)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_captured_gathers_across_processes_bitwise(n):
+    codes, outs, wall = launch(n, "--graph", "--rows", "1,8,64", "--calls", "100", timeout=300)
+    assert codes == [0] * n, _show(outs)
+    line = next(x for x in outs[0].splitlines() if x.startswith("ranks graph:"))
+    print(f"\n{line} ({wall:.0f} s wall)")
+    assert "bitwise equal to the reference on every rank and replay" in line

@@ -6,8 +6,8 @@ sync before each):
 
 - eager: ``calls`` back-to-back calls as serving issues them, CUDA events around
   them; the host time of issuing them is taken from the same loop (perf_counter).
-- gpu: GPU time only. Distributed: a CUDA graph of two steps (parity 0 then 1)
-  replayed. Emulated: the stream is first held by a spin (``torch.cuda._sleep``)
+- gpu: GPU time only. Distributed: a CUDA graph of two steps replayed (the kernel
+  alternates the parity itself). Emulated: the stream is first held by a spin (``torch.cuda._sleep``)
   while the host queues ``steps`` whole steps behind it, so the events time the
   GPU alone. (A CUDA graph does not work there: the graph may serialize the
   virtual ranks' branches, and a rank waiting for a later branch times out.)
@@ -270,9 +270,9 @@ class DistributedTarget:
         eager, host = _median_eager(lambda: self._call(gather, x, failed), self.device,
                                     self.calls, self.reps, self.barrier)
         out = torch.empty(rows, self.vocab, dtype=torch.bfloat16, device=self.device)
-        first = gather.parity  # continue the call sequence: never a parity twice in a row
-        graph = _median_graph(lambda: (gather.launch(x, out, first, plan.ctas),
-                                       gather.launch(x, out, first ^ 1, plan.ctas)),
+        # the kernel keeps the parity: captured launches continue the call sequence
+        graph = _median_graph(lambda: (gather.launch(x, out, plan.ctas),
+                                       gather.launch(x, out, plan.ctas)),
                               self.device, self.replays, self.reps, self.barrier)
         torch.cuda.synchronize(self.device)
         try:

@@ -4,6 +4,7 @@
     ... --kill-rank 1 --kill-after 100            a rank dies mid-run
     ... --slow-rank 1 --slow-s 0.5 [--late-push]  a rank starts one call late
     ... --install [--fail-alloc-rank 1]           install_logits_gather on a model
+    ... --graph                                    gathers captured in a CUDA graph
 
 check: HeadGather against the reference on fresh planted data every call (sentinel
 words, -0 in either half, NaN, Inf), outputs poisoned first, M changing every call
@@ -25,6 +26,11 @@ install: a vLLM-shaped model and a table with an enabled entry for this GPU;
 ``install_logits_gather`` routes the gather; served rows and stock rows are checked
 bitwise. ``--fail-alloc-rank``: that rank's mailbox allocation fails; every rank
 must stay stock, and nobody hangs.
+
+graph: every rank captures one CUDA graph of a gather per served row count on a side
+stream and replays it ``--calls`` times, free-running, with fresh data copied into
+the graph's static inputs before each replay; bitwise on every rank and replay, an
+eager call between replays every tenth time.
 
 Exit status 0 only when every check held; rank 0 prints one summary line.
 """
@@ -57,6 +63,7 @@ def _args(argv):
     p.add_argument("--late-push", action="store_true")
     p.add_argument("--install", action="store_true")
     p.add_argument("--fail-alloc-rank", type=int)
+    p.add_argument("--graph", action="store_true")
     return p.parse_args(argv)
 
 
@@ -75,10 +82,14 @@ class Calls:
             previous = m
 
     def shards(self, i):
+        return self.shards_for(i, self.m[i])
+
+    def shards_for(self, i, m):
+        """Every rank's ``[m, shard]`` of draw ``i``: the same on every rank."""
         from lamport_head.reference import planted
 
         g = torch.Generator(device=self.device).manual_seed(SEED * 1_000_003 + i)
-        data = planted(self.tp, self.m[i], self.shard, generator=g, device=self.device)
+        data = planted(self.tp, m, self.shard, generator=g, device=self.device)
         return [data[r] for r in range(self.tp)]
 
 
@@ -146,6 +157,50 @@ def check(args, ranks, gather, calls):
         print(f"ranks check: tp={ranks.world}, {args.calls} free-running calls, M in {rows}, "
               f"V={args.vocab}, {_mode(ranks)}: {verdict}; {slowest * 1e3:.1f} ms per call",
               flush=True)
+    return ok
+
+
+def graph(args, ranks, gather, calls):
+    from lamport_head.reference import reference_gather
+
+    me, device, ms = ranks.rank, ranks.device, calls.rows
+    static = [torch.zeros(m, calls.shard, dtype=torch.bfloat16, device=device) for m in ms]
+    stream = torch.cuda.Stream(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        outs = [gather(x, _no_stock) for x in static]
+    bad = torch.zeros(args.calls, dtype=torch.int32, device=device)
+    eager_bad = torch.zeros(args.calls, dtype=torch.int32, device=device)
+    start = time.monotonic()
+    with torch.cuda.stream(stream):  # replays and eager calls: one stream order
+        for i in range(args.calls):
+            for k, m in enumerate(ms):
+                shards = calls.shards_for(i * len(ms) + k, m)
+                static[k].copy_(shards[me])
+            g.replay()
+            for k, m in enumerate(ms):
+                shards = calls.shards_for(i * len(ms) + k, m)
+                want = reference_gather(shards).view(torch.int32)
+                bad[i] += (outs[k].view(torch.int32) != want).any()
+            if i % 10 == 9:
+                shards = calls.shards_for(10**6 + i, ms[i % len(ms)])
+                out = gather(shards[me], _no_stock)
+                eager_bad[i] += (out.view(torch.int32) !=
+                                 reference_gather(shards).view(torch.int32)).any()
+    torch.cuda.synchronize(device)
+    per_replay = (time.monotonic() - start) / args.calls
+    gather.check()
+    gather.box.barrier()
+    armed = gather.box.armed()
+    report = _gathered(ranks, (int(bad.sum()), int(eager_bad.sum()), armed, per_replay))
+    ok = all(b == 0 and e == 0 and a for b, e, a, _ in report)
+    if ranks.is_root:
+        print(f"ranks graph: tp={ranks.world}, {args.calls} free-running replays of a graph of "
+              f"{len(ms)} gathers (M {','.join(map(str, ms))}) + eager calls between, "
+              f"{_mode(ranks)}: "
+              + ("bitwise equal to the reference on every rank and replay, every mailbox word armed"
+                 if ok else f"FAILED {report}")
+              + f"; {max(t for *_, t in report) * 1e3:.1f} ms per replay", flush=True)
     return ok
 
 
@@ -319,8 +374,12 @@ def main(argv=None):
                         budget_s=args.budget)
     if args.kill_rank is not None:
         os._exit(0 if kill(args, ranks, gather, calls) else 1)  # a peer is gone: no teardown
-    ok = slow(args, ranks, gather, calls) if args.slow_rank is not None else \
-        check(args, ranks, gather, calls)
+    if args.graph:
+        ok = graph(args, ranks, gather, calls)
+    elif args.slow_rank is not None:
+        ok = slow(args, ranks, gather, calls)
+    else:
+        ok = check(args, ranks, gather, calls)
     gather.close()
     dist.destroy_process_group()
     return 0 if ok else 1
