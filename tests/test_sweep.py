@@ -34,7 +34,7 @@ class CostModel:
             return None  # failed verification
         best = min(4 * rows, self.limit_ctas)
         us = 3 + abs(math.log2(plan.ctas / best)) + (plan.threads != 256) + (plan.unroll != 4) + rows / 8
-        return Timing(us + 5, us, 4.0)
+        return Timing(us + 5, us, 4.0, us * 1.01, 0.1)
 
     def stock(self, rows):
         return Timing(10 + rows + 5, 10 + rows, 9.0)

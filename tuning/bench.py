@@ -1,7 +1,8 @@
 """``lamport-head bench``: Lamport vs stock per (TP, rows), measured in one run.
 
-Per row count: eager per-call latency, GPU time (graph replay; emulated: a gated queue) and host µs per
-call of both paths, and their ratios; plus, for scale, the host µs of one
+Per row count: eager per-call latency, GPU time (graph replay; emulated: a gated queue)
+and host µs per call of both paths, and their ratios; the Lamport gather captured in
+CUDA graphs (GPU µs and host µs per gather) beside its eager figures; plus, for scale, the host µs of one
 ``torch.add_`` on this machine. Results go to CSV and JSON (and a PNG with --plot).
 The Lamport configuration comes from the table (emulated sections included when
 emulating), else the built-in CTA heuristic.
@@ -22,7 +23,7 @@ from lamport_head.kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 from lamport_head.table import RowPlan, load_table
 
 FIELDS = ["tp", "rows", "ctas", "threads", "unroll", "lamport_eager_us", "lamport_gpu_us",
-          "lamport_host_us", "stock_eager_us", "stock_gpu_us", "stock_host_us",
+          "lamport_host_us", "lamport_graph_us", "lamport_graph_host_us", "stock_eager_us", "stock_gpu_us", "stock_host_us",
           "eager_speedup", "gpu_speedup", "host_ratio"]
 
 
@@ -81,6 +82,7 @@ def run(args):
             "tp": target.tp, "rows": rows, "ctas": plan.ctas, "threads": plan.threads,
             "unroll": plan.unroll, "lamport_eager_us": lam.eager_us,
             "lamport_gpu_us": lam.gpu_us, "lamport_host_us": lam.host_us,
+            "lamport_graph_us": lam.graph_us, "lamport_graph_host_us": lam.graph_host_us,
             "stock_eager_us": stock.eager_us, "stock_gpu_us": stock.gpu_us,
             "stock_host_us": stock.host_us, "eager_speedup": stock.eager_us / lam.eager_us,
             "gpu_speedup": stock.gpu_us / lam.gpu_us,
@@ -107,6 +109,13 @@ def run(args):
               f"{r['lamport_gpu_us']:>7.2f} {r['lamport_host_us']:>6.2f} | "
               f"{r['stock_eager_us']:>11.2f} {r['stock_gpu_us']:>7.2f} "
               f"{r['stock_host_us']:>6.2f} | {r['eager_speedup']:>6.2f}x {r['gpu_speedup']:>6.2f}x")
+    print("Lamport eager vs captured in a CUDA graph (per gather): GPU µs | host µs")
+    print(f"{'rows':>4} | {'eager gpu':>9} {'graph gpu':>9} {'ratio':>6} | {'eager host':>10} "
+          f"{'graph host':>10}")
+    for r in records:
+        print(f"{r['rows']:>4} | {r['lamport_gpu_us']:>9.2f} {r['lamport_graph_us']:>9.2f} "
+              f"{r['lamport_graph_us'] / r['lamport_gpu_us']:>6.2f} | "
+              f"{r['lamport_host_us']:>10.2f} {r['lamport_graph_host_us']:>10.2f}")
     if args.plot:
         from .plot import plot_rows
 

@@ -36,6 +36,8 @@ class Timing:
     eager_us: float
     gpu_us: float
     host_us: float
+    graph_us: float = math.nan  # GPU µs per gather when captured in a CUDA graph
+    graph_host_us: float = math.nan  # host µs per gather of replaying that graph
 
 
 def _median_eager(fn, device, calls, reps, barrier):
@@ -70,18 +72,21 @@ def _median_graph(step_pair, device, replays, reps, barrier):
     barrier()
     graph.replay()
     torch.cuda.synchronize(device)
-    times = []
+    times, host = [], []
     for _ in range(reps):
         barrier()
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(replays):
             graph.replay()
+        t1 = time.perf_counter()
         end.record()
         torch.cuda.synchronize(device)
         times.append(start.elapsed_time(end) * 1e3 / (2 * replays))
-    return statistics.median(times)
+        host.append((t1 - t0) * 1e6 / (2 * replays))
+    return statistics.median(times), statistics.median(host)
 
 
 def gated_gpu_us(run, device, steps, reps, cycles_per_step=3_000_000):
@@ -174,8 +179,38 @@ class EmulatedTarget:
         # and join of TP streams per step alone costs ~40 µs (tuning/diagnose.py).
         gpu = gated_gpu_us(lambda n: gather.run_steps(shards, n), self.device, self.replays,
                             self.reps)
+        graph_us, graph_host = self._captured(gather, shards)
         ok = self.verify(gather, rows, calls=1)
-        return Timing(eager, gpu, host * 1e6) if ok else None
+        return Timing(eager, gpu, host * 1e6, graph_us, graph_host) if ok else None
+
+    def _captured(self, gather, shards):
+        """Each virtual rank's graph of ``replays`` gathers on its own stream, all
+        replayed concurrently: GPU µs per step (gated) and host µs per gather."""
+        steps, graphs = self.replays, []
+        for r, (g, stream) in enumerate(zip(gather.ranks, gather.streams)):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(steps):
+                    g(shards[r], _never_stock)
+            graphs.append(graph)
+        here = torch.cuda.current_stream(self.device)
+
+        def replay(_):
+            for graph, stream in zip(graphs, gather.streams):
+                stream.wait_stream(here)
+                with torch.cuda.stream(stream):
+                    graph.replay()
+            for stream in gather.streams:
+                here.wait_stream(stream)
+
+        replay(steps)  # warm-up
+        torch.cuda.synchronize(self.device)
+        gpu = gated_gpu_us(replay, self.device, steps, self.reps)
+        t0 = time.perf_counter()
+        replay(steps)
+        host = (time.perf_counter() - t0) * 1e6 / (self.tp * steps)
+        torch.cuda.synchronize(self.device)
+        return gpu, host
 
     def stock(self, rows):
         shards = self._shards(rows)
@@ -271,16 +306,17 @@ class DistributedTarget:
                                     self.calls, self.reps, self.barrier)
         out = torch.empty(rows, self.vocab, dtype=torch.bfloat16, device=self.device)
         # the kernel keeps the parity: captured launches continue the call sequence
-        graph = _median_graph(lambda: (gather.launch(x, out, plan.ctas),
-                                       gather.launch(x, out, plan.ctas)),
-                              self.device, self.replays, self.reps, self.barrier)
+        graph, graph_host = _median_graph(lambda: (gather.launch(x, out, plan.ctas),
+                                                   gather.launch(x, out, plan.ctas)),
+                                          self.device, self.replays, self.reps, self.barrier)
         torch.cuda.synchronize(self.device)
         try:
             gather.check()
         except Exception:
             failed[0] = True
         bad = self._max(1.0 if failed[0] else 0.0)
-        timing = Timing(self._max(eager), self._max(graph), self._max(host))
+        timing = Timing(self._max(eager), self._max(graph), self._max(host), self._max(graph),
+                        self._max(graph_host))
         gather.close()
         return None if bad else timing
 
@@ -288,11 +324,12 @@ class DistributedTarget:
         x = planted(rows, self.shard, device=self.device)
         step = lambda: self._stock_step(x, rows)  # noqa: E731
         eager, host = _median_eager(step, self.device, self.calls, self.reps, self.barrier)
-        graph = math.nan  # gloo's host copies cannot be captured
+        graph = graph_host = math.nan  # gloo's host copies cannot be captured
         if not self.ranks.shared:
-            graph = _median_graph(lambda: (step(), step()), self.device, self.replays,
-                                  self.reps, self.barrier)
-        return Timing(self._max(eager), self._max(graph), self._max(host))
+            graph, graph_host = _median_graph(lambda: (step(), step()), self.device,
+                                              self.replays, self.reps, self.barrier)
+        return Timing(self._max(eager), self._max(graph), self._max(host), self._max(graph),
+                      self._max(graph_host))
 
 
 def _never_stock(x):
