@@ -296,7 +296,12 @@ def test_bench_command_writes_csv_json_png(tmp_path, monkeypatch, capsys):
     meta = json.loads((tmp_path / "b.json").read_text())
     assert meta["emulated"] and meta["torch_add_host_us"] == 6.5
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
-    assert "torch.add_ host 6.5" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "torch.add_ host 6.5" in printed
+    assert "eager vs captured in a CUDA graph" in printed
+    assert float(rows[1]["lamport_graph_host_us"]) == 0.1  # the target's captured figures
+    assert float(rows[1]["lamport_graph_us"]) == pytest.approx(
+        1.01 * float(rows[1]["lamport_gpu_us"]), rel=1e-2)
 
 
 class CollectiveCost(CostModel):
