@@ -352,3 +352,30 @@ def test_log_lines_reach_vllms_handler(ranks):
             ours = re.findall(summary.format(model=model, what=what), text)
             assert len(ours) == (1 if rank == 0 else 0), (rank, name, text)
             assert len(mine) == (2 if rank == 0 else 1), (rank, name, mine)  # nothing twice
+
+
+def test_our_ranges_hold_vllms_pins():
+    """vLLM's pins on the packages we share sit inside our ranges (pip's own resolution
+    is scripts/check-resolve-with-vllm.sh, run by CI); torch 2.11 (GPU host image) and
+    2.13 (CPU tests) too."""
+    _require()
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    ours = {canonicalize_name(r.name): r.specifier
+            for r in map(Requirement, requires("lamport-head")) if r.marker is None}
+    pins = {}
+    for r in map(Requirement, requires("vllm")):
+        if r.marker is not None and "extra" in str(r.marker):
+            continue
+        name = canonicalize_name(r.name)
+        exact = [s.version for s in r.specifier if s.operator == "=="]
+        if name in ours and exact:
+            pins[name] = exact[0]
+    assert {"torch", "nvidia-cutlass-dsl", "apache-tvm-ffi"} <= set(pins)
+    for name, version in pins.items():
+        assert ours[name].contains(version), (name, version, str(ours[name]))
+    for torch_version in ("2.11.0", "2.13.0", "2.14.0"):
+        assert ours["torch"].contains(torch_version)
