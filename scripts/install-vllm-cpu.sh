@@ -10,5 +10,7 @@ torch=$(python -c "import torch; print(torch.__version__.split('+')[0])")
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch" >"$constraints"
+echo "install-vllm-cpu: vllm==0.33.0 without its dependencies; pip then lists the ones" \
+    "left out (its torch 2.14.0 among them): expected, the CPU torch stays" >&2
 python -m pip install -q --no-deps vllm==0.33.0
 python -m pip install -q -c "$constraints" -r "$here/vllm-cpu-requirements.txt"
