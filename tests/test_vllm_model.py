@@ -111,7 +111,7 @@ def _serve(monkeypatch, tmp_path):
     monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(table))
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
     monkeypatch.setattr(install, "_build", lambda g, d, tp, r, shard, plan: FakeGather(plan))
-    monkeypatch.setattr(install, "_agree", lambda ok, g, d: ok)
+    monkeypatch.setattr(install, "all_gather_objects", lambda obj, group=None: [obj])  # one rank
 
 
 def test_install_routes_what_the_model_calls(monkeypatch, tmp_path, caplog):
