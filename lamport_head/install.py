@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 from .collective import all_gather_objects
+from .vllm_model import find_gather_target
 
 logger = logging.getLogger("lamport_head")
 
@@ -47,26 +48,40 @@ def serving_plan(tp, dcp, device, table=None):
 
 
 def install_logits_gather(model, group, tp, rank, device, dcp=1):
-    """Route ``model.logits_processor._gather_logits`` (an instance attribute: other
-    LogitsProcessors keep theirs) through a HeadGather for the table's enabled rows.
+    """Route the model's LogitsProcessor ``_gather_logits`` (an instance attribute:
+    other LogitsProcessors keep theirs) through a HeadGather for the table's enabled
+    rows; which processor (nested language model, LoRA base layer, a subclass with its
+    own gather) is ``vllm_model.find_gather_target``'s to say.
     Returns the rows served; ``()`` means the stock gather."""
-    lp = getattr(model, "logits_processor", None)
+    lp, head, where = find_gather_target(model)
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call installed one: keep it
         return tuple(sorted(installed.rows))
     if os.environ.get("LAMPORT_HEAD_DISABLE", "") not in ("", "0"):
         logger.info("lamport-head: disabled by LAMPORT_HEAD_DISABLE; stock logits gather")
         return ()
-    head = getattr(model, "lm_head", None)
+    if lp is None:
+        logger.info("lamport-head: stock logits gather: %s", where)
+        return ()
+    if tp <= 1:
+        logger.info("lamport-head: tp=%d has no logits gather to replace", tp)
+        return ()
     weight = getattr(head, "weight", None)
-    if (lp is None or weight is None or weight.dim() != 2 or weight.dtype != torch.bfloat16
+    if (weight is None or weight.dim() != 2 or weight.dtype != torch.bfloat16
             or getattr(lp, "logits_as_input", False)
             or getattr(lp, "head_dtype", None) not in (None, torch.bfloat16)
-            or getattr(head, "tp_size", 1) != tp or not getattr(lp, "use_all_gather", False)
-            or tp <= 1):
+            or getattr(head, "tp_size", 1) != tp or not getattr(lp, "use_all_gather", False)):
+        logger.info("lamport-head: stock logits gather: %s is not a BF16 vocab-parallel head "
+                    "gathered by all-gather over tp=%d (lm_head weight %s, tp_size %s; "
+                    "use_all_gather=%s, logits_as_input=%s, head_dtype=%s)", where, tp,
+                    None if weight is None else f"{tuple(weight.shape)} {weight.dtype}",
+                    getattr(head, "tp_size", None), getattr(lp, "use_all_gather", None),
+                    getattr(lp, "logits_as_input", None), getattr(lp, "head_dtype", None))
         return ()
     shard = weight.shape[0]
     if shard % 8:
+        logger.info("lamport-head: stock logits gather: shard width %d is not a multiple of 8",
+                    shard)
         return ()
     name = _device_name(device)
     if name is None:  # the same on every rank: no collective needed to agree
@@ -99,8 +114,8 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1):
     lp.head_gather = gather
     lp._gather_logits = partial(gather, stock=stock)
     served = tuple(sorted(gather.rows))
-    logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d) for rows %s",
-                name, tp, dcp, served)
+    logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d) for rows %s, "
+                "routed at %s", name, tp, dcp, served, where)
     return served
 
 

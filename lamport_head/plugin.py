@@ -4,11 +4,15 @@
 loaded (before any CUDA graph capture), every TP worker calls
 ``install_logits_gather`` with the TP device group, TP size and rank, its device and
 the DCP size. vLLM loads general plugins in every process and possibly more than
-once: wrapping is idempotent, and vLLM is imported only here, lazily.
+once: wrapping is idempotent, and vLLM is imported only here, lazily. The
+``lamport_head`` logger is routed through vLLM's handlers (``log.attach_to_vllm``), so
+each worker's lines reach the server's output; rank 0 adds a one-line summary.
 """
 
 import functools
 import logging
+
+from . import log
 
 logger = logging.getLogger("lamport_head")
 _MARK = "_lamport_head_wrapped"
@@ -25,8 +29,23 @@ def _install_after_load(worker):
     except Exception:  # no DCP group in this configuration
         dcp = 1
     model = worker.model_runner.get_model()
-    return install_logits_gather(model, tp_group.device_group, tp_group.world_size,
-                                 tp_group.rank_in_group, worker.device, dcp)
+    tp, rank = tp_group.world_size, tp_group.rank_in_group
+    with log.collect() as lines:
+        served = install_logits_gather(model, tp_group.device_group, tp, rank, worker.device, dcp)
+    if rank == 0:
+        logger.info("lamport-head summary: %s", summary(type(model).__name__, tp, dcp, served, lines))
+    return served
+
+
+def summary(model_name, tp, dcp, served, lines):
+    """Rank 0's one line for the whole TP group. Every rank takes the same outcome
+    (the checks see the same inputs; the build is agreed by a MIN all-reduce)."""
+    head = f"{model_name}, tp={tp}, dcp={dcp}: "
+    if served:
+        return head + f"Lamport logits gather for rows {list(served)} on all {tp} TP ranks"
+    why = (lines[-1].removeprefix("lamport-head: ").removeprefix("stock logits gather: ")
+           if lines else "see the lines above")
+    return head + f"stock logits gather on all {tp} TP ranks ({why})"
 
 
 def wrap_worker(worker_cls):
@@ -56,5 +75,6 @@ def register():
     except Exception as exc:
         logger.debug("lamport-head: no vLLM GPU worker to hook (%s)", exc)
         return
+    log.attach_to_vllm()
     if wrap_worker(Worker):
-        logger.info("lamport-head: logits gather hook registered on %s", Worker.__qualname__)
+        logger.debug("lamport-head: logits gather hook registered on %s", Worker.__qualname__)

