@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from spawn import spawn
-from test_install import FAKE_BYTE, TABLE, _fake_cuda
+from test_install import FAKE_BYTE, TABLE, _capture_log, _fake_cuda
 
 from lamport_head import install
 from lamport_head import sglang as sgl
@@ -116,17 +116,11 @@ def _same(a, b):
 
 
 def _sglang_worker(rank, nprocs, table, case):
-    import logging
-
     from lamport_head import head_gather
 
     os.environ["LAMPORT_HEAD_TABLE"] = table
     _fake_cuda(setattr, rank, case)
-    seen = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logging.getLogger("lamport_head").addHandler(handler)
-    logging.getLogger("lamport_head").setLevel(logging.INFO)
+    seen = _capture_log()
 
     m, other = KimiK25(nprocs), CausalLM(nprocs)
     lp = m.language_model.logits_processor
