@@ -88,16 +88,22 @@ def _fake_cuda(monkeypatch_like, rank, case):
     set_(install, "_device_name", lambda device: "NVIDIA H200")
 
 
-def _install_worker(rank, nprocs, table, case, other_table):
+def _capture_log():
+    """The lamport_head logger's messages (INFO and up) from now on, in a list."""
     import logging
 
-    os.environ["LAMPORT_HEAD_TABLE"] = other_table if (case == "table@1" and rank == 1) else table
-    _fake_cuda(setattr, rank, case)
     seen = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
     logging.getLogger("lamport_head").addHandler(handler)
     logging.getLogger("lamport_head").setLevel(logging.INFO)
+    return seen
+
+
+def _install_worker(rank, nprocs, table, case, other_table):
+    os.environ["LAMPORT_HEAD_TABLE"] = other_table if (case == "table@1" and rank == 1) else table
+    _fake_cuda(setattr, rank, case)
+    seen = _capture_log()
     m = model(lm__tp_size=nprocs)
     other = model(lm__tp_size=nprocs)
     served = install.install_logits_gather(m, None, nprocs, rank, "cpu")

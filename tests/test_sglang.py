@@ -1,0 +1,330 @@
+"""install_sglang_logits_gather and the SGLang plugin, on CPU.
+
+SGLang itself does not import on a CPU machine without most of its dependency set
+(triton, pyzmq, pydantic, aiohttp, IPython, ... : see docs/sglang.md), so these tests
+use stand-ins shaped from SGLang 0.5.23's source: ``LogitsProcessor`` (the attributes
+its ``__init__`` sets that decide the gather, ``_logits_gatherer``, and the tail of
+``_get_logits`` from the TP gather to the slice to ``vocab_size``), its stock
+gatherer (``MultimemAllGatherer`` without multicast: ``tensor_model_parallel_all_gather``
+= ``GroupCoordinator.all_gather(x, dim=-1)``, here on gloo), ``ParallelLMHead``, a
+Kimi K2.5-shaped model (``language_model`` holds the processor and the lm_head) and
+the plugin framework's ``HookRegistry`` (AFTER hooks). HeadGather's CUDA parts are
+faked as in test_install (``_fake_cuda``)."""
+
+import enum
+import functools
+import os
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from spawn import spawn
+from test_install import FAKE_BYTE, TABLE, _capture_log, _fake_cuda
+
+from lamport_head import install
+from lamport_head import sglang as sgl
+
+SHARD = 64  # per-rank lm_head rows (a multiple of 8), padded vocab = TP * SHARD
+
+
+class StockGatherer:
+    """SGLang's ``MultimemAllGatherer`` when multicast is unavailable: falls back to
+    ``tensor_model_parallel_all_gather(x, dim=-1)``, i.e. ``GroupCoordinator.all_gather``:
+    all-gather into ``[TP*M, s]``, reshape ``(TP, M, s)``, movedim(0, 1), reshape
+    ``(M, TP*s)``."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        world = dist.get_world_size()
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous())
+        out = torch.cat(parts).reshape((world,) + x.shape).movedim(0, 1)
+        return out.reshape(x.shape[0], world * x.shape[1])
+
+
+class LogitsProcessor(torch.nn.Module):
+    def __init__(self, vocab_size, tp, **flags):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.use_attn_tp_group = False  # get_parallel().enable_dp_lm_head
+        self.use_tp_lm_head_all_to_all = False
+        self.use_fp32_lm_head = False
+        self.use_fp32_lm_head_output = False
+        self.do_tensor_parallel_all_gather = tp > 1
+        self.do_tensor_parallel_all_gather_dp_attn = False
+        for key, value in flags.items():
+            setattr(self, key, value)
+        self._logits_gatherer = StockGatherer()
+
+    def gather(self, logits):
+        """``_get_logits`` from the TP gather to ``_copy_logits_to_buffer``'s slice."""
+        if self.do_tensor_parallel_all_gather:
+            logits = self._logits_gatherer(logits)
+        if logits.shape[-1] > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        return logits
+
+
+class ParallelLMHead(torch.nn.Module):
+    def __init__(self, tp, dtype=torch.bfloat16):
+        super().__init__()
+        self.tp_size = tp
+        self.num_embeddings_per_partition = SHARD
+        self.weight = torch.nn.Parameter(torch.zeros(SHARD, 16, dtype=dtype), requires_grad=False)
+
+
+class CausalLM(torch.nn.Module):
+    def __init__(self, tp, vocab=None, lp_flags=None, head=None):
+        super().__init__()
+        self.model = torch.nn.Identity()  # SGLang causal LMs hold their decoder as .model
+        self.lm_head = head or ParallelLMHead(tp)
+        self.logits_processor = LogitsProcessor(vocab or tp * SHARD - 5, tp, **(lp_flags or {}))
+
+
+class KimiK25(torch.nn.Module):
+    """Kimi K2.5's shape: the processor and lm_head live in ``language_model``; the
+    top-level ``lm_head`` is a property."""
+
+    def __init__(self, tp):
+        super().__init__()
+        self.vision_tower = torch.nn.Identity()
+        self.language_model = CausalLM(tp)
+
+    @property
+    def lm_head(self):
+        return self.language_model.lm_head
+
+
+def _shard(rank, rows):
+    g = torch.Generator().manual_seed(1000 * rows + rank)
+    return torch.randn(rows, SHARD, generator=g).to(torch.bfloat16)
+
+
+def _reference(nprocs, rows, vocab):
+    return torch.cat([_shard(r, rows) for r in range(nprocs)], dim=1)[:, :vocab]
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32),
+        b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32))
+
+
+def _sglang_worker(rank, nprocs, table, case):
+    from lamport_head import head_gather
+
+    os.environ["LAMPORT_HEAD_TABLE"] = table
+    _fake_cuda(setattr, rank, case)
+    seen = _capture_log()
+
+    m, other = KimiK25(nprocs), CausalLM(nprocs)
+    lp = m.language_model.logits_processor
+    stock = lp._logits_gatherer
+    vocab = lp.vocab_size
+    group = dist.group.WORLD
+    served = sgl.install_sglang_logits_gather(m, group, nprocs, rank, "cpu")
+    again = sgl.install_sglang_logits_gather(m, group, nprocs, rank, "cpu")
+    out = {"served": list(served), "again": list(again), "log": seen,
+           "stock_kept": lp._logits_gatherer is stock}
+
+    one = lp.gather(_shard(rank, 1))  # row 1: enabled
+    out["one_bytes"] = sorted(set(one.contiguous().view(torch.uint8).flatten().tolist()))
+    out["one_is_stock"] = _same(one, _reference(nprocs, 1, vocab))
+    out["one_shape"] = list(one.shape)
+    calls = stock.calls
+    three = lp.gather(_shard(rank, 3))  # row 3: disabled in the table
+    out["three_is_stock"] = _same(three, _reference(nprocs, 3, vocab))
+    fp32 = lp.gather(_shard(rank, 1).float())  # not BF16
+    out["fp32_is_stock"] = _same(fp32, _reference(nprocs, 1, vocab).float())
+    out["stock_calls"] = stock.calls - calls
+    out["other_is_stock"] = (_same(other.logits_processor.gather(_shard(rank, 1)),
+                                   _reference(nprocs, 1, vocab))
+                             and not hasattr(other.logits_processor, "head_gather"))
+    if served:
+        routed = lp._logits_gatherer
+        out["routes_to_head_gather"] = (isinstance(routed, functools.partial)
+                                        and routed.func is lp.head_gather
+                                        and routed.keywords == {"stock": stock})
+        # Under CUDA graph capture the routed gatherer still asks HeadGather, which
+        # decides (stock today; a recorded launch once the kernel is capture-safe).
+        asked = []
+        call = head_gather.HeadGather.__call__
+        head_gather.HeadGather.__call__ = lambda self, x, stock: (asked.append(1),
+                                                                  call(self, x, stock))[1]
+        torch.cuda.is_current_stream_capturing = lambda: True
+        lp.gather(_shard(rank, 1))
+        out["asked_under_capture"] = len(asked)
+    return out
+
+
+def _run(tmp_path, case, nprocs=2):
+    table = tmp_path / "t.yaml"
+    table.write_text(TABLE.replace("tp: 2", f"tp: {nprocs}"))
+    return spawn(_sglang_worker, nprocs, tmp_path, str(table), case)
+
+
+def test_sglang_serves_enabled_rows_and_sglang_gathers_the_rest_bitwise(tmp_path):
+    for r in _run(tmp_path, "ok"):
+        assert r["served"] == [1, 2, 4] and r["again"] == [1, 2, 4] and not r["stock_kept"]
+        assert r["one_bytes"] == [FAKE_BYTE] and r["one_shape"] == [1, 2 * SHARD - 5]
+        assert r["three_is_stock"] and r["fp32_is_stock"] and r["other_is_stock"]
+        assert r["stock_calls"] == 2  # rows 3 and the FP32 call; row 1 took the kernel
+        assert r["routes_to_head_gather"] and r["asked_under_capture"] == 1
+
+
+@pytest.mark.parametrize("case", ["prepare@1", "connect@0"])
+def test_one_rank_failing_leaves_every_sglang_rank_stock(tmp_path, case):
+    for r in _run(tmp_path, case):
+        assert r["served"] == [] and r["stock_kept"]
+        assert r["one_is_stock"] and r["three_is_stock"] and r["stock_calls"] == 2
+        assert len([line for line in r["log"] if "stays stock" in line]) == 2
+
+
+@pytest.mark.parametrize("flags,why", [
+    ({"do_tensor_parallel_all_gather": False}, "does not gather"),
+    ({"use_attn_tp_group": True}, "--enable-dp-lm-head"),
+    ({"do_tensor_parallel_all_gather_dp_attn": True}, "DP attention"),
+    ({"use_tp_lm_head_all_to_all": True}, "all-to-all"),
+    ({"use_fp32_lm_head": True}, "FP32"),
+    ({"use_fp32_lm_head_output": True}, "FP32"),
+    ({"use_attn_tp_group": None}, "lacks use_attn_tp_group"),  # deleted below: another version
+])
+def test_sglang_variants_stay_stock_with_one_line(flags, why, monkeypatch, caplog):
+    built = []
+    monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
+    monkeypatch.setattr(install, "_build", lambda *a: built.append(a))
+    m = CausalLM(2, lp_flags=flags)
+    if None in flags.values():
+        delattr(m.logits_processor, "use_attn_tp_group")
+    stock = m.logits_processor._logits_gatherer
+    with caplog.at_level("INFO", logger="lamport_head"):
+        assert sgl.install_sglang_logits_gather(m, "tp-group", 2, 0, "cpu") == ()
+    assert built == [] and m.logits_processor._logits_gatherer is stock
+    assert len(caplog.records) == 1 and why in caplog.text
+    assert caplog.records[0].getMessage().startswith("lamport-head: SGLang logits gather "
+                                                     "stays stock: ")
+
+
+@pytest.mark.parametrize("head", [
+    ParallelLMHead(2, dtype=torch.float16),
+    ParallelLMHead(4),  # tp_size != TP (a replicated or attention-TP lm_head)
+])
+def test_sglang_checks_shared_with_vllm_leave_stock(head, monkeypatch):
+    built = []
+    monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
+    monkeypatch.setattr(install, "_build", lambda *a: built.append(a))
+    m = CausalLM(2, head=head)
+    stock = m.logits_processor._logits_gatherer
+    assert sgl.install_sglang_logits_gather(m, "tp-group", 2, 0, "cpu") == ()
+    assert built == [] and m.logits_processor._logits_gatherer is stock
+
+
+def test_runner_defaults_come_from_sglang(monkeypatch):
+    """A ModelRunner (``.model``) resolves SGLang's TP group and the lm_head's device;
+    a LoRA-wrapped lm_head is read through ``base_layer``."""
+    calls = []
+    monkeypatch.setattr(sgl, "_sglang_tp", lambda: ("tp-device-group", 2, 1))
+    monkeypatch.setattr(install, "install_logits_gather",
+                        lambda view, *a: calls.append((view, a)) or ())
+    model = CausalLM(2)
+    base = model.lm_head
+    model.lm_head = torch.nn.Module()  # a LoRA wrapper
+    model.lm_head.base_layer = base
+    runner = types.SimpleNamespace(model=model, is_draft_worker=False)
+    assert sgl.install_sglang_logits_gather(runner, dcp=2) == ()
+    view, args = calls[0]
+    assert args == ("tp-device-group", 2, 1, base.weight.device, 2) and view.lm_head is base
+    assert view.logits_processor._gather_logits is model.logits_processor._logits_gatherer
+    assert sgl.install_sglang_logits_gather(torch.nn.Linear(2, 2)) == ()  # no processor
+
+
+class HookType(enum.Enum):
+    AFTER = "after"
+
+
+class HookRegistry:
+    """SGLang's registry, reduced: ``register(target, hook, hook_type)``; applying an
+    AFTER hook wraps the method as ``hook(original(*a), *a)``, None keeps the result."""
+    hooks = []
+
+    @classmethod
+    def register(cls, target, hook, hook_type=HookType.AFTER):
+        cls.hooks.append((target, hook, hook_type))
+
+    @classmethod
+    def apply_to(cls, klass):
+        for target, hook, _ in cls.hooks:
+            original = getattr(klass, target.rsplit(".", 1)[1])
+
+            def wrapper(*args, _original=original, _hook=hook, **kwargs):
+                result = _original(*args, **kwargs)
+                new = _hook(result, *args, **kwargs)
+                return result if new is None else new
+
+            setattr(klass, target.rsplit(".", 1)[1], wrapper)
+
+
+class ModelRunner:
+    def __init__(self, is_draft_worker=False):
+        self.is_draft_worker = is_draft_worker
+
+    def load_model(self):
+        self.model = CausalLM(2)
+        return "loaded"
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch):
+    """SGLang's plugin framework and parallel state as modules in sys.modules."""
+    HookRegistry.hooks = []
+    registry = types.ModuleType("sglang.srt.plugins.hook_registry")
+    registry.HookRegistry, registry.HookType = HookRegistry, HookType
+    state = types.ModuleType("sglang.srt.runtime_context")
+    state.get_parallel = lambda: types.SimpleNamespace(attn_dcp_size=2)
+    for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", registry)
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", state)
+    monkeypatch.setattr(sgl, "_registered", False)
+    monkeypatch.setattr(ModelRunner, "load_model", ModelRunner.load_model)
+
+
+def test_plugin_installs_after_load_model_once(fake_sglang, monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(sgl, "install_sglang_logits_gather",
+                        lambda runner, dcp: calls.append((runner, dcp)) or (1,))
+    sgl.register()
+    sgl.register()  # loaded twice in one process: one hook
+    assert [(t, h, k) for t, h, k in HookRegistry.hooks] == [
+        (sgl.LOAD_MODEL, sgl._after_load_model, HookType.AFTER)]
+    HookRegistry.apply_to(ModelRunner)
+    runner, draft = ModelRunner(), ModelRunner(is_draft_worker=True)
+    assert runner.load_model() == "loaded" and draft.load_model() == "loaded"
+    assert calls == [(runner, 2)]  # the draft model keeps SGLang's gather
+
+    def broken(runner, dcp):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(sgl, "install_sglang_logits_gather", broken)
+    with caplog.at_level("WARNING", logger="lamport_head"):
+        assert ModelRunner().load_model() == "loaded"  # never breaks model loading
+    assert "SGLang install skipped: RuntimeError: boom" in caplog.text
+
+
+def test_plugin_without_sglang_is_harmless(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    monkeypatch.setattr(sgl, "_registered", False)
+    assert sgl.register() is None and not sgl._registered
+
+
+def test_sglang_entry_point_metadata():
+    import importlib.metadata
+
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    assert any(e.name == "lamport_head" and e.value == "lamport_head.sglang:register"
+               for e in eps)
