@@ -10,7 +10,8 @@ One launch per call. ``Gather.kernel`` is the protocol, step by step
 
 1. wait for the previous kernel (PDL), start the clock, read this rank's epoch (its
    low bit is the parity: the kernel keeps the alternation in device memory, so a
-   CUDA graph replay alternates like an eager call) and the fail-stop mark;
+   CUDA graph replay alternates like an eager call) and the fail-stop mark; a call
+   that begins marked pushes nothing and delivers no peer fragment;
 2. ``push`` this rank's rows to every peer (not when marked) and to the output;
 3. per batch: ``fetch`` every fragment, ``repoll`` the dirty ones until they all
    arrived, the budget ran out or the mark appeared, then ``deliver`` (copy and
@@ -19,8 +20,9 @@ One launch per call. ``Gather.kernel`` is the protocol, step by step
    finds the mark already set delivers no peer fragment at all: the mark was set
    before any late push of a void call could land in this box, so what the box
    holds now may be such a push (NaN instead, until ``reset`` re-arms);
-4. ``report`` a give-up: the status record, and on a time-out the mark in every
-   rank's control block;
+4. on its own time-out, ``mark_peers``: the missing ranks and the mark in every
+   rank's control block; on any give-up, ``publish`` the host flag when the failed
+   call was an earlier one (the protocol's "flag waits one call");
 5. ``advance`` the epoch (the launch's last CTA, once).
 
 With PDL the kernel waits (``griddepcontrol.wait``) before reading the shard: the
@@ -36,8 +38,9 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from .primitives import load_address
-from .protocol import CAUSE_ABORT, CAUSE_TIMEOUT, PEER_CONTROL, WORDS
-from .steps import advance, deliver, epoch_of, fetch, marked, push, repoll, report
+from .protocol import PEER_CONTROL, WORDS
+from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, advance, deliver, epoch_of, fetch, mark_of, mark_peers,
+                    publish, push, repoll)
 
 
 class Gather:
@@ -93,8 +96,8 @@ class Gather:
         for q in cutlass.range_constexpr(tp):
             controls[q] = load_address(peers + Int64(PEER_CONTROL * tp + q) * 8)
         own = targets[0]
-        stopped = marked(own_control)
-        cause = CAUSE_ABORT * stopped
+        stopped = Int32(mark_of(own_control) != 0)  # a call before this one failed
+        cause = CAUSE_MARK * stopped
 
         push(Int64(shard.iterator.toint()), out, targets, Int64(rank * self.shard_words), rows,
              me, stride, cause, tp, frags, width, unroll)
@@ -112,13 +115,16 @@ class Gather:
                 pending = Int32((1 << unroll) - 1)  # pushes of a void call; deliver none
             while (pending != 0) & (cause == 0):
                 pending = repoll(own, held, where, pending, unroll)
-                if cute.arch.globaltimer() - start > budget:
-                    cause = Int32(CAUSE_TIMEOUT)
-                elif marked(own_control) != 0:
-                    cause = Int32(CAUSE_ABORT)
+                if pending != 0:  # a batch that just completed is never a give-up
+                    if cute.arch.globaltimer() - start > budget:
+                        cause = Int32(CAUSE_TIMEOUT)
+                    elif mark_of(own_control) != 0:
+                        cause = Int32(CAUSE_MARK)
             missing = deliver(own, out, held, where, source, pending, missing, base, stride,
                               polls, unroll)
             base = base + stride * unroll
+        if cause == CAUSE_TIMEOUT:
+            mark_peers(controls, missing, epoch, tp)
         if cause != 0:
-            report(status, controls, own_control, cause, missing, parity, tp)
+            publish(status, own_control, epoch, tp)
         advance(own_control, epoch, grid, tid)

@@ -117,6 +117,13 @@ def atomic_add_word(address, value, *, loc=None, ip=None):
 
 
 @_op
+def atomic_max_word_sys(address, value, *, loc=None, ip=None):
+    """Raises the word at ``address`` to ``value`` at system scope (a peer's mark)."""
+    _asm("atom.sys.global.max.u32 $0, [$1], $2;", "=r,l,r,~{memory}",
+         [Int64(address), Uint32(value)], 1, True, loc, ip)
+
+
+@_op
 def fence_sys(*, loc=None, ip=None):
     """Orders this thread's earlier stores before its later ones at system scope."""
     _asm("fence.sc.sys;", "~{memory}", [], 0, True, loc, ip)

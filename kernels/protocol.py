@@ -12,8 +12,9 @@ words start at 0. The peer table handed to the kernel is int64 ``[3, tp]``: rows
 ``PEER_PARITY0``/``PEER_PARITY1`` hold each rank's parity boxes, row ``PEER_CONTROL``
 each rank's control block (addresses as mapped in the calling process).
 
-Control block (cleared only by ``reset``): written by peers, read by its owner:
-``CONTROL_ABORT`` is nonzero once any rank gave up on a call (the fail-stop mark);
+Control block (cleared only by ``reset``), written by peers, read by its owner:
+``CONTROL_MARK`` is 0, or ``MARK_TOP - s`` once some rank gave up waiting in call
+``s`` (its epoch): the fail-stop mark, kept at the smallest such ``s`` (atomic max);
 ``CONTROL_MISSING + r`` is 1 when some rank found rank ``r``'s fragments missing.
 Owned by the rank's own kernels: ``CONTROL_EPOCH`` counts this rank's launches (the
 parity of a call is its epoch's low bit, so eager calls and CUDA-graph replays share
@@ -21,12 +22,18 @@ one alternation) and ``CONTROL_DONE`` counts a launch's finished CTAs; the last 
 to finish resets it and advances the epoch. The next launch on the stream reads the
 epoch only after this one completed (stream order; PDL's ``griddepcontrol.wait``).
 
+Why the status flag waits one call: a give-up in call ``s`` marks every rank, so
+every rank's call ``s + 1`` fails (it starts marked, or waits for a rank that
+started marked and sees the mark). Only kernels of epoch ``> s`` raise the host
+flag, so every rank's flag comes from its call ``s + 1``: a host that syncs once
+per step (as a serving loop does) raises at call ``s + 2`` on every rank alike.
+Calls ``s`` and ``s + 1`` return NaN where fragments are missing, never stale bytes.
+
 Status record (host-visible, one per rank; the kernel writes it, the host reads it
-without a device sync): details first, a system-scope fence, then ``STATUS_FLAG``:
-``STATUS_CAUSE`` is ``CAUSE_TIMEOUT`` (this rank's own wait ran out) or
-``CAUSE_ABORT`` (a peer's mark stopped it); ``STATUS_PEERS + r`` is 1 for each rank
-recorded missing. Every writer of a word writes the same value, so no update can be
-lost and no atomic is needed.
+without a device sync): ``STATUS_EPOCH`` is the call ``s`` that failed and
+``STATUS_PEERS + r`` is 1 for each rank recorded missing (both copied from the
+control block), then a system-scope fence, then ``STATUS_FLAG``. Every writer of a
+word writes the same value, so no update can be lost.
 """
 
 SENTINEL = 0x80000000  # the BF16 pair (+0, -0): "not yet published"
@@ -36,15 +43,15 @@ WORDS = 4  # 32-bit words per 16-byte fragment
 FRAGMENT_BF16 = 2 * WORDS  # BF16 values per fragment
 
 MAX_TP = 32
-CONTROL_ABORT, CONTROL_MISSING = 0, 1
+CONTROL_MARK, CONTROL_MISSING = 0, 1
+MARK_TOP = 0x7FFFFFFF  # mark = MARK_TOP - failed epoch: the largest mark is the earliest call
 CONTROL_EPOCH, CONTROL_DONE = CONTROL_MISSING + MAX_TP, CONTROL_MISSING + MAX_TP + 1
 CONTROL_WORDS = 4 * ((CONTROL_DONE + 1 + 3) // 4)  # whole fragments: the boxes stay aligned
 PEER_PARITY0, PEER_PARITY1, PEER_CONTROL = 0, 1, 2
 PEER_ROWS = 3
 
-STATUS_FLAG, STATUS_PARITY, STATUS_CAUSE, STATUS_PEERS = 0, 1, 2, 3
+STATUS_FLAG, STATUS_EPOCH, STATUS_PEERS = 0, 1, 2
 STATUS_WORDS = STATUS_PEERS + MAX_TP
-CAUSE_TIMEOUT, CAUSE_ABORT = 1, 2
 
 THREADS = (64, 128, 256, 512, 1024)  # CTA sizes the kernel compiles for
 UNROLL_MAX = 16  # fragments in flight per thread, at most

@@ -14,8 +14,9 @@ Invariants every step keeps:
 - ``deliver``: the reader re-arms what it copied; nobody else re-arms a box.
 - ``give_up``: a fragment that never arrived is written as NaN, never left as what
   the allocator had; its rank joins the thread's ``missing`` mask.
-- ``report``: details, then ``fence_sys``, then the flags; a rank whose own wait ran
-  out marks every rank's control block, so every rank's next kernel stops at once.
+- ``mark_peers``: a rank whose own wait ran out names the missing ranks in every
+  rank's control block, fences, then raises every rank's mark, so every rank's next
+  kernel stops at once; ``publish``: details, then ``fence_sys``, then the flag.
 - ``epoch_of``/``advance``: every CTA reads the epoch before any CTA of the launch
   can advance it; only the launch's last CTA advances it, once.
 """
@@ -24,18 +25,19 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from .primitives import (armed, atomic_add_word, fence_sys, load, load_address, load_volatile,
-                         load_word_volatile, scrub, store, store_sys, store_word, store_word_sys)
-from .protocol import (CAUSE_ABORT, CAUSE_TIMEOUT, CONTROL_ABORT, CONTROL_DONE, CONTROL_EPOCH,
-                       CONTROL_MISSING, NAN_PAIR,
-                       SENTINEL, STATUS_CAUSE, STATUS_FLAG, STATUS_PARITY, STATUS_PEERS,
-                       WORDS)
+from .primitives import (armed, atomic_add_word, atomic_max_word_sys, fence_sys, load,
+                         load_address, load_volatile, load_word_volatile, scrub, store, store_sys,
+                         store_word, store_word_sys)
+from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, MARK_TOP,
+                       NAN_PAIR, SENTINEL, STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, WORDS)
+
+CAUSE_TIMEOUT, CAUSE_MARK = 1, 2  # why a thread stopped waiting
 
 
 @cute.jit
-def marked(control: Int64) -> Int32:
-    """1 when this rank's control block carries the fail-stop mark."""
-    return Int32(load_word_volatile(control + CONTROL_ABORT * 4) != Uint32(0))
+def mark_of(control: Int64) -> Int32:
+    """This rank's fail-stop mark: 0, or ``MARK_TOP`` minus the epoch that failed."""
+    return Int32(load_word_volatile(control + CONTROL_MARK * 4))
 
 
 @cute.jit
@@ -141,31 +143,35 @@ def deliver(own: Int64, dst: Int64, held: cute.Tensor, where: cute.Tensor, sourc
 
 
 @cute.jit
-def report(status: Int64, controls: cute.Tensor, own_control: Int64, cause: Int32,
-           missing: Int32, parity: Int32, tp: cutlass.Constexpr):
-    """Publish why this thread stopped: its own time-out (``missing`` ranks, marked
-    in every rank's control block) or a peer's mark (copied from its own block)."""
-    if cause == CAUSE_TIMEOUT:
-        for q in cutlass.range_constexpr(tp):
-            for p in cutlass.range_constexpr(tp):
-                if (missing >> p) & 1:
-                    store_word_sys(controls[q] + (CONTROL_MISSING + p) * 4, 1)
+def mark_peers(controls: cute.Tensor, missing: Int32, epoch: Int32, tp: cutlass.Constexpr):
+    """After this rank's own wait ran out in call ``epoch``: name the ``missing``
+    ranks in every rank's control block, fence, then raise every rank's mark."""
+    for q in cutlass.range_constexpr(tp):
         for p in cutlass.range_constexpr(tp):
             if (missing >> p) & 1:
-                store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
-    else:
-        fence_sys()  # the mark was seen: read the ranks it names after it
-        for p in cutlass.range_constexpr(tp):
-            if load_word_volatile(own_control + (CONTROL_MISSING + p) * 4) != Uint32(0):
-                store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
-    store_word_sys(status + STATUS_PARITY * 4, parity)
-    store_word_sys(status + STATUS_CAUSE * 4, cause)
+                store_word_sys(controls[q] + (CONTROL_MISSING + p) * 4, 1)
     fence_sys()
-    if cause == CAUSE_TIMEOUT:
-        for q in cutlass.range_constexpr(tp):
-            store_word_sys(controls[q] + CONTROL_ABORT * 4, 1)
-    store_word_sys(status + STATUS_FLAG * 4, 1)
+    for q in cutlass.range_constexpr(tp):
+        atomic_max_word_sys(controls[q] + CONTROL_MARK * 4, Int32(MARK_TOP) - epoch)
 
 
-__all__ = ["epoch_of", "advance", "marked", "push", "fetch", "repoll", "deliver", "report", "CAUSE_ABORT",
-           "CAUSE_TIMEOUT", "load_address"]
+@cute.jit
+def publish(status: Int64, own_control: Int64, epoch: Int32, tp: cutlass.Constexpr):
+    """A call after the failed one raises the host flag: the failed epoch and the
+    missing ranks (copied from the mark's block), a fence, then the flag. The failed
+    call itself does not (see ``protocol``: every rank's flag comes from call s + 1)."""
+    mark = mark_of(own_control)
+    if mark != 0:
+        failed = Int32(MARK_TOP) - mark
+        if epoch > failed:
+            fence_sys()  # read what the mark announces only after the mark
+            for p in cutlass.range_constexpr(tp):
+                if load_word_volatile(own_control + (CONTROL_MISSING + p) * 4) != Uint32(0):
+                    store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
+            store_word_sys(status + STATUS_EPOCH * 4, failed)
+            fence_sys()
+            store_word_sys(status + STATUS_FLAG * 4, 1)
+
+
+__all__ = ["epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
+           "publish", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]

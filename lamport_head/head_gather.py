@@ -13,14 +13,17 @@ Invariants a change must keep:
   stream, so the calls stay one sequence (graph replays must be issued in that
   order by the caller, as engines do).
 - Every shape the kernel does not serve takes ``stock``: rows not in ``rows``, not
-  2-D, not BF16, the wrong width, another device, non-contiguous, not 16-byte aligned.
-  The decision depends on the shape only, so every rank takes the same path, and a
-  captured graph holds the same path on every rank.
+  2-D, not BF16, the wrong width. The decision depends on the shape only, so every
+  rank takes the same path (and a captured graph holds the same path on every rank);
+  a non-contiguous or unaligned tensor (the allocator's choice, which may differ by
+  rank) is copied, and a tensor on another device raises.
 - Bytes move unchanged but for the sentinel word (+0, -0), which arrives as (+0, +0).
-- Fail-stop: a wait past the spin budget writes the missing fragments as NaN and
-  marks every rank's mailbox; from then on every rank's next call (and ``check()``)
-  raises ``GatherTimeout``, and keeps raising until a collective ``reset()``. No rank
-  ever switches to ``stock`` on its own.
+- Fail-stop: a wait past the spin budget in call s writes the missing fragments as
+  NaN and marks every rank's mailbox; every rank's call s + 1 then fails too and
+  raises the host flag, so a loop that syncs once per step raises ``GatherTimeout``
+  at call s + 2 on every rank alike (``check()`` after a sync raises as soon as the
+  mark is there), and keeps raising until a collective ``reset()``. No rank ever
+  switches to ``stock`` on its own.
 - Construction is collective on real ranks, and never strands a peer: the local
   part (checks, compile, occupancy, allocation) runs first, the ranks agree, then the
   mailboxes are mapped, the ranks agree again, arm, and meet at a barrier.
@@ -32,8 +35,9 @@ import math
 import torch
 
 from .collective import agree, attempt
-from .kernels.protocol import (CAUSE_ABORT, DEFAULT_THREADS, DEFAULT_UNROLL, FRAGMENT_BF16,
-                               STATUS_CAUSE, STATUS_PARITY, STATUS_PEERS, STATUS_WORDS)
+from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, DEFAULT_UNROLL,
+                               FRAGMENT_BF16, MARK_TOP, STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS,
+                               STATUS_WORDS)
 from .mailbox import ROWS, choose_backend
 
 BUDGET_S = 2.0  # default spin budget per call
@@ -41,16 +45,16 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class GatherTimeout(RuntimeError):
-    """A gather gave up on fragments some peers never pushed (this rank's own wait
-    ran out, or a peer's did and marked every rank)."""
+    """A gather gave up waiting for fragments some ranks never pushed, in call
+    ``epoch`` of every rank (its own wait ran out, or a peer's did and marked it)."""
 
-    def __init__(self, rank, peers, parity, cause):
-        self.rank, self.peers, self.parity, self.cause = rank, tuple(peers), parity, cause
+    def __init__(self, rank, peers, epoch):
+        self.rank, self.peers, self.epoch = rank, tuple(peers), epoch
+        self.parity = epoch & 1
         names = ", ".join(str(p) for p in self.peers) or "unknown"
-        how = "stopped by a peer's time-out" if cause == CAUSE_ABORT else "timed out"
         super().__init__(
-            f"lamport-head gather on rank {rank} {how}: rank(s) {names} never published "
-            f"(parity {parity}); every rank raises until a collective reset()")
+            f"lamport-head gather on rank {rank}: call {epoch} gave up waiting: rank(s) {names} "
+            f"never published; every rank raises from its next call until a collective reset()")
 
 
 def default_ctas(rows: int, tp: int, shard: int, threads: int, unroll: int, limit: int) -> int:
@@ -74,36 +78,41 @@ class HeadGather:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        _, error = attempt(self._prepare, tp, rank, shard, rows, ctas, threads, unroll, pdl,
-                           mailbox)
         if mailbox is not None:  # emulated: one process, nothing to agree on
-            if error is not None:
-                raise error
+            if mailbox.tp != tp or mailbox.words != tp * shard // 2:
+                raise ValueError("the shared mailbox does not fit this gather")
+            self._prepare(tp, rank, shard, rows, ctas, threads, unroll, pdl, mailbox.sharing,
+                          budget_s)
+            if mailbox.cap < self.cap:
+                raise ValueError(f"the shared mailbox holds {mailbox.cap} rows, not {self.cap}")
             self.box = mailbox
         else:
+            # the backend and how many ranks share this GPU: gathered facts, the same
+            # on every rank (a rank whose facts failed makes every rank raise)
+            kind, sharing = choose_backend(group, self.device, backend)
+            _, error = attempt(self._prepare, tp, rank, shard, rows, ctas, threads, unroll, pdl,
+                               sharing, budget_s)
             agree(error, group, self.device, "to build the gather (checks, compile, occupancy)")
-            kind = choose_backend(group, self.device, backend)
             box, error = attempt(ROWS[kind], group, self.device, tp, rank, self.cap,
                                  self.width // 2)
             agree(error, group, self.device, f"to allocate its {kind} mailbox")
             _, error = attempt(box.connect)
             agree(error, group, self.device, f"to map the peers' {kind} mailboxes")
-            box.arm()
-            torch.cuda.synchronize(self.device)
-            box.barrier()  # no rank pushes before every rank armed
+
+            def arm():
+                box.arm()
+                torch.cuda.synchronize(self.device)
+
+            _, error = attempt(arm)
+            agree(error, group, self.device, "to arm its mailbox")  # also: every rank armed
             self.box = box
         self._peers = self.box.peers.data_ptr()  # the kernel reads the table by address
-        self.budget_ns = int(budget_s * 1e9)
-        # Host-visible status record (pinned: the kernel writes it, the host reads it
-        # with no device sync); layout in kernels.protocol.
-        self._status = torch.zeros(STATUS_WORDS, dtype=torch.int32,
-                                   pin_memory=torch.cuda.is_available())
-        self._status_address = self._status.data_ptr()
-        self._flag = ctypes.c_int32.from_address(self._status_address)
+        self._closed = False
         self._stream_id, self._stream = None, None
 
-    def _prepare(self, tp, rank, shard, rows, ctas, threads, unroll, pdl, mailbox):
-        """Everything that can fail on this rank alone: checks, compile, occupancy."""
+    def _prepare(self, tp, rank, shard, rows, ctas, threads, unroll, pdl, sharing, budget_s):
+        """Everything that can fail on this rank alone: checks, compile, occupancy, the
+        host-visible status record."""
         rows = frozenset(int(r) for r in rows)
         if not rows or min(rows) < 1:
             raise ValueError(f"rows must be a non-empty set of positive row counts, got {sorted(rows)}")
@@ -120,13 +129,19 @@ class HeadGather:
         major, minor = torch.cuda.get_device_capability(self.device)
         self._arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
         self._pdl = pdl
-        self.sharing = 1
-        if mailbox is not None:
-            if mailbox.tp != tp or mailbox.cap < self.cap or mailbox.words != self.width // 2:
-                raise ValueError("the shared mailbox does not fit this gather")
-            self.sharing = mailbox.sharing
+        self.sharing = sharing
         self._route = self._plan(ctas, threads, unroll)
         self.ctas = {m: c for m, (_, c) in self._route.items()}
+        self._open_status(budget_s)
+
+    def _open_status(self, budget_s):
+        """The spin budget and the host-visible status record (pinned: the kernel
+        writes it, the host reads it with no device sync; layout: kernels.protocol)."""
+        self.budget_ns = int(budget_s * 1e9)
+        self._status = torch.zeros(STATUS_WORDS, dtype=torch.int32,
+                                   pin_memory=torch.cuda.is_available())
+        self._status_address = self._status.data_ptr()
+        self._flag = ctypes.c_int32.from_address(self._status_address + 4 * STATUS_FLAG)
 
     def kernel(self, threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL):
         """The compiled gather for these knobs (compiled once per process)."""
@@ -178,9 +193,17 @@ class HeadGather:
         if (len(shape) != 2 or shape[1] != self.shard or logits.dtype != torch.bfloat16):
             return stock(logits)
         route = self._route.get(shape[0])
-        if (route is None or logits.get_device() != self._index or not logits.is_contiguous()
-                or logits.data_ptr() % 16):
+        if route is None:
             return stock(logits)
+        if self._closed:
+            raise RuntimeError("lamport-head: this gather was closed")
+        if logits.get_device() != self._index:
+            raise ValueError(f"lamport-head: logits on device {logits.device}, the gather "
+                             f"serves cuda:{self._index}")
+        if not logits.is_contiguous() or logits.data_ptr() % 16:
+            # Where a tensor sits is the allocator's choice and may differ by rank: copy,
+            # never take stock alone (every rank must run the same collective).
+            logits = logits.clone(memory_format=torch.contiguous_format)
         self._follow_stream()
         out = logits.new_empty((shape[0], self.width))  # under capture: the graph's own
         launch, ctas = route
@@ -212,13 +235,19 @@ class HeadGather:
     def _failure(self):
         record = self._status.tolist()
         missing = [r for r in range(self.tp) if record[STATUS_PEERS + r]]
-        return GatherTimeout(self.rank, missing, record[STATUS_PARITY], record[STATUS_CAUSE])
+        return GatherTimeout(self.rank, missing, record[STATUS_EPOCH])
 
     def check(self):
-        """Raise ``GatherTimeout`` if any gather of this rank gave up (its own wait or
-        a peer's mark, seen by its kernels so far)."""
+        """Raise ``GatherTimeout`` if a call of any rank gave up: the host flag (set by
+        this rank's calls after the failed one), else the mark in this rank's own
+        mailbox (set by the rank that gave up; read after a device sync)."""
         if self._flag.value:
             raise self._failure()
+        torch.cuda.synchronize(self.device)
+        control = self.box.control(self.rank).tolist()
+        if control[CONTROL_MARK]:
+            missing = [r for r in range(self.tp) if control[CONTROL_MISSING + r]]
+            raise GatherTimeout(self.rank, missing, MARK_TOP - control[CONTROL_MARK])
 
     def reset(self):
         """Collective: every rank (emulated: every virtual rank's gather) calls it.
@@ -237,4 +266,5 @@ class HeadGather:
 
     def close(self):
         """Collective: release the mailbox once no peer can push into it."""
+        self._closed = True
         self.box.close()

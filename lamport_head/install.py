@@ -57,9 +57,6 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1):
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call installed one: keep it
         return tuple(sorted(installed.rows))
-    if os.environ.get("LAMPORT_HEAD_DISABLE", "") not in ("", "0"):
-        logger.info("lamport-head: disabled by LAMPORT_HEAD_DISABLE; stock logits gather")
-        return ()
     if lp is None:
         logger.info("lamport-head: stock logits gather: %s", where)
         return ()
@@ -88,6 +85,9 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1):
         logger.info("lamport-head: %s is not a CUDA device; stock logits gather", device)
         return ()
     plan, reason = _local_plan(tp, dcp, device)
+    if os.environ.get("LAMPORT_HEAD_DISABLE", "") not in ("", "0"):
+        # An environment variable may reach some ranks only: it travels with the plan.
+        plan, reason = {}, "disabled by LAMPORT_HEAD_DISABLE"
     # Collective 1: agree on the plan. A rank whose table failed or differs must not
     # be left behind while its peers enter the mailbox's collectives.
     views = all_gather_objects((_digest(plan), reason), group)

@@ -30,7 +30,8 @@ import socket
 import torch
 
 from .collective import all_gather_objects, barrier
-from .kernels.protocol import MAX_TP, PEER_CONTROL, PEER_ROWS, SENTINEL_I32, box_words
+from .kernels.protocol import (CONTROL_EPOCH, MAX_TP, PEER_CONTROL, PEER_ROWS, SENTINEL_I32,
+                               box_words)
 
 BACKEND_ENV = "LAMPORT_HEAD_MAILBOX"
 BACKENDS = ("symmetric", "ipc")
@@ -58,7 +59,6 @@ class _Rows:
     """What every backend shares: the armed layout of one or more boxes."""
 
     emulated = False
-    sharing = 1  # ranks whose CTAs must be co-resident on this device (contexts time-slice)
 
     def _split(self, box):
         split = 2 * self.cap * self.words
@@ -72,9 +72,16 @@ class _Rows:
         control.zero_()
 
     def armed(self) -> bool:
-        """True when every word of this process's boxes is armed (synchronizes)."""
+        """True when every box word of this process is armed and no mark or missing
+        rank is recorded (the epoch and CTA count may be anything) (synchronizes)."""
         data, control = self._split(self.box)
-        return bool((data == SENTINEL_I32).all().item() and (control == 0).all().item())
+        return bool((data == SENTINEL_I32).all().item()
+                    and (control[..., :CONTROL_EPOCH] == 0).all().item())
+
+    def control(self, rank):
+        """``rank``'s control block in this process (a box this process owns)."""
+        box = self.box[rank] if self.box.dim() == 2 else self.box
+        return self._split(box)[1]
 
 
 class LocalRows(_Rows):
@@ -91,6 +98,7 @@ class LocalRows(_Rows):
         bases = [self.box.data_ptr() + r * stride for r in range(tp)]
         self.peers = torch.tensor(peer_table(bases, cap, words), dtype=torch.int64,
                                   device=self.device)
+        torch.cuda.synchronize(self.device)  # a block freed by an earlier gather: idle first
         self.arm()
         torch.cuda.synchronize(self.device)
 
@@ -185,11 +193,21 @@ class SymmetricRows(_ProcessRows):
 
         group = self.group if self.group is not None else dist.group.WORLD
         self.handle = symm_mem.rendezvous(self.box, group)
-        if self.handle.world_size != self.tp:
-            raise RuntimeError(f"symmetric memory spans {self.handle.world_size} ranks, "
-                               f"expected tp={self.tp}")
-        bases = symmetric_bases(self.handle.buffer_ptrs, self.box.data_ptr(), self.rank)
-        self._offset = (bases[self.rank] - int(self.handle.buffer_ptrs[self.rank])) // 4
+        bases = error = None
+        try:  # local; its outcome travels with the offsets, so every rank meets below
+            if self.handle.world_size != self.tp:
+                raise RuntimeError(f"symmetric memory spans {self.handle.world_size} ranks, "
+                                   f"expected tp={self.tp}")
+            bases = symmetric_bases(self.handle.buffer_ptrs, self.box.data_ptr(), self.rank)
+            self._offset = (bases[self.rank] - int(self.handle.buffer_ptrs[self.rank])) // 4
+        except Exception as exc:
+            error, self._offset = exc, None
+        offsets = all_gather_objects(self._offset, self.group)
+        if error is not None:
+            raise error
+        if None in offsets or len(set(offsets)) > 1:  # the derivation assumes one offset
+            raise RuntimeError(f"symmetric memory places the box at different offsets on the "
+                               f"ranks ({offsets} words): cannot derive peer addresses")
         self._set_bases(bases)
 
     def peer_view(self, peer):
@@ -232,15 +250,25 @@ def decide(keys, symmetric, forced=None):
 
 
 def choose_backend(group, device, backend=None):
-    """Collective: every rank gets the same backend name. ``backend`` (or
-    ``$LAMPORT_HEAD_MAILBOX``) forces one; else ipc where ranks share a GPU or a rank
-    lacks symmetric memory, symmetric otherwise."""
+    """Collective: ``(backend, ranks on this GPU)``, the backend the same on every
+    rank. ``backend`` (or ``$LAMPORT_HEAD_MAILBOX``) forces one; else ipc where ranks
+    share a GPU or a rank lacks symmetric memory, symmetric otherwise. A rank whose
+    own facts fail still takes part, and then every rank raises."""
     forced = backend or os.environ.get(BACKEND_ENV) or None
-    facts = all_gather_objects((_device_key(device), _symmetric_available(), forced), group)
-    asked = {f for _, _, f in facts}
+    try:
+        mine = (_device_key(device), _symmetric_available(), forced, None)
+    except Exception as exc:  # reported to every rank below
+        mine = (None, False, forced, f"{type(exc).__name__}: {exc}")
+    facts = all_gather_objects(mine, group)
+    failed = [(r, why) for r, (_, _, _, why) in enumerate(facts) if why]
+    if failed:
+        raise RuntimeError(f"lamport-head: rank {failed[0][0]} cannot describe its GPU: "
+                           f"{failed[0][1]}")
+    asked = {f for _, _, f, _ in facts}
     if len(asked) > 1:
         raise ValueError(f"ranks disagree on the mailbox backend: {sorted(map(str, asked))}")
-    return decide([k for k, _, _ in facts], [s for _, s, _ in facts], forced)
+    keys = [k for k, _, _, _ in facts]
+    return decide(keys, [s for _, s, _, _ in facts], forced), keys.count(mine[0])
 
 
 __all__ = ["LocalRows", "IpcRows", "SymmetricRows", "ROWS", "choose_backend", "decide",

@@ -127,6 +127,34 @@ def test_free_running_ranks_bitwise(tp):
     assert gather.armed()
 
 
+def _every_rank_raises_at_the_same_call(gather, shards, missing, skip=()):
+    """After call s gave up (synced): check() raises on every rank at once (the
+    mark); call s + 1 runs on every rank and returns NaN for every peer fragment (it
+    began marked); after a sync, call s + 2 raises on every rank, and keeps raising."""
+    name = rf"rank\(s\) {missing} never published"
+    for g in gather.ranks:
+        with pytest.raises(GatherTimeout, match=name):
+            g.check()
+    outs = gather(shards, skip=skip)
+    torch.cuda.synchronize(gather.device)
+    shard = gather.shard
+    want = reference_gather(shards).view(torch.int32)
+    for r, out in enumerate(outs):
+        if out is None:
+            continue
+        words = out.view(torch.int32).clone()
+        own = slice(r * shard // 2, (r + 1) * shard // 2)
+        assert torch.equal(words[:, own], want[:, own])
+        words[:, own] = NAN_PAIR
+        assert (words == NAN_PAIR).all(), f"rank {r}: call s + 1 delivered a peer fragment"
+    for r, g in enumerate(gather.ranks):
+        if r in skip:
+            continue
+        for _ in range(2):
+            with pytest.raises(GatherTimeout, match=name):
+                g(shards[r], lambda x: pytest.fail("stock taken alone"))
+
+
 def test_slow_rank_inside_the_budget_is_right():
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 4, 163840 // 4
@@ -163,10 +191,7 @@ def test_slow_rank_past_the_budget_every_rank_raises_none_serves():
             nan[:, own] = False
         assert (words[nan] == NAN_PAIR).all(), f"rank {r}: missing columns not NaN"
         assert torch.equal(words[~nan], want[~nan])
-    for r, g in enumerate(gather.ranks):  # every rank raises, the slow one too
-        for _ in range(2):  # and keeps raising: nobody switches to stock alone
-            with pytest.raises(GatherTimeout, match=rf"rank\(s\) {slow} never published"):
-                g(steps[0][r], lambda x: pytest.fail("stock taken alone"))
+    _every_rank_raises_at_the_same_call(gather, steps[0], slow)
     gather.reset()
     assert gather.armed()
     steps = [_shards(tp, m, shard, device) for m in (8, 2, 64)]
@@ -186,9 +211,7 @@ def test_dead_rank_times_out_and_gpu_recovers():
     waited = time.monotonic() - start
     print(f"\ntimeout: a dead virtual rank was reported after {waited:.3f} s (budget 0.5 s)")
     assert waited < 0.5 + 1.0, f"timed-out gather took {waited:.2f} s"
-    for r in (0, 1, 3):
-        with pytest.raises(GatherTimeout, match=r"rank\(s\) 2 never published"):
-            gather.ranks[r](shards[r], lambda x: pytest.fail("stock taken alone"))
+    _every_rank_raises_at_the_same_call(gather, shards, 2, skip=(2,))
     gather.reset()
     shards = _shards(tp, 4, shard, device)
     outs = gather(shards)

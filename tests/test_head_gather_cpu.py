@@ -8,8 +8,8 @@ import torch
 
 from lamport_head import head_gather
 from lamport_head.head_gather import GatherTimeout, HeadGather, default_ctas
-from lamport_head.kernels.protocol import (CAUSE_ABORT, CAUSE_TIMEOUT, STATUS_CAUSE, STATUS_FLAG,
-                                           STATUS_PARITY, STATUS_PEERS, STATUS_WORDS)
+from lamport_head.kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, CONTROL_WORDS, MARK_TOP,
+                                           STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STATUS_WORDS)
 
 TP, SHARD = 4, 64
 
@@ -28,6 +28,10 @@ class Recorder:
 class FakeBox:
     def __init__(self, log):
         self.log = log
+        self.block = torch.zeros(CONTROL_WORDS, dtype=torch.int32)
+
+    def control(self, rank):
+        return self.block
 
     def barrier(self):
         self.log.append("barrier")
@@ -47,8 +51,8 @@ def fake_gather(rows=(1, 2, 4), log=None):
     g._peers, g.budget_ns = 1234, 10**9
     g._status = torch.zeros(STATUS_WORDS, dtype=torch.int32)
     g._status_address = g._status.data_ptr()
-    g._flag = ctypes.c_int32.from_address(g._status_address)
-    g._stream_id, g._stream = None, None
+    g._flag = ctypes.c_int32.from_address(g._status_address + 4 * STATUS_FLAG)
+    g._stream_id, g._stream, g._closed = None, None, False
     g.box = FakeBox(log if log is not None else [])
     return g, rec
 
@@ -111,8 +115,6 @@ def _misaligned(rows):
     torch.randn(2, SHARD - 8).bfloat16(),  # wrong width
     torch.randn(SHARD).bfloat16(),  # 1-D
     torch.randn(1, 2, SHARD).bfloat16(),  # 3-D
-    torch.randn(2, 2 * SHARD).bfloat16()[:, ::2],  # not contiguous
-    _misaligned(2),  # contiguous but not 16-byte aligned
 ])
 def test_fallbacks_are_stock_bitwise_and_leave_parity(bad):
     g, rec = fake_gather()
@@ -121,12 +123,35 @@ def test_fallbacks_are_stock_bitwise_and_leave_parity(bad):
     assert rec.calls == [] and g.parity == 0
 
 
-def test_tensor_on_another_device_takes_stock():
+@pytest.mark.parametrize("placed", [
+    torch.randn(2, 2 * SHARD).bfloat16()[:, ::2],  # not contiguous
+    _misaligned(2),  # contiguous but not 16-byte aligned
+])
+def test_placement_the_allocator_chose_is_copied_never_stock(placed):
+    """Where a tensor sits may differ by rank: every rank must still launch."""
+    g, rec = fake_gather()
+    seen = []
+    rec_call = rec.__call__
+    g._route[2] = (lambda shard, *a: (seen.append(shard), rec_call(shard, *a)), 12)
+    g(placed, lambda x: pytest.fail("stock taken on one rank's placement"))
+    (shard,) = seen
+    assert shard.is_contiguous() and shard.data_ptr() % 16 == 0
+    assert torch.equal(bits(shard), bits(placed))
+
+
+def test_tensor_on_another_device_raises():
     g, rec = fake_gather()
     g._index = 0  # the gather lives on cuda:0; this tensor does not
-    x = torch.randn(2, SHARD).bfloat16()
-    assert torch.equal(bits(g(x, stock)), bits(stock(x)))
+    with pytest.raises(ValueError, match="serves cuda:0"):
+        g(torch.randn(2, SHARD).bfloat16(), stock)
     assert rec.calls == []
+
+
+def test_a_closed_gather_raises():
+    g, rec = fake_gather()
+    g._closed = True
+    with pytest.raises(RuntimeError, match="closed"):
+        g(torch.randn(2, SHARD).bfloat16(), stock)
 
 
 def test_graph_capture_records_the_launch(monkeypatch, streams):
@@ -165,37 +190,43 @@ def test_a_new_stream_waits_for_the_previous_one(streams):
     assert streams["log"] == [(2, "waits for", 1), (1, "waits for", 2)]
 
 
-def _mark(g, cause, peers, parity):
-    """What the kernel writes on a give-up: details first, the flag last."""
-    g._status[STATUS_PARITY], g._status[STATUS_CAUSE] = parity, cause
+def _flag(g, epoch, peers):
+    """What a kernel after the failed call writes: details first, the flag last."""
+    g._status[STATUS_EPOCH] = epoch
     for p in peers:
         g._status[STATUS_PEERS + p] = 1
     g._status[STATUS_FLAG] = 1
 
 
-def test_timeout_raises_on_every_call_until_reset():
-    log = []
-    g, rec = fake_gather(log=log)
+def test_the_flag_raises_on_every_call_until_reset():
+    g, rec = fake_gather()
     g(torch.randn(1, SHARD).bfloat16(), stock)
-    _mark(g, CAUSE_TIMEOUT, (0, 3), 1)
+    _flag(g, 7, (0, 3))
     x = torch.randn(1, SHARD).bfloat16()
     for _ in range(3):  # never stock on its own: raises every time
-        with pytest.raises(GatherTimeout, match=r"rank 1 timed out: rank\(s\) 0, 3 never "
-                                                r"published \(parity 1\)"):
+        with pytest.raises(GatherTimeout, match=r"rank 1: call 7 gave up waiting: rank\(s\) "
+                                                r"0, 3 never published"):
             g(x, stock)
     with pytest.raises(GatherTimeout):
         g(torch.randn(3, SHARD).bfloat16(), stock)  # not even a row count stock would serve
     with pytest.raises(GatherTimeout) as info:
         g.check()
-    assert info.value.peers == (0, 3) and info.value.cause == CAUSE_TIMEOUT
+    assert info.value.peers == (0, 3) and info.value.epoch == 7 and info.value.parity == 1
     assert len(rec.calls) == 1
 
 
-def test_a_peers_mark_names_the_missing_ranks():
-    g, _ = fake_gather()
-    _mark(g, CAUSE_ABORT, (2,), 0)
-    with pytest.raises(GatherTimeout, match=r"rank 1 stopped by a peer's time-out: rank\(s\) 2"):
+def test_check_reads_the_mark_before_the_flag_is_up(monkeypatch):
+    """The failed call itself raises no flag (every rank's comes from the call after
+    it); check() after a sync sees the mark a peer left in this rank's mailbox."""
+    g, rec = fake_gather()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    g.check()  # no mark: nothing to say
+    g.box.block[CONTROL_MISSING + 2] = 1
+    g.box.block[CONTROL_MARK] = MARK_TOP - 5
+    with pytest.raises(GatherTimeout, match=r"call 5 gave up waiting: rank\(s\) 2 never"):
         g.check()
+    g(torch.randn(1, SHARD).bfloat16(), stock)  # the host flag is not up yet: it launches
+    assert len(rec.calls) == 1
 
 
 def test_reset_order_and_recovery(monkeypatch):
@@ -203,7 +234,7 @@ def test_reset_order_and_recovery(monkeypatch):
     g, rec = fake_gather(log=log)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
     g(torch.randn(1, SHARD).bfloat16(), stock)
-    _mark(g, CAUSE_TIMEOUT, (0,), 0)
+    _flag(g, 0, (0,))
     g.reset()
     # stop -> sync -> barrier -> arm -> (status cleared) -> sync -> barrier
     assert log == ["sync", "barrier", "arm", "sync", "barrier"]

@@ -52,7 +52,7 @@ def _fake_cuda(monkeypatch_like, rank, case):
     fail_rank = int(case.split("@")[1]) if "@" in case else -1
     step = case.split("@")[0]
 
-    def prepare(self, tp, rank_, shard, rows, ctas, threads, unroll, pdl, box):
+    def prepare(self, tp, rank_, shard, rows, ctas, threads, unroll, pdl, sharing, budget_s):
         if step == "prepare" and rank == fail_rank:
             raise RuntimeError("compile failed")
         self.tp, self.rank, self.shard, self.width = tp, rank_, shard, tp * shard
@@ -64,6 +64,7 @@ def _fake_cuda(monkeypatch_like, rank, case):
 
         self._route = {m: (launch, getattr(ctas[m], "ctas", 1)) for m in self.rows}
         self.ctas = {m: c for m, (_, c) in self._route.items()}
+        self._open_status(budget_s)
 
     class CpuRows(mailbox._ProcessRows):
         def _allocate(self, count):
@@ -102,6 +103,8 @@ def _capture_log():
 
 def _install_worker(rank, nprocs, table, case, other_table):
     os.environ["LAMPORT_HEAD_TABLE"] = other_table if (case == "table@1" and rank == 1) else table
+    if case == "disable@1" and rank == 1:  # the variable reached one rank only
+        os.environ["LAMPORT_HEAD_DISABLE"] = "1"
     _fake_cuda(setattr, rank, case)
     seen = _capture_log()
     m = model(lm__tp_size=nprocs)
@@ -161,6 +164,13 @@ def test_a_rank_whose_table_is_broken_takes_every_rank_to_stock(tmp_path):
         assert r["served"] == [] and r["routed"] == ["stock", 1]
     assert "bare 'on'" in results[1]["log"][-1]
     assert results[0]["log"][-1].startswith("lamport-head: logits gather stays stock: rank 1: ")
+
+
+def test_disable_on_one_rank_takes_every_rank_to_stock(tmp_path):
+    results = _run(tmp_path, "disable@1", nprocs=2)
+    for r in results:
+        assert r["served"] == [] and r["routed"] == ["stock", 1]
+    assert "disabled by LAMPORT_HEAD_DISABLE" in results[0]["log"][-1]
 
 
 def test_ranks_with_different_plans_stay_stock(tmp_path):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lamport_head.collective import all_max, all_min, barrier
+from lamport_head.collective import all_max, all_min, attempt, barrier
 from lamport_head.reference import planted, reference_gather
 from lamport_head.stock import all_gather_logits
 from lamport_head.table import RowPlan
@@ -247,17 +247,24 @@ class DistributedTarget:
 
     def limit(self, threads, unroll):
         """Most CTAs per rank every rank's GPU holds: the occupancy calculator on the
-        compiled kernel (local, no mailbox), then MIN over ranks (collective)."""
+        compiled kernel (local, no mailbox; halved per rank where ranks share a GPU
+        with PDL, as HeadGather plans), then MIN over ranks (collective). A rank whose
+        compile fails reports 0, so every rank sees the same grid."""
         key = (threads, unroll)
         if key not in self._limits:
             from lamport_head.kernels import compile_gather
             from lamport_head.occupancy import resident_ctas
 
-            major, minor = torch.cuda.get_device_capability(self.device)
-            arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
-            k = compile_gather(self.tp, self.shard // 2, threads=threads, unroll=unroll, arch=arch)
-            self._limits[key] = all_min(resident_ctas(k.cubin, k.threads, self.device.index),
-                                        self.group, self.device)
+            def local():
+                major, minor = torch.cuda.get_device_capability(self.device)
+                arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+                k = compile_gather(self.tp, self.shard // 2, threads=threads, unroll=unroll,
+                                   arch=arch)
+                share = self.tp * 2 if self.ranks.shared else 1
+                return resident_ctas(k.cubin, k.threads, self.device.index) // share
+
+            value, _ = attempt(local)
+            self._limits[key] = all_min(value or 0, self.group, self.device)
         return self._limits[key]
 
     def _gather(self, rows, plan):
@@ -271,12 +278,11 @@ class DistributedTarget:
         return all_gather_logits(x, self.group)
 
     def _call(self, gather, x, failed):
-        """One gather call; a GatherTimeout is recorded, the caller's loop goes on."""
-        from lamport_head.head_gather import GatherTimeout
-
+        """One gather call; any failure is recorded, the caller's loop goes on (the
+        trial's outcome is agreed at its end)."""
         try:
             return gather(x, _never_stock)
-        except GatherTimeout:
+        except Exception:
             failed[0] = True
             return None
 

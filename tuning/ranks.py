@@ -16,9 +16,10 @@ every rank and call, every mailbox word armed at the end.
 kill: one rank exits without a word; every survivor must raise ``GatherTimeout``
 naming it within budget + 1 s (syncing after each call, as a serving step does).
 
-slow: one rank sleeps on its GPU before one call. Inside the budget every output is
-right; past it every rank raises (none serves), a collective ``reset()`` follows,
-and the gather is right again. ``--late-push``: before its reset the slow rank also
+slow: one rank sleeps on its GPU before call k. Inside the budget every output is
+right; past it every rank's check() raises after a sync, every rank raises at the
+same call (k + 2: call k + 1 fails everywhere and raises every flag; none serves), a
+collective ``reset()`` follows, and the gather is right again. ``--late-push``: before its reset the slow rank also
 queues, behind a GPU sleep, a write into a peer's box (what a push of the abandoned
 call landing late looks like); reset must make it harmless.
 
@@ -245,9 +246,12 @@ def kill(args, ranks, gather, calls):
 
 
 def slow(args, ranks, gather, calls):
+    """Call k is late on one rank. Past the budget: after a sync, check() raises on
+    every rank; call k + 1 returns on every rank (NaN peer columns); after a sync,
+    call k + 2 raises on every rank: the same call everywhere."""
     from lamport_head.head_gather import GatherTimeout
 
-    bad = torch.zeros(3 * args.calls + 2, dtype=torch.int32, device=ranks.device)
+    bad = torch.zeros(3 * args.calls + 3, dtype=torch.int32, device=ranks.device)
     late = args.slow_s > args.budget
     run_calls(gather, calls, 0, args.calls, bad, ranks.device)
     k = args.calls
@@ -255,35 +259,49 @@ def slow(args, ranks, gather, calls):
         _sleep_s(args.slow_s, ranks.device)
     run_calls(gather, calls, k, 1, bad, ranks.device)
     torch.cuda.synchronize(ranks.device)
-    raised = None
+    raised, checked = None, None
     try:
-        gather(calls.shards(k + 1)[ranks.rank], _no_stock)  # none may serve after a give-up
+        gather.check()
     except GatherTimeout as exc:
-        raised = exc
+        checked = exc
+    for i in (k + 1, k + 2):  # none may serve after a give-up: the call that raises
+        try:
+            gather(calls.shards(i)[ranks.rank], _no_stock)
+            torch.cuda.synchronize(ranks.device)
+        except GatherTimeout as exc:
+            raised = (i, str(exc))
+            break
+    nxt = k + 3
     if late:
         if args.late_push and ranks.rank == args.slow_rank:
             _late_push(gather, ranks, (ranks.rank + 1) % ranks.world)
         gather.reset()
-        bad[k] = 0  # the abandoned call: its output was not served
-    run_calls(gather, calls, k + 1 if late else k + 2, args.calls, bad, ranks.device)
+        bad[k] = 0  # the abandoned call and the one after it: NaN, not served as valid
+        bad[k + 1] = 0
+    run_calls(gather, calls, nxt, args.calls, bad, ranks.device)
     torch.cuda.synchronize(ranks.device)
     gather.check()
     gather.box.barrier()
     armed = gather.box.armed()
     wrong = int(bad.sum())
-    report = _gathered(ranks, (raised is not None, str(raised or ""), wrong, armed))
-    ok = all(r == late and w == 0 and a for r, _, w, a in report)
+    report = _gathered(ranks, (checked is not None, raised, wrong, armed))
+    if late:
+        ok = all(c and r is not None and r[0] == k + 2 and w == 0 and a for c, r, w, a in report)
+    else:
+        ok = all(not c and r is None and w == 0 and a for c, r, w, a in report)
     if ranks.is_root:
         what = (f"rank {args.slow_rank} {args.slow_s} s late (budget {args.budget} s)"
                 + (" with a late push before reset" if args.late_push else ""))
-        lines = "; ".join(f"rank {r}: {'raised' if x else 'served'}, {w} bad calls, armed {a}"
-                          for r, (x, _, w, a) in enumerate(report))
-        print(f"ranks slow: tp={ranks.world}, {what}: "
-              f"{'every rank raised, none served; right again after reset()' if late else 'every output right'}"
-              f"{'' if ok else ' FAILED'} ({lines})", flush=True)
-        for r, (_, text, _, _) in enumerate(report):
-            if text:
-                print(f"  rank {r}: {text}", flush=True)
+        lines = "; ".join(f"rank {r}: check {'raised' if c else 'quiet'}, "
+                          f"{'raised at call ' + str(x[0] - k) + ' after' if x else 'served'}, "
+                          f"{w} bad calls, armed {a}" for r, (c, x, w, a) in enumerate(report))
+        verdict = ("every rank raised at the same call (the second after the late one), none "
+                   "served; right again after reset()" if late else "every output right")
+        print(f"ranks slow: tp={ranks.world}, {what}: {verdict}{'' if ok else ' FAILED'} "
+              f"({lines})", flush=True)
+        for r, (_, x, _, _) in enumerate(report):
+            if x:
+                print(f"  rank {r}: {x[1]}", flush=True)
     return ok
 
 
