@@ -81,8 +81,8 @@ def test_fallbacks_take_stock_bitwise():
     stock = lambda x: torch.cat([x] * tp, dim=-1)  # noqa: E731
     x = planted(5, shard, device=device)  # 5 rows: not served
     assert same_bits(g(x, stock), stock(x))
-    strided = planted(2, 2 * shard, device=device)[:, ::2]  # 2 rows, not contiguous
-    for bad in (x[:1].float(), x[:1].half(), x[:1, :-8], x[0], x[:1].unsqueeze(0), strided):
+    # (a non-contiguous or unaligned tensor is copied, never stock: test_head_gather_cpu)
+    for bad in (x[:1].float(), x[:1].half(), x[:1, :-8], x[0], x[:1].unsqueeze(0)):
         got = g(bad, stock)
         assert same_bits(got, stock(bad))
     assert g.parity == 0  # no fallback touched the mailbox

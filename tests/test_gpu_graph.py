@@ -20,6 +20,14 @@ def _no_stock(x):
     raise AssertionError("a served row count took stock under capture")
 
 
+def _graph_ctas(device, tp, shard):
+    """A quarter of the default co-residency limit: virtual ranks share one GPU, and
+    inside a graph more of a rank's PDL-chained gathers may be resident at once than
+    in a stream (on real ranks, one per GPU, only each kernel's own CTAs must fit)."""
+    probe = EmulatedGather(device, tp, shard, (1,))
+    return max(1, probe.ranks[0].resident() // 4)
+
+
 def _capture(gather, shard):
     """Per rank: static inputs, a graph of one gather per M in MS, its outputs."""
     device = gather.device
@@ -73,7 +81,7 @@ def _eager(gather, shard, bad, i):
 def test_replays_concurrent_bitwise_with_eager_calls_between(tp):
     device = torch.device("cuda", torch.cuda.current_device())
     shard = 163840 // tp
-    gather = EmulatedGather(device, tp, shard, MS)
+    gather = EmulatedGather(device, tp, shard, MS, _graph_ctas(device, tp, shard))
     statics, graphs, outs = _capture(gather, shard)
     replays = 1000
     bad = torch.zeros(replays, tp, len(MS), dtype=torch.int32, device=device)

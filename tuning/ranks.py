@@ -351,13 +351,18 @@ def install(args, ranks, calls):
                                                     device=ranks.device), tp_size=ranks.world)
     model = types.SimpleNamespace(logits_processor=lp, lm_head=head)
     got = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device)
-    want_rows = () if args.fail_alloc_rank is not None else tuple(sorted(served))
+    from lamport_head.table import load_table
+
+    enabled = load_table(path).plan(torch.cuda.get_device_name(ranks.device), ranks.world, 1)
+    want_rows = () if args.fail_alloc_rank is not None else tuple(
+        sorted(m for m, p in enabled.items() if p.enabled))  # measured rows and filled gaps
     bad = 0
     for i in range(min(args.calls, 60)):
         shards = calls.shards(i)
         out = model.logits_processor._gather_logits(shards[ranks.rank])
-        bad += int(not torch.equal(out.view(torch.int32),
-                                   reference_gather(shards).view(torch.int32)))
+        # served: the Lamport gather's bytes (sentinel words scrubbed); stock: NCCL's
+        want = reference_gather(shards) if calls.m[i] in want_rows else torch.cat(shards, dim=1)
+        bad += int(not torch.equal(out.view(torch.int32), want.view(torch.int32)))
     gather = getattr(lp, "head_gather", None)
     if gather is not None:
         torch.cuda.synchronize(ranks.device)
