@@ -28,9 +28,23 @@ def _graph_ctas(device, tp, shard):
     return max(1, probe.ranks[0].resident() // 4)
 
 
+def _prime_graphs(device):
+    """Capture and replay a trivial graph once. The first graph a process launches
+    pays a one-time set-up that waited here for the GPU to go idle; with virtual
+    ranks sharing the GPU, another rank's gather spins meanwhile and times out (on
+    real ranks each GPU has its own context: nothing to wait for)."""
+    x = torch.zeros(1, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize(device)
+
+
 def _capture(gather, shard):
     """Per rank: static inputs, a graph of one gather per M in MS, its outputs."""
     device = gather.device
+    _prime_graphs(device)
     statics, graphs, outs = [], [], []
     for r, (g, stream) in enumerate(zip(gather.ranks, gather.streams)):
         static = [torch.zeros(m, shard, dtype=torch.bfloat16, device=device) for m in MS]
