@@ -45,6 +45,9 @@ def _capture(gather, shard):
     """Per rank: static inputs, a graph of one gather per M in MS, its outputs."""
     device = gather.device
     _prime_graphs(device)
+    data = planted(gather.tp, MS[0], shard, device=device)  # an eager step first, as
+    gather([data[r] for r in range(gather.tp)])  # engines warm up before they capture
+    torch.cuda.synchronize(device)
     statics, graphs, outs = [], [], []
     for r, (g, stream) in enumerate(zip(gather.ranks, gather.streams)):
         static = [torch.zeros(m, shard, dtype=torch.bfloat16, device=device) for m in MS]
