@@ -29,10 +29,8 @@ def _graph_ctas(device, tp, shard):
 
 
 def _prime_graphs(device):
-    """Capture and replay a trivial graph once. The first graph a process launches
-    pays a one-time set-up that waited here for the GPU to go idle; with virtual
-    ranks sharing the GPU, another rank's gather spins meanwhile and times out (on
-    real ranks each GPU has its own context: nothing to wait for)."""
+    """Capture and replay a trivial graph once: the first graph launch of a process
+    sets up once, which must not happen while a virtual rank's gather spins."""
     x = torch.zeros(1, device=device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -47,6 +45,14 @@ def _capture(gather, shard):
     _prime_graphs(device)
     data = planted(gather.tp, MS[0], shard, device=device)  # an eager step first, as
     gather([data[r] for r in range(gather.tp)])  # engines warm up before they capture
+    # ... and every torch kernel a replay loop uses, once: CUDA loads a kernel lazily on
+    # its first launch, and that load waits for the GPU to go idle. Between two virtual
+    # ranks' replays a gather is spinning, so a first load would wait for it, and it for
+    # the rank the host has not launched yet (real ranks: one GPU each, no such wait).
+    scratch = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
+    words = data[0].view(torch.int32)
+    scratch[0, 0, 0] = (words != words).any()
+    data[0].clone().copy_(data[1])
     torch.cuda.synchronize(device)
     statics, graphs, outs = [], [], []
     for r, (g, stream) in enumerate(zip(gather.ranks, gather.streams)):
