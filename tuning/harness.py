@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lamport_head.collective import all_max, all_min, barrier
+from lamport_head.collective import agree, all_max, all_min, attempt, barrier
 from lamport_head.reference import planted, reference_gather
 from lamport_head.stock import all_gather_logits
 from lamport_head.table import RowPlan
@@ -218,11 +218,17 @@ class DistributedTarget:
             from lamport_head.kernels import compile_gather
             from lamport_head.occupancy import resident_ctas
 
-            major, minor = torch.cuda.get_device_capability(self.device)
-            arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
-            k = compile_gather(self.tp, self.shard // 2, threads=threads, unroll=unroll, arch=arch)
-            self._limits[key] = all_min(resident_ctas(k.cubin, k.threads, self.device.index),
-                                        self.group, self.device)
+            def local():
+                major, minor = torch.cuda.get_device_capability(self.device)
+                arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+                k = compile_gather(self.tp, self.shard // 2, threads=threads, unroll=unroll,
+                                   arch=arch)
+                return resident_ctas(k.cubin, k.threads, self.device.index)
+
+            # A compile that fails on one rank raises on every rank, together.
+            resident, error = attempt(local)
+            agree(error, self.group, self.device, "to compile the gather for its occupancy")
+            self._limits[key] = all_min(resident, self.group, self.device)
         return self._limits[key]
 
     def _gather(self, rows, plan):
@@ -285,7 +291,8 @@ class DistributedTarget:
         return None if bad else timing
 
     def stock(self, rows):
-        x = planted(rows, self.shard, device=self.device)
+        x, error = attempt(planted, rows, self.shard, device=self.device)
+        agree(error, self.group, self.device, "to plant the stock path's data")
         step = lambda: self._stock_step(x, rows)  # noqa: E731
         eager, host = _median_eager(step, self.device, self.calls, self.reps, self.barrier)
         graph = math.nan  # gloo's host copies cannot be captured
