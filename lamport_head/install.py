@@ -6,12 +6,16 @@ each rank reads the tables alone (anything can fail here), the ranks agree on th
 plan (one all-gather: a rank whose table failed or differs takes every rank to
 stock), and only then build the HeadGather, itself collective and fail-stop (local
 part, agree, map the peers' mailboxes, agree, arm, barrier): every rank serves the
-rows or every rank stays stock. Never raises into serving: a missing table entry,
+rows or every rank stays stock. When no layer holds a real-rank section for this
+GPU model, TP and DCP (or the user table's is stale), the agreed view says so on
+every rank alike, and first-use tuning (``autotune.measure``, collective and
+fail-stop) measures, writes the user table and hands back the plan to build. Never raises into serving: a missing table entry,
 a non-CUDA device or a failed build leaves the stock gather with one log line.
 """
 
 import logging
 import os
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -36,22 +40,15 @@ def _build(group, device, tp, rank, shard, plan):
     return HeadGather(group, device, tp, rank, shard, plan.keys(), plan)
 
 
-def serving_plan(tp, dcp, device, table=None):
-    """{rows: RowPlan} of enabled rows for this device's GPU model; {} if none."""
-    from .table import load_table
-
-    name = _device_name(device)
-    if name is None:
-        return name, {}
-    table = table or load_table()
-    return name, {m: p for m, p in table.plan(name, tp, dcp).items() if p.enabled}
-
-
-def install_logits_gather(model, group, tp, rank, device, dcp=1):
+def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
     """Route the model's LogitsProcessor ``_gather_logits`` (an instance attribute:
     other LogitsProcessors keep theirs) through a HeadGather for the table's enabled
     rows; which processor (nested language model, LoRA base layer, a subclass with its
     own gather) is ``vllm_model.find_gather_target``'s to say.
+    ``rows``: the row counts the server's decode steps gather (vLLM: 1 .. max running
+    requests x (1 + speculative tokens)); served rows are limited to them, so the
+    mailbox's cap follows, and first-use tuning measures among them. None: the
+    table's rows, and 1-64 for first-use tuning.
     Returns the rows served; ``()`` means the stock gather."""
     lp, head, where = find_gather_target(model)
     installed = getattr(lp, "head_gather", None)
@@ -84,22 +81,56 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1):
     if name is None:  # the same on every rank: no collective needed to agree
         logger.info("lamport-head: %s is not a CUDA device; stock logits gather", device)
         return ()
-    plan, reason = _local_plan(tp, dcp, device)
+    view, reason = _local_view(tp, dcp, device, name, rows)
     if os.environ.get("LAMPORT_HEAD_DISABLE", "") not in ("", "0"):
         # An environment variable may reach some ranks only: it travels with the plan.
-        plan, reason = {}, "disabled by LAMPORT_HEAD_DISABLE"
-    # Collective 1: agree on the plan. A rank whose table failed or differs must not
-    # be left behind while its peers enter the mailbox's collectives.
-    views = all_gather_objects((_digest(plan), reason), group)
-    reasons = [(r, why) for r, (_, why) in enumerate(views) if why]
+        view, reason = None, "disabled by LAMPORT_HEAD_DISABLE"
+    # Collective 1: agree on the plan and on whether to measure first. A rank whose
+    # table failed or differs must not be left behind while its peers enter the
+    # mailbox's (or the sweep's) collectives.
+    views = all_gather_objects((view and view.agreed, view and view.key, reason), group)
+    reasons = [(r, why) for r, (_, _, why) in enumerate(views) if why]
     if reasons:
         mine = reason or f"rank {reasons[0][0]}: {reasons[0][1]}"
         logger.warning("lamport-head: logits gather stays stock: %s", mine)
         return ()
-    if len({d for d, _ in views}) > 1:
+    if len({agreed for agreed, _, _ in views}) > 1:
         logger.warning("lamport-head: logits gather stays stock: the TP ranks resolved "
-                       "different HEAD_GATHER plans (different tables or environments)")
+                       "different HEAD_GATHER plans (different tables or environments, "
+                       "first-use tuning settings included)")
         return ()
+    keys = [key for _, key, _ in views]
+    shared = None if None in keys else len(set(keys)) < tp  # several ranks on one GPU
+    choice, plan = _choose(view, shared)
+    if choice == "unknown":
+        logger.warning("lamport-head: logits gather stays stock: first-use tuning cannot tell "
+                       "whether the TP ranks share a GPU (no device key)")
+        return ()
+    if choice == "tune":
+        from . import autotune
+
+        try:  # collective, fail-stop: every rank gets the same outcome or every rank raises
+            outcome = autotune.measure(group, device, tp, rank, dcp, shard, view.rows, shared, name)
+        except Exception as exc:
+            logger.warning("lamport-head: logits gather stays stock: first-use tuning failed: "
+                           "%s: %s", type(exc).__name__, exc)
+            return ()
+        logger.info("lamport-head: first-use tuning on %s (tp=%d, dcp=%d, %s): measured rows "
+                    "%s in %.1f s, wrote %s%s", name, tp, dcp, view.real, 
+                    [r.rows for r in outcome.results], outcome.seconds, outcome.path,
+                    " (emulated: true)" if outcome.emulated else "")
+        plan = outcome.plan
+        if outcome.emulated:
+            choice = "emulated" if autotune.serve_emulated() else "unserved"
+    if choice == "unserved":
+        logger.info("lamport-head: stock logits gather: the ranks share one GPU, so the %s "
+                    "section for %s, tp=%d, dcp=%d is emulated: true, never served (%s=1 "
+                    "serves it, to test this mode only)", name, name, tp, dcp,
+                    "LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED")
+        return ()
+    if choice == "emulated":
+        logger.warning("lamport-head: serving an emulated section (processes sharing one GPU: "
+                       "not performance) because LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED is set")
     if not plan:
         logger.info("lamport-head: no enabled HEAD_GATHER rows for %s, tp=%d, dcp=%d; "
                     "stock logits gather", name, tp, dcp)
@@ -119,14 +150,69 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1):
     return served
 
 
-def _local_plan(tp, dcp, device):
-    """(plan, None) or ({}, why): this rank's reading of the tables, no collectives."""
-    from .table import TableError
+@dataclass(frozen=True)
+class _View:
+    """This rank's reading of the tables and settings (no collectives)."""
+
+    plan: dict  # enabled rows of the real-rank section
+    emulated_plan: dict  # enabled rows of the emulated section
+    real: str  # autotune.status of the real-rank section
+    emulated: str  # ... and of the emulated one
+    autotune: bool
+    serve_emulated: bool
+    rows: tuple  # the rows first-use tuning measures among
+    key: object  # mailbox._device_key: equal keys mean ranks sharing one GPU
+
+    @property
+    def agreed(self):
+        """What every rank must see alike."""
+        return (_digest(self.plan), _digest(self.emulated_plan), self.real, self.emulated,
+                self.autotune, self.serve_emulated, self.rows)
+
+
+def _local_view(tp, dcp, device, name, rows):
+    """(_View, None) or (None, why): this rank's reading of the tables, no collectives."""
+    from . import autotune
+    from .mailbox import _device_key
+    from .table import TableError, load_table
 
     try:
-        return serving_plan(tp, dcp, device)[1], None
+        table = load_table()
+        on = autotune.enabled()
+
+        def read(emulated):
+            section = table.section(name, tp, dcp, emulated=emulated)
+            plan = table.plan(name, tp, dcp, emulated=emulated)
+            plan = {m: p for m, p in plan.items() if p.enabled and (rows is None or m in rows)}
+            # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
+            state = autotune.status(section) if on else ("missing" if section is None
+                                                         else "current")
+            return plan, state
+
+        (plan, real), (emulated_plan, emulated) = read(False), read(True)
+        key = None
+        try:
+            key = _device_key(device)
+        except Exception:  # no device key: first-use tuning will not guess
+            pass
+        return _View(plan, emulated_plan, real, emulated, on, autotune.serve_emulated(),
+                     tuple(sorted(set(rows or autotune.DEFAULT_ROWS))), key), None
     except TableError as exc:
-        return {}, str(exc)
+        return None, str(exc)
+    except Exception as exc:  # told to every rank by the agreement, never raised alone
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _choose(view, shared):
+    """('table', plan), ('tune', {}), ('emulated', plan), ('unserved', {}) or
+    ('unknown', {}); the same on every rank (its inputs are agreed)."""
+    if view.real != "missing" and (shared or not view.autotune or view.real == "current"):
+        return "table", view.plan  # processes sharing a GPU cannot re-measure real ranks
+    if view.autotune and (not shared or view.emulated != "current"):
+        return ("unknown", {}) if shared is None else ("tune", {})
+    if shared and view.emulated != "missing":
+        return ("emulated", view.emulated_plan) if view.serve_emulated else ("unserved", {})
+    return "table", {}
 
 
 def _digest(plan):

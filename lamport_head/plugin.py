@@ -2,8 +2,9 @@
 
 ``register()`` wraps the GPU worker's ``load_model`` so that, once the model is
 loaded (before any CUDA graph capture), every TP worker calls
-``install_logits_gather`` with the TP device group, TP size and rank, its device and
-the DCP size. vLLM loads general plugins in every process and possibly more than
+``install_logits_gather`` with the TP device group, TP size and rank, its device,
+the DCP size and the rows its decode steps gather (``autotune.rows_from_vllm``: 1 ..
+max_num_seqs x (1 + num_speculative_tokens), capped at ``table.MAX_ROWS``). vLLM loads general plugins in every process and possibly more than
 once: wrapping is idempotent, and vLLM is imported only here, lazily. The
 ``lamport_head`` logger is routed through vLLM's handlers (``log.attach_to_vllm``), so
 each worker's lines reach the server's output; rank 0 adds a one-line summary.
@@ -21,6 +22,7 @@ _MARK = "_lamport_head_wrapped"
 def _install_after_load(worker):
     from vllm.distributed import parallel_state as ps
 
+    from .autotune import rows_from_vllm
     from .install import install_logits_gather
 
     tp_group = ps.get_tp_group()
@@ -30,8 +32,11 @@ def _install_after_load(worker):
         dcp = 1
     model = worker.model_runner.get_model()
     tp, rank = tp_group.world_size, tp_group.rank_in_group
+    # The rows its decode steps gather: max running requests x (1 + draft tokens).
+    rows = rows_from_vllm(getattr(worker, "vllm_config", None))
     with log.collect() as lines:
-        served = install_logits_gather(model, tp_group.device_group, tp, rank, worker.device, dcp)
+        served = install_logits_gather(model, tp_group.device_group, tp, rank, worker.device, dcp,
+                                       rows=rows)
     if rank == 0:
         logger.info("lamport-head summary: %s", summary(type(model).__name__, tp, dcp, served, lines))
     return served

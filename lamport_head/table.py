@@ -10,7 +10,7 @@ Format (YAML; see tables/head_gather.yaml)::
           dcp: 1
           emulated: false         # emulated sections are never used for serving
           provenance: {gpu: ..., driver: ..., cuda: ..., torch: ..., cutlass_dsl: ...,
-                       date: ..., commit: ..., command: ...}
+                       lamport_head: ..., kernel: ..., date: ..., commit: ..., command: ...}
           rows:                   # a row count or an inclusive range "a-b"
             1: {ctas: 8, enabled: true, lamport_us: 5.1, stock_us: 19.8}
             2-4: {ctas: 16, enabled: true, threads: 256, unroll: 4}
@@ -40,8 +40,8 @@ MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are f
 KIMI_K2_VOCAB = 163840  # the vocab the tools default to, and the mailbox-size example
 SECTION_KEYS = {"tp", "dcp", "emulated", "provenance", "rows"}
 ROW_KEYS = {"ctas", "enabled", "threads", "unroll", "lamport_us", "stock_us"}
-PROVENANCE_KEYS = {"gpu", "driver", "cuda", "torch", "cutlass_dsl", "date", "commit",
-                   "command", "host", "note"}
+PROVENANCE_KEYS = {"gpu", "driver", "cuda", "torch", "cutlass_dsl", "lamport_head", "kernel",
+                   "date", "commit", "command", "host", "note"}
 YAML11_BOOLS = {"on", "off", "yes", "no", "y", "n"}
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 

@@ -10,6 +10,8 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 def _own_user_table(tmp_path_factory, monkeypatch):
     """Tests never read or write the developer's user table (~/.cache/lamport-head)."""
     monkeypatch.setenv("LAMPORT_HEAD_CACHE", str(tmp_path_factory.mktemp("cache")))
+    # Installs measure nothing unless a test asks (tests/test_autotune.py does).
+    monkeypatch.setenv("LAMPORT_HEAD_AUTOTUNE", "0")
 
 
 def _cuda():

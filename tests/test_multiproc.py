@@ -126,3 +126,24 @@ def test_captured_gathers_across_processes_bitwise(n):
     line = next(x for x in outs[0].splitlines() if x.startswith("ranks graph:"))
     print(f"\n{line} ({wall:.0f} s wall)")
     assert "bitwise equal to the reference on every rank and replay" in line
+
+
+def test_first_use_tuning_measures_once_writes_emulated_and_serves_bitwise(tmp_path, monkeypatch):
+    """Issue 12 item 2's "Done when", on one GPU: no table entry; start 1 measures,
+    writes the user table (emulated: true: time-sliced processes are not
+    performance), serves what won (opted in for this test) bitwise; start 2 reads
+    the entry and measures nothing."""
+    from lamport_head.table import load_table, user_path
+
+    monkeypatch.setenv("LAMPORT_HEAD_AUTOTUNE", "1")
+    monkeypatch.setenv("LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED", "1")
+    monkeypatch.delenv("LAMPORT_HEAD_TABLE", raising=False)
+    for expect in ("yes", "no"):
+        codes, outs, wall = launch(2, "--autotune", "--rows", "16", "--calls", "100",
+                                   "--expect-measure", expect, timeout=280)
+        assert codes == [0, 0], _show(outs)
+        line = next(x for x in outs[0].splitlines() if x.startswith("ranks autotune:"))
+        print(f"\n{line} ({wall:.1f} s wall)")
+        assert ("measured nothing" in line) == (expect == "no")
+    sections = load_table(user_path()).sections  # the ranks inherit LAMPORT_HEAD_CACHE
+    assert sections and all(s.emulated for s in sections)

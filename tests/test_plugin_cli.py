@@ -41,11 +41,18 @@ def test_plugin_installs_after_load_once(monkeypatch):
     import lamport_head.install as install
 
     monkeypatch.setattr(install, "install_logits_gather",
-                        lambda *a: calls.append(("install", a)) or (1, 2))
+                        lambda *a, **kw: calls.append(("install", a, kw)) or (1, 2))
     plugin.register()
     plugin.register()  # loading twice is harmless
     Worker().load_model(load_dummy_weights=True)
-    assert calls == [("load", True), ("install", ("the model", "tp-device-group", 4, 1, "cuda:1", 2))]
+    assert calls == [("load", True), ("install", ("the model", "tp-device-group", 4, 1, "cuda:1", 2),
+                                      {"rows": None})]  # no vllm_config: install's default rows
+    worker = Worker()
+    worker.vllm_config = types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(max_num_seqs=8),
+        speculative_config=types.SimpleNamespace(num_speculative_tokens=1))
+    worker.load_model()
+    assert calls[-1][2] == {"rows": tuple(range(1, 17))}  # 8 requests x (1 + 1 draft token)
 
 
 def test_plugin_never_breaks_loading(monkeypatch):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lamport_head.collective import all_max, all_min, attempt, barrier
+from lamport_head.collective import agree, all_max, all_min, attempt, barrier
 from lamport_head.reference import planted, reference_gather
 from lamport_head.stock import all_gather_logits
 from lamport_head.table import RowPlan
@@ -260,11 +260,13 @@ class DistributedTarget:
                 arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
                 k = compile_gather(self.tp, self.shard // 2, threads=threads, unroll=unroll,
                                    arch=arch)
-                share = self.tp * 2 if self.ranks.shared else 1
+                share = self.tp * 2 if self.ranks.shared else 1  # as HeadGather plans
                 return resident_ctas(k.cubin, k.threads, self.device.index) // share
 
-            value, _ = attempt(local)
-            self._limits[key] = all_min(value or 0, self.group, self.device)
+            # A compile that fails on one rank raises on every rank, together.
+            resident, error = attempt(local)
+            agree(error, self.group, self.device, "to compile the gather for its occupancy")
+            self._limits[key] = all_min(resident, self.group, self.device)
         return self._limits[key]
 
     def _gather(self, rows, plan):
@@ -327,7 +329,8 @@ class DistributedTarget:
         return None if bad else timing
 
     def stock(self, rows):
-        x = planted(rows, self.shard, device=self.device)
+        x, error = attempt(planted, rows, self.shard, device=self.device)
+        agree(error, self.group, self.device, "to plant the stock path's data")
         step = lambda: self._stock_step(x, rows)  # noqa: E731
         eager, host = _median_eager(step, self.device, self.calls, self.reps, self.barrier)
         graph = graph_host = math.nan  # gloo's host copies cannot be captured

@@ -5,6 +5,7 @@
     ... --slow-rank 1 --slow-s 0.5 [--late-push]  a rank starts one call late
     ... --install [--fail-alloc-rank 1]           install_logits_gather on a model
     ... --graph                                    gathers captured in a CUDA graph
+    ... --autotune [--expect-measure yes|no]      first-use tuning at install
 
 check: HeadGather against the reference on fresh planted data every call (sentinel
 words, -0 in either half, NaN, Inf), outputs poisoned first, M changing every call
@@ -32,6 +33,14 @@ graph: every rank captures one CUDA graph of a gather per served row count on a 
 stream and replays it ``--calls`` times, free-running, with fresh data copied into
 the graph's static inputs before each replay; bitwise on every rank and replay, an
 eager call between replays every tenth time.
+
+autotune: the same model with no table entry (``$LAMPORT_HEAD_CACHE`` names the user
+table; ``LAMPORT_HEAD_TABLE`` is unset): install measures (first-use tuning), writes
+the user table, and serves what won; calls over every row count of the cap are checked
+bitwise. Rank 0 prints the install's log lines, the seconds install took, whether it
+measured, and the user table. Processes sharing one GPU write ``emulated: true``; set
+``LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED=1`` to serve it in this test.
+``--expect-measure no``: a second start must read the entry and measure nothing.
 
 Exit status 0 only when every check held; rank 0 prints one summary line.
 """
@@ -65,6 +74,8 @@ def _args(argv):
     p.add_argument("--install", action="store_true")
     p.add_argument("--fail-alloc-rank", type=int)
     p.add_argument("--graph", action="store_true")
+    p.add_argument("--autotune", action="store_true")
+    p.add_argument("--expect-measure", choices=("yes", "no"))
     return p.parse_args(argv)
 
 
@@ -314,12 +325,9 @@ def _late_push(gather, ranks, peer):
 
 def install(args, ranks, calls):
     import tempfile
-    import types
 
     from lamport_head import install_logits_gather
     from lamport_head.mailbox import IpcRows, SymmetricRows
-    from lamport_head.reference import reference_gather
-    from lamport_head.stock import all_gather_logits
 
     shard = args.vocab // ranks.world
     served = [r for r in calls.rows if r != calls.rows[-2]]  # one row count stays stock
@@ -339,34 +347,14 @@ def install(args, ranks, calls):
         def refuse(self, count):
             raise torch.cuda.OutOfMemoryError("injected: mailbox allocation refused")
         IpcRows._allocate = SymmetricRows._allocate = refuse
-    stock_calls = []
-
-    def stock(x):
-        stock_calls.append(x.shape[0])
-        return all_gather_logits(x, ranks.group)
-
-    lp = types.SimpleNamespace(logits_as_input=False, head_dtype=None, use_all_gather=True,
-                               _gather_logits=stock)
-    head = types.SimpleNamespace(weight=torch.zeros(shard, 16, dtype=torch.bfloat16,
-                                                    device=ranks.device), tp_size=ranks.world)
-    model = types.SimpleNamespace(logits_processor=lp, lm_head=head)
+    model, stock_calls = _vllm_shaped(ranks, shard)
     got = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device)
     from lamport_head.table import load_table
 
     enabled = load_table(path).plan(torch.cuda.get_device_name(ranks.device), ranks.world, 1)
     want_rows = () if args.fail_alloc_rank is not None else tuple(
         sorted(m for m, p in enabled.items() if p.enabled))  # measured rows and filled gaps
-    bad = 0
-    for i in range(min(args.calls, 60)):
-        shards = calls.shards(i)
-        out = model.logits_processor._gather_logits(shards[ranks.rank])
-        # served: the Lamport gather's bytes (sentinel words scrubbed); stock: NCCL's
-        want = reference_gather(shards) if calls.m[i] in want_rows else torch.cat(shards, dim=1)
-        bad += int(not torch.equal(out.view(torch.int32), want.view(torch.int32)))
-    gather = getattr(lp, "head_gather", None)
-    if gather is not None:
-        torch.cuda.synchronize(ranks.device)
-        gather.check()
+    bad = _bitwise(model, calls, min(args.calls, 60), ranks, want_rows)
     expect_stock = sum(1 for i in range(min(args.calls, 60)) if calls.m[i] not in want_rows)
     report = _gathered(ranks, (list(got), bad, len(stock_calls)))
     ok = all(tuple(g) == want_rows and b == 0 and s == expect_stock for g, b, s in report)
@@ -381,14 +369,97 @@ def install(args, ranks, calls):
     return ok
 
 
+def _vllm_shaped(ranks, shard):
+    """A model shaped as vLLM's (LogitsProcessor + vocab-parallel BF16 lm_head) whose
+    stock gather is vLLM's; and the list of row counts that took stock."""
+    import types
+
+    from lamport_head.stock import all_gather_logits
+
+    stock_calls = []
+
+    def stock(x):
+        stock_calls.append(x.shape[0])
+        return all_gather_logits(x, ranks.group)
+
+    lp = types.SimpleNamespace(logits_as_input=False, head_dtype=None, use_all_gather=True,
+                               _gather_logits=stock)
+    head = types.SimpleNamespace(weight=torch.zeros(shard, 16, dtype=torch.bfloat16,
+                                                    device=ranks.device), tp_size=ranks.world)
+    return types.SimpleNamespace(logits_processor=lp, lm_head=head), stock_calls
+
+
+def _bitwise(model, calls, count, ranks, served):
+    """Calls 0 .. count-1 through the model's gather: how many differ from what they
+    must be (served rows: the Lamport gather's bytes, sentinel words scrubbed; other
+    rows: the stock all-gather's bytes)."""
+    from lamport_head.reference import reference_gather
+
+    bad = 0
+    for i in range(count):
+        shards = calls.shards(i)
+        out = model.logits_processor._gather_logits(shards[ranks.rank])
+        want = reference_gather(shards) if calls.m[i] in served else torch.cat(shards, dim=1)
+        bad += int(not torch.equal(out.view(torch.int32), want.view(torch.int32)))
+    gather = getattr(model.logits_processor, "head_gather", None)
+    if gather is not None:
+        torch.cuda.synchronize(ranks.device)
+        gather.check()
+    return bad
+
+
+def autotune(args, ranks):
+    """First-use tuning at install on a model with no table entry; see the module doc."""
+    import logging
+    from pathlib import Path
+
+    from lamport_head import install_logits_gather
+    from lamport_head.table import user_path
+
+    os.environ.pop("LAMPORT_HEAD_TABLE", None)
+    os.environ.setdefault("LAMPORT_HEAD_AUTOTUNE", "1")
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("lamport_head").addHandler(handler)
+    logging.getLogger("lamport_head").setLevel(logging.INFO)
+    cap = max(int(x) for x in args.rows.split(","))
+    rows = tuple(range(1, cap + 1))  # what a server of cap rows gathers
+    shard = args.vocab // ranks.world
+    model, stock_calls = _vllm_shaped(ranks, shard)
+    torch.cuda.synchronize(ranks.device)
+    start = time.monotonic()
+    served = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device, rows=rows)
+    seconds = time.monotonic() - start
+    measured = any("first-use tuning on" in line for line in lines)
+    calls = Calls(list(rows), ranks.world, shard, ranks.device)
+    count = min(args.calls, 200)
+    bad = _bitwise(model, calls, count, ranks, served)
+    report = _gathered(ranks, (list(served), measured, bad, len(stock_calls), seconds))
+    expect = {"yes": True, "no": False, None: measured}[args.expect_measure]
+    ok = all(r[:2] == report[0][:2] and r[2] == 0 for r in report) and measured == expect
+    if ranks.is_root:
+        for line in lines:
+            print(f"  rank 0 log: {line}", flush=True)
+        path = user_path()
+        print(f"  user table {path}:", flush=True)
+        print(Path(path).read_text() if Path(path).exists() else "  (none)", flush=True)
+        print(f"ranks autotune: tp={ranks.world}, {_mode(ranks)}: install took "
+              f"{max(r[4] for r in report):.1f} s, {'measured' if measured else 'measured nothing'}"
+              f", served rows {report[0][0] or 'none (stock)'} on every rank, {count} calls "
+              f"over rows 1-{cap} bitwise ({sum(r[2] for r in report)} wrong), "
+              f"{report[0][3]} took stock" + ("" if ok else f" FAILED {report}"), flush=True)
+    return ok
+
+
 def main(argv=None):
     args = _args(argv)
     ranks = init_ranks()
     rows = sorted({int(x) for x in args.rows.split(",")})
     shard = args.vocab // ranks.world
     calls = Calls(rows, ranks.world, shard, ranks.device)
-    if args.install:
-        ok = install(args, ranks, calls)
+    if args.install or args.autotune:
+        ok = autotune(args, ranks) if args.autotune else install(args, ranks, calls)
         dist.destroy_process_group()
         return 0 if ok else 1
     from lamport_head.head_gather import HeadGather

