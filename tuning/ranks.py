@@ -89,7 +89,7 @@ class Calls:
             if i < len(rows):  # every served row count early, 1 and the cap included
                 m = rows[i]
             else:
-                m = rng.choice([r for r in rows if r != previous])
+                m = rng.choice([r for r in rows if r != previous] or rows)
             self.m.append(m)
             previous = m
 
