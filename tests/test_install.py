@@ -10,20 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from spawn import spawn
+from tables import TWO_RANKS as TABLE
 
 from lamport_head import install
 
-TABLE = """\
-schema: 1
-devices:
-  NVIDIA H200:
-    - tp: 2
-      dcp: 1
-      rows:
-        1-2: {ctas: 4, enabled: true}
-        3: {ctas: 4, enabled: false}
-        4: {ctas: 8, enabled: true}
-"""
 
 
 def model(**overrides):

@@ -367,6 +367,48 @@ def run_ranks(worker, world, args, deadline_s=120):
                 p.kill()
 
 
+def _broken_study_worker(rank, world, init, db, out, when):
+    """Rank 0's Optuna fails (its storage, or a tell mid-sweep); every rank must raise
+    the same error instead of waiting in a broadcast."""
+    import datetime
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    if rank == 0 and when == "tell":
+        original = sweep._Study.record
+        calls = []
+
+        def record(self, *args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise OSError("disk full")
+            return original(self, *args)
+
+        sweep._Study.record = record
+    storage_url = "sqlite:////nonexistent-dir/x.db" if (rank == 0 and when == "open") else db
+    try:
+        sweep.tune_rows(CollectiveCost(rank, None), 4, device="g", tp=world, dcp=1, vocab=V,
+                        trials=40, storage=storage_url, comm=sweep.DistComm(None),
+                        threads=(256,), unroll=(2, 4))
+        what = "returned"
+    except RuntimeError as exc:
+        what = str(exc)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(what, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("when", ["open", "tell"])
+def test_an_optuna_failure_on_the_root_stops_every_rank(tmp_path, when):
+    out = tmp_path / "r"
+    run_ranks(_broken_study_worker, 3,
+              (f"file://{tmp_path / 'init'}", storage(tmp_path), str(out), when))
+    results = [json.loads(open(f"{out}.{r}").read()) for r in range(3)]
+    assert all(r == results[0] for r in results), results
+    assert results[0].startswith("lamport-head tune: the Optuna study failed on rank 0")
+    assert ("disk full" in results[0]) == (when == "tell")
+
+
 @pytest.mark.parametrize("world, fail_rank", [(2, None), (3, None), (2, 1), (3, 0)])
 def test_every_rank_takes_part_in_every_collective(tmp_path, world, fail_rank):
     out = tmp_path / "r"

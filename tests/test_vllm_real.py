@@ -20,19 +20,9 @@ import re
 
 import pytest
 import torch.multiprocessing as mp
+from tables import TWO_RANKS as TABLE
 
 VLLM = "0.33.0"
-TABLE = """\
-schema: 1
-devices:
-  NVIDIA H200:
-    - tp: 2
-      dcp: 1
-      rows:
-        1-2: {ctas: 4, enabled: true}
-        3: {ctas: 4, enabled: false}
-        4: {ctas: 8, enabled: true}
-"""
 SERVED = [1, 2, 4]
 ROWS = [1, 2, 3, 4, 5]
 VOCAB, HIDDEN = 1000, 64  # padded to 1024: rank 1's shard ends in 24 padding rows

@@ -153,53 +153,18 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
     # then use the root's grid, so they measure the same configurations.
     space = comm.broadcast(grid(target, threads, unroll, ctas))
     stock = target.stock(rows)
-    timed, study, current = 0, None, None
-    if comm.is_root:
-        labels = {label(c): c for c in space}
-        choices = optuna.distributions.CategoricalDistribution(list(labels))
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        study = optuna.create_study(
-            study_name=study_name(device, tp, dcp, rows, target.emulated, vocab=vocab,
-                                  kernel=kernel or kernel_identity(), space=space),
-            storage=storage, sampler=optuna.samplers.TPESampler(seed=seed),
-            direction="minimize", load_if_exists=True)
-        done = {t.params["config"]: t for t in study.trials
-                if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
-                and t.params.get("config") in labels}
-        budget = max(0, min(trials, len(space)) - len(done))
-        repeats = 0
-        if len(space) <= trials:  # a small grid: walk it (enqueued), TPE never guesses
-            for name in labels:
-                if name not in done:
-                    study.enqueue_trial({"config": name})
+    root = _Study(space, trials) if comm.is_root else None
+    failure = root.run(root.open, study_name(device, tp, dcp, rows, target.emulated, vocab=vocab,
+                                             kernel=kernel or kernel_identity(), space=space),
+                       storage, seed) if root else None
+    timed = 0
     while True:
         order = None
-        if comm.is_root:
-            order = ("stop",)
-            while budget > 0:
-                trial = study.ask({"config": choices})
-                name = trial.params["config"]
-                if name in done:  # already timed in this study: answer, don't re-time
-                    for key, value in done[name].user_attrs.items():
-                        trial.set_user_attr(key, value)
-                    if done[name].state == optuna.trial.TrialState.FAIL:
-                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                    else:
-                        study.tell(trial, done[name].value)
-                    repeats += 1
-                    if repeats >= 20:  # TPE keeps proposing known points: take an untried one
-                        untried = [n for n in labels if n not in done]
-                        if not untried:
-                            budget = 0
-                        else:
-                            study.enqueue_trial({"config": untried[0]})
-                        repeats = 0
-                    continue
-                repeats = 0
-                current = trial
-                order = ("measure", labels[name])
-                break
+        if root:
+            order = ("error", failure) if failure else root.guard(root.next_order)
         order = comm.broadcast(order)
+        if order[0] == "error":  # the study failed on the root: every rank stops together
+            raise RuntimeError(f"lamport-head tune: the Optuna study failed on rank 0: {order[1]}")
         if order[0] == "stop":
             break
         ctas, t, u = config = order[1]
@@ -213,36 +178,113 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
         value = comm.max(value)
         if value == math.inf:
             timing = None
-        if comm.is_root:
-            # The configuration's values travel with the trial, so a reader of the
-            # study never has to trust an index into some run's grid.
-            for key, v in zip(("ctas", "threads", "unroll"), config):
-                current.set_user_attr(key, v)
-            if timing is None:  # failed verification: never a candidate
-                study.tell(current, state=optuna.trial.TrialState.FAIL)
-            else:
-                current.set_user_attr("gpu_us", timing.gpu_us)
-                current.set_user_attr("eager_us", timing.eager_us)
-                current.set_user_attr("host_us", timing.host_us)
-                study.tell(current, value)
-            done[label(config)] = study.trials[current.number]
-            budget -= 1
+        if root:
+            failure = root.run(root.record, config, timing, value)
         if on_trial:
             on_trial(rows, config, timing)
-    result = None
-    if comm.is_root:
-        finished = [tr for tr in study.trials if tr.state == optuna.trial.TrialState.COMPLETE
-                    and tr.params.get("config") in labels]
-        if finished:
-            top = min(finished, key=lambda tr: tr.value)
-            ctas, t, u = labels[top.params["config"]]
-            graph = top.user_attrs.get("gpu_us", math.nan)
-            base = getattr(stock, target.objective)
-            enabled = top.value < base * (1 - margin)
-            result = RowResult(rows, RowPlan(ctas, enabled, t, u), top.value, base,
-                               graph, stock.gpu_us,
-                               len({tr.params['config'] for tr in finished}), timed)
+    result = root.guard(root.conclude, rows, stock, target.objective, margin, timed) if root \
+        else None
+    result = comm.broadcast(result)
+    if isinstance(result, tuple):  # ("error", why)
+        raise RuntimeError(f"lamport-head tune: the Optuna study failed on rank 0: {result[1]}")
+    return result
+
+
+class _Study:
+    """The root's side of a sweep: everything that touches Optuna. Its steps never
+    raise past ``run``/``guard``: a failure becomes an order every rank receives."""
+
+    def __init__(self, space, trials):
+        self.space, self.trials = space, trials
+        self.labels = {label(c): c for c in space}
+        self.choices = optuna.distributions.CategoricalDistribution(list(self.labels))
+        self.current = None
+
+    def run(self, step, *args):
+        """``step(*args)``; the failure's text, or None."""
+        try:
+            step(*args)
+            return None
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    def guard(self, step, *args):
+        """``step(*args)``, or ``("error", why)``."""
+        try:
+            return step(*args)
+        except Exception as exc:
+            return ("error", f"{type(exc).__name__}: {exc}")
+
+    def open(self, name, storage, seed):
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.study = study = optuna.create_study(
+            study_name=name, storage=storage, sampler=optuna.samplers.TPESampler(seed=seed),
+            direction="minimize", load_if_exists=True)
+        self.done = {t.params["config"]: t for t in study.trials
+                     if t.state in (optuna.trial.TrialState.COMPLETE,
+                                    optuna.trial.TrialState.FAIL)
+                     and t.params.get("config") in self.labels}
+        self.budget = max(0, min(self.trials, len(self.space)) - len(self.done))
+        self.repeats = 0
+        if len(self.space) <= self.trials:  # a small grid: walk it (enqueued), TPE never guesses
+            for name in self.labels:
+                if name not in self.done:
+                    study.enqueue_trial({"config": name})
+
+    def next_order(self):
+        """("measure", config) for the next untimed trial, or ("stop",)."""
+        study, done = self.study, self.done
+        while self.budget > 0:
+            trial = study.ask({"config": self.choices})
+            name = trial.params["config"]
+            if name in done:  # already timed in this study: answer, don't re-time
+                for key, value in done[name].user_attrs.items():
+                    trial.set_user_attr(key, value)
+                if done[name].state == optuna.trial.TrialState.FAIL:
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                else:
+                    study.tell(trial, done[name].value)
+                self.repeats += 1
+                if self.repeats >= 20:  # TPE keeps proposing known points: take an untried one
+                    untried = [n for n in self.labels if n not in done]
+                    if not untried:
+                        self.budget = 0
+                    else:
+                        study.enqueue_trial({"config": untried[0]})
+                    self.repeats = 0
+                continue
+            self.repeats = 0
+            self.current = trial
+            return ("measure", self.labels[name])
+        return ("stop",)
+
+    def record(self, config, timing, value):
+        current = self.current
+        # The configuration's values travel with the trial, so a reader of the study
+        # never has to trust an index into some run's grid.
+        for key, v in zip(("ctas", "threads", "unroll"), config):
+            current.set_user_attr(key, v)
+        if timing is None:  # failed verification: never a candidate
+            self.study.tell(current, state=optuna.trial.TrialState.FAIL)
         else:
-            result = RowResult(rows, RowPlan(1, False), math.inf, getattr(stock, target.objective),
-                               math.nan, stock.gpu_us, 0, timed)
-    return comm.broadcast(result)
+            current.set_user_attr("gpu_us", timing.gpu_us)
+            current.set_user_attr("eager_us", timing.eager_us)
+            current.set_user_attr("host_us", timing.host_us)
+            self.study.tell(current, value)
+        self.done[label(config)] = self.study.trials[current.number]
+        self.budget -= 1
+
+    def conclude(self, rows, stock, objective, margin, timed):
+        finished = [tr for tr in self.study.trials
+                    if tr.state == optuna.trial.TrialState.COMPLETE
+                    and tr.params.get("config") in self.labels]
+        base = getattr(stock, objective)
+        if not finished:
+            return RowResult(rows, RowPlan(1, False), math.inf, base, math.nan, stock.gpu_us,
+                             0, timed)
+        top = min(finished, key=lambda tr: tr.value)
+        ctas, t, u = self.labels[top.params["config"]]
+        enabled = top.value < base * (1 - margin)
+        return RowResult(rows, RowPlan(ctas, enabled, t, u), top.value, base,
+                         top.user_attrs.get("gpu_us", math.nan), stock.gpu_us,
+                         len({tr.params['config'] for tr in finished}), timed)
