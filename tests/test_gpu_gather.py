@@ -218,3 +218,17 @@ def test_dead_rank_times_out_and_gpu_recovers():
     want = reference_gather(shards)
     assert all(torch.equal(o.view(torch.int32), want.view(torch.int32)) for o in outs)
     assert gather.armed()
+
+
+def test_every_missing_rank_is_named():
+    """Two dead virtual ranks: every survivor's record names both, whichever of its
+    threads gave up first (after a give-up, the remaining batches are still read)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    tp, shard = 8, 163840 // 8
+    gather = EmulatedGather(device, tp, shard, (64,), budget_s=0.3)
+    shards = _shards(tp, 64, shard, device)
+    gather(shards, skip=(2, 5))
+    torch.cuda.synchronize(device)
+    for r in (0, 1, 3, 4, 6, 7):
+        with pytest.raises(GatherTimeout, match=r"rank\(s\) 2, 5 never published"):
+            gather.ranks[r].check()

@@ -424,3 +424,18 @@ def test_every_rank_takes_part_in_every_collective(tmp_path, world, fail_rank):
     else:
         assert [[16, 256, 4], None] in first["seen"]  # failed on every rank
         assert first["plan"][0] != 16
+
+
+def test_an_emulated_timeout_while_measured_is_a_failed_trial(monkeypatch):
+    """A wait that runs out while a configuration is timed makes the trial fail
+    (None), never a figure and never an exception out of the sweep."""
+    from lamport_head.head_gather import GatherTimeout
+    from lamport_head.tuning.harness import EmulatedTarget
+
+    target = EmulatedTarget.__new__(EmulatedTarget)
+
+    def measure(rows, plan):
+        raise GatherTimeout(0, (3,), 11)
+
+    monkeypatch.setattr(target, "_measure", measure)
+    assert target.lamport(8, sweep.RowPlan(4, True)) is None
