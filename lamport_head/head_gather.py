@@ -126,8 +126,9 @@ class HeadGather:
         self._index = self.device.index
         self.rows, self.cap = rows, max(rows)
         self.parity = 0
-        major, minor = torch.cuda.get_device_capability(self.device)
-        self._arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+        from .occupancy import device_arch
+
+        self._arch = device_arch(self.device)
         self._pdl = pdl
         self.sharing = sharing
         self._route = self._plan(ctas, threads, unroll)

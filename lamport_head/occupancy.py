@@ -20,6 +20,13 @@ def _checked(result, what):
     return values[0] if len(values) == 1 else tuple(values)
 
 
+def device_arch(device) -> str:
+    """The compile target of ``device``: sm_90a on Hopper and later (the arch-specific
+    features), plain sm_XY before."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+
+
 @functools.lru_cache(maxsize=None)
 def resident_ctas(cubin: bytes, threads: int, device_index: int) -> int:
     """CTAs of the cubin's single kernel (``threads`` per CTA) that fit on the device."""

@@ -10,6 +10,7 @@ from lamport_head.emulate import EmulatedGather
 from lamport_head.head_gather import GatherTimeout
 from lamport_head.kernels.protocol import NAN_PAIR
 from lamport_head.reference import planted, reference_gather
+from lamport_head.tuning.ranks import gpu_cycles
 
 pytestmark = pytest.mark.gpu
 
@@ -88,15 +89,6 @@ def test_fallbacks_take_stock_bitwise():
     assert g.parity == 0  # no fallback touched the mailbox
 
 
-def _cycles_per_s(device):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(50_000_000)
-    end.record()
-    end.synchronize()
-    return 50_000_000 / (start.elapsed_time(end) / 1e3)
-
-
 def _check_steps(steps, outs, tp):
     for i, (shards, row) in enumerate(zip(steps, outs)):
         want = reference_gather(shards).view(torch.int32)
@@ -160,7 +152,7 @@ def test_slow_rank_inside_the_budget_is_right():
     tp, shard = 4, 163840 // 4
     gather = EmulatedGather(device, tp, shard, ROWS, budget_s=2.0)
     steps = [_shards(tp, m, shard, device) for m in (8, 1, 64, 3)]
-    outs = gather.free_run(steps, delay={2: int(0.3 * _cycles_per_s(device))})
+    outs = gather.free_run(steps, delay={2: gpu_cycles(0.3, device)})
     torch.cuda.synchronize(device)
     _check_steps(steps, outs, tp)
     gather.check()
@@ -173,7 +165,7 @@ def test_slow_rank_past_the_budget_every_rank_raises_none_serves():
     gather = EmulatedGather(device, tp, shard, ROWS, budget_s=0.3)
     steps = [_shards(tp, 8, shard, device)]
     start = time.monotonic()
-    (outs,) = gather.free_run(steps, delay={slow: int(1.0 * _cycles_per_s(device))})
+    (outs,) = gather.free_run(steps, delay={slow: gpu_cycles(1.0, device)})
     torch.cuda.synchronize(device)
     print(f"\nslow rank: the step ended after {time.monotonic() - start:.2f} s (budget 0.3 s)")
     want = reference_gather(steps[0]).view(torch.int32)

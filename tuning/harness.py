@@ -248,18 +248,16 @@ class DistributedTarget:
     def limit(self, threads, unroll):
         """Most CTAs per rank every rank's GPU holds: the occupancy calculator on the
         compiled kernel (local, no mailbox; halved per rank where ranks share a GPU
-        with PDL, as HeadGather plans), then MIN over ranks (collective). A rank whose
-        compile fails reports 0, so every rank sees the same grid."""
+        with PDL, as HeadGather plans), then MIN over ranks (collective). A compile
+        that fails on one rank makes every rank raise, together."""
         key = (threads, unroll)
         if key not in self._limits:
             from lamport_head.kernels import compile_gather
-            from lamport_head.occupancy import resident_ctas
+            from lamport_head.occupancy import device_arch, resident_ctas
 
             def local():
-                major, minor = torch.cuda.get_device_capability(self.device)
-                arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
                 k = compile_gather(self.tp, self.shard // 2, threads=threads, unroll=unroll,
-                                   arch=arch)
+                                   arch=device_arch(self.device))
                 share = self.tp * 2 if self.ranks.shared else 1  # as HeadGather plans
                 return resident_ctas(k.cubin, k.threads, self.device.index) // share
 

@@ -115,9 +115,9 @@ def _poison(rows, width, device):
 _CYCLES_PER_S = {}
 
 
-def _sleep_s(seconds, device):
-    """Hold this rank's current stream for about ``seconds`` of GPU time (the spin's
-    cycles per second measured once per device)."""
+def gpu_cycles(seconds, device):
+    """``torch.cuda._sleep`` cycles that hold a stream for about ``seconds`` (the
+    spin's rate measured once per device)."""
     if device not in _CYCLES_PER_S:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -125,7 +125,12 @@ def _sleep_s(seconds, device):
         end.record()
         end.synchronize()
         _CYCLES_PER_S[device] = 50_000_000 / (start.elapsed_time(end) / 1e3)
-    torch.cuda._sleep(int(seconds * _CYCLES_PER_S[device]))
+    return int(seconds * _CYCLES_PER_S[device])
+
+
+def _sleep_s(seconds, device):
+    """Hold this rank's current stream for about ``seconds`` of GPU time."""
+    torch.cuda._sleep(gpu_cycles(seconds, device))
 
 
 def run_calls(gather, calls, first, count, bad, device, stock=None):
