@@ -187,9 +187,17 @@ class HeadGather:
             route[m] = (self.kernel(t, u).launch, c)
         return route
 
-    def __call__(self, logits, stock):
+    def poll(self):
+        """Raise ``GatherTimeout`` if this rank's host flag is up (a host-memory read,
+        no device sync): what every call does first. A graph replay that holds this
+        gather's launch runs no ``__call__``, so whoever replays it calls ``poll()``
+        before each replay (``lamport_head.sglang`` does, on the ModelRunner's
+        ``forward``), or a failed peer would go on delivering NaN unnoticed."""
         if self._flag.value:
             raise self._failure()
+
+    def __call__(self, logits, stock):
+        self.poll()
         shape = logits.shape
         if (len(shape) != 2 or shape[1] != self.shard or logits.dtype != torch.bfloat16):
             return stock(logits)
@@ -242,8 +250,7 @@ class HeadGather:
         """Raise ``GatherTimeout`` if a call of any rank gave up: the host flag (set by
         this rank's calls after the failed one), else the mark in this rank's own
         mailbox (set by the rank that gave up; read after a device sync)."""
-        if self._flag.value:
-            raise self._failure()
+        self.poll()
         torch.cuda.synchronize(self.device)
         control = self.box.control(self.rank).tolist()
         if control[CONTROL_MARK]:

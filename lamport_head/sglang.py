@@ -17,6 +17,7 @@ one log line. Everything not served (rows, dtype, shape, ...) calls SGLang's own
 gatherer, so its result is SGLang's, bitwise. SGLang is imported only here, lazily.
 """
 
+import functools
 import logging
 import types
 
@@ -120,7 +121,40 @@ def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None
     if served:
         lp.head_gather = view_lp.head_gather
         setattr(lp, GATHERER, view_lp._gather_logits)  # gather(logits, stock=SGLang's)
+        if model is not model_or_runner and callable(getattr(model_or_runner, "forward", None)):
+            poll_before_forward(model_or_runner, lp.head_gather)
+        else:
+            logger.info("lamport-head: installed on a model, not a ModelRunner's: whoever "
+                        "replays its CUDA graphs calls head_gather.poll() before each replay")
     return served
+
+
+POLLED = "lamport_head_gathers"  # ModelRunner attribute: the gathers its forward polls
+
+
+def poll_before_forward(runner, gather):
+    """Make ``runner.forward`` (SGLang's one entry for every batch, eager or a decode
+    graph replay) call ``gather.poll()`` first.
+
+    A replayed graph runs our kernel but not ``HeadGather.__call__``: without this, a
+    peer's timeout would leave every later decode step delivering NaN logits with no
+    rank raising. With it, every rank raises at the step after the failed one was seen,
+    as in eager mode. Wraps the instance's ``forward`` once; later gathers join the list."""
+    gathers = runner.__dict__.setdefault(POLLED, [])
+    if any(g is gather for g in gathers):
+        return
+    gathers.append(gather)
+    if len(gathers) > 1:
+        return
+    forward = runner.forward
+
+    @functools.wraps(forward)
+    def polled(*args, **kwargs):
+        for g in gathers:
+            g.poll()
+        return forward(*args, **kwargs)
+
+    runner.forward = polled
 
 
 def _dcp_size():

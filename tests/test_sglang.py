@@ -177,6 +177,60 @@ def test_sglang_serves_enabled_rows_and_sglang_gathers_the_rest_bitwise(tmp_path
         assert r["routes_to_head_gather"] and r["asked_under_capture"] == 1
 
 
+class ReplayingRunner:
+    """SGLang's ModelRunner as a decode step sees it: ``forward`` replays a captured
+    graph, i.e. runs the recorded gather launch with no ``HeadGather.__call__``."""
+
+    def __init__(self, model):
+        self.model = model
+        self.replays = 0
+
+    def forward(self, batch):
+        g = self.model.language_model.logits_processor.head_gather
+        out = torch.empty(batch.shape[0], g.width, dtype=torch.bfloat16)
+        g.launch(batch, out, g.ctas[batch.shape[0]])
+        self.replays += 1
+        return out
+
+
+def _replay_worker(rank, nprocs, table):
+    from lamport_head import GatherTimeout
+    from lamport_head.kernels.protocol import STATUS_FLAG, STATUS_PEERS
+
+    os.environ["LAMPORT_HEAD_TABLE"] = table
+    _fake_cuda(setattr, rank, "ok")
+    runner = ReplayingRunner(KimiK25(nprocs))
+    served = sgl.install_sglang_logits_gather(runner, dist.group.WORLD, nprocs, rank, "cpu")
+    sgl.install_sglang_logits_gather(runner, dist.group.WORLD, nprocs, rank, "cpu")  # again
+    g = runner.model.language_model.logits_processor.head_gather
+    for _ in range(3):
+        runner.forward(_shard(rank, 1))
+    # What rank 0's kernel of the call after a failed one writes on every rank: the
+    # flag (after the details), naming rank 1 as never published.
+    g._status[STATUS_PEERS + 1] = 1
+    g._status[STATUS_FLAG] = 1
+    raised = []
+    for _ in range(2):  # and it keeps raising until a collective reset()
+        try:
+            runner.forward(_shard(rank, 1))
+        except GatherTimeout as exc:
+            raised.append(str(exc))
+    return {"served": list(served), "replays": runner.replays, "raised": raised,
+            "polled": len(runner.__dict__[sgl.POLLED])}
+
+
+def test_a_failed_peer_stops_every_graph_replay(tmp_path):
+    """Decode steps are graph replays: no ``__call__`` reads the flag, so the runner's
+    forward polls it first; without that, a peer's timeout would leave every later
+    step delivering NaN with no rank raising."""
+    table = tmp_path / "t.yaml"
+    table.write_text(TABLE)
+    for r in spawn(_replay_worker, 2, tmp_path, str(table)):
+        assert r["served"] == [1, 2, 4] and r["polled"] == 1
+        assert r["replays"] == 3  # none after the flag went up
+        assert len(r["raised"]) == 2 and all("1" in m for m in r["raised"])
+
+
 @pytest.mark.parametrize("case", ["prepare@1", "connect@0"])
 def test_one_rank_failing_leaves_every_sglang_rank_stock(tmp_path, case):
     for r in _run(tmp_path, case):
