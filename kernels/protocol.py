@@ -14,7 +14,9 @@ each rank's control block (addresses as mapped in the calling process).
 
 Control block (cleared only by ``reset``), written by peers, read by its owner:
 ``CONTROL_MARK`` is 0, or ``MARK_TOP - s`` once some rank gave up waiting in call
-``s`` (its epoch): the fail-stop mark, kept at the smallest such ``s`` (atomic max);
+``s`` (its epoch): the fail-stop mark, kept at the smallest such ``s`` (atomic max;
+only two failures straddling the epoch's wrap, once in ``EPOCH_SPAN`` calls, keep the
+later one, and every rank still raises, a call later);
 ``CONTROL_MISSING + r`` is 1 when some rank found rank ``r``'s fragments missing.
 Owned by the rank's own kernels: ``CONTROL_EPOCH`` counts this rank's launches (the
 parity of a call is its epoch's low bit, so eager calls and CUDA-graph replays share
@@ -45,6 +47,11 @@ FRAGMENT_BF16 = 2 * WORDS  # BF16 values per fragment
 MAX_TP = 32
 CONTROL_MARK, CONTROL_MISSING = 0, 1
 MARK_TOP = 0x7FFFFFFF  # mark = MARK_TOP - failed epoch: the largest mark is the earliest call
+# The epoch counts launches modulo EPOCH_SPAN. Even, so the parity alternates across the
+# wrap; below 2**31, so a mark (MARK_TOP - epoch) is never 0 ("no mark") and never
+# overflows however long a gather serves. A failed epoch s is behind epoch e when
+# 0 < (e - s) mod EPOCH_SPAN < EPOCH_SPAN / 2.
+EPOCH_SPAN = 1 << 30
 CONTROL_EPOCH, CONTROL_DONE = CONTROL_MISSING + MAX_TP, CONTROL_MISSING + MAX_TP + 1
 CONTROL_WORDS = 4 * ((CONTROL_DONE + 1 + 3) // 4)  # whole fragments: the boxes stay aligned
 PEER_PARITY0, PEER_PARITY1, PEER_CONTROL = 0, 1, 2

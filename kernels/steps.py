@@ -28,8 +28,8 @@ from cutlass import Int32, Int64, Uint32
 from .primitives import (armed, atomic_add_word, atomic_max_word_sys, fence_sys, load,
                          load_address, load_volatile, load_word_volatile, scrub, store, store_sys,
                          store_word, store_word_sys)
-from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, MARK_TOP,
-                       NAN_PAIR, SENTINEL, STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, WORDS)
+from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, EPOCH_SPAN,
+                       MARK_TOP, NAN_PAIR, SENTINEL, STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, WORDS)
 
 CAUSE_TIMEOUT, CAUSE_MARK = 1, 2  # why a thread stopped waiting
 
@@ -48,13 +48,14 @@ def epoch_of(control: Int64) -> Int32:
 
 @cute.jit
 def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32):
-    """The last CTA to finish moves the epoch on. Every thread read ``epoch`` before
-    its CTA reached the barrier, so no CTA of this launch can see the new value."""
+    """The last CTA to finish moves the epoch on (modulo ``EPOCH_SPAN``). Every thread
+    read ``epoch`` before its CTA reached the barrier, so no CTA of this launch can see
+    the new value."""
     cute.arch.sync_threads()
     if tid == 0:
         if atomic_add_word(control + CONTROL_DONE * 4, 1) == Uint32(grid - 1):
             store_word(control + CONTROL_DONE * 4, 0)
-            store_word(control + CONTROL_EPOCH * 4, epoch + 1)
+            store_word(control + CONTROL_EPOCH * 4, (epoch + 1) & Int32(EPOCH_SPAN - 1))
 
 
 @cute.jit
@@ -163,14 +164,16 @@ def publish(status: Int64, own_control: Int64, epoch: Int32, tp: cutlass.Constex
     mark = mark_of(own_control)
     if mark != 0:
         failed = Int32(MARK_TOP) - mark
-        if epoch > failed:
-            fence_sys()  # read what the mark announces only after the mark
-            for p in cutlass.range_constexpr(tp):
-                if load_word_volatile(own_control + (CONTROL_MISSING + p) * 4) != Uint32(0):
-                    store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
-            store_word_sys(status + STATUS_EPOCH * 4, failed)
-            fence_sys()
-            store_word_sys(status + STATUS_FLAG * 4, 1)
+        behind = (epoch - failed) & Int32(EPOCH_SPAN - 1)  # calls since the failed one
+        if behind != 0:
+            if behind < Int32(EPOCH_SPAN // 2):
+                fence_sys()  # read what the mark announces only after the mark
+                for p in cutlass.range_constexpr(tp):
+                    if load_word_volatile(own_control + (CONTROL_MISSING + p) * 4) != Uint32(0):
+                        store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
+                store_word_sys(status + STATUS_EPOCH * 4, failed)
+                fence_sys()
+                store_word_sys(status + STATUS_FLAG * 4, 1)
 
 
 __all__ = ["epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",

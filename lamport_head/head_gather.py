@@ -23,7 +23,14 @@ Invariants a change must keep:
   raises the host flag, so a loop that syncs once per step raises ``GatherTimeout``
   at call s + 2 on every rank alike (``check()`` after a sync raises as soon as the
   mark is there), and keeps raising until a collective ``reset()``. No rank ever
-  switches to ``stock`` on its own.
+  switches to ``stock`` on its own. A host that runs ahead of its GPU (async
+  scheduling) reads the flag without a sync, so it raises within its in-flight depth
+  of calls after s + 2, possibly later than a peer; that peer's raise stops the
+  engine (vLLM and SGLang treat a worker's exception as fatal) and the NCCL watchdog
+  bounds any rank left waiting in a collective meanwhile. Calls s and s + 1 return
+  tensors holding NaN where a rank's fragments are missing: a caller that must never
+  hand on such a step syncs and calls ``check()`` before using it. A graph replay
+  runs no ``__call__``: its caller ``poll()``s first.
 - Construction is collective on real ranks, and never strands a peer: the local
   part (checks, compile, occupancy, allocation) runs first, the ranks agree, then the
   mailboxes are mapped, the ranks agree again, arm, and meet at a barrier.

@@ -8,7 +8,7 @@ import torch
 
 from lamport_head.emulate import EmulatedGather
 from lamport_head.head_gather import GatherTimeout
-from lamport_head.kernels.protocol import NAN_PAIR
+from lamport_head.kernels.protocol import CONTROL_EPOCH, EPOCH_SPAN, NAN_PAIR
 from lamport_head.reference import planted, reference_gather
 from lamport_head.tuning.ranks import gpu_cycles
 
@@ -224,3 +224,42 @@ def test_every_missing_rank_is_named():
     for r in (0, 1, 3, 4, 6, 7):
         with pytest.raises(GatherTimeout, match=r"rank\(s\) 2, 5 never published"):
             gather.ranks[r].check()
+
+
+def test_the_epoch_wraps_keeping_the_parity_and_the_fail_stop():
+    """The device epoch counts launches modulo EPOCH_SPAN (a mark, MARK_TOP - epoch,
+    must never read 0 or overflow, as it would at 2**31). Started three calls before
+    the wrap, free-running calls across it stay bitwise (the parity alternates across
+    it); a rank dead in the last call before the wrap still makes every rank raise at
+    the same call (the failure is seen behind the epochs after the wrap)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    tp, shard = 4, 163840 // 4
+    gather = EmulatedGather(device, tp, shard, ROWS, budget_s=0.3)
+
+    def epochs(value=None):
+        torch.cuda.synchronize(device)
+        if value is not None:
+            for r in range(tp):
+                gather.box.control(r)[CONTROL_EPOCH] = value
+            torch.cuda.synchronize(device)
+        return [int(gather.box.control(r)[CONTROL_EPOCH]) for r in range(tp)]
+
+    epochs(EPOCH_SPAN - 3)
+    steps = [_shards(tp, m, shard, device) for m in (8, 1, 64, 3, 2, 16)]
+    outs = gather.free_run(steps)
+    assert epochs() == [3] * tp  # wrapped: (EPOCH_SPAN - 3 + 6) mod EPOCH_SPAN
+    _check_steps(steps, outs, tp)
+    gather.check()
+    assert gather.armed()
+
+    epochs(EPOCH_SPAN - 1)
+    shards = _shards(tp, 8, shard, device)
+    gather(shards, skip=(2,))
+    torch.cuda.synchronize(device)
+    _every_rank_raises_at_the_same_call(gather, shards, 2, skip=(2,))
+    gather.reset()
+    assert epochs() == [0] * tp and gather.armed()
+    shards = _shards(tp, 8, shard, device)
+    outs = gather(shards)
+    want = reference_gather(shards).view(torch.int32)
+    assert all(torch.equal(o.view(torch.int32), want) for o in outs)
