@@ -106,7 +106,8 @@ def _space(target, threads, unroll, ctas):
 def _no_fit(limits, ctas):
     """The error every rank raises on an empty grid: what was asked, what fits."""
     asked = sorted(ctas) if ctas is not None else list(_CTA_STEPS)
-    fits = ", ".join(f"limit {limit} at threads={t}, unroll={u}" for (t, u), limit in limits.items())
+    fits = ", ".join(f"limit {limit} at threads={t}, unroll={u}"
+                     for (t, u), limit in limits.items())
     return ValueError(f"lamport-head tune: no CTA count fits: {fits}; the CTA counts tried are "
                       f"{asked}")
 
