@@ -385,6 +385,11 @@ def _broken_study_worker(rank, world, init, db, out, when):
             return original(self, *args)
 
         sweep._Study.record = record
+    if rank == 0 and when == "kernel":  # the CLI path: the study's key reads the kernel's files
+        def unreadable(sources=None):
+            raise OSError("cannot read the kernel sources")
+
+        sweep.kernel_identity = unreadable
     storage_url = "sqlite:////nonexistent-dir/x.db" if (rank == 0 and when == "open") else db
     try:
         sweep.tune_rows(CollectiveCost(rank, None), 4, device="g", tp=world, dcp=1, vocab=V,
@@ -398,7 +403,7 @@ def _broken_study_worker(rank, world, init, db, out, when):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("when", ["open", "tell"])
+@pytest.mark.parametrize("when", ["open", "tell", "kernel"])
 def test_an_optuna_failure_on_the_root_stops_every_rank(tmp_path, when):
     out = tmp_path / "r"
     run_ranks(_broken_study_worker, 3,
@@ -407,6 +412,32 @@ def test_an_optuna_failure_on_the_root_stops_every_rank(tmp_path, when):
     assert all(r == results[0] for r in results), results
     assert results[0].startswith("lamport-head tune: the Optuna study failed on rank 0")
     assert ("disk full" in results[0]) == (when == "tell")
+    assert ("OSError: cannot read the kernel sources" in results[0]) == (when == "kernel")
+
+
+def _empty_grid_worker(rank, world):
+    """Every CTA count asked is above the agreed limit (MIN 16 over ranks): the grid
+    is empty on every rank. Then one more collective: the ranks are still in step."""
+    from lamport_head.collective import all_gather_objects
+
+    try:
+        sweep.tune_rows(CollectiveCost(rank), 4, device="g", tp=world, dcp=1, vocab=V, trials=10,
+                        storage=None, comm=sweep.DistComm(None), threads=(256,), unroll=(4,),
+                        ctas=(32, 64))
+        what = "returned"
+    except Exception as exc:
+        what = f"{type(exc).__name__}: {exc}"
+    return all_gather_objects(what)
+
+
+def test_an_empty_grid_raises_the_same_error_on_every_rank(tmp_path):
+    from spawn import spawn
+
+    results = spawn(_empty_grid_worker, 2, tmp_path, deadline_s=60)
+    assert results[0] == results[1]
+    assert results[0][0] == results[0][1] == (
+        "ValueError: lamport-head tune: no CTA count fits: limit 16 at threads=256, unroll=4; "
+        "the CTA counts tried are [32, 64]")
 
 
 @pytest.mark.parametrize("world, fail_rank", [(2, None), (3, None), (2, 1), (3, 0)])

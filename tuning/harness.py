@@ -2,7 +2,8 @@
 
 Every candidate is verified bitwise on fresh planted data before it is timed. Then,
 per path, two figures (medians over ``reps`` repetitions, a barrier and a device
-sync before each):
+sync before each; on real ranks the barrier is a ``Lockstep`` meet, where the ranks
+also agree on every local failure so far):
 
 - eager: ``calls`` back-to-back calls as serving issues them, CUDA events around
   them; the host time of issuing them is taken from the same loop (perf_counter).
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lamport_head.collective import agree, all_max, all_min, attempt, barrier
+from lamport_head.collective import agree, all_max, all_min, attempt
 from lamport_head.reference import planted, reference_gather
 from lamport_head.stock import all_gather_logits
 from lamport_head.table import RowPlan
@@ -40,53 +41,133 @@ class Timing:
     graph_host_us: float = math.nan  # host µs per gather of replaying that graph
 
 
-def _median_eager(fn, device, calls, reps, barrier):
-    eager, host = [], []
+class Lockstep:
+    """The local steps of one collective method on real ranks, run so that the ranks
+    never diverge (fail-stop, as NCCL's watchdog).
+
+    ``local(fn, ...)`` runs a step that can fail on this rank alone through
+    ``attempt``: it never raises; the first failure is held and the step's value is
+    None. Later local steps still run: one may be cross-rank work (a gather launch,
+    a graph replay) that peers' kernels wait for, and one fed a failed step's None
+    just fails too. ``meet(what)`` is collective and is the ranks' barrier where it
+    stands: it returns when no rank holds a failure, otherwise every rank raises
+    there together (``agree``: the failing rank its own exception, the others
+    ``PeerFailed``).
+
+    Invariant for code using it: between two meets, the collectives issued do not
+    depend on what happened locally, and a value from ``local`` reaches a collective
+    only after a meet."""
+
+    def __init__(self, group, device):
+        self.group, self.device, self.error = group, device, None
+
+    def local(self, fn, *args, **kwargs):
+        value, error = attempt(fn, *args, **kwargs)
+        if self.error is None:
+            self.error = error
+        return value
+
+    def meet(self, what):
+        agree(self.error, self.group, self.device, what)
+
+
+class Solo:
+    """``Lockstep`` for one process (emulated ranks): no peer to keep in step, so a
+    local step raises at once and a meet is nothing."""
+
+    def local(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    def meet(self, what):
+        pass
+
+
+SOLO = Solo()
+
+
+def _begin(device):
+    """Device sync, then start the clocks: the CUDA events' and the host's."""
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    return start, end, time.perf_counter()
+
+
+def _finish(clocks, count, device):
+    """Stop ``_begin``'s clocks: (GPU µs, host µs) per each of ``count`` operations."""
+    t1 = time.perf_counter()
+    start, end, t0 = clocks
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) * 1e3 / count, (t1 - t0) * 1e6 / count
+
+
+def _medians(figures):
+    gpu, host = zip(*figures)
+    return statistics.median(gpu), statistics.median(host)
+
+
+def _median_eager(fn, device, calls, reps, step):
+    """Median (GPU µs, host µs) per call of ``calls`` back-to-back ``fn()``.
+
+    ``fn`` runs ``calls`` times per repetition on every rank whatever failed locally
+    (it may be a collective, or a gather its peers' kernels wait for), so it must not
+    raise on one rank alone: a gather records its failures (``_trial_step``). The
+    clocks are ``step``'s local steps, agreed at the meet before each repetition
+    (the barrier) and after the last."""
+    figures = []
     for _ in range(reps):
-        barrier()
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
+        step.meet("to time the eager calls")
+        clocks = step.local(_begin, device)
         for _ in range(calls):
             fn()
-        t1 = time.perf_counter()
-        end.record()
-        torch.cuda.synchronize(device)
-        eager.append(start.elapsed_time(end) * 1e3 / calls)
-        host.append((t1 - t0) * 1e6 / calls)
-    return statistics.median(eager), statistics.median(host)
+        figures.append(step.local(_finish, clocks, calls, device))
+    step.meet("to time the eager calls")
+    return _medians(figures)
 
 
-def _median_graph(step_pair, device, replays, reps, barrier):
+def _warm_up(step_pair, device):
+    """``step_pair()`` once on a side stream, outside capture; then a device sync."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        step_pair()  # warm-up outside capture
+        step_pair()
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
-    barrier()
+
+
+def _capture(step_pair):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step_pair()
-    barrier()
-    graph.replay()
-    torch.cuda.synchronize(device)
-    times, host = [], []
+    return graph
+
+
+def _replay(graph, times):
+    for _ in range(times):
+        graph.replay()
+
+
+def _median_graph(step_pair, device, replays, reps, step):
+    """Median (GPU µs, host µs) per step of a CUDA graph of ``step_pair`` (two steps)
+    replayed ``replays`` times. Every local part (warm-up, capture, replays, clocks)
+    is ``step``'s; the ranks meet after the warm-up, after the capture (so no rank
+    replays a graph a peer failed to capture), before each repetition and after the
+    last."""
+    step.local(_warm_up, step_pair, device)
+    step.meet("to warm up the gather before capture")
+    graph = step.local(_capture, step_pair)
+    step.meet("to capture the gather in a CUDA graph")
+    step.local(_replay, graph, 1)
+    step.local(torch.cuda.synchronize, device)
+    figures = []
     for _ in range(reps):
-        barrier()
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(replays):
-            graph.replay()
-        t1 = time.perf_counter()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) * 1e3 / (2 * replays))
-        host.append((t1 - t0) * 1e6 / (2 * replays))
-    return statistics.median(times), statistics.median(host)
+        step.meet("to replay the captured gather")
+        clocks = step.local(_begin, device)
+        step.local(_replay, graph, replays)  # runs even after a failed _begin: peers wait
+        figures.append(step.local(_finish, clocks, 2 * replays, device))
+    step.meet("to replay the captured gather")
+    return _medians(figures)
 
 
 def gated_gpu_us(run, device, steps, reps, cycles_per_step=3_000_000):
@@ -122,9 +203,6 @@ class EmulatedTarget:
         self.tp, self.vocab, self.shard = tp, vocab, vocab // tp
         self.calls, self.reps, self.replays, self.budget_s = calls, reps, replays, budget_s
         self._limits = {}
-
-    def barrier(self):
-        pass
 
     def limit(self, threads, unroll):
         """Most CTAs per rank that stay co-resident with the other virtual ranks."""
@@ -173,7 +251,7 @@ class EmulatedTarget:
         shards = self._shards(rows)
         gather.host_s = 0.0
         eager, _ = _median_eager(lambda: gather(shards), self.device, self.calls, self.reps,
-                                 self.barrier)
+                                 SOLO)
         host = gather.host_s / (self.calls * self.reps * self.tp)  # inside HeadGather calls
         # Each rank on its own stream, no per-step join (as real ranks run): a fork
         # and join of TP streams per step alone costs ~40 µs (tuning/diagnose.py).
@@ -215,7 +293,7 @@ class EmulatedTarget:
     def stock(self, rows):
         shards = self._shards(rows)
         step = lambda: torch.cat(shards, dim=1)  # noqa: E731
-        eager, host = _median_eager(step, self.device, self.calls, self.reps, self.barrier)
+        eager, host = _median_eager(step, self.device, self.calls, self.reps, SOLO)
         gpu = gated_gpu_us(lambda n: [step() for _ in range(n)], self.device, self.replays,
                             self.reps)
         return Timing(eager, gpu, host)
@@ -224,10 +302,23 @@ class EmulatedTarget:
 class DistributedTarget:
     """One process per rank under torchrun (``lamport_head.procs.init_ranks``).
 
-    Every method is collective and every rank issues the same collectives in the same
-    order whatever happens locally: a gather that raises is recorded, never allowed
-    to cut a loop short, and the trial's outcome is agreed (MAX) at its end. On
-    shared-GPU ranks (gloo) the stock path is gloo's and has no graph figure."""
+    Every method is collective, and every rank issues the same collectives in the same
+    order whatever happens locally; every rank returns the same outcome or raises at
+    the same step:
+
+    - a step that can fail on this rank alone (planting data, the reference and the
+      comparison, allocating, the timing machinery: syncs, events, streams, graph
+      capture and replay) runs in a ``Lockstep``: the ranks agree at its next meet,
+      and on a failure every rank raises there together (the failing rank its own
+      error, the others ``PeerFailed``), the trial's gather closed first;
+    - a gather call or check that fails condemns the configuration, not the run: it
+      is recorded, never allowed to cut a loop short (peers' kernels wait for this
+      rank's), and the trial is None on every rank (agreed by MAX);
+    - a build that fails is agreed inside ``HeadGather``: None on every rank.
+
+    Not covered: a stock collective failing inside the backend is the backend's to
+    report (NCCL's watchdog, gloo's timeout). On shared-GPU ranks (gloo) the stock
+    path is gloo's and has no graph figure."""
 
     emulated = False
     objective = "eager_us"  # what serving sees
@@ -239,11 +330,11 @@ class DistributedTarget:
         self.calls, self.reps, self.replays, self.budget_s = calls, reps, replays, budget_s
         self._limits = {}
 
-    def barrier(self):
-        barrier(self.group, self.device)
-
     def _max(self, value):
         return all_max(value, self.group, self.device)
+
+    def _lockstep(self):
+        return Lockstep(self.group, self.device)
 
     def limit(self, threads, unroll):
         """Most CTAs per rank every rank's GPU holds: the occupancy calculator on the
@@ -278,65 +369,100 @@ class DistributedTarget:
         return all_gather_logits(x, self.group)
 
     def _call(self, gather, x, failed):
-        """One gather call; any failure is recorded, the caller's loop goes on (the
-        trial's outcome is agreed at its end)."""
-        try:
-            return gather(x, _never_stock)
-        except Exception:
-            failed[0] = True
-            return None
+        """One gather call; a failure is recorded in ``failed``, the caller's loop goes
+        on (the trial's outcome is agreed at its end)."""
+        return _trial_step(failed, gather, x, _never_stock)
 
-    def verify(self, gather, rows, failed, calls=3):
+    def _reference(self, gathered):
+        return reference_gather(gathered.split(self.shard, 1))
+
+    def verify(self, gather, rows, failed, step, calls=3):
+        """Collective: True on every rank when every rank's gather matched the reference
+        bitwise in each of ``calls`` calls on fresh planted data, else False on every
+        rank. A call that raises is recorded in ``failed`` (a failed verification); a
+        local step that fails raises on every rank at ``step``'s next meet."""
         ok = True
         for _ in range(calls):
-            data = planted(rows, self.shard, device=self.device)
-            want = reference_gather(self._stock_step(data, rows).split(self.shard, 1))
-            got = self._call(gather, data, failed)
-            ok &= got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
-        return ok
+            data = step.local(planted, rows, self.shard, device=self.device)
+            step.meet("to plant the verification data")  # the stock step sends it
+            want = step.local(self._reference, self._stock_step(data, rows))
+            got = self._call(gather, data, failed)  # every rank calls: peers' kernels wait
+            ok &= bool(step.local(_same_bits, got, want))
+        step.meet("to check the gather against the reference")
+        return not self._max(0.0 if ok else 1.0)
 
     def lamport(self, rows, plan):
         """Timing of a verified configuration; None (on every rank) when it fails to
-        build, to verify, or times out anywhere while measured."""
+        build, to verify, or a call fails or times out anywhere while measured. Any
+        other local failure raises on every rank together, after the gather is closed."""
         try:
             gather = self._gather(rows, plan)  # collective and fail-stop: all or none
         except Exception:
             return None
-        failed = [False]
-        ok = self.verify(gather, rows, failed)
-        if self._max(0.0 if ok else 1.0):
-            gather.close()
+        try:
+            return self._trial(gather, rows, plan)
+        finally:  # every rank: _trial returns, or raises at a meet, on every rank alike
+            self._close(gather)
+
+    def _trial(self, gather, rows, plan):
+        step, failed = self._lockstep(), [False]
+        if not self.verify(gather, rows, failed, step):
             return None
-        x = planted(rows, self.shard, device=self.device)
+        x = step.local(planted, rows, self.shard, device=self.device)
+        out = step.local(torch.empty, rows, self.vocab, dtype=torch.bfloat16, device=self.device)
+        step.meet("to plant and allocate the trial's data")
         eager, host = _median_eager(lambda: self._call(gather, x, failed), self.device,
-                                    self.calls, self.reps, self.barrier)
-        out = torch.empty(rows, self.vocab, dtype=torch.bfloat16, device=self.device)
+                                    self.calls, self.reps, step)
         # the kernel keeps the parity: captured launches continue the call sequence
         graph, graph_host = _median_graph(lambda: (gather.launch(x, out, plan.ctas),
                                                    gather.launch(x, out, plan.ctas)),
-                                          self.device, self.replays, self.reps, self.barrier)
-        torch.cuda.synchronize(self.device)
-        try:
-            gather.check()
-        except Exception:
-            failed[0] = True
+                                          self.device, self.replays, self.reps, step)
+        step.local(torch.cuda.synchronize, self.device)
+        step.meet("to finish timing the gather")
+        _trial_step(failed, gather.check)  # a wait that ran out on any rank: a failed trial
         bad = self._max(1.0 if failed[0] else 0.0)
         timing = Timing(self._max(eager), self._max(graph), self._max(host), self._max(graph),
                         self._max(graph_host))
-        gather.close()
         return None if bad else timing
 
+    def _close(self, gather):
+        """Collective: release the trial's mailbox on every rank, or on none. A rank
+        whose device cannot sync (a sticky CUDA error: its kernels' state is unknown)
+        makes every rank keep its box rather than free one a kernel may still write."""
+        synced = attempt(torch.cuda.synchronize, self.device)[1] is None
+        if all_min(synced, self.group, self.device):
+            _, error = attempt(gather.close)  # every rank synced: every rank reaches its barrier
+            agree(error, self.group, self.device, "to close the gather")
+
     def stock(self, rows):
-        x, error = attempt(planted, rows, self.shard, device=self.device)
-        agree(error, self.group, self.device, "to plant the stock path's data")
-        step = lambda: self._stock_step(x, rows)  # noqa: E731
-        eager, host = _median_eager(step, self.device, self.calls, self.reps, self.barrier)
+        """Stock timing, reduced (MAX) over ranks; a local failure raises on every rank."""
+        step = self._lockstep()
+        x = step.local(planted, rows, self.shard, device=self.device)
+        step.meet("to plant the stock path's data")
+        call = lambda: self._stock_step(x, rows)  # noqa: E731
+        eager, host = _median_eager(call, self.device, self.calls, self.reps, step)
         graph = graph_host = math.nan  # gloo's host copies cannot be captured
         if not self.ranks.shared:
-            graph, graph_host = _median_graph(lambda: (step(), step()), self.device,
-                                              self.replays, self.reps, self.barrier)
+            graph, graph_host = _median_graph(lambda: (call(), call()), self.device,
+                                              self.replays, self.reps, step)
         return Timing(self._max(eager), self._max(graph), self._max(host), self._max(graph),
                       self._max(graph_host))
+
+
+def _trial_step(failed, fn, *args):
+    """``fn(*args)``, or None with ``failed[0]`` set: a failure that condemns the
+    configuration (a gather call, its check), never an error, and never a reason for
+    this rank to skip what its peers do next."""
+    try:
+        return fn(*args)
+    except Exception:
+        failed[0] = True
+        return None
+
+
+def _same_bits(got, want):
+    """Whether a gather's output (None: the call failed) equals the reference bitwise."""
+    return got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def _never_stock(x):

@@ -91,8 +91,25 @@ def cta_choices(limit):
 def grid(target, threads=SWEEP_THREADS, unroll=SWEEP_UNROLL, ctas=None):
     """Every (ctas, threads, unroll) the device can hold co-resident; ``ctas`` (None:
     every step of ``_CTA_STEPS``) narrows the CTA counts tried."""
-    return [(c, t, u) for t in threads for u in unroll for c in cta_choices(target.limit(t, u))
-            if ctas is None or c in ctas]
+    return _space(target, threads, unroll, ctas)[0]
+
+
+def _space(target, threads, unroll, ctas):
+    """``(grid, limits)``: the grid and the co-resident limit per (threads, unroll) it
+    was cut at (collective on real ranks: ``target.limit`` is)."""
+    limits = {(t, u): target.limit(t, u) for t in threads for u in unroll}
+    space = [(c, t, u) for (t, u), limit in limits.items() for c in cta_choices(limit)
+             if ctas is None or c in ctas]
+    return space, limits
+
+
+def _no_fit(limits, ctas):
+    """The error every rank raises on an empty grid: what was asked, what fits."""
+    asked = sorted(ctas) if ctas is not None else list(_CTA_STEPS)
+    fits = ", ".join(f"limit {limit} at threads={t}, unroll={u}"
+                     for (t, u), limit in limits.items())
+    return ValueError(f"lamport-head tune: no CTA count fits: {fits}; the CTA counts tried are "
+                      f"{asked}")
 
 
 def label(config):
@@ -147,16 +164,26 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
     ``ctas`` (default: every step) narrows the CTA counts of the grid (``grid``).
     Invariant: the result names a configuration timed in this study (these device,
     TP, DCP, vocab, rows, kernel and search space), never one merely indexed alike.
+    Fail-stop: every rank returns the same result or raises at the same step. An empty
+    grid (no CTA count asked fits the agreed limit) raises ``ValueError`` on every rank
+    before anything is timed; whatever fails on the root alone (the study's key, which
+    reads the kernel's files, Optuna) runs inside its guard and becomes an error order
+    every rank raises as ``RuntimeError``.
     """
     comm = comm or LocalComm()
     # Every rank builds the grid: target.limit is collective on real ranks. The ranks
     # then use the root's grid, so they measure the same configurations.
-    space = comm.broadcast(grid(target, threads, unroll, ctas))
+    space, limits = comm.broadcast(_space(target, threads, unroll, ctas))
+    if not space:  # the same broadcast answer on every rank: every rank raises here
+        raise _no_fit(limits, ctas)
     stock = target.stock(rows)
     root = _Study(space, trials) if comm.is_root else None
-    failure = root.run(root.open, study_name(device, tp, dcp, rows, target.emulated, vocab=vocab,
-                                             kernel=kernel or kernel_identity(), space=space),
-                       storage, seed) if root else None
+
+    def key():  # root only, inside its guard: kernel_identity() reads files
+        return study_name(device, tp, dcp, rows, target.emulated, vocab=vocab,
+                          kernel=kernel or kernel_identity(), space=space)
+
+    failure = root.run(root.open, key, storage, seed) if root else None
     timed = 0
     while True:
         order = None
@@ -192,12 +219,12 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
 
 class _Study:
     """The root's side of a sweep: everything that touches Optuna. Its steps never
-    raise past ``run``/``guard``: a failure becomes an order every rank receives."""
+    raise past ``run``/``guard``: a failure becomes an order every rank receives.
+    Construction only stores its arguments (it cannot fail); everything that can
+    fail, the study's key and search space included, happens in ``open``."""
 
     def __init__(self, space, trials):
         self.space, self.trials = space, trials
-        self.labels = {label(c): c for c in space}
-        self.choices = optuna.distributions.CategoricalDistribution(list(self.labels))
         self.current = None
 
     def run(self, step, *args):
@@ -215,7 +242,11 @@ class _Study:
         except Exception as exc:
             return ("error", f"{type(exc).__name__}: {exc}")
 
-    def open(self, name, storage, seed):
+    def open(self, key, storage, seed):
+        """Open (or resume) the study named ``key()``; enqueue a small grid's walk."""
+        self.labels = {label(c): c for c in self.space}
+        self.choices = optuna.distributions.CategoricalDistribution(list(self.labels))
+        name = key()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.study = study = optuna.create_study(
             study_name=name, storage=storage, sampler=optuna.samplers.TPESampler(seed=seed),

@@ -1,0 +1,240 @@
+"""The real-rank timing harness (``tuning.harness.DistributedTarget``) on 2-rank gloo
+groups, CUDA faked: a local step that fails on one rank (planting data, allocating
+the output, capturing the graph) makes every rank raise at the same step, the
+trial's gather closed on every rank, and the ranks are still in step afterwards (one
+more collective matches); a gather call or check that fails on one rank is a failed
+trial (None) on every rank. Then the review's scenario end to end: first-use tuning
+at install with the real harness, one rank's ``planted`` out of memory: every rank
+stock with one warning, nobody hangs (spawn's deadline), still in step.
+
+What is faked and why: HeadGather's CUDA-only construction (test_install._fake_cuda)
+with a kernel stand-in that writes the right bytes (every rank plants the same
+shard: same seed, same calls), and the CUDA timing machinery (events, side streams,
+graphs) as CPU no-ops. The failures are injected at the harness's own local steps
+(its ``planted``, ``torch.empty``, the graph capture), never at an agreement call."""
+
+import contextlib
+import ctypes
+import os
+import types
+
+import pytest
+import torch
+from spawn import spawn
+from test_install import _capture_log, _fake_cuda, model
+
+from lamport_head.reference import reference_gather
+from lamport_head.table import RowPlan
+
+ROWS, SHARD = 2, 64
+PLAN = RowPlan(4, True, 256, 4)
+
+
+class _Event:
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.5  # ms
+
+
+class _Graph:
+    def replay(self):
+        pass
+
+
+def _inject(rank, fail):
+    """``fail`` = (step, n): rank 1's n-th call of that step raises (n counts from 1)."""
+    step, n = fail if fail else (None, 0)
+    calls = []
+
+    def due(name):
+        if rank != 1 or step != name:
+            return False
+        calls.append(1)
+        return len(calls) == n
+
+    return due
+
+
+def _cpu_ranks(rank, tp, fail=None):
+    """This process as one of ``tp`` CPU ranks the harness can time, with the failure
+    ``fail`` injected on rank 1 (see ``_inject``)."""
+    from lamport_head import head_gather
+    from lamport_head.head_gather import GatherTimeout, HeadGather
+    from lamport_head.tuning import harness
+
+    torch.manual_seed(0)  # every rank plants the same shards, call for call
+    _fake_cuda(setattr, rank, "ok")
+    due = _inject(rank, fail)
+
+    def launch(logits, out, peers, r, ctas, budget, status):
+        want = reference_gather([logits] * tp)  # every rank's shard is this one
+        ctypes.memmove(out, want.data_ptr(), want.numel() * want.element_size())
+
+    fake_prepare = HeadGather._prepare
+
+    def prepare(self, *args):
+        fake_prepare(self, *args)
+        self._route = {m: (launch, c) for m, (_, c) in self._route.items()}
+
+    head_gather.HeadGather._prepare = prepare
+    closes = []
+    close = HeadGather.close
+    HeadGather.close = lambda self: (closes.append(1), close(self))[1]
+    call = HeadGather.__call__
+
+    def called(self, logits, stock):
+        if due("call"):
+            raise RuntimeError("injected: the kernel launch failed")
+        return call(self, logits, stock)
+
+    HeadGather.__call__ = called
+    check = HeadGather.check
+
+    def checked(self):
+        if due("check"):
+            raise GatherTimeout(self.rank, (0,), 7)
+        return check(self)
+
+    HeadGather.check = checked
+
+    planted = harness.planted
+
+    def planting(*shape, **kwargs):
+        if due("planted"):
+            raise torch.OutOfMemoryError("injected: CUDA out of memory (planted)")
+        return planted(*shape, **kwargs)
+
+    harness.planted = planting
+    empty = torch.empty
+
+    def allocating(*shape, **kwargs):
+        if shape == (ROWS, tp * SHARD) and kwargs.get("dtype") == torch.bfloat16 and due("empty"):
+            raise torch.OutOfMemoryError("injected: CUDA out of memory (empty)")
+        return empty(*shape, **kwargs)
+
+    torch.empty = allocating
+
+    @contextlib.contextmanager
+    def graph(g, *args, **kwargs):
+        if due("capture"):
+            raise RuntimeError("injected: graph capture failed")
+        yield
+
+    torch.cuda.Event = _Event
+    torch.cuda.Stream = lambda device=None: types.SimpleNamespace(wait_stream=lambda other: None)
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.CUDAGraph = _Graph
+    torch.cuda.graph = graph
+    return closes
+
+
+def _outcome(fn, *args):
+    try:
+        result = fn(*args)
+        return "timing" if result is not None else "None"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _trial_worker(rank, tp, fail):
+    """stock(ROWS) then lamport(ROWS, PLAN) on the real DistributedTarget; then one
+    more collective: every rank's outcomes, gathered (a rank out of step hangs it)."""
+    from lamport_head.collective import all_gather_objects
+    from lamport_head.procs import Ranks
+    from lamport_head.tuning.harness import DistributedTarget
+
+    closes = _cpu_ranks(rank, tp, fail)
+    # gloo: ranks sharing one GPU, as procs.init_ranks starts them
+    target = DistributedTarget(Ranks(torch.device("cpu"), rank, tp, True, "gloo"), tp * SHARD,
+                               calls=4, reps=2, replays=3)
+    stock = _outcome(target.stock, ROWS)
+    lamport = _outcome(target.lamport, ROWS, PLAN) if stock == "timing" else "skipped"
+    return all_gather_objects({"stock": stock, "lamport": lamport, "closed": len(closes)})
+
+
+def _run(tmp_path, fail):
+    results = spawn(_trial_worker, 2, tmp_path, fail, deadline_s=90)
+    assert results[0] == results[1]  # the gathered outcomes: both ranks still in step
+    return results[0]
+
+
+def test_a_trial_with_no_failure_times_on_every_rank(tmp_path):
+    assert _run(tmp_path, None) == [{"stock": "timing", "lamport": "timing", "closed": 1}] * 2
+
+
+PEER = "PeerFailed: lamport-head: another rank failed "
+
+
+@pytest.mark.parametrize("fail, own, what", [
+    (("planted", 1), "OutOfMemoryError: injected: CUDA out of memory (planted)",
+     "to plant the stock path's data"),
+    (("planted", 2), "OutOfMemoryError: injected: CUDA out of memory (planted)",
+     "to plant the verification data"),
+    (("planted", 5), "OutOfMemoryError: injected: CUDA out of memory (planted)",
+     "to plant and allocate the trial's data"),
+    (("empty", 1), "OutOfMemoryError: injected: CUDA out of memory (empty)",
+     "to plant and allocate the trial's data"),
+    (("capture", 1), "RuntimeError: injected: graph capture failed",
+     "to capture the gather in a CUDA graph"),
+])
+def test_a_local_step_failing_on_one_rank_raises_on_every_rank(tmp_path, fail, own, what):
+    """Planted call 1 is stock's, 2-4 verification's, 5 the timed data's."""
+    ranks = _run(tmp_path, fail)
+    step = "stock" if fail == ("planted", 1) else "lamport"
+    assert ranks[1][step] == own
+    assert ranks[0][step] == PEER + what
+    # a failure inside a trial closes its gather on every rank
+    assert [r["closed"] for r in ranks] == ([0, 0] if step == "stock" else [1, 1])
+
+
+@pytest.mark.parametrize("fail", [("call", 2), ("call", 8), ("check", 1)])
+def test_a_gather_failing_on_one_rank_is_a_failed_trial_on_every_rank(tmp_path, fail):
+    """Call 2 is in verification, call 8 in the eager timing; the check follows."""
+    assert _run(tmp_path, fail) == [{"stock": "timing", "lamport": "None", "closed": 1}] * 2
+
+
+def _install_worker(rank, tp, cache, fail):
+    """install_logits_gather with first-use tuning on the real harness (the review's
+    scenario: one rank's ``planted`` runs out of memory mid-sweep), then one more
+    collective, as a server's next step would issue."""
+    from lamport_head import autotune, install
+    from lamport_head.collective import all_gather_objects
+
+    os.environ.pop("LAMPORT_HEAD_TABLE", None)
+    os.environ.update(LAMPORT_HEAD_AUTOTUNE="1", LAMPORT_HEAD_CACHE=cache)
+    _cpu_ranks(rank, tp, fail)
+    autotune.facts = lambda: {"driver": "580.1", "cuda": "13.0", "torch": "2.13.0",
+                              "cutlass_dsl": "4.8.0", "lamport_head": "0.1.0",
+                              "kernel": "abcdef123456"}
+    make_target = autotune.make_target
+
+    def real_target(ranks, vocab, budget=autotune.BUDGET):
+        target = make_target(ranks, vocab, budget)  # the real DistributedTarget
+        # The occupancy calculator needs a GPU; the limit is not under test here.
+        target._limits.update({(t, u): 128 for t in budget.threads for u in budget.unroll})
+        return target
+
+    autotune.make_target = real_target
+    seen = _capture_log()
+    served = install.install_logits_gather(model(lm__tp_size=tp), None, tp, rank, "cpu")
+    after = all_gather_objects(list(served))
+    return {"served": list(served), "after": after,
+            "warnings": [line for line in seen if "stays stock" in line]}
+
+
+def test_first_use_tuning_with_one_rank_out_of_memory_leaves_every_rank_stock(tmp_path):
+    """Planted call 1 is row 1's stock, 2-5 its first trial, 6 the second trial's."""
+    results = spawn(_install_worker, 2, tmp_path, str(tmp_path / "cache"), ("planted", 6),
+                    deadline_s=120)
+    for rank, r in enumerate(results):
+        assert r["served"] == [] and r["after"] == [[], []]
+        (warning,) = r["warnings"]
+        assert "first-use tuning failed" in warning
+        assert ("OutOfMemoryError: injected" if rank == 1
+                else PEER + "to plant the verification data") in warning
+    assert not (tmp_path / "cache" / "head_gather.yaml").exists()
