@@ -22,8 +22,9 @@ exchanges addresses (collective). The caller agrees between the steps (HeadGathe
 does: allocate, agree, connect, agree, arm, sync, barrier). Inside ``connect()`` the
 same rule: a local step that comes before a collective (exporting an IPC handle,
 deriving peer addresses) goes through ``exchange``, so every rank issues the same
-collectives in the same order and a failure raises on every rank, naming the rank. ``close()`` waits for
-every rank (barrier) before the box can be freed: a peer may still push into it.
+collectives in the same order and a failure raises on every rank, naming the rank.
+``close()`` waits for every rank (barrier) before the box can be freed: a peer may
+still push into it.
 """
 
 import os
