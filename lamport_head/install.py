@@ -1,27 +1,32 @@
 """``install_logits_gather``: route a model's LogitsProcessor gather through HeadGather
 for the rows the HEAD_GATHER table enables on this GPU model and (TP, DCP).
 
-Fail-stop order: the model checks (the same on every rank) need no collective; then
-each rank reads the tables alone (anything can fail here), the ranks agree on the
-plan (one all-gather: a rank whose table failed or differs takes every rank to
-stock), and only then build the HeadGather, itself collective and fail-stop (local
+Fail-stop order: the model checks (the same on every rank by construction) need no
+collective; then each rank reads alone what may differ or fail on it alone (its
+device's name, the tables, LAMPORT_HEAD_DISABLE and LAMPORT_HEAD_FORCE, first-use
+tuning settings) into its vote, and every rank, whatever it read, meets at the plan
+agreement (one all-gather: a rank whose reading failed or differs takes every rank
+to stock). Only then the HeadGather is built, itself collective and fail-stop (local
 part, agree, map the peers' mailboxes, agree, arm, barrier): every rank serves the
 rows or every rank stays stock. When no layer holds a real-rank section for this
 GPU model, TP and DCP (or the user table's is stale), the agreed view says so on
 every rank alike, and first-use tuning (``autotune.measure``, collective and
-fail-stop) measures, writes the user table and hands back the plan to build. Never raises into serving: a missing table entry,
-a non-CUDA device or a failed build leaves the stock gather with one log line.
+fail-stop) measures, writes the user table and hands back the plan to build; what
+follows it reads the agreed view, never the environment again. Never raises into
+serving: a missing table entry, a non-CUDA device or a failed build leaves the stock
+gather with one log line.
 """
 
 import logging
 import os
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
 from .collective import all_gather_objects
-from .vllm_model import find_gather_target
+from .vllm_model import FORCE_ENV, find_gather_target, forced, owns_gather
 
 logger = logging.getLogger("lamport_head")
 
@@ -40,6 +45,16 @@ def _build(group, device, tp, rank, shard, plan):
     return HeadGather(group, device, tp, rank, shard, plan.keys(), plan)
 
 
+class _Vote(NamedTuple):
+    """What one rank brings to the plan agreement (collective 1): every fact it read
+    alone, so that no rank decides on one before its peers have heard it."""
+
+    agreed: object  # _View.agreed, or None with ``reason``
+    key: object  # _View.key: equal keys mean ranks sharing one GPU
+    reason: object  # why this rank cannot serve (a local failure, DISABLE), or None
+    force: bool  # LAMPORT_HEAD_FORCE as this rank's environment reads it
+
+
 def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
     """Route the model's LogitsProcessor ``_gather_logits`` (an instance attribute:
     other LogitsProcessors keep theirs) through a HeadGather for the table's enabled
@@ -49,8 +64,15 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
     requests x (1 + speculative tokens)); served rows are limited to them, so the
     mailbox's cap follows, and first-use tuning measures among them. None: the
     table's rows, and 1-64 for first-use tuning.
-    Returns the rows served; ``()`` means the stock gather."""
-    lp, head, where = find_gather_target(model)
+    Returns the rows served; ``()`` means the stock gather.
+
+    Never raises, and never leaves a peer in a collective: it returns before the
+    first collective only on facts every rank shares by construction (the same model
+    and head on every rank of the TP group, an earlier install, itself agreed, tp).
+    Whatever a rank reads or fails at alone (its device, its tables, its environment:
+    DISABLE, FORCE, first-use tuning settings) travels in its ``_Vote``; every rank
+    reaches the agreement and all take the decision from the same gathered votes."""
+    lp, head, where = find_gather_target(model, force=True)  # FORCE is decided agreed
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call installed one: keep it
         return tuple(sorted(installed.rows))
@@ -77,29 +99,24 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
         logger.info("lamport-head: stock logits gather: shard width %d is not a multiple of 8",
                     shard)
         return ()
-    name = _device_name(device)
-    if name is None:  # the same on every rank: no collective needed to agree
-        logger.info("lamport-head: %s is not a CUDA device; stock logits gather", device)
+    name, view, vote = _local_vote(tp, dcp, device, rows)
+    # Collective 1: agree on the plan and on whether to measure first. Every rank gets
+    # here, whatever it read or failed at: a rank deciding alone would be missing from
+    # the mailbox's (or the sweep's) collectives its peers enter next.
+    votes = [_Vote(*v) for v in all_gather_objects(tuple(vote), group)]
+    if owns_gather(lp) and not _agree_force(votes, model):
         return ()
-    view, reason = _local_view(tp, dcp, device, name, rows)
-    if os.environ.get("LAMPORT_HEAD_DISABLE", "") not in ("", "0"):
-        # An environment variable may reach some ranks only: it travels with the plan.
-        view, reason = None, "disabled by LAMPORT_HEAD_DISABLE"
-    # Collective 1: agree on the plan and on whether to measure first. A rank whose
-    # table failed or differs must not be left behind while its peers enter the
-    # mailbox's (or the sweep's) collectives.
-    views = all_gather_objects((view and view.agreed, view and view.key, reason), group)
-    reasons = [(r, why) for r, (_, _, why) in enumerate(views) if why]
+    reasons = [(r, v.reason) for r, v in enumerate(votes) if v.reason]
     if reasons:
-        mine = reason or f"rank {reasons[0][0]}: {reasons[0][1]}"
+        mine = vote.reason or f"rank {reasons[0][0]}: {reasons[0][1]}"
         logger.warning("lamport-head: logits gather stays stock: %s", mine)
         return ()
-    if len({agreed for agreed, _, _ in views}) > 1:
+    if len({v.agreed for v in votes}) > 1:
         logger.warning("lamport-head: logits gather stays stock: the TP ranks resolved "
                        "different HEAD_GATHER plans (different tables or environments, "
                        "first-use tuning settings included)")
         return ()
-    keys = [key for _, key, _ in views]
+    keys = [v.key for v in votes]
     shared = None if None in keys else len(set(keys)) < tp  # several ranks on one GPU
     choice, plan = _choose(view, shared)
     if choice == "unknown":
@@ -121,7 +138,9 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
                     " (emulated: true)" if outcome.emulated else "")
         plan = outcome.plan
         if outcome.emulated:
-            choice = "emulated" if autotune.serve_emulated() else "unserved"
+            # The agreed view's setting, never a fresh read of the environment: it may
+            # have changed on one rank while the ranks measured.
+            choice = "emulated" if view.serve_emulated else "unserved"
     if choice == "unserved":
         logger.info("lamport-head: stock logits gather: the ranks share one GPU, so the %s "
                     "section for %s, tp=%d, dcp=%d is emulated: true, never served (%s=1 "
@@ -148,6 +167,44 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
     logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d) for rows %s, "
                 "routed at %s", name, tp, dcp, served, where)
     return served
+
+
+def _local_vote(tp, dcp, device, rows):
+    """``(device name, _View or None, _Vote)``: everything this rank reads alone before
+    the agreement. Never raises: a failure here is the vote's reason, which every
+    rank hears (each rank then stays stock together)."""
+    force = forced()
+    try:
+        name = _device_name(device)
+    except Exception as exc:
+        return None, None, _Vote(None, None, f"cannot name the GPU model of {device}: "
+                                             f"{type(exc).__name__}: {exc}", force)
+    if name is None:
+        return None, None, _Vote(None, None, f"{device} is not a CUDA device", force)
+    view, reason = _local_view(tp, dcp, device, name, rows)
+    if os.environ.get("LAMPORT_HEAD_DISABLE", "") not in ("", "0"):
+        # An environment variable may reach some ranks only: it travels with the plan.
+        view, reason = None, "disabled by LAMPORT_HEAD_DISABLE"
+    return name, view, _Vote(view and view.agreed, view and view.key, reason, force)
+
+
+def _agree_force(votes, model):
+    """For a processor whose class has its own gather: True when every rank's
+    LAMPORT_HEAD_FORCE is set. Not set anywhere: the processor keeps its gather (one
+    line). Set on some ranks only: every rank keeps it, with a warning naming them,
+    as a LAMPORT_HEAD_DISABLE that reached some ranks only takes every rank to stock.
+    The same answer on every rank: ``votes`` are the gathered ones."""
+    on = [r for r, v in enumerate(votes) if v.force]
+    if len(on) == len(votes):
+        return True
+    why = find_gather_target(model, force=False)[2]
+    if not on:
+        logger.info("lamport-head: stock logits gather: %s", why)
+        return False
+    off = [r for r, v in enumerate(votes) if not v.force]
+    logger.warning("lamport-head: logits gather stays stock: %s=1 reached TP rank(s) %s but not "
+                   "%s (every rank must say the same): %s", FORCE_ENV, on, off, why)
+    return False
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,12 @@ Backends, one interface (``peers``, ``tp``, ``cap``, ``words``, ``sharing``,
 Real-rank backends are built in two steps so that a local failure can never strand
 a peer inside a collective: the constructor only allocates (local), ``connect()``
 exchanges addresses (collective). The caller agrees between the steps (HeadGather
-does: allocate, agree, connect, agree, arm, sync, barrier). ``close()`` waits for
-every rank (barrier) before the box can be freed: a peer may still push into it.
+does: allocate, agree, connect, agree, arm, sync, barrier). Inside ``connect()`` the
+same rule: a local step that comes before a collective (exporting an IPC handle,
+deriving peer addresses) goes through ``exchange``, so every rank issues the same
+collectives in the same order and a failure raises on every rank, naming the rank.
+``close()`` waits for every rank (barrier) before the box can be freed: a peer may
+still push into it.
 """
 
 import os
@@ -29,7 +33,7 @@ import socket
 
 import torch
 
-from .collective import all_gather_objects, barrier
+from .collective import all_gather_objects, attempt, barrier
 from .kernels.protocol import (CONTROL_EPOCH, MAX_TP, PEER_CONTROL, PEER_ROWS, SENTINEL_I32,
                                box_words)
 
@@ -109,6 +113,24 @@ class LocalRows(_Rows):
         torch.cuda.synchronize(self.device)
 
 
+def exchange(export, group, tp, what="export"):
+    """Collective: every rank's ``export()`` result, in rank order. ``export`` is local
+    and may fail on one rank: its error travels with the results, so every rank
+    issues the same one all-gather and then every rank raises, naming the ranks that
+    failed (the failing rank's own exception chained), or every rank returns."""
+    mine, error = attempt(export)
+    cause = None if error is None else f"{type(error).__name__}: {error}"
+    sent = all_gather_objects((mine, None) if error is None else (None, cause), group)
+    failed = [(r, why) for r, (_, why) in enumerate(sent) if why]
+    if failed:
+        named = "; ".join(f"rank {r}: {why}" for r, why in failed)
+        raise RuntimeError(f"lamport-head: {len(failed)} rank(s) failed to {what}: {named}") \
+            from error
+    if len(sent) != tp:
+        raise RuntimeError(f"the group has {len(sent)} ranks, expected tp={tp}")
+    return [blob for blob, _ in sent]
+
+
 class _ProcessRows(_Rows):
     """One box per process; ``connect()`` (collective) fills ``peers``."""
 
@@ -146,15 +168,19 @@ class IpcRows(_ProcessRows):
         return torch.empty(count, dtype=torch.int32, device=self.device)
 
     def connect(self):
-        """Collective: every rank maps every peer's box; ``peers`` holds the mappings."""
+        """Collective: every rank maps every peer's box; ``peers`` holds the mappings.
+        Its one collective is ``exchange``'s, which every rank reaches even when its
+        own export fails; the mapping after it is local (the caller agrees on it)."""
+        blobs = exchange(self._export, self.group, self.tp, "export its mailbox's CUDA IPC handle")
+        self._mapped = [None if r == self.rank else pickle.loads(b) for r, b in enumerate(blobs)]
+        self._set_bases([self.box.data_ptr() if m is None else m.data_ptr() for m in self._mapped])
+
+    def _export(self):
+        """This box's CUDA IPC handle, pickled (local; may fail on this rank alone)."""
         import torch.multiprocessing  # noqa: F401  registers torch's CUDA IPC reductions
         from multiprocessing.reduction import ForkingPickler
 
-        blobs = all_gather_objects(bytes(ForkingPickler.dumps(self.box)), self.group)
-        if len(blobs) != self.tp:
-            raise RuntimeError(f"the group has {len(blobs)} ranks, expected tp={self.tp}")
-        self._mapped = [None if r == self.rank else pickle.loads(b) for r, b in enumerate(blobs)]
-        self._set_bases([self.box.data_ptr() if m is None else m.data_ptr() for m in self._mapped])
+        return bytes(ForkingPickler.dumps(self.box))
 
     def peer_view(self, peer):
         """``peer``'s whole box as a tensor of this process (tests of late pushes)."""
@@ -183,32 +209,38 @@ class SymmetricRows(_ProcessRows):
     name = "symmetric"
 
     def _allocate(self, count):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        return symm_mem.empty(count, dtype=torch.int32, device=self.device)
-
-    def connect(self):
+        """Local: also everything ``connect`` needs before torch's rendezvous (the
+        module, the group), so that a rank failing at it fails here, in the step the
+        ranks agree on, never in ``connect`` while its peers sit in the rendezvous."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
-        group = self.group if self.group is not None else dist.group.WORLD
-        self.handle = symm_mem.rendezvous(self.box, group)
-        bases = error = None
-        try:  # local; its outcome travels with the offsets, so every rank meets below
-            if self.handle.world_size != self.tp:
-                raise RuntimeError(f"symmetric memory spans {self.handle.world_size} ranks, "
-                                   f"expected tp={self.tp}")
-            bases = symmetric_bases(self.handle.buffer_ptrs, self.box.data_ptr(), self.rank)
-            self._offset = (bases[self.rank] - int(self.handle.buffer_ptrs[self.rank])) // 4
-        except Exception as exc:
-            error, self._offset = exc, None
-        offsets = all_gather_objects(self._offset, self.group)
-        if error is not None:
-            raise error
-        if None in offsets or len(set(offsets)) > 1:  # the derivation assumes one offset
+        self._symm_mem = symm_mem
+        self._symm_group = self.group if self.group is not None else dist.group.WORLD
+        return symm_mem.empty(count, dtype=torch.int32, device=self.device)
+
+    def connect(self):
+        """Collective: torch's rendezvous first (nothing local before it), then
+        ``exchange``'s one all-gather, which carries each rank's local derivation of
+        the peer addresses (or its failure) to every rank."""
+        self.handle = self._symm_mem.rendezvous(self.box, self._symm_group)
+        derived = exchange(self._derive, self.group, self.tp,
+                           "derive peer addresses from its symmetric memory handle")
+        offsets = [offset for _, offset in derived]
+        if len(set(offsets)) > 1:  # the derivation assumes one offset on every rank
             raise RuntimeError(f"symmetric memory places the box at different offsets on the "
                                f"ranks ({offsets} words): cannot derive peer addresses")
+        bases, self._offset = derived[self.rank]
         self._set_bases(bases)
+
+    def _derive(self):
+        """``(every rank's address of this box, its offset in words into the handle's
+        buffer)`` from the rendezvous' handle (local; may fail on this rank alone)."""
+        if self.handle.world_size != self.tp:
+            raise RuntimeError(f"symmetric memory spans {self.handle.world_size} ranks, "
+                               f"expected tp={self.tp}")
+        bases = symmetric_bases(self.handle.buffer_ptrs, self.box.data_ptr(), self.rank)
+        return bases, (bases[self.rank] - int(self.handle.buffer_ptrs[self.rank])) // 4
 
     def peer_view(self, peer):
         """``peer``'s whole box as a tensor of this process (tests of late pushes)."""
@@ -239,10 +271,21 @@ def _symmetric_available():
 
 def decide(keys, symmetric, forced=None):
     """The backend every rank uses, from every rank's (host, GPU) key and whether it
-    has symmetric memory: a pure function of gathered facts, so ranks cannot differ."""
+    has symmetric memory: a pure function of gathered facts, so ranks cannot differ
+    (when it raises, every rank raises the same error).
+
+    Both backends hand the kernel peer pointers into memory of the ranks' own host
+    (CUDA IPC, symmetric memory over NVLink), so ranks on several hosts have no
+    mailbox, forced or not: an error that names the hosts (install: every rank
+    stock)."""
+    if forced and forced not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={forced!r}: expected one of {', '.join(BACKENDS)}")
+    hosts = sorted({str(host) for host, _ in keys})
+    if len(hosts) > 1:
+        raise RuntimeError(f"lamport-head: the TP ranks span {len(hosts)} hosts "
+                           f"({', '.join(hosts)}); a Lamport mailbox maps peers' memory "
+                           "within one host only")
     if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"{BACKEND_ENV}={forced!r}: expected one of {', '.join(BACKENDS)}")
         return forced
     if len(set(keys)) < len(keys) or not all(symmetric):
         return "ipc"
@@ -252,8 +295,9 @@ def decide(keys, symmetric, forced=None):
 def choose_backend(group, device, backend=None):
     """Collective: ``(backend, ranks on this GPU)``, the backend the same on every
     rank. ``backend`` (or ``$LAMPORT_HEAD_MAILBOX``) forces one; else ipc where ranks
-    share a GPU or a rank lacks symmetric memory, symmetric otherwise. A rank whose
-    own facts fail still takes part, and then every rank raises."""
+    share a GPU or a rank lacks symmetric memory, symmetric otherwise; ranks on
+    several hosts: none (``decide`` raises). A rank whose own facts fail still takes
+    part, and then every rank raises."""
     forced = backend or os.environ.get(BACKEND_ENV) or None
     try:
         mine = (_device_key(device), _symmetric_available(), forced, None)
@@ -272,4 +316,4 @@ def choose_backend(group, device, backend=None):
 
 
 __all__ = ["LocalRows", "IpcRows", "SymmetricRows", "ROWS", "choose_backend", "decide",
-           "peer_table", "symmetric_bases"]
+           "exchange", "peer_table", "symmetric_bases"]

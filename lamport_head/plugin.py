@@ -5,7 +5,10 @@ loaded (before any CUDA graph capture), every TP worker calls
 ``install_logits_gather`` with the TP device group, TP size and rank, its device,
 the DCP size and the rows its decode steps gather (``autotune.rows_from_vllm``: 1 ..
 max_num_seqs x (1 + num_speculative_tokens), capped at ``table.MAX_ROWS``). vLLM loads general plugins in every process and possibly more than
-once: wrapping is idempotent, and vLLM is imported only here, lazily. The
+once: wrapping is idempotent, and vLLM is imported only here, lazily. Install's
+outcome (stock included) is agreed by every TP rank; an exception out of it is never
+swallowed, since the rank it left would enter vLLM's collectives out of step with
+its peers. The
 ``lamport_head`` logger is routed through vLLM's handlers (``log.attach_to_vllm``), so
 each worker's lines reach the server's output; rank 0 adds a one-line summary.
 """
@@ -62,10 +65,12 @@ def wrap_worker(worker_cls):
     @functools.wraps(original)
     def load_model(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        try:
-            _install_after_load(self)
-        except Exception as exc:  # never break model loading
-            logger.warning("lamport-head: install skipped: %s: %s", type(exc).__name__, exc)
+        # No catch-all here: install_logits_gather never raises (every rank takes the
+        # agreed outcome, stock included), so an exception means this rank could not
+        # finish while its peers may wait in one of install's collectives. Swallowing
+        # it would send this rank alone into vLLM's collectives; letting it stop the
+        # worker is the fail-stop outcome (the engine stops every rank).
+        _install_after_load(self)
         return result
 
     setattr(load_model, _MARK, True)

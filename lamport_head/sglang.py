@@ -167,15 +167,15 @@ def _dcp_size():
 
 
 def _after_load_model(result, runner, *args, **kwargs):
-    """AFTER hook on ``ModelRunner.load_model``: install on the target model. Never
-    raises into SGLang; returns None (the hook keeps load_model's result)."""
-    try:
-        if getattr(runner, "is_draft_worker", False):
-            logger.info("lamport-head: SGLang draft model: stock logits gather")
-            return None
-        install_sglang_logits_gather(runner, dcp=_dcp_size())
-    except Exception as exc:  # never break model loading
-        logger.warning("lamport-head: SGLang install skipped: %s: %s", type(exc).__name__, exc)
+    """AFTER hook on ``ModelRunner.load_model``: install on the target model; returns
+    None (the hook keeps load_model's result). Every outcome of install, stock
+    included, is agreed by the TP ranks, so nothing is caught here: an exception means
+    this rank could not finish while its peers may wait in a collective, and it must
+    stop the worker (fail-stop), not send this rank alone into SGLang's collectives."""
+    if getattr(runner, "is_draft_worker", False):
+        logger.info("lamport-head: SGLang draft model: stock logits gather")
+        return None
+    install_sglang_logits_gather(runner, dcp=_dcp_size())
     return None
 
 

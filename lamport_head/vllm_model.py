@@ -11,7 +11,9 @@ finds a model's head, and whether routing it is ours to do.
 - A processor whose class overrides ``_gather_logits`` (vLLM's DeepSeek V4.1
   ``SpecializedDecodeLogitsProcessor`` runs its own one-shot all-gather) keeps it
   unless ``LAMPORT_HEAD_FORCE=1``; forced, its own gather still serves the rows our
-  table does not.
+  table does not. The variable is one process's environment: install looks the
+  processor up with ``force=True`` and decides only once every rank said whether it
+  is set (a rank deciding alone would leave its peers in a collective).
 
 vLLM is not imported here: the stock class is recognized by its module and name.
 """
@@ -49,13 +51,15 @@ def owns_gather(processor) -> bool:
     return owner is not None and (owner.__module__, owner.__qualname__) != _STOCK
 
 
-def find_gather_target(model):
+def find_gather_target(model, force=None):
     """``(processor, lm_head, text)``.
 
     ``processor``: the object whose ``_gather_logits`` the model really calls (set as
     an instance attribute to route it), or None to stay stock, ``text`` then saying
     why. When found, ``lm_head`` is the vocab-parallel head (unwrapped from LoRA) and
-    ``text`` says where the processor sits and anything about how it is routed."""
+    ``text`` says where the processor sits and anything about how it is routed.
+    ``force``: route a processor whose class has its own gather; None reads this
+    process's ``LAMPORT_HEAD_FORCE``. A pure function of the model and ``force``."""
     name = type(model).__name__
     inner = _language_model(model)
     owners = [(m, path) for m, path in ((inner, f"{name}.get_language_model()"), (model, name))
@@ -81,7 +85,7 @@ def find_gather_target(model):
         path += ".base_layer"
     if owns_gather(processor):
         own = _gather_owner(processor).__qualname__
-        if not forced():
+        if not (forced() if force is None else force):
             return None, None, (f"{path} ({type(processor).__name__}) has its own _gather_logits "
                                 f"({own}) and keeps it; {FORCE_ENV}=1 routes the table's rows "
                                 "through lamport-head instead")

@@ -81,6 +81,8 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts):
     def make_target(ranks, vocab, budget=autotune.BUDGET):
         if fail == f"prepare@{rank}":
             raise RuntimeError("injected: no target")
+        if fail == f"unserve@{rank}":  # the opt-in leaves this rank's environment mid-tuning
+            os.environ.pop(autotune.SERVE_EMULATED_ENV, None)
         return CollectiveTarget(ranks, vocab, fail, timed)
 
     autotune.make_target = make_target
@@ -202,6 +204,15 @@ def test_ranks_sharing_one_gpu_write_emulated_and_serve_it_only_on_opt_in(tmp_pa
 
 def test_first_install_on_shared_gpu_serves_what_won_on_opt_in(tmp_path):
     for r in _start(tmp_path, shared=True, env={"LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED": "1"}):
+        assert r["served"] == SERVED and r["rows"] == MEASURED and r["routed"] == [FAKE_BYTE]
+
+
+def test_serving_what_was_measured_follows_the_agreed_view_not_a_fresh_read(tmp_path):
+    """The opt-in to serve an emulated section is agreed with the plan; after tuning,
+    install used to read the environment again, so a rank whose variable changed
+    meanwhile stayed stock while its peers built the gather (a collective)."""
+    env = {"LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED": "1"}
+    for r in _start(tmp_path, shared=True, env=env, fail="unserve@1"):
         assert r["served"] == SERVED and r["rows"] == MEASURED and r["routed"] == [FAKE_BYTE]
 
 

@@ -224,3 +224,76 @@ def test_malformed_table_warns_and_stays_stock(monkeypatch, tmp_path, caplog, so
     with caplog.at_level("WARNING", logger="lamport_head"):
         assert install.install_logits_gather(model(), None, 2, 0, "cpu") == ()
     assert str(bad) in caplog.text and "bare 'on'" in caplog.text
+
+
+class OwnGather:
+    """A processor whose class has its own gather (vLLM's DeepSeek V4.1 specialized
+    decode): kept unless LAMPORT_HEAD_FORCE=1 on every rank."""
+
+    logits_as_input, head_dtype, use_all_gather = False, None, True
+
+    def _gather_logits(self, x):
+        return ("own", x.shape[0])
+
+
+def _vote_worker(rank, nprocs, table, own, force_ranks, nameless_rank):
+    os.environ["LAMPORT_HEAD_TABLE"] = table
+    os.environ.pop("LAMPORT_HEAD_FORCE", None)
+    if rank in force_ranks:  # the variable reached these ranks only
+        os.environ["LAMPORT_HEAD_FORCE"] = "1"
+    _fake_cuda(setattr, rank, "ok")
+    if rank == nameless_rank:
+        def nameless(device):
+            raise RuntimeError("injected: no device name")
+
+        install._device_name = nameless
+    seen = _capture_log()
+    m = model(lm__tp_size=nprocs)
+    if own:
+        m.logits_processor = OwnGather()
+    served = install.install_logits_gather(m, None, nprocs, rank, "cpu")
+    routed = m.logits_processor._gather_logits(torch.zeros(1, 64, dtype=torch.bfloat16))
+    routed = (sorted(set(routed.view(torch.uint8).flatten().tolist())) if torch.is_tensor(routed)
+              else routed)
+    step = torch.tensor([1])
+    dist.all_reduce(step)  # the program's next collective (vLLM's): every rank in step
+    return {"served": list(served), "routed": routed, "in_step": int(step.item()), "log": seen}
+
+
+def _vote(tmp_path, own=True, force_ranks=(), nameless_rank=-1, nprocs=3):
+    table = tmp_path / "t.yaml"
+    table.write_text(TABLE.replace("tp: 2", f"tp: {nprocs}"))
+    return spawn(_vote_worker, nprocs, tmp_path, str(table), own, list(force_ranks),
+                 nameless_rank, deadline_s=60)
+
+
+def test_force_on_some_ranks_only_keeps_every_ranks_own_gather(tmp_path):
+    """LAMPORT_HEAD_FORCE on rank 1 only: no rank decides alone before the agreement
+    (rank 0 used to return while rank 1 waited in it); every rank keeps the
+    processor's own gather and says which ranks had the variable."""
+    for r in _vote(tmp_path, force_ranks=[1]):
+        assert r["served"] == [] and r["routed"] == ["own", 1] and r["in_step"] == 3
+        assert "LAMPORT_HEAD_FORCE=1 reached TP rank(s) [1] but not [0, 2]" in r["log"][-1]
+        assert "stays stock" in r["log"][-1] and "has its own _gather_logits" in r["log"][-1]
+
+
+@pytest.mark.parametrize("force_ranks, served", [((), []), ((0, 1, 2), [1, 2, 4])])
+def test_force_on_no_rank_or_every_rank(tmp_path, force_ranks, served):
+    for r in _vote(tmp_path, force_ranks=force_ranks):
+        assert r["served"] == served and r["in_step"] == 3
+        assert r["routed"] == ([FAKE_BYTE] if served else ["own", 1])
+        if not served:
+            assert r["log"] == [r["log"][0]] and "and keeps it" in r["log"][0]  # one line
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_a_rank_that_cannot_name_its_device_takes_every_rank_to_stock(tmp_path, own):
+    """_device_name raising on rank 1: it used to leave install alone (and the plugin
+    swallowed that) while its peers waited in the agreement."""
+    results = _vote(tmp_path, own=own, force_ranks=(0, 1, 2) if own else (), nameless_rank=1)
+    for rank, r in enumerate(results):
+        assert r["served"] == [] and r["in_step"] == 3
+        assert r["routed"] == (["own", 1] if own else ["stock", 1])
+        assert r["log"][-1].startswith("lamport-head: logits gather stays stock: "
+                                       + ("" if rank == 1 else "rank 1: "))
+        assert "RuntimeError: injected: no device name" in r["log"][-1]

@@ -55,16 +55,20 @@ def test_plugin_installs_after_load_once(monkeypatch):
     assert calls[-1][2] == {"rows": tuple(range(1, 17))}  # 8 requests x (1 + 1 draft token)
 
 
-def test_plugin_never_breaks_loading(monkeypatch):
+def test_plugin_lets_an_install_error_stop_the_worker(monkeypatch):
+    """install_logits_gather agrees every outcome and never raises; an error out of it
+    means this rank could not finish while peers may wait in a collective, so it is
+    never swallowed (the rank would enter vLLM's collectives alone): fail-stop."""
     Worker, calls = fake_vllm(monkeypatch)
     import lamport_head.install as install
 
-    def boom(*a):
-        raise RuntimeError("no symmetric memory")
+    def boom(*a, **kw):
+        raise RuntimeError("rank left install alone")
 
     monkeypatch.setattr(install, "install_logits_gather", boom)
     plugin.register()
-    Worker().load_model()
+    with pytest.raises(RuntimeError, match="rank left install alone"):
+        Worker().load_model()
     assert calls == [("load", False)]
 
 

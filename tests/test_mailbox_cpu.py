@@ -1,0 +1,156 @@
+"""The real-rank mailboxes' connect() and the backend choice on gloo processes (CPU):
+every rank issues the same collectives in the same order, whatever fails on one
+rank. The IPC box is the real ``IpcRows`` (torch's tensor sharing works on CPU
+tensors too); symmetric memory is a stand-in module whose rendezvous is a gloo
+collective, driving the real ``SymmetricRows.connect``. A rank stranded in a
+collective fails the test at spawn's deadline."""
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from spawn import spawn
+
+from lamport_head import mailbox
+from lamport_head.collective import agree, attempt
+
+CAP, WORDS = 2, 8
+
+
+def _in_step():
+    """The program's next collective: every rank must get here, in the same order."""
+    t = torch.tensor([1])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _connect_agreed(box):
+    """HeadGather's connect step: connect (collective), then agree on its outcome."""
+    _, error = attempt(box.connect)
+    try:
+        agree(error, None, "cpu", "to map the peers' mailboxes")
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", error
+    return None, error
+
+
+# ---- ipc ----------------------------------------------------------------------------
+
+def _ipc_worker(rank, nprocs, failing):
+    import multiprocessing.reduction as reduction
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # no fd passing between ranks
+    if rank == failing:
+        def refuse(*args, **kwargs):
+            raise RuntimeError("injected: cannot export an IPC handle")
+
+        reduction.ForkingPickler.dumps = refuse
+    box = mailbox.IpcRows(None, "cpu", nprocs, rank, CAP, WORDS)
+    box.box.fill_(100 + rank)
+    agreed, error = _connect_agreed(box)
+    seen = None if agreed else [int(box.peer_view(p)[0]) for p in range(nprocs)]
+    return {"agreed": agreed, "own": None if error is None else str(error), "seen": seen,
+            "in_step": _in_step()}
+
+
+def test_ipc_connect_maps_every_peers_box(tmp_path):
+    for r in spawn(_ipc_worker, 3, tmp_path, -1, deadline_s=60):
+        assert r["agreed"] is None and r["seen"] == [100, 101, 102] and r["in_step"] == 3
+
+
+def test_ipc_export_failing_on_one_rank_raises_on_every_rank(tmp_path):
+    """Rank 1 cannot export its handle: it used to leave for the agreement's
+    all-reduce while its peers sat in the handles' all-gather (a hang)."""
+    for r in spawn(_ipc_worker, 3, tmp_path, 1, deadline_s=60):
+        assert r["in_step"] == 3 and r["seen"] is None
+        assert r["own"] == ("lamport-head: 1 rank(s) failed to export its mailbox's CUDA IPC "
+                            "handle: rank 1: RuntimeError: injected: cannot export an IPC handle")
+        assert r["agreed"] == f"RuntimeError: {r['own']}"  # connect raised on every rank
+
+
+# ---- symmetric memory (a stand-in module) -----------------------------------------
+
+def _fake_symmetric_memory(rank, past):
+    """A ``torch.distributed._symmetric_memory`` whose rendezvous is a gloo all-gather
+    of the boxes' addresses; on rank ``past`` the handle points past the box."""
+    from lamport_head.collective import all_gather_objects
+
+    def rendezvous(box, group):
+        ptrs = all_gather_objects(box.data_ptr(), group)
+        if rank == past:
+            ptrs[rank] += 64
+        return types.SimpleNamespace(world_size=len(ptrs), buffer_ptrs=ptrs)
+
+    fake = types.ModuleType("torch.distributed._symmetric_memory")
+    fake.empty = lambda count, dtype, device: torch.empty(count, dtype=dtype, device=device)
+    fake.rendezvous = rendezvous
+    sys.modules[fake.__name__] = fake
+    dist._symmetric_memory = fake
+
+
+def _symmetric_worker(rank, nprocs, case):
+    failing = int(case.split("@")[1])
+    _fake_symmetric_memory(rank, failing if case.startswith("past@") else -1)
+    box = mailbox.SymmetricRows(None, "cpu", nprocs, rank, CAP, WORDS)
+    if case == f"unimportable@{rank}":
+        # After allocation (agreed), this rank could no longer import the module: a
+        # local step of connect's before torch's rendezvous would now fail alone.
+        sys.modules["torch.distributed._symmetric_memory"] = None
+        del dist._symmetric_memory
+    agreed, error = _connect_agreed(box)
+    return {"agreed": agreed, "own": None if error is None else str(error),
+            "bases": None if agreed else box.peers[0].tolist(), "in_step": _in_step()}
+
+
+def test_symmetric_connect_starts_with_the_rendezvous(tmp_path):
+    """Nothing local (imports, the group) runs in connect before the rendezvous, so a
+    rank cannot fail there alone while its peers sit in it."""
+    results = spawn(_symmetric_worker, 3, tmp_path, "unimportable@1", deadline_s=60)
+    for r in results:
+        assert r["agreed"] is None and r["in_step"] == 3
+        assert r["bases"] == results[0]["bases"]  # one peer table: every rank's box
+
+
+def test_symmetric_derivation_failing_on_one_rank_names_it_on_every_rank(tmp_path):
+    for r in spawn(_symmetric_worker, 3, tmp_path, "past@2", deadline_s=60):
+        assert r["in_step"] == 3 and r["agreed"] is not None
+        assert r["own"].startswith("lamport-head: 1 rank(s) failed to derive peer addresses "
+                                   "from its symmetric memory handle: rank 2: RuntimeError: "
+                                   "symmetric memory handle points past this box")
+
+
+# ---- the backend choice -------------------------------------------------------------
+
+def _choose_worker(rank, nprocs, hosts):
+    mailbox._device_key = lambda device: (hosts[rank], f"gpu{rank}")
+    mailbox._symmetric_available = lambda: True
+    try:
+        outcome = list(mailbox.choose_backend(None, "cpu"))
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    return {"outcome": outcome, "in_step": _in_step()}
+
+
+def test_ranks_on_one_host_get_symmetric_memory(tmp_path):
+    for r in spawn(_choose_worker, 2, tmp_path, ["a", "a"], deadline_s=60):
+        assert r["outcome"] == ["symmetric", 1] and r["in_step"] == 2
+
+
+def test_ranks_on_several_hosts_get_no_mailbox_on_every_rank(tmp_path):
+    """Neither backend reaches a peer on another host: every rank raises the same
+    error (install then leaves every rank stock), never ``symmetric``."""
+    results = spawn(_choose_worker, 3, tmp_path, ["a", "b", "a"], deadline_s=60)
+    assert len({r["outcome"] for r in results}) == 1
+    assert results[0]["outcome"] == ("RuntimeError: lamport-head: the TP ranks span 2 hosts "
+                                     "(a, b); a Lamport mailbox maps peers' memory within one "
+                                     "host only")
+    assert all(r["in_step"] == 3 for r in results)
+
+
+def test_decide_across_hosts_forced_or_not():
+    two_hosts = [("a", "gpu0"), ("b", "gpu0")]
+    for forced in (None, "ipc", "symmetric"):
+        with pytest.raises(RuntimeError, match="span 2 hosts"):
+            mailbox.decide(two_hosts, [True, True], forced)
