@@ -274,17 +274,20 @@ def decide(keys, symmetric, forced=None):
     has symmetric memory: a pure function of gathered facts, so ranks cannot differ
     (when it raises, every rank raises the same error).
 
-    Both backends hand the kernel peer pointers into memory of the ranks' own host
-    (CUDA IPC, symmetric memory over NVLink), so ranks on several hosts have no
-    mailbox, forced or not: an error that names the hosts (install: every rank
-    stock)."""
+    Both backends hand the kernel peer pointers. CUDA IPC maps memory of the ranks'
+    own host only; symmetric memory reaches other hosts only inside one multi-node
+    NVLink domain (GB200 NVL72), which these facts cannot tell from separate hosts.
+    So ranks on several hosts get an error that names the hosts (install: every rank
+    stock), unless every rank was told ``symmetric`` (the operator vouches for the
+    NVLink domain; the rendezvous then decides)."""
     if forced and forced not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={forced!r}: expected one of {', '.join(BACKENDS)}")
     hosts = sorted({str(host) for host, _ in keys})
-    if len(hosts) > 1:
+    if len(hosts) > 1 and forced != "symmetric":
         raise RuntimeError(f"lamport-head: the TP ranks span {len(hosts)} hosts "
                            f"({', '.join(hosts)}); a Lamport mailbox maps peers' memory "
-                           "within one host only")
+                           f"within one host, or one multi-node NVLink domain with "
+                           f"{BACKEND_ENV}=symmetric on every rank")
     if forced:
         return forced
     if len(set(keys)) < len(keys) or not all(symmetric):

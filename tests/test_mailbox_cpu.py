@@ -139,18 +139,21 @@ def test_ranks_on_one_host_get_symmetric_memory(tmp_path):
 
 
 def test_ranks_on_several_hosts_get_no_mailbox_on_every_rank(tmp_path):
-    """Neither backend reaches a peer on another host: every rank raises the same
+    """Unless the operator vouches for one NVLink domain: every rank raises the same
     error (install then leaves every rank stock), never ``symmetric``."""
     results = spawn(_choose_worker, 3, tmp_path, ["a", "b", "a"], deadline_s=60)
     assert len({r["outcome"] for r in results}) == 1
     assert results[0]["outcome"] == ("RuntimeError: lamport-head: the TP ranks span 2 hosts "
                                      "(a, b); a Lamport mailbox maps peers' memory within one "
-                                     "host only")
+                                     "host, or one multi-node NVLink domain with "
+                                     "LAMPORT_HEAD_MAILBOX=symmetric on every rank")
     assert all(r["in_step"] == 3 for r in results)
 
 
 def test_decide_across_hosts_forced_or_not():
     two_hosts = [("a", "gpu0"), ("b", "gpu0")]
-    for forced in (None, "ipc", "symmetric"):
+    for forced in (None, "ipc"):
         with pytest.raises(RuntimeError, match="span 2 hosts"):
             mailbox.decide(two_hosts, [True, True], forced)
+    # a multi-node NVLink domain: only an operator who forces symmetric vouches for it
+    assert mailbox.decide(two_hosts, [True, True], "symmetric") == "symmetric"
