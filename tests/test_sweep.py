@@ -440,6 +440,33 @@ def test_an_empty_grid_raises_the_same_error_on_every_rank(tmp_path):
         "the CTA counts tried are [32, 64]")
 
 
+def _broken_progress_worker(rank, world):
+    """Rank 1's per-trial callback (the CLI's progress bar) raises from its first
+    trial on; then one more collective: the ranks are still in step."""
+    from lamport_head.collective import all_gather_objects
+
+    def progress(rows, config, timing):
+        if rank == 1:
+            raise BrokenPipeError("stderr closed")
+
+    try:
+        plan = sweep.tune_rows(CollectiveCost(rank), 4, device="g", tp=world, dcp=1, vocab=V,
+                               trials=6, storage=None, comm=sweep.DistComm(None),
+                               threads=(256,), unroll=(4,), ctas=(8, 16), on_trial=progress)
+        what = [plan.plan.ctas, plan.plan.enabled, plan.timed]
+    except Exception as exc:
+        what = f"{type(exc).__name__}: {exc}"
+    return all_gather_objects(what)
+
+
+def test_a_failing_progress_callback_on_one_rank_stops_no_rank(tmp_path):
+    from spawn import spawn
+
+    results = spawn(_broken_progress_worker, 2, tmp_path, deadline_s=60)
+    assert results[0] == results[1] and results[0][0] == results[0][1]
+    assert isinstance(results[0][0], list), results[0][0]
+
+
 @pytest.mark.parametrize("world, fail_rank", [(2, None), (3, None), (2, 1), (3, 0)])
 def test_every_rank_takes_part_in_every_collective(tmp_path, world, fail_rank):
     out = tmp_path / "r"

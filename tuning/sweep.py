@@ -21,6 +21,7 @@ configuration already finished is answered from the study, never re-timed.
 import hashlib
 import importlib.metadata
 import importlib.util
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,18 @@ def study_name(device, tp, dcp, rows, emulated, *, vocab, kernel, space):
             f"|space-{grid_hash}" + ("|emulated" if emulated else ""))
 
 
+def _report(on_trial, *args):
+    """The caller's per-trial callback (a progress bar): display only, so a failure
+    there is logged and the sweep goes on. Raising would take this rank out of the
+    sweep's collectives alone while its peers wait in the next one."""
+    try:
+        on_trial(*args)
+    except Exception as exc:
+        logging.getLogger("lamport_head").warning(
+            "lamport-head tune: the per-trial callback failed (%s: %s); the sweep goes on",
+            type(exc).__name__, exc)
+
+
 def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=None,
               margin=0.05, threads=SWEEP_THREADS, unroll=SWEEP_UNROLL, seed=0, on_trial=None, kernel=None,
               ctas=None):
@@ -208,7 +221,7 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
         if root:
             failure = root.run(root.record, config, timing, value)
         if on_trial:
-            on_trial(rows, config, timing)
+            _report(on_trial, rows, config, timing)
     result = root.guard(root.conclude, rows, stock, target.objective, margin, timed) if root \
         else None
     result = comm.broadcast(result)
