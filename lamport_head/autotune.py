@@ -132,6 +132,7 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, budget=BUDG
     import torch
     import torch.distributed as dist
 
+    from .mailbox import choose_backend
     from .procs import Ranks
     from .tuning.sweep import DistComm, kernel_identity, tune_rows
 
@@ -145,6 +146,10 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, budget=BUDG
     prepared, error = attempt(prepare)
     agree(error, group, device, "to prepare first-use tuning")
     target, kernel, now = prepared
+    # Collective, the same answer on every rank. Ranks that can have no mailbox (several
+    # hosts, nothing forced) raise here on every rank and nothing is written: measured,
+    # every trial would fail alike and the section would read as a measured "all stock".
+    choose_backend(group, torch.device(device))
     comm = DistComm(group)
     results = []
     for m in rows_to_measure(rows):

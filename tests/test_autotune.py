@@ -74,7 +74,8 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts):
     os.environ.pop("LAMPORT_HEAD_TABLE", None)
     os.environ.update(env, LAMPORT_HEAD_CACHE=cache)
     _fake_cuda(setattr, rank, "ok")
-    mailbox._device_key = lambda device: ("host", "gpu" if shared else f"gpu{rank}")
+    host = f"host{rank}" if fail == "hosts" else "host"  # "hosts": one rank per host
+    mailbox._device_key = lambda device: (host, "gpu" if shared else f"gpu{rank}")
     autotune.facts = lambda: dict(facts)
     timed = []
 
@@ -179,6 +180,17 @@ def test_a_failure_on_one_rank_leaves_every_rank_stock_with_one_warning(tmp_path
             in warnings[0]
     if fail == "stock@1":
         assert results[0]["rows"] == [1, 2]  # it failed measuring, after rows 1 and 2
+    assert _user_table(tmp_path)[1] is None
+
+
+def test_ranks_that_can_have_no_mailbox_measure_nothing_and_write_nothing(tmp_path):
+    """Ranks on several hosts (nothing forced) can have no mailbox: every trial would
+    fail alike and an all-stock section would read as measured for good. Every rank
+    raises before the first trial instead: stock, one warning, no table."""
+    for r in _start(tmp_path, fail="hosts"):
+        assert r["served"] == [] and r["routed"] == ["stock", 1] and r["timed"] == 0
+        warnings = [line for line in r["log"] if "stays stock" in line]
+        assert len(warnings) == 1 and "span 2 hosts" in warnings[0], r["log"]
     assert _user_table(tmp_path)[1] is None
 
 
