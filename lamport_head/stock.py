@@ -10,14 +10,47 @@ import torch
 import torch.distributed as dist
 
 
+class StockGather:
+    """The stock gather for one row count with every buffer allocated up front.
+
+    Invariant: a call allocates nothing, so the only thing that can fail in it is the
+    collective itself (the backend's to report); a caller that must keep ranks in step
+    builds it as a local step, agrees, and then calls it on every rank. The result is
+    one buffer, overwritten by the next call."""
+
+    def __init__(self, rows, shard, group=None, device=None, dtype=torch.bfloat16):
+        self.group, self.tp = group, dist.get_world_size(group)
+        self.rows, self.shard, self.dtype = rows, shard, dtype
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.host = dist.get_backend(group) == "gloo" and device.type == "cuda"
+        self.out = torch.empty(rows, self.tp * shard, dtype=dtype, device=device)
+        if self.host:  # gloo moves host tensors: stage the shard and the parts there
+            self.staged = torch.empty(rows, shard, dtype=dtype, pin_memory=True)
+            self.parts = [torch.empty(rows, shard, dtype=dtype) for _ in range(self.tp)]
+        else:
+            self.gathered = torch.empty(self.tp * rows, shard, dtype=dtype, device=device)
+
+    def __call__(self, logits):
+        """``[rows, V/TP]`` contiguous on every rank -> ``[rows, V]`` (rank r's shard
+        at columns ``r * V/TP``)."""
+        if (tuple(logits.shape) != (self.rows, self.shard) or logits.dtype != self.dtype
+                or not logits.is_contiguous()):
+            raise ValueError(f"stock gather built for contiguous [{self.rows}, {self.shard}] "
+                             f"{self.dtype}, got {list(logits.shape)} {logits.dtype}")
+        if self.host:
+            self.staged.copy_(logits)
+            dist.all_gather(self.parts, self.staged, group=self.group)
+            for r, part in enumerate(self.parts):
+                self.out[:, r * self.shard:(r + 1) * self.shard].copy_(part)
+        else:
+            dist.all_gather_into_tensor(self.gathered, logits, group=self.group)
+            self.out.view(self.rows, self.tp, self.shard).copy_(
+                self.gathered.view(self.tp, self.rows, self.shard).movedim(0, 1))
+        return self.out
+
+
 def all_gather_logits(logits: torch.Tensor, group=None) -> torch.Tensor:
-    """``[M, V/TP]`` on every rank -> ``[M, V]`` (rank r's shard at columns r * V/TP)."""
-    tp = dist.get_world_size(group)
+    """``[M, V/TP]`` on every rank -> a fresh ``[M, V]`` (rank r's shard at columns
+    r * V/TP): ``StockGather`` built for this call."""
     rows, shard = logits.shape
-    if dist.get_backend(group) == "gloo" and logits.is_cuda:
-        parts = [torch.empty(rows, shard, dtype=logits.dtype) for _ in range(tp)]
-        dist.all_gather(parts, logits.cpu(), group=group)
-        return torch.cat(parts, dim=1).to(logits.device)
-    out = torch.empty(tp * rows, shard, dtype=logits.dtype, device=logits.device)
-    dist.all_gather_into_tensor(out, logits.contiguous(), group=group)
-    return out.view(tp, rows, shard).movedim(0, 1).reshape(rows, tp * shard)
+    return StockGather(rows, shard, group, logits.device, logits.dtype)(logits.contiguous())

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lamport_head.collective import agree, all_max, all_min, attempt
+from lamport_head.collective import PeerFailed, agree, all_max, all_min, attempt
 from lamport_head.reference import planted, reference_gather
-from lamport_head.stock import all_gather_logits
+from lamport_head.stock import StockGather
 from lamport_head.table import RowPlan
 
 
@@ -60,6 +60,7 @@ class Lockstep:
 
     def __init__(self, group, device):
         self.group, self.device, self.error = group, device, None
+        self.together = False  # a meet raised: every rank raised there, in step
 
     def local(self, fn, *args, **kwargs):
         value, error = attempt(fn, *args, **kwargs)
@@ -68,7 +69,14 @@ class Lockstep:
         return value
 
     def meet(self, what):
-        agree(self.error, self.group, self.device, what)
+        try:
+            agree(self.error, self.group, self.device, what)
+        except PeerFailed:
+            self.together = True
+            raise
+        except Exception as exc:  # this rank's own error, agreed; or the backend's
+            self.together = exc is self.error
+            raise
 
 
 class Solo:
@@ -365,8 +373,10 @@ class DistributedTarget:
                           {rows: plan}, threads=plan.threads, unroll=plan.unroll,
                           budget_s=self.budget_s)
 
-    def _stock_step(self, x, rows):
-        return all_gather_logits(x, self.group)
+    def _stock(self, rows, step):
+        """The stock gather's buffers, as a local step: its calls then allocate nothing
+        (``StockGather``), so once the ranks met they can fail only in the backend."""
+        return step.local(StockGather, rows, self.shard, self.group, self.device)
 
     def _call(self, gather, x, failed):
         """One gather call; a failure is recorded in ``failed``, the caller's loop goes
@@ -382,10 +392,11 @@ class DistributedTarget:
         rank. A call that raises is recorded in ``failed`` (a failed verification); a
         local step that fails raises on every rank at ``step``'s next meet."""
         ok = True
+        stock = self._stock(rows, step)
         for _ in range(calls):
             data = step.local(planted, rows, self.shard, device=self.device)
             step.meet("to plant the verification data")  # the stock step sends it
-            want = step.local(self._reference, self._stock_step(data, rows))
+            want = step.local(self._reference, stock(data))
             got = self._call(gather, data, failed)  # every rank calls: peers' kernels wait
             ok &= bool(step.local(_same_bits, got, want))
         step.meet("to check the gather against the reference")
@@ -399,13 +410,21 @@ class DistributedTarget:
             gather = self._gather(rows, plan)  # collective and fail-stop: all or none
         except Exception:
             return None
+        step = self._lockstep()
         try:
-            return self._trial(gather, rows, plan)
-        finally:  # every rank: _trial returns, or raises at a meet, on every rank alike
-            self._close(gather)
+            timing = self._trial(gather, rows, plan, step)
+        except Exception:
+            # Closing is collective: only where every rank raised together (at a meet).
+            # Anything else came from inside a collective (the backend's to report);
+            # more collectives would pair with a peer's next step.
+            if step.together:
+                self._close(gather)
+            raise
+        self._close(gather)
+        return timing
 
-    def _trial(self, gather, rows, plan):
-        step, failed = self._lockstep(), [False]
+    def _trial(self, gather, rows, plan, step):
+        failed = [False]
         if not self.verify(gather, rows, failed, step):
             return None
         x = step.local(planted, rows, self.shard, device=self.device)
@@ -437,9 +456,10 @@ class DistributedTarget:
     def stock(self, rows):
         """Stock timing, reduced (MAX) over ranks; a local failure raises on every rank."""
         step = self._lockstep()
+        stock = self._stock(rows, step)
         x = step.local(planted, rows, self.shard, device=self.device)
         step.meet("to plant the stock path's data")
-        call = lambda: self._stock_step(x, rows)  # noqa: E731
+        call = lambda: stock(x)  # noqa: E731
         eager, host = _median_eager(call, self.device, self.calls, self.reps, step)
         graph = graph_host = math.nan  # gloo's host copies cannot be captured
         if not self.ranks.shared:

@@ -1,0 +1,48 @@
+"""The stock gather on gloo ranks (CPU): vLLM's layout, bitwise, and calls that
+allocate nothing (so a harness can agree on its allocation once, before the ranks
+meet, and then call it on every rank: see tuning.harness)."""
+
+import torch
+from spawn import spawn
+
+ROWS, SHARD = 3, 16
+
+
+def _shard(rank, call):
+    g = torch.Generator().manual_seed(100 * call + rank)
+    return torch.randn(ROWS, SHARD, generator=g).to(torch.bfloat16)
+
+
+def _worker(rank, world):
+    from lamport_head.stock import StockGather, all_gather_logits
+
+    stock = StockGather(ROWS, SHARD)
+    empty = torch.empty
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a stock call allocated")
+
+    outs = []
+    torch.empty = refuse
+    try:
+        for call in range(2):  # distinct data each call: the one buffer is overwritten
+            got = stock(_shard(rank, call))
+            want = torch.cat([_shard(r, call) for r in range(world)], dim=1)
+            outs.append(torch.equal(got.view(torch.int16), want.view(torch.int16)))
+    finally:
+        torch.empty = empty
+    fresh = all_gather_logits(_shard(rank, 5).float())  # any dtype, a fresh tensor
+    want = torch.cat([_shard(r, 5).float() for r in range(world)], dim=1)
+    outs.append(torch.equal(fresh, want) and fresh.data_ptr() != stock.out.data_ptr())
+    try:
+        stock(_shard(rank, 0)[:2])
+        outs.append("no error")
+    except ValueError as exc:
+        outs.append(str(exc))
+    return outs
+
+
+def test_stock_gather_is_vllms_layout_and_allocates_nothing_per_call(tmp_path):
+    for r in spawn(_worker, 3, tmp_path, deadline_s=60):
+        assert r[:3] == [True, True, True]
+        assert r[3].startswith(f"stock gather built for contiguous [{ROWS}, {SHARD}]")
