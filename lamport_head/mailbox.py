@@ -113,11 +113,12 @@ class LocalRows(_Rows):
         torch.cuda.synchronize(self.device)
 
 
-def exchange(export, group, tp, what="export"):
+def exchange(export, group, tp=None, what="export"):
     """Collective: every rank's ``export()`` result, in rank order. ``export`` is local
     and may fail on one rank: its error travels with the results, so every rank
     issues the same one all-gather and then every rank raises, naming the ranks that
-    failed (the failing rank's own exception chained), or every rank returns."""
+    failed (the failing rank's own exception chained), or every rank returns.
+    ``tp``: the group size expected, checked when given."""
     mine, error = attempt(export)
     cause = None if error is None else f"{type(error).__name__}: {error}"
     sent = all_gather_objects((mine, None) if error is None else (None, cause), group)
@@ -126,7 +127,7 @@ def exchange(export, group, tp, what="export"):
         named = "; ".join(f"rank {r}: {why}" for r, why in failed)
         raise RuntimeError(f"lamport-head: {len(failed)} rank(s) failed to {what}: {named}") \
             from error
-    if len(sent) != tp:
+    if tp is not None and len(sent) != tp:
         raise RuntimeError(f"the group has {len(sent)} ranks, expected tp={tp}")
     return [blob for blob, _ in sent]
 
@@ -302,20 +303,14 @@ def choose_backend(group, device, backend=None):
     several hosts: none (``decide`` raises). A rank whose own facts fail still takes
     part, and then every rank raises."""
     forced = backend or os.environ.get(BACKEND_ENV) or None
-    try:
-        mine = (_device_key(device), _symmetric_available(), forced, None)
-    except Exception as exc:  # reported to every rank below
-        mine = (None, False, forced, f"{type(exc).__name__}: {exc}")
-    facts = all_gather_objects(mine, group)
-    failed = [(r, why) for r, (_, _, _, why) in enumerate(facts) if why]
-    if failed:
-        raise RuntimeError(f"lamport-head: rank {failed[0][0]} cannot describe its GPU: "
-                           f"{failed[0][1]}")
-    asked = {f for _, _, f, _ in facts}
+    facts = exchange(lambda: (_device_key(device), _symmetric_available(), forced), group,
+                     what="describe its GPU")
+    asked = {f for _, _, f in facts}
     if len(asked) > 1:
         raise ValueError(f"ranks disagree on the mailbox backend: {sorted(map(str, asked))}")
-    keys = [k for k, _, _, _ in facts]
-    return decide(keys, [s for _, s, _, _ in facts], forced), keys.count(mine[0])
+    keys = [k for k, _, _ in facts]
+    mine = keys[torch.distributed.get_rank(group)]  # facts come in the group's rank order
+    return decide(keys, [s for _, s, _ in facts], forced), keys.count(mine)
 
 
 __all__ = ["LocalRows", "IpcRows", "SymmetricRows", "ROWS", "choose_backend", "decide",
