@@ -10,23 +10,13 @@ through ``to_dlpack``.
 Run: python -m lamport_head.tuning.hostcost [rows]
 """
 
-import statistics
 import sys
-import time
 
 import torch
 
 from lamport_head.emulate import EmulatedGather
 
-
-def _median_us(fn, calls=400, reps=7):
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) * 1e6 / calls)
-    return statistics.median(out)
+from .harness import SOLO, _median_eager
 
 
 def main(rows=1, tp=2, vocab=163840):
@@ -70,8 +60,7 @@ def main(rows=1, tp=2, vocab=163840):
           f"torch fast DLPack exchange: {fast}; rows {rows}, tp {tp} (virtual), V {vocab}")
     base = None
     for name, fn in pieces.items():
-        us = _median_us(fn)
-        torch.cuda.synchronize(device)
+        _, us = _median_eager(fn, device, 400, 7, SOLO)  # host µs per call
         base = base or us
         print(f"{name:>28}: {us:7.2f} µs  ({us / base:4.2f}x add_)")
     for g in emu.ranks:
