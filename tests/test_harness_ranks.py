@@ -170,26 +170,25 @@ def test_a_trial_with_no_failure_times_on_every_rank(tmp_path):
 PEER = "PeerFailed: lamport-head: another rank failed "
 
 
-@pytest.mark.parametrize("fail, own, what", [
-    (("planted", 1), "OutOfMemoryError: injected: CUDA out of memory (planted)",
-     "to plant the stock path's data"),
-    (("planted", 2), "OutOfMemoryError: injected: CUDA out of memory (planted)",
-     "to plant the verification data"),
-    (("planted", 5), "OutOfMemoryError: injected: CUDA out of memory (planted)",
-     "to plant and allocate the trial's data"),
-    (("empty", 1), "OutOfMemoryError: injected: CUDA out of memory (empty)",
-     "to plant the stock path's data"),
-    (("empty", 2), "OutOfMemoryError: injected: CUDA out of memory (empty)",
-     "to plant the verification data"),
-    (("empty", 3), "OutOfMemoryError: injected: CUDA out of memory (empty)",
-     "to plant and allocate the trial's data"),
-    (("capture", 1), "RuntimeError: injected: graph capture failed",
-     "to capture the gather in a CUDA graph"),
+INJECTED = {"planted": "OutOfMemoryError: injected: CUDA out of memory (planted)",
+            "empty": "OutOfMemoryError: injected: CUDA out of memory (empty)",
+            "capture": "RuntimeError: injected: graph capture failed"}
+
+
+@pytest.mark.parametrize("fail, what", [
+    (("planted", 1), "to plant the stock path's data"),
+    (("planted", 2), "to plant the verification data"),
+    (("planted", 5), "to plant and allocate the trial's data"),
+    (("empty", 1), "to plant the stock path's data"),
+    (("empty", 2), "to plant the verification data"),
+    (("empty", 3), "to plant and allocate the trial's data"),
+    (("capture", 1), "to capture the gather in a CUDA graph"),
 ])
-def test_a_local_step_failing_on_one_rank_raises_on_every_rank(tmp_path, fail, own, what):
+def test_a_local_step_failing_on_one_rank_raises_on_every_rank(tmp_path, fail, what):
     """Planted call 1 is stock's, 2-4 verification's, 5 the timed data's; a [M, V]
     allocation 1 is stock's output buffer (``StockGather``: its calls allocate nothing),
     2 verification's stock buffer, 3 the trial's output."""
+    own = INJECTED[fail[0]]
     ranks = _run(tmp_path, fail)
     step = "stock" if fail in (("planted", 1), ("empty", 1)) else "lamport"
     assert ranks[1][step] == own
