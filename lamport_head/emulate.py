@@ -2,7 +2,7 @@
 
 Each virtual rank launches on its own stream (forked from and joined back into the
 caller's current stream), so the ranks' kernels run concurrently as real ranks
-would; they share one ``LocalRows`` peer table. All CTAs of all ranks must fit on
+would; they share one ``LocalMailbox`` peer table. All CTAs of all ranks must fit on
 the device at once (a rank's CTAs wait for the others' pushes): construction checks
 that and raises a clear error otherwise.
 """
@@ -13,7 +13,7 @@ import torch
 
 from .head_gather import BUDGET_S, HeadGather
 from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
-from .mailbox import LocalRows
+from .mailbox import LocalMailbox
 
 
 class EmulatedGather:
@@ -24,7 +24,7 @@ class EmulatedGather:
         self.device = torch.device(device)
         rows = frozenset(rows)
         self.tp, self.shard = tp, shard
-        self.box = LocalRows(self.device, tp, max(rows), tp * shard // 2)
+        self.box = LocalMailbox(self.device, tp, max(rows), tp * shard // 2)
         self.ranks = [HeadGather(None, self.device, tp, r, shard, rows, ctas, mailbox=self.box,
                                  threads=threads, unroll=unroll, pdl=pdl, budget_s=budget_s)
                       for r in range(tp)]

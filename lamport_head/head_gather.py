@@ -45,7 +45,7 @@ from .collective import agree, attempt
 from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, DEFAULT_UNROLL,
                                FRAGMENT_BF16, MARK_TOP, STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS,
                                STATUS_WORDS)
-from .mailbox import ROWS, choose_backend
+from .mailbox import MAILBOXES, choose_backend
 
 BUDGET_S = 2.0  # default spin budget per call
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -74,7 +74,7 @@ class HeadGather:
     """``gather(logits, stock)``: the Lamport gather for ``rows``; ``stock`` otherwise.
 
     ``ctas``: None (a heuristic), an int for every row count, or ``{rows: ctas}``.
-    ``mailbox``: a ``LocalRows`` shared by virtual ranks (one-GPU emulation); None
+    ``mailbox``: a ``LocalMailbox`` shared by virtual ranks (one-GPU emulation); None
     builds this rank's mailbox over ``group`` (None: the default group) with the
     ``backend`` chosen by ``mailbox.choose_backend``."""
 
@@ -100,7 +100,7 @@ class HeadGather:
             _, error = attempt(self._prepare, tp, rank, shard, rows, ctas, threads, unroll, pdl,
                                sharing, budget_s)
             agree(error, group, self.device, "to build the gather (checks, compile, occupancy)")
-            box, error = attempt(ROWS[kind], group, self.device, tp, rank, self.cap,
+            box, error = attempt(MAILBOXES[kind], group, self.device, tp, rank, self.cap,
                                  self.width // 2)
             agree(error, group, self.device, f"to allocate its {kind} mailbox")
             _, error = attempt(box.connect)

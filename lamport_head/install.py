@@ -218,7 +218,7 @@ class _View:
     autotune: bool
     serve_emulated: bool
     rows: tuple  # the rows first-use tuning measures among
-    key: object  # mailbox._device_key: equal keys mean ranks sharing one GPU
+    key: object  # mailbox.device_key: equal keys mean ranks sharing one GPU
 
     @property
     def agreed(self):
@@ -230,7 +230,7 @@ class _View:
 def _local_view(tp, dcp, device, name, rows):
     """(_View, None) or (None, why): this rank's reading of the tables, no collectives."""
     from . import autotune
-    from .mailbox import _device_key
+    from .mailbox import device_key
     from .table import TableError, load_table
 
     try:
@@ -249,7 +249,7 @@ def _local_view(tp, dcp, device, name, rows):
         (plan, real), (emulated_plan, emulated) = read(False), read(True)
         key = None
         try:
-            key = _device_key(device)
+            key = device_key(device)
         except Exception:  # no device key: first-use tuning will not guess
             pass
         return _View(plan, emulated_plan, real, emulated, on, autotune.serve_emulated(),

@@ -14,7 +14,7 @@ Backends, one interface (``peers``, ``tp``, ``cap``, ``words``, ``sharing``,
 - ``ipc``: a plain allocation whose CUDA IPC handle goes to every peer over the
   process group (torch's CUDA tensor sharing); for ranks that share a GPU (NCCL and
   symmetric memory both refuse that) or where symmetric memory is missing.
-- ``local``: ``tp`` virtual ranks in one process (``LocalRows``): tests, emulation.
+- ``local``: ``tp`` virtual ranks in one process (``LocalMailbox``): tests, emulation.
 
 Real-rank backends are built in two steps so that a local failure can never strand
 a peer inside a collective: the constructor only allocates (local), ``connect()``
@@ -59,7 +59,7 @@ def peer_table(bases, cap, words):
     return rows
 
 
-class _Rows:
+class _Mailbox:
     """What every backend shares: the armed layout of one or more boxes."""
 
     emulated = False
@@ -88,7 +88,7 @@ class _Rows:
         return self._split(box)[1]
 
 
-class LocalRows(_Rows):
+class LocalMailbox(_Mailbox):
     """``tp`` virtual ranks' boxes on one device, one shared peer table."""
 
     emulated = True
@@ -132,7 +132,7 @@ def exchange(export, group, tp=None, what="export"):
     return [blob for blob, _ in sent]
 
 
-class _ProcessRows(_Rows):
+class _ProcessMailbox(_Mailbox):
     """One box per process; ``connect()`` (collective) fills ``peers``."""
 
     def __init__(self, group, device, tp: int, rank: int, cap: int, words: int):
@@ -160,7 +160,7 @@ class _ProcessRows(_Rows):
         pass
 
 
-class IpcRows(_ProcessRows):
+class IpcMailbox(_ProcessMailbox):
     """A plain device allocation shared with every peer through CUDA IPC."""
 
     name = "ipc"
@@ -204,7 +204,7 @@ def symmetric_bases(buffer_ptrs, own_ptr: int, rank: int):
     return [p + offset for p in ptrs]
 
 
-class SymmetricRows(_ProcessRows):
+class SymmetricMailbox(_ProcessMailbox):
     """A torch symmetric-memory allocation (ranks on distinct GPUs)."""
 
     name = "symmetric"
@@ -252,10 +252,11 @@ class SymmetricRows(_ProcessRows):
         self.handle = None
 
 
-ROWS = {"ipc": IpcRows, "symmetric": SymmetricRows}
+# The real-rank backends by name: what ``choose_backend`` answers, what HeadGather builds.
+MAILBOXES = {"ipc": IpcMailbox, "symmetric": SymmetricMailbox}
 
 
-def _device_key(device):
+def device_key(device):
     props = torch.cuda.get_device_properties(device)
     uuid = getattr(props, "uuid", None)
     return socket.gethostname(), str(uuid) if uuid is not None else str(torch.device(device))
@@ -303,7 +304,7 @@ def choose_backend(group, device, backend=None):
     several hosts: none (``decide`` raises). A rank whose own facts fail still takes
     part, and then every rank raises."""
     forced = backend or os.environ.get(BACKEND_ENV) or None
-    facts = exchange(lambda: (_device_key(device), _symmetric_available(), forced), group,
+    facts = exchange(lambda: (device_key(device), _symmetric_available(), forced), group,
                      what="describe its GPU")
     asked = {f for _, _, f in facts}
     if len(asked) > 1:
@@ -313,5 +314,5 @@ def choose_backend(group, device, backend=None):
     return decide(keys, [s for _, s, _ in facts], forced), keys.count(mine)
 
 
-__all__ = ["LocalRows", "IpcRows", "SymmetricRows", "ROWS", "choose_backend", "decide",
-           "exchange", "peer_table", "symmetric_bases"]
+__all__ = ["LocalMailbox", "IpcMailbox", "SymmetricMailbox", "MAILBOXES", "choose_backend",
+           "decide", "device_key", "exchange", "peer_table", "symmetric_bases"]

@@ -75,7 +75,7 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts):
     os.environ.update(env, LAMPORT_HEAD_CACHE=cache)
     _fake_cuda(setattr, rank, "ok")
     host = f"host{rank}" if fail == "hosts" else "host"  # "hosts": one rank per host
-    mailbox._device_key = lambda device: (host, "gpu" if shared else f"gpu{rank}")
+    mailbox.device_key = lambda device: (host, "gpu" if shared else f"gpu{rank}")
     autotune.facts = lambda: dict(facts)
     timed = []
 

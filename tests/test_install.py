@@ -56,7 +56,7 @@ def _fake_cuda(monkeypatch_like, rank, case):
         self.ctas = {m: c for m, (_, c) in self._route.items()}
         self._open_status(budget_s)
 
-    class CpuRows(mailbox._ProcessRows):
+    class CpuRows(mailbox._ProcessMailbox):
         def _allocate(self, count):
             if step == "alloc" and rank == fail_rank:
                 raise MemoryError("injected: mailbox allocation refused")
@@ -69,8 +69,8 @@ def _fake_cuda(monkeypatch_like, rank, case):
             self.peers = torch.tensor(mailbox.peer_table(bases, self.cap, self.words))
 
     set_(head_gather.HeadGather, "_prepare", prepare)
-    set_(head_gather, "ROWS", {"ipc": CpuRows, "symmetric": CpuRows})
-    set_(mailbox, "_device_key", lambda device: ("host", "the one GPU"))
+    set_(head_gather, "MAILBOXES", {"ipc": CpuRows, "symmetric": CpuRows})
+    set_(mailbox, "device_key", lambda device: ("host", "the one GPU"))
     set_(head_gather, "_raw_stream", lambda index: 0)
     set_(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
         wait_stream=lambda other: None))

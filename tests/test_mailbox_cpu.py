@@ -1,8 +1,8 @@
 """The real-rank mailboxes' connect() and the backend choice on gloo processes (CPU):
 every rank issues the same collectives in the same order, whatever fails on one
-rank. The IPC box is the real ``IpcRows`` (torch's tensor sharing works on CPU
+rank. The IPC box is the real ``IpcMailbox`` (torch's tensor sharing works on CPU
 tensors too); symmetric memory is a stand-in module whose rendezvous is a gloo
-collective, driving the real ``SymmetricRows.connect``. A rank stranded in a
+collective, driving the real ``SymmetricMailbox.connect``. A rank stranded in a
 collective fails the test at spawn's deadline."""
 
 import sys
@@ -47,7 +47,7 @@ def _ipc_worker(rank, nprocs, failing):
             raise RuntimeError("injected: cannot export an IPC handle")
 
         reduction.ForkingPickler.dumps = refuse
-    box = mailbox.IpcRows(None, "cpu", nprocs, rank, CAP, WORDS)
+    box = mailbox.IpcMailbox(None, "cpu", nprocs, rank, CAP, WORDS)
     box.box.fill_(100 + rank)
     agreed, error = _connect_agreed(box)
     seen = None if agreed else [int(box.peer_view(p)[0]) for p in range(nprocs)]
@@ -93,7 +93,7 @@ def _fake_symmetric_memory(rank, past):
 def _symmetric_worker(rank, nprocs, case):
     failing = int(case.split("@")[1])
     _fake_symmetric_memory(rank, failing if case.startswith("past@") else -1)
-    box = mailbox.SymmetricRows(None, "cpu", nprocs, rank, CAP, WORDS)
+    box = mailbox.SymmetricMailbox(None, "cpu", nprocs, rank, CAP, WORDS)
     if case == f"unimportable@{rank}":
         # After allocation (agreed), this rank could no longer import the module: a
         # local step of connect's before torch's rendezvous would now fail alone.
@@ -124,7 +124,7 @@ def test_symmetric_derivation_failing_on_one_rank_names_it_on_every_rank(tmp_pat
 # ---- the backend choice -------------------------------------------------------------
 
 def _choose_worker(rank, nprocs, hosts):
-    mailbox._device_key = lambda device: (hosts[rank], f"gpu{rank}")
+    mailbox.device_key = lambda device: (hosts[rank], f"gpu{rank}")
     mailbox._symmetric_available = lambda: True
     try:
         outcome = list(mailbox.choose_backend(None, "cpu"))

@@ -115,7 +115,7 @@ def _medians(figures):
     return statistics.median(gpu), statistics.median(host)
 
 
-def _median_eager(fn, device, calls, reps, step):
+def median_eager(fn, device, calls, reps, step):
     """Median (GPU µs, host µs) per call of ``calls`` back-to-back ``fn()``.
 
     ``fn`` runs ``calls`` times per repetition on every rank whatever failed locally
@@ -258,7 +258,7 @@ class EmulatedTarget:
             return None
         shards = self._shards(rows)
         gather.host_s = 0.0
-        eager, _ = _median_eager(lambda: gather(shards), self.device, self.calls, self.reps,
+        eager, _ = median_eager(lambda: gather(shards), self.device, self.calls, self.reps,
                                  SOLO)
         host = gather.host_s / (self.calls * self.reps * self.tp)  # inside HeadGather calls
         # Each rank on its own stream, no per-step join (as real ranks run): a fork
@@ -301,7 +301,7 @@ class EmulatedTarget:
     def stock(self, rows):
         shards = self._shards(rows)
         step = lambda: torch.cat(shards, dim=1)  # noqa: E731
-        eager, host = _median_eager(step, self.device, self.calls, self.reps, SOLO)
+        eager, host = median_eager(step, self.device, self.calls, self.reps, SOLO)
         gpu = gated_gpu_us(lambda n: [step() for _ in range(n)], self.device, self.replays,
                             self.reps)
         return Timing(eager, gpu, host)
@@ -430,7 +430,7 @@ class DistributedTarget:
         x = step.local(planted, rows, self.shard, device=self.device)
         out = step.local(torch.empty, rows, self.vocab, dtype=torch.bfloat16, device=self.device)
         step.meet("to plant and allocate the trial's data")
-        eager, host = _median_eager(lambda: self._call(gather, x, failed), self.device,
+        eager, host = median_eager(lambda: self._call(gather, x, failed), self.device,
                                     self.calls, self.reps, step)
         # the kernel keeps the parity: captured launches continue the call sequence
         graph, graph_host = _median_graph(lambda: (gather.launch(x, out, plan.ctas),
@@ -460,7 +460,7 @@ class DistributedTarget:
         x = step.local(planted, rows, self.shard, device=self.device)
         step.meet("to plant the stock path's data")
         call = lambda: stock(x)  # noqa: E731
-        eager, host = _median_eager(call, self.device, self.calls, self.reps, step)
+        eager, host = median_eager(call, self.device, self.calls, self.reps, step)
         graph = graph_host = math.nan  # gloo's host copies cannot be captured
         if not self.ranks.shared:
             graph, graph_host = _median_graph(lambda: (call(), call()), self.device,

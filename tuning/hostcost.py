@@ -16,7 +16,7 @@ import torch
 
 from lamport_head.emulate import EmulatedGather
 
-from .harness import SOLO, _median_eager
+from .harness import SOLO, median_eager
 
 
 def main(rows=1, tp=2, vocab=163840):
@@ -60,7 +60,7 @@ def main(rows=1, tp=2, vocab=163840):
           f"torch fast DLPack exchange: {fast}; rows {rows}, tp {tp} (virtual), V {vocab}")
     base = None
     for name, fn in pieces.items():
-        _, us = _median_eager(fn, device, 400, 7, SOLO)  # host µs per call
+        _, us = median_eager(fn, device, 400, 7, SOLO)  # host µs per call
         base = base or us
         print(f"{name:>28}: {us:7.2f} µs  ({us / base:4.2f}x add_)")
     for g in emu.ranks:

@@ -332,7 +332,7 @@ def install(args, ranks, calls):
     import tempfile
 
     from lamport_head import install_logits_gather
-    from lamport_head.mailbox import IpcRows, SymmetricRows
+    from lamport_head.mailbox import IpcMailbox, SymmetricMailbox
 
     shard = args.vocab // ranks.world
     served = [r for r in calls.rows if r != calls.rows[-2]]  # one row count stays stock
@@ -351,7 +351,7 @@ def install(args, ranks, calls):
     if args.fail_alloc_rank == ranks.rank:
         def refuse(self, count):
             raise torch.cuda.OutOfMemoryError("injected: mailbox allocation refused")
-        IpcRows._allocate = SymmetricRows._allocate = refuse
+        IpcMailbox._allocate = SymmetricMailbox._allocate = refuse
     model, stock_calls = _vllm_shaped(ranks, shard)
     got = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device)
     from lamport_head.table import load_table
