@@ -22,8 +22,10 @@ One launch per call. ``Gather.kernel`` is the protocol, step by step
    holds now may be such a push (NaN instead, until ``reset`` re-arms);
 4. on its own time-out, ``mark_peers``: the missing ranks and the mark in every
    rank's control block; on any give-up, ``publish`` the host flag when the failed
-   call was an earlier one (the protocol's "flag waits one call");
-5. ``advance`` the epoch (the launch's last CTA, once).
+   call was an earlier one (the protocol's "flag waits one call"; recoverable only);
+5. ``advance`` the epoch (the launch's last CTA, once); compiled with ``stop``
+   (serving), that CTA instead records and traps when the mark is set
+   (``record_and_stop``): no later kernel of the stream runs on this step's data.
 
 With PDL the kernel waits (``griddepcontrol.wait``) before reading the shard: the
 shard is the previous kernel's output, and the previous gather on this stream must
@@ -47,15 +49,16 @@ class Gather:
     """One compiled gather for ``tp`` ranks of ``shard_words`` words per row.
 
     Compile-time: tp, shard width, threads per CTA, fragments in flight per thread
-    (``unroll``) and PDL. Run-time: M (the shard's rows), the CTA count, the rank,
+    (``unroll``), PDL and ``stop`` (serving's give-up: trap; see ``protocol``). Run-time: M (the shard's rows), the CTA count, the rank,
     the spin budget and the status record's address; the parity comes from the
     rank's epoch in device memory."""
 
-    def __init__(self, tp: int, shard_words: int, threads: int, unroll: int, pdl: bool):
+    def __init__(self, tp: int, shard_words: int, threads: int, unroll: int, pdl: bool,
+                 stop: bool = False):
         if shard_words % WORDS:
             raise ValueError(f"shard of {shard_words} words is not whole 16-byte fragments")
         self.tp, self.shard_words, self.threads = tp, shard_words, threads
-        self.unroll, self.pdl = unroll, pdl
+        self.unroll, self.pdl, self.stop = unroll, pdl, stop
 
     @cute.jit
     def __call__(self, shard: cute.Tensor, out: Int64, peers: Int64, rank: Int32, ctas: Int32,
@@ -125,6 +128,7 @@ class Gather:
             base = base + stride * unroll
         if cause == CAUSE_TIMEOUT:
             mark_peers(controls, missing, epoch, tp)
-        if cause != 0:
-            publish(status, own_control, epoch, tp)
-        advance(own_control, epoch, grid, tid)
+        if cutlass.const_expr(not self.stop):
+            if cause != 0:
+                publish(status, own_control, epoch, tp)
+        advance(own_control, epoch, grid, tid, status, tp, self.stop)

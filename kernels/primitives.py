@@ -16,6 +16,8 @@ fragment is published or armed as a whole:
   fail-stop mark in every mailbox and the host-visible status record): details are
   stored, then ``fence.sc.sys``, then the flag, so a reader that sees the flag sees
   the details.
+- ``trap``: a gather that gives up in a serving process stops its context, after
+  its record is out (``steps.record_and_stop``).
 
 Pointer operands are raw 64-bit global addresses (``Int64``).
 """
@@ -127,6 +129,13 @@ def atomic_max_word_sys(address, value, *, loc=None, ip=None):
 def fence_sys(*, loc=None, ip=None):
     """Orders this thread's earlier stores before its later ones at system scope."""
     _asm("fence.sc.sys;", "~{memory}", [], 0, True, loc, ip)
+
+
+@_op
+def trap(*, loc=None, ip=None):
+    """Stops the kernel and with it the CUDA context of this process: every later
+    stream operation (the engine's next copy of this step's tokens) raises."""
+    _asm("trap;", "~{memory}", [], 0, True, loc, ip)
 
 
 @_op

@@ -31,6 +31,21 @@ flag, so every rank's flag comes from its call ``s + 1``: a host that syncs once
 per step (as a serving loop does) raises at call ``s + 2`` on every rank alike.
 Calls ``s`` and ``s + 1`` return NaN where fragments are missing, never stale bytes.
 
+Two ways to give up, chosen at compile time (``stop``), one per gather:
+
+- recoverable (``stop=False``; tools, tuning, tests): as above. Calls ``s`` and
+  ``s + 1`` hand out NaN where fragments are missing, every rank raises from ``s + 2``
+  until a collective ``reset``. A caller that must never use such a step syncs and
+  calls ``check()``.
+- stop (``stop=True``; serving: engines never call ``check()``): a launch that gives
+  up, or begins marked, ends in ``trap`` once all its CTAs are done: the last CTA
+  copies the failed epoch and the missing ranks into the status record, fences,
+  raises the flag, then traps. The context is gone before any later kernel of the
+  stream (the sampler, the copy of the tokens to the host) can run, so no value of
+  a step with missing data is ever used; the engine's next CUDA call raises, and the
+  host names the missing ranks from the status record (pinned host memory, readable
+  with the context dead). Peers stop too: the give-up marked every rank's mailbox.
+
 Status record (host-visible, one per rank; the kernel writes it, the host reads it
 without a device sync): ``STATUS_EPOCH`` is the call ``s`` that failed and
 ``STATUS_PEERS + r`` is 1 for each rank recorded missing (both copied from the

@@ -19,6 +19,8 @@ Invariants every step keeps:
   kernel stops at once; ``publish``: details, then ``fence_sys``, then the flag.
 - ``epoch_of``/``advance``: every CTA reads the epoch before any CTA of the launch
   can advance it; only the launch's last CTA advances it, once.
+- ``record_and_stop`` (serving only): the record, a fence, the flag, a fence, then
+  ``trap``; only the launch's last CTA, after every CTA delivered and marked.
 """
 
 import cutlass
@@ -27,7 +29,7 @@ from cutlass import Int32, Int64, Uint32
 
 from .primitives import (armed, atomic_add_word, atomic_max_word_sys, fence_sys, load,
                          load_address, load_volatile, load_word_volatile, scrub, store, store_sys,
-                         store_word, store_word_sys)
+                         store_word, store_word_sys, trap)
 from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, EPOCH_SPAN,
                        MARK_TOP, NAN_PAIR, SENTINEL, STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, WORDS)
 
@@ -47,15 +49,39 @@ def epoch_of(control: Int64) -> Int32:
 
 
 @cute.jit
-def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32):
+def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64,
+            tp: cutlass.Constexpr, stop: cutlass.Constexpr):
     """The last CTA to finish moves the epoch on (modulo ``EPOCH_SPAN``). Every thread
     read ``epoch`` before its CTA reached the barrier, so no CTA of this launch can see
-    the new value."""
+    the new value. With ``stop`` (serving), the last CTA of a launch that finds the
+    mark set (it gave up, began marked, or a peer gave up meanwhile) stops the
+    context instead (``record_and_stop``): every CTA has delivered by then, so every
+    thread's missing ranks are in the control block."""
     cute.arch.sync_threads()
     if tid == 0:
         if atomic_add_word(control + CONTROL_DONE * 4, 1) == Uint32(grid - 1):
+            if cutlass.const_expr(stop):
+                fence_sys()  # the other CTAs' marks and missing ranks before the read
+                if mark_of(control) != 0:
+                    record_and_stop(status, control, tp)
             store_word(control + CONTROL_DONE * 4, 0)
             store_word(control + CONTROL_EPOCH * 4, (epoch + 1) & Int32(EPOCH_SPAN - 1))
+
+
+@cute.jit
+def record_and_stop(status: Int64, own_control: Int64, tp: cutlass.Constexpr):
+    """Serving's give-up: the failed epoch and the missing ranks (from the mark's
+    control block) into the status record, a fence, the flag, then ``trap``. The
+    record is out before the context dies, so the host can name the ranks."""
+    failed = Int32(MARK_TOP) - mark_of(own_control)
+    for p in cutlass.range_constexpr(tp):
+        if load_word_volatile(own_control + (CONTROL_MISSING + p) * 4) != Uint32(0):
+            store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
+    store_word_sys(status + STATUS_EPOCH * 4, failed)
+    fence_sys()
+    store_word_sys(status + STATUS_FLAG * 4, 1)
+    fence_sys()
+    trap()
 
 
 @cute.jit
@@ -177,4 +203,4 @@ def publish(status: Int64, own_control: Int64, epoch: Int32, tp: cutlass.Constex
 
 
 __all__ = ["epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
-           "publish", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]
+           "publish", "record_and_stop", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]

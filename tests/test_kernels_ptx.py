@@ -51,3 +51,18 @@ def test_compile_cache_and_validation():
         compile_gather(2, 512, threads=96)
     with pytest.raises(ValueError, match="unroll"):
         compile_gather(2, 512, unroll=0)
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_serving_variant_traps_after_its_record_and_only_it(tp):
+    """The stop (serving) variant ends a give-up in ``trap``, after the flag's store
+    and a fence; the recoverable variant never traps (NaN, raise, reset)."""
+    recoverable = compile_gather(tp, 163840 // tp // 2)
+    serving = compile_gather(tp, 163840 // tp // 2, stop=True)
+    assert serving is not recoverable  # ``stop`` is part of the compile key
+    assert not re.search(r"\btrap;", recoverable.ptx)
+    assert len(re.findall(r"\btrap;", serving.ptx)) == 1
+    body = serving.ptx[:serving.ptx.index("trap;")]
+    last_flag = body.rindex("st.relaxed.sys.global.u32")
+    assert "fence.sc.sys" in body[last_flag:]  # record, fence, flag, fence, trap
+    assert "multimem" not in serving.ptx and "%globaltimer" in serving.ptx
