@@ -25,8 +25,9 @@ def _port():
         return s.getsockname()[1]
 
 
-def launch(n, *args, timeout=300):
-    """``n`` ranks of the real-rank tool; (return codes, stdout+stderr per rank, wall s)."""
+def launch(n, *args, timeout=300, program=None):
+    """``n`` ranks of the real-rank tool (or of ``program``, argv before ``args``);
+    (return codes, stdout+stderr per rank, wall s)."""
     port = _port()
     procs = []
     start = time.monotonic()
@@ -37,7 +38,8 @@ def launch(n, *args, timeout=300):
                    NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
         if torch.cuda.device_count() > 1:
             env["CUDA_VISIBLE_DEVICES"] = "0"  # the one-GPU mode even on a larger machine
-        procs.append(subprocess.Popen([sys.executable, "-m", "lamport_head.tuning.ranks", *args],
+        argv = program or ["-m", "lamport_head.tuning.ranks"]
+        procs.append(subprocess.Popen([sys.executable, *argv, *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     outs, codes = [], []
@@ -147,3 +149,48 @@ def test_first_use_tuning_measures_once_writes_emulated_and_serves_bitwise(tmp_p
         assert ("measured nothing" in line) == (expect == "no")
     sections = load_table(user_path()).sections  # the ranks inherit LAMPORT_HEAD_CACHE
     assert sections and all(s.emulated for s in sections)
+
+
+ENGINE_STEP = [os.path.join(os.path.dirname(__file__), "engine_step.py")]
+
+
+def _engine_reports(outs):
+    import json
+
+    found = [[json.loads(x[len("engine-step "):]) for x in o.splitlines()
+              if x.startswith("engine-step ")] for o in outs]
+    assert all(f for f in found), _show(outs)
+    return [f[-1] for f in found]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("fault", ["kill", "stall"])
+def test_engine_shaped_steps_never_put_a_wrong_token_on_a_host(n, fault):
+    """Issue 19's "Done when": gather -> argmax -> tokens to the host each step, no
+    check(), real data (no planted NaN: a NaN column would change the argmax); the
+    last rank is killed, or stalls on its host past the budget, at step 60. No host
+    receives a wrong token; every rank still running stops within budget + 1 s of
+    the step that could not finish, its log naming the missing rank; then a fresh
+    group on this GPU serves bitwise."""
+    budget, at, bad = 2.0, 60, n - 1
+    flag = ["--kill-rank", str(bad)] if fault == "kill" else ["--stall-rank", str(bad),
+                                                              "--stall-s", str(budget + 2)]
+    codes, outs, _ = launch(n, "--steps", "400", "--at", str(at), "--budget", str(budget),
+                            *flag, timeout=240, program=ENGINE_STEP)
+    reports = _engine_reports(outs)
+    print()
+    for r in reports:
+        print(f"  {fault} n={n} rank {r['rank']}: {r['steps']} steps' tokens on the host, "
+              f"{r['wrong']} wrong; stopped {r.get('stopped_after_s')} s into step "
+              f"{r.get('failed_step')}: {r['error']}; log: {r['log'][-1:] }")
+    assert all(r["served"] for r in reports), _show(outs)  # the Lamport path, not stock
+    assert sum(r["wrong"] for r in reports) == 0, _show(outs)
+    stopped = [r for r in reports if not r.get("killed")]
+    assert len(stopped) == (n - 1 if fault == "kill" else n)
+    for r in stopped:
+        assert r["error"] is not None and r["steps"] <= at + 1, _show(outs)
+        assert r["stopped_after_s"] < budget + 1.0 + (budget + 2 if r["rank"] == bad else 0)
+        assert any(f"rank(s) {bad}" in line for line in r["log"]), _show(outs)
+    # the GPU serves the next process group
+    codes, outs, _ = launch(2, "--calls", "30")
+    assert codes == [0, 0], _show(outs)

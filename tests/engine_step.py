@@ -1,0 +1,119 @@
+"""One rank of an engine-shaped decode loop, run as a process (``tests/test_multiproc.py``).
+
+What vLLM does every decode step, and nothing more: the logits gather (routed by
+``install_logits_gather``, as the plugin does), a greedy sample (argmax), the tokens
+copied to the host. No ``check()``, no ``reset()``, no sync beyond the copy. The
+data is real (random BF16, no planted NaN), so a NaN column where a peer's
+fragments are missing would change the argmax: a wrong token is visible.
+
+Faults (one rank): ``--kill-rank R --at S`` exits after step S-1's tokens reached its
+host; ``--stall-rank R --at S --stall-s T`` sleeps T seconds on the host before step S
+(a GC pause, a host stall). Every rank prints one ``engine-step`` JSON line: the
+steps whose tokens reached its host, how many differ from the reference tokens,
+the error that stopped it (type and text), the seconds from the start of the step
+that failed to the error, and the lamport-head log lines (which name the missing
+ranks). Each rank checks its tokens against the reference on its own CPU (every
+rank builds every shard from the step's seed), so nothing needs a live peer.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import types
+
+import torch
+
+
+def _args(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--vocab", type=int, default=163840)
+    p.add_argument("--rows", default="1,2,4,8")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--budget", type=float, default=2.0)
+    p.add_argument("--kill-rank", type=int)
+    p.add_argument("--stall-rank", type=int)
+    p.add_argument("--stall-s", type=float, default=4.0)
+    p.add_argument("--at", type=int, default=60)
+    return p.parse_args(argv)
+
+
+def _shards(step, rows, tp, shard):
+    """Every rank's ``[rows, shard]`` BF16 logits of ``step`` (host; the same on every rank)."""
+    g = torch.Generator().manual_seed(1_000_003 * step + 7)
+    full = torch.randn(rows, tp * shard, generator=g).to(torch.bfloat16)
+    return full, [full[:, r * shard:(r + 1) * shard].contiguous() for r in range(tp)]
+
+
+def _table(ranks, rows):
+    """A real-rank section serving ``rows`` on this GPU (every rank writes its own copy)."""
+    name = torch.cuda.get_device_name(ranks.device)
+    text = (f"schema: 1\ndevices:\n  {name}:\n  - tp: {ranks.world}\n    dcp: 1\n    rows:\n"
+            + "".join(f"      {m}: {{ctas: 8, enabled: true}}\n" for m in rows))
+    fd, path = tempfile.mkstemp(suffix=".yaml")
+    os.write(fd, text.encode())
+    os.close(fd)
+    return path
+
+
+def main(argv=None):
+    from lamport_head import install_logits_gather
+    from lamport_head.procs import init_ranks
+    from lamport_head.stock import all_gather_logits
+
+    args = _args(argv)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("lamport_head").addHandler(handler)
+    logging.getLogger("lamport_head").setLevel(logging.INFO)
+
+    ranks = init_ranks()
+    rows = sorted(int(x) for x in args.rows.split(","))
+    shard = args.vocab // ranks.world
+    os.environ["LAMPORT_HEAD_TABLE"] = _table(ranks, rows)
+    os.environ["LAMPORT_HEAD_BUDGET_S"] = str(args.budget)  # the user's setting, agreed
+    lp = types.SimpleNamespace(logits_as_input=False, head_dtype=None, use_all_gather=True,
+                               _gather_logits=lambda x: all_gather_logits(x, ranks.group))
+    head = types.SimpleNamespace(weight=torch.zeros(shard, 16, dtype=torch.bfloat16,
+                                                    device=ranks.device), tp_size=ranks.world)
+    model = types.SimpleNamespace(logits_processor=lp, lm_head=head)
+    served = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device)
+
+    report = {"rank": ranks.rank, "served": list(served), "steps": 0, "wrong": 0,
+              "wrong_steps": [], "error": None, "stopped_after_s": None}
+    step, started = 0, time.monotonic()
+    try:
+        for step in range(args.steps):
+            if step == args.at and ranks.rank == args.kill_rank:
+                report["killed"] = True
+                print("engine-step " + json.dumps(report), flush=True)
+                os._exit(0)  # gone without a word: its peers wait for pushes that never come
+            if step == args.at and ranks.rank == args.stall_rank:
+                time.sleep(args.stall_s)
+            m = rows[step % len(rows)]
+            full, shards = _shards(step, m, ranks.world, shard)
+            want = full.float().argmax(dim=-1)
+            started = time.monotonic()
+            logits = lp._gather_logits(shards[ranks.rank].to(ranks.device))
+            tokens = logits.argmax(dim=-1).cpu()  # the engine's copy of the tokens
+            report["steps"] += 1
+            if not torch.equal(tokens, want):
+                report["wrong"] += 1
+                report["wrong_steps"].append(step)
+    except Exception as exc:  # what the engine's worker would see
+        report["stopped_after_s"] = round(time.monotonic() - started, 3)
+        report["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        report["failed_step"] = step
+        time.sleep(0.3)  # the watcher's line, if it is still on its way
+    report["log"] = [x for x in lines if "lamport-head" in x][-6:]
+    print("engine-step " + json.dumps(report), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # no teardown: a peer may be gone, and a stopped context cannot sync
+
+
+if __name__ == "__main__":
+    main()
