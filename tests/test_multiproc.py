@@ -189,7 +189,7 @@ def test_engine_shaped_steps_never_put_a_wrong_token_on_a_host(n, fault):
     assert len(stopped) == (n - 1 if fault == "kill" else n)
     for r in stopped:
         assert r["error"] is not None and r["steps"] <= at + 1, _show(outs)
-        assert r["stopped_after_s"] < budget + 1.0 + (budget + 2 if r["rank"] == bad else 0)
+        assert r["stopped_after_s"] < budget + 1.0, _show(outs)
         assert any(f"rank(s) {bad}" in line for line in r["log"]), _show(outs)
     # the GPU serves the next process group
     codes, outs, _ = launch(2, "--calls", "30")
