@@ -9,11 +9,16 @@ in this process: the table the kernel pushes through.
 Backends, one interface (``peers``, ``tp``, ``cap``, ``words``, ``sharing``,
 ``emulated``, ``arm()``, ``armed()``, ``barrier()``, ``close()``):
 
-- ``symmetric``: torch symmetric memory (``empty`` + ``rendezvous``, peer pointers
-  only, multicast never asked for) for ranks on distinct GPUs.
 - ``ipc``: a plain allocation whose CUDA IPC handle goes to every peer over the
-  process group (torch's CUDA tensor sharing); for ranks that share a GPU (NCCL and
-  symmetric memory both refuse that) or where symmetric memory is missing.
+  process group (torch's CUDA tensor sharing): every rank of one host, on distinct
+  GPUs (torch opens the handles with peer access enabled) or sharing one (NCCL and
+  symmetric memory both refuse that). Creates no multicast object, whatever the
+  environment says.
+- ``symmetric``: torch symmetric memory (``empty`` + ``rendezvous``, peer pointers
+  only), only where ranks span hosts of one multi-node NVLink domain (forced). Its
+  rendezvous binds an NVLink multicast object unless told not to, so multicast is
+  switched off in this process before the first allocation, and the allocation
+  refuses to go on if torch still reports multicast support (``multicast_off``).
 - ``local``: ``tp`` virtual ranks in one process (``LocalMailbox``): tests, emulation.
 
 Real-rank backends are built in two steps so that a local failure can never strand
@@ -39,6 +44,26 @@ from .kernels.protocol import (CONTROL_EPOCH, MAX_TP, PEER_CONTROL, PEER_ROWS, S
 
 BACKEND_ENV = "LAMPORT_HEAD_MAILBOX"
 BACKENDS = ("symmetric", "ipc")
+MULTICAST_OFF_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"  # read by torch at rendezvous
+
+
+def multicast_off(symm_mem, device):
+    """Before torch symmetric memory's first use in this process: no multicast. Sets
+    torch's switch (the rendezvous reads it) and checks that torch now reports no
+    multicast support for ``device``; raises otherwise (a rank failing here fails in
+    the allocation step, which the ranks agree on), so the library never creates an
+    NVLink multicast object (a program that does can take a shared host's GPUs out
+    of service)."""
+    os.environ[MULTICAST_OFF_ENV] = "1"
+    probe = getattr(getattr(symm_mem, "_SymmetricMemory", None), "has_multicast_support", None)
+    if probe is None or torch.device(device).type != "cuda":
+        return
+    from torch._C._autograd import DeviceType
+
+    if probe(DeviceType.CUDA, torch.device(device).index):
+        raise RuntimeError(f"torch symmetric memory still reports NVLink multicast on {device} "
+                           f"with {MULTICAST_OFF_ENV}=1 (read before we could set it?): "
+                           "refusing to allocate a mailbox that would bind a multicast object")
 
 
 def _check(tp, cap, words):
@@ -216,6 +241,7 @@ class SymmetricMailbox(_ProcessMailbox):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
+        multicast_off(symm_mem, self.device)
         self._symm_mem = symm_mem
         self._symm_group = self.group if self.group is not None else dist.group.WORLD
         return symm_mem.empty(count, dtype=torch.int32, device=self.device)
@@ -276,12 +302,14 @@ def decide(keys, symmetric, forced=None):
     has symmetric memory: a pure function of gathered facts, so ranks cannot differ
     (when it raises, every rank raises the same error).
 
-    Both backends hand the kernel peer pointers. CUDA IPC maps memory of the ranks'
-    own host only; symmetric memory reaches other hosts only inside one multi-node
-    NVLink domain (GB200 NVL72), which these facts cannot tell from separate hosts.
-    So ranks on several hosts get an error that names the hosts (install: every rank
-    stock), unless every rank was told ``symmetric`` (the operator vouches for the
-    NVLink domain; the rendezvous then decides)."""
+    Both backends hand the kernel peer pointers. Ranks of one host take CUDA IPC
+    (whether they share a GPU or not: it needs no multicast, and no symmetric-memory
+    support); CUDA IPC maps memory of the ranks' own host only; symmetric memory
+    reaches other hosts only inside one multi-node NVLink domain (GB200 NVL72), which
+    these facts cannot tell from separate hosts. So ranks on several hosts get an
+    error that names the hosts (install: every rank stock), unless every rank was
+    told ``symmetric`` (the operator vouches for the NVLink domain; the rendezvous
+    then decides)."""
     if forced and forced not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={forced!r}: expected one of {', '.join(BACKENDS)}")
     hosts = sorted({str(host) for host, _ in keys})
@@ -290,18 +318,17 @@ def decide(keys, symmetric, forced=None):
                            f"({', '.join(hosts)}); a Lamport mailbox maps peers' memory "
                            f"within one host, or one multi-node NVLink domain with "
                            f"{BACKEND_ENV}=symmetric on every rank")
-    if forced:
-        return forced
-    if len(set(keys)) < len(keys) or not all(symmetric):
-        return "ipc"
-    return "symmetric"
+    if forced == "symmetric" and not all(symmetric):
+        lacking = [r for r, ok in enumerate(symmetric) if not ok]
+        raise RuntimeError(f"lamport-head: {BACKEND_ENV}=symmetric, but rank(s) {lacking} "
+                           "have no torch symmetric memory")
+    return forced or "ipc"
 
 
 def choose_backend(group, device, backend=None):
     """Collective: ``(backend, ranks on this GPU)``, the backend the same on every
-    rank. ``backend`` (or ``$LAMPORT_HEAD_MAILBOX``) forces one; else ipc where ranks
-    share a GPU or a rank lacks symmetric memory, symmetric otherwise; ranks on
-    several hosts: none (``decide`` raises). A rank whose own facts fail still takes
+    rank. ``backend`` (or ``$LAMPORT_HEAD_MAILBOX``) forces one; else ipc (the ranks
+    of one host); ranks on several hosts: none (``decide`` raises). A rank whose own facts fail still takes
     part, and then every rank raises."""
     forced = backend or os.environ.get(BACKEND_ENV) or None
     facts = exchange(lambda: (device_key(device), _symmetric_available(), forced), group,

@@ -37,3 +37,23 @@ def test_symmetric_box_address_after_other_allocations(one_rank_group):
     assert view.data_ptr() == box.data_ptr() and torch.equal(view, box)
     print(f"\nbuffer_ptrs[0] = {int(handle.buffer_ptrs[0]):#x}, box = {box.data_ptr():#x}, "
           f"offset {offset * 4} B (torch {torch.__version__})")
+
+
+def test_a_symmetric_mailbox_binds_no_multicast_object(one_rank_group, monkeypatch):
+    """The real SymmetricMailbox on a one-rank group, the environment asking for
+    multicast (switch unset): the mailbox switches multicast off before torch's first
+    allocation, torch then reports no multicast support, and the handle carries no
+    multicast address."""
+    import torch.distributed._symmetric_memory as symm_mem
+    from torch._C._autograd import DeviceType
+
+    from lamport_head import mailbox
+
+    monkeypatch.delenv(mailbox.MULTICAST_OFF_ENV, raising=False)
+    device = one_rank_group
+    box = mailbox.SymmetricMailbox(None, device, 2, 0, 1, 8)  # allocate: local step
+    assert symm_mem._SymmetricMemory.has_multicast_support(DeviceType.CUDA, device.index) is False
+    handle = symm_mem.rendezvous(box.box, dist.group.WORLD)
+    assert int(getattr(handle, "multicast_ptr", 0) or 0) == 0
+    print(f"\nmulticast support before: see NOTES; after multicast_off: False; handle "
+          f"multicast_ptr {getattr(handle, 'multicast_ptr', None)}")

@@ -265,9 +265,12 @@ def test_backend_choice_is_a_function_of_every_ranks_facts():
     from lamport_head.mailbox import decide
 
     distinct = [("h", "gpu0"), ("h", "gpu1")]
-    assert decide(distinct, [True, True]) == "symmetric"
+    assert decide(distinct, [True, True]) == "ipc"  # one host: CUDA IPC, never multicast
     assert decide([("h", "gpu0"), ("h", "gpu0")], [True, True]) == "ipc"  # a shared GPU
     assert decide(distinct, [True, False]) == "ipc"  # a rank without symmetric memory
     assert decide(distinct, [True, True], "ipc") == "ipc"  # forced
+    assert decide(distinct, [True, True], "symmetric") == "symmetric"  # forced
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] have no torch symmetric memory"):
+        decide(distinct, [True, False], "symmetric")
     with pytest.raises(ValueError, match="LAMPORT_HEAD_MAILBOX='nvls'"):
         decide(distinct, [True, True], "nvls")

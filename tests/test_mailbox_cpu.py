@@ -133,9 +133,11 @@ def _choose_worker(rank, nprocs, hosts):
     return {"outcome": outcome, "in_step": _in_step()}
 
 
-def test_ranks_on_one_host_get_symmetric_memory(tmp_path):
+def test_ranks_on_one_host_get_cuda_ipc(tmp_path):
+    """Distinct GPUs of one host, symmetric memory available: CUDA IPC all the same
+    (symmetric memory's rendezvous would bind a multicast object by default)."""
     for r in spawn(_choose_worker, 2, tmp_path, ["a", "a"], deadline_s=60):
-        assert r["outcome"] == ["symmetric", 1] and r["in_step"] == 2
+        assert r["outcome"] == ["ipc", 1] and r["in_step"] == 2
 
 
 def test_ranks_on_several_hosts_get_no_mailbox_on_every_rank(tmp_path):
@@ -157,3 +159,90 @@ def test_decide_across_hosts_forced_or_not():
             mailbox.decide(two_hosts, [True, True], forced)
     # a multi-node NVLink domain: only an operator who forces symmetric vouches for it
     assert mailbox.decide(two_hosts, [True, True], "symmetric") == "symmetric"
+
+
+# ---- no multicast on any path -----------------------------------------------------
+
+def _recording_symmetric_memory(calls, multicast_when_unset=True):
+    """torch's symmetric-memory entry points, recording each call with the state of
+    torch's multicast switch at that moment; ``has_multicast_support`` answers as a
+    multicast-capable GPU would (True unless the switch is set)."""
+    import os
+
+    from lamport_head.collective import all_gather_objects
+
+    def record(name):
+        calls.append((name, os.environ.get(mailbox.MULTICAST_OFF_ENV)))
+
+    def empty(count, dtype, device):
+        record("empty")
+        return torch.empty(count, dtype=dtype, device=device)
+
+    def rendezvous(box, group):
+        record("rendezvous")
+        ptrs = all_gather_objects(box.data_ptr(), group)
+        return types.SimpleNamespace(world_size=len(ptrs), buffer_ptrs=ptrs)
+
+    class _SymmetricMemory:
+        @staticmethod
+        def has_multicast_support(device_type, index):
+            record("has_multicast_support")
+            return multicast_when_unset and os.environ.get(mailbox.MULTICAST_OFF_ENV) != "1"
+
+    fake = types.ModuleType("torch.distributed._symmetric_memory")
+    fake.empty, fake.rendezvous, fake._SymmetricMemory = empty, rendezvous, _SymmetricMemory
+    sys.modules[fake.__name__] = fake
+    dist._symmetric_memory = fake
+
+
+def _multicast_worker(rank, nprocs, hosts, forced):
+    """Install's mailbox steps (choose, allocate, connect) as HeadGather runs them,
+    with the user's environment asking for multicast (the switch unset)."""
+    import os
+
+    os.environ.pop(mailbox.MULTICAST_OFF_ENV, None)
+    if forced:
+        os.environ[mailbox.BACKEND_ENV] = forced
+    calls = []
+    _recording_symmetric_memory(calls)
+    mailbox.device_key = lambda device: (hosts[rank], f"gpu{rank}")
+    mailbox._symmetric_available = lambda: True
+    kind, _ = mailbox.choose_backend(None, "cpu")
+    box, error = attempt(mailbox.MAILBOXES[kind], None, "cpu", nprocs, rank, CAP, WORDS)
+    agree(error)
+    _, error = attempt(box.connect)
+    agree(error)
+    return {"kind": kind, "calls": calls}
+
+
+def test_ranks_of_one_host_never_touch_symmetric_memory(tmp_path):
+    """Whatever the environment: distinct GPUs of one host take CUDA IPC, and no
+    symmetric-memory entry point (the one that would bind multicast) is called."""
+    for r in spawn(_multicast_worker, 2, tmp_path, ["a", "a"], None, deadline_s=60):
+        assert r["kind"] == "ipc" and r["calls"] == []
+
+
+def test_symmetric_memory_across_hosts_is_used_only_with_multicast_off(tmp_path):
+    """Ranks on several hosts, symmetric forced (an NVL72 domain): every entry point
+    runs with torch's multicast switch on, set by us before the first allocation."""
+    for r in spawn(_multicast_worker, 2, tmp_path, ["a", "b"], "symmetric", deadline_s=60):
+        assert r["kind"] == "symmetric"
+        # (a CPU box: no device to probe for multicast support; the GPU case below)
+        assert [name for name, _ in r["calls"]] == ["empty", "rendezvous"]
+        assert all(switch == "1" for _, switch in r["calls"]), r["calls"]
+
+
+def test_a_torch_that_keeps_multicast_on_is_refused(monkeypatch):
+    """If torch still reports multicast with the switch set (read too early), the
+    allocation refuses (a local step the ranks agree on), before any rendezvous."""
+    calls = []
+    _recording_symmetric_memory(calls)
+    fake = sys.modules["torch.distributed._symmetric_memory"]
+    fake._SymmetricMemory.has_multicast_support = staticmethod(lambda device_type, index: True)
+    monkeypatch.setattr(torch, "device", lambda d: types.SimpleNamespace(type="cuda", index=0))
+    try:
+        with pytest.raises(RuntimeError, match="still reports NVLink multicast"):
+            mailbox.multicast_off(fake, "cuda:0")
+    finally:
+        del sys.modules["torch.distributed._symmetric_memory"]
+    assert calls == []  # neither empty nor rendezvous ran
