@@ -4,11 +4,12 @@ Imports nothing from the runtime or the tuner. ``protocol`` (the constants) is p
 Python; the compiler entry points load the DSL only when first asked for.
 """
 
+from .arch import ARCHS, has_pdl
 from .protocol import SENTINEL, THREADS
 
 _LAZY = {"CompiledGather": "compile", "compile_gather": "compile", "Gather": "gather"}
 
-__all__ = ["SENTINEL", "THREADS", *_LAZY]
+__all__ = ["ARCHS", "SENTINEL", "THREADS", "has_pdl", *_LAZY]
 
 
 def __getattr__(name):

@@ -19,6 +19,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
+from .arch import has_pdl
 from .gather import Gather
 from .protocol import DEFAULT_THREADS, DEFAULT_UNROLL, MAX_TP, THREADS, UNROLL_MAX
 
@@ -40,11 +41,19 @@ class CompiledGather:
 
 def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
                    unroll: int = DEFAULT_UNROLL,
-                   pdl: bool = True, stop: bool = False,
+                   pdl: bool | None = None, stop: bool = False,
                    arch: str = "sm_90a") -> CompiledGather:
     """The compiled gather for this key, compiled at most once per process.
 
-    Raises ValueError on a key the kernel cannot serve."""
+    ``pdl``: None takes it where ``arch`` has it (``arch.has_pdl``: sm_90 and later),
+    so the defaults compile for every architecture of ``arch.ARCHS``. Raises
+    ValueError on a key the kernel cannot serve (PDL asked for before Hopper
+    included)."""
+    if pdl is None:
+        pdl = has_pdl(arch)
+    elif pdl and not has_pdl(arch):
+        raise ValueError(f"{arch} has no programmatic dependent launch (PDL needs sm_90 or "
+                         "later): compile with pdl=False or None")
     if not isinstance(tp, int) or not 2 <= tp <= MAX_TP:
         raise ValueError(f"tp must be an int in [2, {MAX_TP}], got {tp!r}")
     if not isinstance(shard_words, int) or shard_words <= 0 or shard_words % 4:

@@ -1,12 +1,13 @@
-"""Every kernel variant cross-compiles for sm_90a on the CPU; its PTX moves mailbox
-data in 16-byte system-scope stores and volatile polls, bounds its spin with the
-global timer, and never uses multicast."""
+"""Every kernel variant cross-compiles on the CPU for every supported architecture
+(``kernels.arch.ARCHS``: A100 to B300); its PTX moves mailbox data in 16-byte
+system-scope stores and volatile polls, bounds its spin with the global timer, and
+never uses multicast; PDL exactly where the architecture has it."""
 
 import re
 
 import pytest
 
-from lamport_head.kernels import compile_gather
+from lamport_head.kernels import ARCHS, compile_gather, has_pdl
 from lamport_head.kernels.protocol import NAN_PAIR
 
 
@@ -14,11 +15,10 @@ def _ops(ptx):
     return set(re.findall(r"\b(?:st|ld|multimem)\.[a-z0-9.:]+", ptx))
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
-@pytest.mark.parametrize("threads,unroll", [(128, 2), (256, 4), (512, 8)])
-def test_variant_ptx(tp, threads, unroll):
-    k = compile_gather(tp, 163840 // tp // 2, threads=threads, unroll=unroll)
+def _audit(k, tp, unroll, arch):
+    """What every compiled variant's PTX must show."""
     ops = _ops(k.ptx)
+    assert f".target {arch}" in k.ptx
     assert "st.relaxed.sys.global.v4.u32" in ops  # peer pushes
     assert "ld.volatile.global.v4.u32" in ops  # own-box polls
     assert "st.global.v4.u32" in ops  # output and re-arm
@@ -28,14 +28,38 @@ def test_variant_ptx(tp, threads, unroll):
     assert "st.relaxed.sys.global.u32" in ops and "fence.sc.sys" in k.ptx  # record, fence, flag
     assert "atom.global.add.u32" in ops or "atom.global.add.u32" in k.ptx  # the epoch's CTA count
     assert str(NAN_PAIR) in k.ptx or hex(NAN_PAIR) in k.ptx.lower()  # missing -> NaN
-    assert "griddepcontrol.wait" in k.ptx
+    assert ("griddepcontrol.wait" in k.ptx) == has_pdl(arch)  # PDL where the arch has it
     # every push is one 16-byte store per peer per fragment in flight
     assert len(re.findall(r"st\.relaxed\.sys\.global\.v4\.u32", k.ptx)) == unroll * (tp - 1)
     assert k.cubin[:4] == b"\x7fELF"
 
 
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("threads,unroll", [(128, 2), (256, 4), (512, 8)])
+def test_variant_ptx(tp, threads, unroll):
+    _audit(compile_gather(tp, 163840 // tp // 2, threads=threads, unroll=unroll), tp, unroll,
+           "sm_90a")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_every_architecture_compiles_with_the_defaults_and_passes_the_audit(arch, tp):
+    """``compile_gather(tp, shard_words, arch=ARCH)`` with every other argument at its
+    default: A100 (sm_80, no PDL) to B300 (sm_103a); both give-up variants."""
+    for stop in (False, True):
+        k = compile_gather(tp, 163840 // tp // 2, arch=arch, stop=stop)
+        _audit(k, tp, 4, arch)
+        assert bool(re.search(r"\btrap;", k.ptx)) == stop
+
+
+def test_pdl_before_hopper_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="sm_80 has no programmatic dependent launch"):
+        compile_gather(2, 512, arch="sm_80", pdl=True)
+    assert has_pdl("sm_90a") and has_pdl("sm_100a") and not has_pdl("sm_89")
+
+
 def test_without_pdl_no_griddepcontrol():
-    k = compile_gather(4, 1024, pdl=False)
+    k = compile_gather(4, 1024, pdl=False)  # sm_90a with PDL switched off
     assert "griddepcontrol" not in k.ptx
 
 
