@@ -37,11 +37,11 @@ Invariants a change must keep:
 """
 
 import ctypes
-import math
 
 import torch
 
 from .collective import agree, attempt
+from .config import default_ctas
 from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, DEFAULT_UNROLL,
                                FRAGMENT_BF16, MARK_TOP, STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS,
                                STATUS_WORDS)
@@ -62,12 +62,6 @@ class GatherTimeout(RuntimeError):
         super().__init__(
             f"lamport-head gather on rank {rank}: call {epoch} gave up waiting: rank(s) {names} "
             f"never published; every rank raises from its next call until a collective reset()")
-
-
-def default_ctas(rows: int, tp: int, shard: int, threads: int, unroll: int, limit: int) -> int:
-    """Enough CTAs that each thread polls about ``unroll`` fragments, within ``limit``."""
-    fragments = rows * (tp - 1) * (shard // FRAGMENT_BF16)
-    return max(1, min(limit, math.ceil(fragments / (threads * unroll))))
 
 
 class HeadGather:

@@ -24,10 +24,10 @@ from spawn import spawn
 from test_install import _capture_log, _fake_cuda, model
 
 from lamport_head.reference import reference_gather
-from lamport_head.table import RowPlan
+from lamport_head.config import GatherConfig
 
 ROWS, SHARD = 2, 64
-PLAN = RowPlan(4, True, 256, 4)
+PLAN = GatherConfig(4, 256, 4)
 
 
 class _Event:

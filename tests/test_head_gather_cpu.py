@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lamport_head import head_gather
-from lamport_head.head_gather import GatherTimeout, HeadGather, default_ctas
+from lamport_head.config import default_ctas
+from lamport_head.head_gather import GatherTimeout, HeadGather
 from lamport_head.kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, CONTROL_WORDS, MARK_TOP,
                                            STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STATUS_WORDS)
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from lamport_head.collective import PeerFailed, agree, all_max, all_min, attempt
+from lamport_head.config import GatherConfig
 from lamport_head.reference import planted, reference_gather
 from lamport_head.stock import StockGather
-from lamport_head.table import RowPlan
 
 
 @dataclass(frozen=True)
@@ -216,17 +216,17 @@ class EmulatedTarget:
         """Most CTAs per rank that stay co-resident with the other virtual ranks."""
         key = (threads, unroll)
         if key not in self._limits:
-            g = self._gather(1, RowPlan(1, True, threads, unroll))
+            g = self._gather(1, GatherConfig(1, threads, unroll))
             # Half: with PDL a rank's next kernel can be resident (waiting) beside its
             # current one, and every virtual rank shares this GPU.
             self._limits[key] = g.ranks[0].resident(threads, unroll) // 2
         return self._limits[key]
 
-    def _gather(self, rows, plan):
+    def _gather(self, rows, config):
         from lamport_head.emulate import EmulatedGather
 
-        return EmulatedGather(self.device, self.tp, self.shard, {rows}, {rows: plan},
-                              threads=plan.threads, unroll=plan.unroll, budget_s=self.budget_s)
+        return EmulatedGather(self.device, self.tp, self.shard, {rows}, {rows: config},
+                              threads=config.threads, unroll=config.unroll, budget_s=self.budget_s)
 
     def _shards(self, rows):
         data = planted(self.tp, rows, self.shard, device=self.device)
@@ -242,18 +242,18 @@ class EmulatedTarget:
         gather.check()
         return gather.armed()
 
-    def lamport(self, rows, plan):
+    def lamport(self, rows, config):
         """Timing of a verified configuration; None when it fails verification or a
         wait runs out while it is measured (a failed trial, never a figure)."""
         from lamport_head.head_gather import GatherTimeout
 
         try:
-            return self._measure(rows, plan)
+            return self._measure(rows, config)
         except GatherTimeout:
             return None
 
-    def _measure(self, rows, plan):
-        gather = self._gather(rows, plan)
+    def _measure(self, rows, config):
+        gather = self._gather(rows, config)
         if not self.verify(gather, rows):
             return None
         shards = self._shards(rows)
@@ -366,11 +366,11 @@ class DistributedTarget:
             self._limits[key] = all_min(resident, self.group, self.device)
         return self._limits[key]
 
-    def _gather(self, rows, plan):
+    def _gather(self, rows, config):
         from lamport_head.head_gather import HeadGather
 
         return HeadGather(self.group, self.device, self.tp, self.rank, self.shard, {rows},
-                          {rows: plan}, threads=plan.threads, unroll=plan.unroll,
+                          {rows: config}, threads=config.threads, unroll=config.unroll,
                           budget_s=self.budget_s)
 
     def _stock(self, rows, step):
@@ -402,17 +402,17 @@ class DistributedTarget:
         step.meet("to check the gather against the reference")
         return not self._max(0.0 if ok else 1.0)
 
-    def lamport(self, rows, plan):
+    def lamport(self, rows, config):
         """Timing of a verified configuration; None (on every rank) when it fails to
         build, to verify, or a call fails or times out anywhere while measured. Any
         other local failure raises on every rank together, after the gather is closed."""
         try:
-            gather = self._gather(rows, plan)  # collective and fail-stop: all or none
+            gather = self._gather(rows, config)  # collective and fail-stop: all or none
         except Exception:
             return None
         step = self._lockstep()
         try:
-            timing = self._trial(gather, rows, plan, step)
+            timing = self._trial(gather, rows, config, step)
         except Exception:
             # Closing is collective: only where every rank raised together (at a meet).
             # Anything else came from inside a collective (the backend's to report);
@@ -423,7 +423,7 @@ class DistributedTarget:
         self._close(gather)
         return timing
 
-    def _trial(self, gather, rows, plan, step):
+    def _trial(self, gather, rows, config, step):
         failed = [False]
         if not self.verify(gather, rows, failed, step):
             return None
@@ -433,8 +433,8 @@ class DistributedTarget:
         eager, host = median_eager(lambda: self._call(gather, x, failed), self.device,
                                     self.calls, self.reps, step)
         # the kernel keeps the parity: captured launches continue the call sequence
-        graph, graph_host = _median_graph(lambda: (gather.launch(x, out, plan.ctas),
-                                                   gather.launch(x, out, plan.ctas)),
+        graph, graph_host = _median_graph(lambda: (gather.launch(x, out, config.ctas),
+                                                   gather.launch(x, out, config.ctas)),
                                           self.device, self.replays, self.reps, step)
         step.local(torch.cuda.synchronize, self.device)
         step.meet("to finish timing the gather")
