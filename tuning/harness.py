@@ -28,6 +28,8 @@ import torch
 
 from lamport_head.collective import PeerFailed, agree, all_max, all_min, attempt
 from lamport_head.config import GatherConfig
+from lamport_head.head_gather import SPIN_BUDGET_S
+from lamport_head.plan import co_resident_limit
 from lamport_head.reference import planted, reference_gather
 from lamport_head.stock import StockGather
 
@@ -204,7 +206,8 @@ class EmulatedTarget:
     emulated = True
     objective = "gpu_us"  # eager time here is the host issuing TP launches in a row
 
-    def __init__(self, device, tp, vocab, *, calls=50, reps=7, replays=20, budget_s=2.0):
+    def __init__(self, device, tp, vocab, *, calls=50, reps=7, replays=20,
+                 budget_s=SPIN_BUDGET_S):
         if vocab % tp or (vocab // tp) % 8:
             raise ValueError(f"vocab {vocab} does not split into tp={tp} shards of whole 8-BF16 fragments")
         self.device = torch.device(device)
@@ -213,20 +216,24 @@ class EmulatedTarget:
         self._limits = {}
 
     def limit(self, threads, unroll):
-        """Most CTAs per rank that stay co-resident with the other virtual ranks."""
+        """Most CTAs per rank that stay co-resident with the other virtual ranks: what
+        HeadGather accepts for them (``co_resident_limit``; every virtual rank shares
+        this GPU, PDL on as ``_gather`` builds them)."""
         key = (threads, unroll)
         if key not in self._limits:
-            g = self._gather(1, GatherConfig(1, threads, unroll))
-            # Half: with PDL a rank's next kernel can be resident (waiting) beside its
-            # current one, and every virtual rank shares this GPU.
-            self._limits[key] = g.ranks[0].resident(threads, unroll) // 2
+            from lamport_head.head_gather import KERNELS
+
+            config = GatherConfig(1, threads, unroll)
+            kernel = KERNELS.compiled(self.tp, self.shard, config, True, KERNELS.arch(self.device))
+            resident = KERNELS.resident(kernel, self.device)
+            self._limits[key] = co_resident_limit(resident, self.tp, pdl=True)
         return self._limits[key]
 
     def _gather(self, rows, config):
         from lamport_head.emulate import EmulatedGather
 
-        return EmulatedGather(self.device, self.tp, self.shard, {rows}, {rows: config},
-                              threads=config.threads, unroll=config.unroll, budget_s=self.budget_s)
+        return EmulatedGather(self.device, self.tp, self.shard, {rows: config},
+                              budget_s=self.budget_s)
 
     def _shards(self, rows):
         data = planted(self.tp, rows, self.shard, device=self.device)
@@ -331,7 +338,7 @@ class DistributedTarget:
     emulated = False
     objective = "eager_us"  # what serving sees
 
-    def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=2.0):
+    def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=SPIN_BUDGET_S):
         self.ranks, self.group, self.device = ranks, ranks.group, ranks.device
         self.tp, self.rank, self.vocab, self.shard = ranks.world, ranks.rank, vocab, vocab // ranks.world
         self.emulated = ranks.shared  # time-sliced processes: never a serving figure
@@ -346,19 +353,21 @@ class DistributedTarget:
 
     def limit(self, threads, unroll):
         """Most CTAs per rank every rank's GPU holds: the occupancy calculator on the
-        compiled kernel (local, no mailbox; halved per rank where ranks share a GPU
-        with PDL, as HeadGather plans), then MIN over ranks (collective). A compile
-        that fails on one rank makes every rank raise, together."""
+        compiled kernel (local, no mailbox), per rank as HeadGather plans
+        (``co_resident_limit``: every rank shares the GPU where ranks share one, PDL
+        on), then MIN over ranks (collective). A compile that fails on one rank makes
+        every rank raise, together."""
         key = (threads, unroll)
         if key not in self._limits:
-            from lamport_head.kernels import compile_gather
-            from lamport_head.occupancy import device_arch, resident_ctas
+            from lamport_head.head_gather import KERNELS
 
             def local():
-                k = compile_gather(self.tp, self.shard // 2, threads=threads, unroll=unroll,
-                                   arch=device_arch(self.device))
-                share = self.tp * 2 if self.ranks.shared else 1  # as HeadGather plans
-                return resident_ctas(k.cubin, k.threads, self.device.index) // share
+                config = GatherConfig(1, threads, unroll)
+                kernel = KERNELS.compiled(self.tp, self.shard, config, True,
+                                          KERNELS.arch(self.device))
+                sharing = self.tp if self.ranks.shared else 1
+                return co_resident_limit(KERNELS.resident(kernel, self.device), sharing,
+                                         pdl=True)
 
             # A compile that fails on one rank raises on every rank, together.
             resident, error = attempt(local)
@@ -369,9 +378,8 @@ class DistributedTarget:
     def _gather(self, rows, config):
         from lamport_head.head_gather import HeadGather
 
-        return HeadGather(self.group, self.device, self.tp, self.rank, self.shard, {rows},
-                          {rows: config}, threads=config.threads, unroll=config.unroll,
-                          budget_s=self.budget_s)
+        return HeadGather(self.group, self.device, self.tp, self.rank, self.shard,
+                          {rows: config}, budget_s=self.budget_s)
 
     def _stock(self, rows, step):
         """The stock gather's buffers, as a local step: its calls then allocate nothing
