@@ -8,10 +8,11 @@ that and raises a clear error otherwise.
 """
 
 import time
+from collections.abc import Mapping
 
 import torch
 
-from .head_gather import BUDGET_S, HeadGather
+from .head_gather import SPIN_BUDGET_S, HeadGather
 from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 from .mailbox import LocalMailbox
 
@@ -20,9 +21,12 @@ class EmulatedGather:
     """``gather(shards) -> outs``: one emulated step of ``tp`` ranks on ``device``."""
 
     def __init__(self, device, tp, shard, rows, ctas=None, *, threads=DEFAULT_THREADS,
-                 unroll=DEFAULT_UNROLL, pdl=True, budget_s=BUDGET_S):
+                 unroll=DEFAULT_UNROLL, pdl=True, budget_s=SPIN_BUDGET_S):
+        """``rows`` and ``ctas`` as ``HeadGather`` takes them (``rows`` may map each
+        row count to its ``GatherConfig``)."""
         self.device = torch.device(device)
-        rows = frozenset(rows)
+        if not isinstance(rows, Mapping):
+            rows = frozenset(rows)
         self.tp, self.shard = tp, shard
         self.box = LocalMailbox(self.device, tp, max(rows), tp * shard // 2)
         self.ranks = [HeadGather(None, self.device, tp, r, shard, rows, ctas, mailbox=self.box,

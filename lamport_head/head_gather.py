@@ -34,20 +34,25 @@ Invariants a change must keep:
 - Construction is collective on real ranks, and never strands a peer: the local
   part (checks, compile, occupancy, allocation) runs first, the ranks agree, then the
   mailboxes are mapped, the ranks agree again, arm, and meet at a barrier.
+- What each row count launches is ``plan.plan``'s answer, checked against
+  ``plan.co_resident_limit`` (every CTA of every rank sharing the device resident at
+  once); the compiler and the driver are reached only through ``KERNELS``.
 """
 
 import ctypes
-import math
+from collections.abc import Mapping
 
 import torch
 
 from .collective import agree, attempt
+from .config import GatherConfig
 from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, DEFAULT_UNROLL,
                                FRAGMENT_BF16, MARK_TOP, STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS,
                                STATUS_WORDS)
 from .mailbox import MAILBOXES, choose_backend
+from .plan import co_resident_limit, plan
 
-BUDGET_S = 2.0  # default spin budget per call
+SPIN_BUDGET_S = 2.0  # default spin budget per call: how long a gather waits for its peers
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -64,32 +69,66 @@ class GatherTimeout(RuntimeError):
             f"never published; every rank raises from its next call until a collective reset()")
 
 
-def default_ctas(rows: int, tp: int, shard: int, threads: int, unroll: int, limit: int) -> int:
-    """Enough CTAs that each thread polls about ``unroll`` fragments, within ``limit``."""
-    fragments = rows * (tp - 1) * (shard // FRAGMENT_BF16)
-    return max(1, min(limit, math.ceil(fragments / (threads * unroll))))
+class DeviceKernels:
+    """Where a gather's kernels come from: the device's compile target, the compiled
+    gather of a ``GatherConfig``, and how many CTAs of it the device holds. The only
+    place construction touches the compiler and the driver; ``KERNELS`` is the seam a
+    test replaces (with a CPU stand-in) to build gathers without a GPU."""
+
+    def arch(self, device) -> str:
+        """The compile target of ``device``; ValueError for a device the kernel cannot
+        run on."""
+        if device.type != "cuda":
+            raise ValueError(f"HeadGather needs a CUDA device, got {device}")
+        from .occupancy import device_arch
+
+        return device_arch(device)
+
+    def compiled(self, tp, shard, config, pdl, arch):
+        """The compiled gather (``.launch``, ``.cubin``, ``.threads``) for ``config``'s
+        compile-time knobs (compiled once per process)."""
+        from .kernels import compile_gather
+
+        return compile_gather(tp, shard // 2, pdl=pdl, arch=arch, **config.kernel_knobs())
+
+    def resident(self, compiled, device) -> int:
+        """CTAs of ``compiled`` the whole device holds at once."""
+        from .occupancy import resident_ctas
+
+        return resident_ctas(compiled.cubin, compiled.threads, device.index)
+
+
+KERNELS = DeviceKernels()
 
 
 class HeadGather:
     """``gather(logits, stock)``: the Lamport gather for ``rows``; ``stock`` otherwise.
 
-    ``ctas``: None (a heuristic), an int for every row count, or ``{rows: ctas}``.
-    ``mailbox``: a ``LocalMailbox`` shared by virtual ranks (one-GPU emulation); None
-    builds this rank's mailbox over ``group`` (None: the default group) with the
-    ``backend`` chosen by ``mailbox.choose_backend``."""
+    ``rows``: the row counts served, with ``ctas`` None (a heuristic), an int for every
+    row count, or ``{rows: ctas or GatherConfig}``; or ``rows`` maps each row count to
+    its ``GatherConfig`` (``ctas`` None): a plan built beforehand (``plan.plan``, a
+    table's ``{m: p.config}``). ``threads``/``unroll`` apply where no GatherConfig is
+    given. ``mailbox``: a ``LocalMailbox`` shared by virtual ranks (one-GPU emulation);
+    None builds this rank's mailbox over ``group`` (None: the default group) with the
+    ``backend`` chosen by ``mailbox.choose_backend``. ``configs``: the plan served,
+    ``{rows: GatherConfig}``; ``ctas``: its CTA counts."""
 
     def __init__(self, group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None,
-                 threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL, pdl=True, budget_s=BUDGET_S,
-                 backend=None):
+                 threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL, pdl=True,
+                 budget_s=SPIN_BUDGET_S, backend=None):
+        if isinstance(rows, Mapping):
+            if ctas is not None:
+                raise ValueError("rows maps row counts to GatherConfigs: pass no ctas")
+            rows, ctas = rows.keys(), dict(rows)
         self.group = group
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        knobs = dict(threads=threads, unroll=unroll)
         if mailbox is not None:  # emulated: one process, nothing to agree on
             if mailbox.tp != tp or mailbox.words != tp * shard // 2:
                 raise ValueError("the shared mailbox does not fit this gather")
-            self._prepare(tp, rank, shard, rows, ctas, threads, unroll, pdl, mailbox.sharing,
-                          budget_s)
+            self._prepare(tp, rank, shard, rows, ctas, knobs, pdl, mailbox.sharing, budget_s)
             if mailbox.cap < self.cap:
                 raise ValueError(f"the shared mailbox holds {mailbox.cap} rows, not {self.cap}")
             self.box = mailbox
@@ -97,8 +136,8 @@ class HeadGather:
             # the backend and how many ranks share this GPU: gathered facts, the same
             # on every rank (a rank whose facts failed makes every rank raise)
             kind, sharing = choose_backend(group, self.device, backend)
-            _, error = attempt(self._prepare, tp, rank, shard, rows, ctas, threads, unroll, pdl,
-                               sharing, budget_s)
+            _, error = attempt(self._prepare, tp, rank, shard, rows, ctas, knobs, pdl, sharing,
+                               budget_s)
             agree(error, group, self.device, "to build the gather (checks, compile, occupancy)")
             box, error = attempt(MAILBOXES[kind], group, self.device, tp, rank, self.cap,
                                  self.width // 2)
@@ -117,29 +156,26 @@ class HeadGather:
         self._closed = False
         self._stream_id, self._stream = None, None
 
-    def _prepare(self, tp, rank, shard, rows, ctas, threads, unroll, pdl, sharing, budget_s):
-        """Everything that can fail on this rank alone: checks, compile, occupancy, the
-        host-visible status record."""
-        rows = frozenset(int(r) for r in rows)
-        if not rows or min(rows) < 1:
-            raise ValueError(f"rows must be a non-empty set of positive row counts, got {sorted(rows)}")
+    def _prepare(self, tp, rank, shard, rows, ctas, knobs, pdl, sharing, budget_s):
+        """Everything that can fail on this rank alone: checks, the plan (compile,
+        occupancy), the host-visible status record."""
         if tp < 2 or not 0 <= rank < tp:
             raise ValueError(f"need tp >= 2 and 0 <= rank < tp, got tp={tp} rank={rank}")
         if shard <= 0 or shard % FRAGMENT_BF16:
             raise ValueError(f"shard width {shard} is not a positive multiple of {FRAGMENT_BF16}")
-        if self.device.type != "cuda":
-            raise ValueError(f"HeadGather needs a CUDA device, got {self.device}")
+        self._kernels = KERNELS
+        self._arch = self._kernels.arch(self.device)
         self.tp, self.rank, self.shard, self.width = tp, rank, shard, tp * shard
-        self._index = self.device.index
-        self.rows, self.cap = rows, max(rows)
+        # what Tensor.get_device() answers for a tensor on this device (-1: the CPU)
+        self._index = self.device.index if self.device.type == "cuda" else -1
+        self._pdl, self.sharing = pdl, sharing
+        self.configs = plan(rows, ctas, tp=tp, shard=shard, resident=self._resident,
+                            sharing=sharing, pdl=pdl, **knobs)
+        self.rows = frozenset(self.configs)
+        self.cap = max(self.rows)
         self.parity = 0
-        from .occupancy import device_arch
-
-        self._arch = device_arch(self.device)
-        self._pdl = pdl
-        self.sharing = sharing
-        self._route = self._plan(ctas, threads, unroll)
-        self.ctas = {m: c for m, (_, c) in self._route.items()}
+        self.ctas = {m: c.ctas for m, c in self.configs.items()}
+        self._launch = {m: self._compiled(c).launch for m, c in self.configs.items()}
         self._open_status(budget_s)
 
     def _open_status(self, budget_s):
@@ -151,48 +187,17 @@ class HeadGather:
         self._status_address = self._status.data_ptr()
         self._flag = ctypes.c_int32.from_address(self._status_address + 4 * STATUS_FLAG)
 
-    def kernel(self, threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL):
-        """The compiled gather for these knobs (compiled once per process)."""
-        from .kernels import compile_gather
+    def _compiled(self, config):
+        return self._kernels.compiled(self.tp, self.shard, config, self._pdl, self._arch)
 
-        return compile_gather(self.tp, self.shard // 2, threads=threads, unroll=unroll,
-                              pdl=self._pdl, arch=self._arch)
+    def _resident(self, config):
+        return self._kernels.resident(self._compiled(config), self.device)
 
     def resident(self, threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL):
-        """CTAs per rank that fit on the device alongside the ranks sharing it. With
-        PDL a rank's next gather is launched early and holds SM slots beside its
-        current one, which another virtual rank's current kernel may need: halved."""
-        from .occupancy import resident_ctas
-
-        k = self.kernel(threads, unroll)
-        early = 2 if self._pdl and self.sharing > 1 else 1
-        return resident_ctas(k.cubin, k.threads, self.device.index) // (self.sharing * early)
-
-    def _plan(self, ctas, threads, unroll):
-        """{rows: (launch, ctas)} from ``ctas``: None, an int, or a mapping of rows to
-        an int or a RowPlan-like object (``ctas``, ``threads``, ``unroll``)."""
-        if ctas is None:
-            limit = self.resident(threads, unroll)
-            ctas = {m: default_ctas(m, self.tp, self.shard, threads, unroll, limit)
-                    for m in self.rows}
-        elif isinstance(ctas, int):
-            ctas = dict.fromkeys(self.rows, ctas)
-        missing = self.rows - set(ctas)
-        if missing:
-            raise ValueError(f"no CTA count for rows {sorted(missing)}")
-        route = {}
-        for m in self.rows:
-            c = ctas[m]
-            t, u = getattr(c, "threads", threads), getattr(c, "unroll", unroll)
-            c = int(getattr(c, "ctas", c))
-            limit = self.resident(t, u)
-            if not 1 <= c <= limit:
-                raise ValueError(
-                    f"{c} CTAs for {m} rows cannot all be co-resident: this device holds "
-                    f"{limit} CTAs of {t} threads per rank ({self.sharing} rank(s) share it"
-                    f"{', PDL on' if self._pdl else ''})")
-            route[m] = (self.kernel(t, u).launch, c)
-        return route
+        """CTAs per rank of this kernel shape that fit on the device alongside the
+        ranks sharing it (``plan.co_resident_limit``): the most ``plan`` accepts."""
+        config = GatherConfig(1, threads, unroll)
+        return co_resident_limit(self._resident(config), self.sharing, self._pdl)
 
     def poll(self):
         """Raise ``GatherTimeout`` if this rank's host flag is up (a host-memory read,
@@ -208,8 +213,8 @@ class HeadGather:
         shape = logits.shape
         if (len(shape) != 2 or shape[1] != self.shard or logits.dtype != torch.bfloat16):
             return stock(logits)
-        route = self._route.get(shape[0])
-        if route is None:
+        launch = self._launch.get(shape[0])
+        if launch is None:
             return stock(logits)
         if self._closed:
             raise RuntimeError("lamport-head: this gather was closed")
@@ -222,9 +227,8 @@ class HeadGather:
             logits = logits.clone(memory_format=torch.contiguous_format)
         self._follow_stream()
         out = logits.new_empty((shape[0], self.width))  # under capture: the graph's own
-        launch, ctas = route
-        launch(logits, out.data_ptr(), self._peers, self.rank, ctas, self.budget_ns,
-               self._status_address)
+        launch(logits, out.data_ptr(), self._peers, self.rank, self.ctas[shape[0]],
+               self.budget_ns, self._status_address)
         self.parity ^= 1  # the host's view only; the kernel keeps the real alternation
         return out
 
@@ -244,7 +248,7 @@ class HeadGather:
     def launch(self, logits, out, ctas):
         """The bare kernel launch into ``out`` on the current stream, with no checks:
         explicitly poisoned outputs in tests, CTA counts outside the plan in tuning."""
-        launch = self._route[logits.shape[0]][0]
+        launch = self._launch[logits.shape[0]]
         launch(logits, out.data_ptr(), self._peers, self.rank, ctas, self.budget_ns,
                self._status_address)
 

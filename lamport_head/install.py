@@ -42,7 +42,7 @@ def _device_name(device):
 def _build(group, device, tp, rank, shard, plan):
     from .head_gather import HeadGather
 
-    return HeadGather(group, device, tp, rank, shard, plan.keys(), plan)
+    return HeadGather(group, device, tp, rank, shard, {m: p.config for m, p in plan.items()})
 
 
 class _Vote(NamedTuple):
@@ -273,4 +273,4 @@ def _choose(view, shared):
 
 
 def _digest(plan):
-    return tuple(sorted((m, p.ctas, p.threads, p.unroll) for m, p in plan.items()))
+    return tuple(sorted((m, p.config) for m, p in plan.items()))  # every knob, by construction

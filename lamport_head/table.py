@@ -27,19 +27,22 @@ rejected anywhere (write true/false, or quote it).
 
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 
 import yaml
 
-from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL, THREADS, UNROLL_MAX
+from .config import GatherConfig
 
 SCHEMA = 1
 MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are far smaller)
 KIMI_K2_VOCAB = 163840  # the vocab the tools default to, and the mailbox-size example
 SECTION_KEYS = {"tp", "dcp", "emulated", "provenance", "rows"}
-ROW_KEYS = {"ctas", "enabled", "threads", "unroll", "lamport_us", "stock_us"}
+MAX_CTAS = 1024  # the most CTAs a table entry may ask for
+# A row entry holds every GatherConfig field (all but ctas optional: the defaults)
+ROW_KNOBS = {f.name for f in fields(GatherConfig)}
+ROW_KEYS = ROW_KNOBS | {"enabled", "lamport_us", "stock_us"}
 PROVENANCE_KEYS = {"gpu", "driver", "cuda", "torch", "cutlass_dsl", "lamport_head", "kernel",
                    "date", "commit", "command", "host", "note"}
 YAML11_BOOLS = {"on", "off", "yes", "no", "y", "n"}
@@ -52,11 +55,25 @@ class TableError(ValueError):
 
 @dataclass(frozen=True)
 class RowPlan:
-    ctas: int
+    """One row count's entry: how to launch it (``config``), whether to serve it, and
+    whether it was measured or filled in (``fill``). ``ctas``, ``threads`` and
+    ``unroll`` read the config (the public contract names ``.ctas``)."""
+
+    config: GatherConfig
     enabled: bool
-    threads: int = DEFAULT_THREADS
-    unroll: int = DEFAULT_UNROLL
     filled: bool = False  # not measured: filled in from the measured row above (fill())
+
+    @property
+    def ctas(self) -> int:
+        return self.config.ctas
+
+    @property
+    def threads(self) -> int:
+        return self.config.threads
+
+    @property
+    def unroll(self) -> int:
+        return self.config.unroll
 
 
 def fill(measured):
@@ -154,22 +171,20 @@ def _row(entry, where):
         if key not in entry:
             raise TableError(f"{where}: missing {key!r}")
     ctas = entry["ctas"]
-    if not _int(ctas) or not 1 <= ctas <= 1024:
-        raise TableError(f"{where}: ctas must be an int in [1, 1024], got {ctas!r}")
+    if not _int(ctas) or not 1 <= ctas <= MAX_CTAS:
+        raise TableError(f"{where}: ctas must be an int in [1, {MAX_CTAS}], got {ctas!r}")
     if not isinstance(entry["enabled"], bool):
         raise TableError(f"{where}: enabled must be true or false, got {entry['enabled']!r}")
-    threads = entry.get("threads", DEFAULT_THREADS)
-    if threads not in THREADS or not _int(threads):
-        raise TableError(f"{where}: threads must be one of {THREADS}, got {threads!r}")
-    unroll = entry.get("unroll", DEFAULT_UNROLL)
-    if not _int(unroll) or not 1 <= unroll <= UNROLL_MAX:
-        raise TableError(f"{where}: unroll must be an int in [1, {UNROLL_MAX}], got {unroll!r}")
+    try:  # the other knobs: GatherConfig's own checks, its defaults where absent
+        config = GatherConfig(**{k: v for k, v in entry.items() if k in ROW_KNOBS})
+    except ValueError as exc:
+        raise TableError(f"{where}: {exc}") from None
     for key in ("lamport_us", "stock_us"):
         if key in entry:
             v = entry[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
                 raise TableError(f"{where}: {key} must be a non-negative number, got {v!r}")
-    return RowPlan(ctas, entry["enabled"], threads, unroll)
+    return RowPlan(config, entry["enabled"])
 
 
 @dataclass

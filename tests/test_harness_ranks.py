@@ -7,7 +7,8 @@ trial (None) on every rank. Then the review's scenario end to end: first-use tun
 at install with the real harness, one rank's ``planted`` out of memory: every rank
 stock with one warning, nobody hangs (spawn's deadline), still in step.
 
-What is faked and why: HeadGather's CUDA-only construction (test_install._fake_cuda)
+What is faked and why: HeadGather's CUDA-only construction (test_install._fake_cuda:
+its kernels through the seam ``head_gather.KERNELS``, the mailbox, the device key)
 with a kernel stand-in that writes the right bytes (every rank plants the same
 shard: same seed, same calls), and the CUDA timing machinery (events, side streams,
 graphs) as CPU no-ops. The failures are injected at the harness's own local steps
@@ -24,10 +25,10 @@ from spawn import spawn
 from test_install import _capture_log, _fake_cuda, model
 
 from lamport_head.reference import reference_gather
-from lamport_head.table import RowPlan
+from lamport_head.config import GatherConfig
 
 ROWS, SHARD = 2, 64
-PLAN = RowPlan(4, True, 256, 4)
+PLAN = GatherConfig(4, 256, 4)
 
 
 class _Event:
@@ -63,25 +64,17 @@ def _inject(rank, fail):
 def _cpu_ranks(rank, tp, fail=None):
     """This process as one of ``tp`` CPU ranks the harness can time, with the failure
     ``fail`` injected on rank 1 (see ``_inject``)."""
-    from lamport_head import head_gather
     from lamport_head.head_gather import GatherTimeout, HeadGather
     from lamport_head.tuning import harness
 
     torch.manual_seed(0)  # every rank plants the same shards, call for call
-    _fake_cuda(setattr, rank, "ok")
-    due = _inject(rank, fail)
 
     def launch(logits, out, peers, r, ctas, budget, status):
         want = reference_gather([logits] * tp)  # every rank's shard is this one
         ctypes.memmove(out, want.data_ptr(), want.numel() * want.element_size())
 
-    fake_prepare = HeadGather._prepare
-
-    def prepare(self, *args):
-        fake_prepare(self, *args)
-        self._route = {m: (launch, c) for m, (_, c) in self._route.items()}
-
-    head_gather.HeadGather._prepare = prepare
+    _fake_cuda(setattr, rank, "ok", launch=launch)
+    due = _inject(rank, fail)
     closes = []
     close = HeadGather.close
     HeadGather.close = lambda self: (closes.append(1), close(self))[1]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lamport_head import head_gather
-from lamport_head.head_gather import GatherTimeout, HeadGather, default_ctas
+from lamport_head.config import default_ctas
+from lamport_head.head_gather import GatherTimeout, HeadGather
 from lamport_head.kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, CONTROL_WORDS, MARK_TOP,
                                            STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STATUS_WORDS)
 
@@ -46,7 +47,7 @@ def fake_gather(rows=(1, 2, 4), log=None):
     g.device, g.tp, g.rank, g.shard, g.width = torch.device("cpu"), TP, 1, SHARD, TP * SHARD
     g._index = -1  # what Tensor.get_device() answers for CPU tensors
     g.rows, g.cap, g.parity, g.group = frozenset(rows), max(rows), 0, None
-    g._route = {m: (rec, 10 + m) for m in rows}
+    g._launch = dict.fromkeys(rows, rec)
     g.ctas = {m: 10 + m for m in rows}
     g._peers, g.budget_ns = 1234, 10**9
     g._status = torch.zeros(STATUS_WORDS, dtype=torch.int32)
@@ -132,7 +133,7 @@ def test_placement_the_allocator_chose_is_copied_never_stock(placed):
     g, rec = fake_gather()
     seen = []
     rec_call = rec.__call__
-    g._route[2] = (lambda shard, *a: (seen.append(shard), rec_call(shard, *a)), 12)
+    g._launch[2] = lambda shard, *a: (seen.append(shard), rec_call(shard, *a))
     g(placed, lambda x: pytest.fail("stock taken on one rank's placement"))
     (shard,) = seen
     assert shard.is_contiguous() and shard.data_ptr() % 16 == 0
@@ -169,7 +170,7 @@ def test_a_failed_launch_leaves_the_host_parity():
     g, rec = fake_gather()
     g(torch.randn(1, SHARD).bfloat16(), stock)
     assert g.parity == 1
-    g._route[2] = (Recorder(fail=True), 12)
+    g._launch[2] = Recorder(fail=True)
     with pytest.raises(RuntimeError, match="launch failed"):
         g(torch.randn(2, SHARD).bfloat16(), stock)
     assert g.parity == 1 and len(rec.calls) == 1

@@ -30,10 +30,12 @@ def model(**overrides):
 FAKE_BYTE = 0x11  # what the fake kernel writes into every output byte
 
 
-def _fake_cuda(monkeypatch_like, rank, case):
-    """Every CUDA-only piece of HeadGather's construction replaced on CPU: the local
-    part (compile, occupancy) by a fake route, the device key, the mailbox by a CPU
-    box whose connect() is a real gloo collective. ``case`` picks the failing step."""
+def _fake_cuda(monkeypatch_like, rank, case, launch=None):
+    """Every CUDA-only piece of HeadGather's construction replaced on CPU: its kernels
+    (``head_gather.KERNELS``: compile and occupancy) by a CPU stand-in whose launch
+    fills the output with FAKE_BYTE (or is ``launch``), the device key, the mailbox
+    by a CPU box whose connect() is a real gloo collective. ``case`` picks the
+    failing step ("prepare": the compile)."""
     import ctypes
 
     from lamport_head import head_gather, mailbox
@@ -42,19 +44,21 @@ def _fake_cuda(monkeypatch_like, rank, case):
     fail_rank = int(case.split("@")[1]) if "@" in case else -1
     step = case.split("@")[0]
 
-    def prepare(self, tp, rank_, shard, rows, ctas, threads, unroll, pdl, sharing, budget_s):
-        if step == "prepare" and rank == fail_rank:
-            raise RuntimeError("compile failed")
-        self.tp, self.rank, self.shard, self.width = tp, rank_, shard, tp * shard
-        self._index, self.sharing, self.parity = -1, 1, 0
-        self.rows, self.cap = frozenset(rows), max(rows)
+    class CpuKernels(head_gather.DeviceKernels):
+        def arch(self, device):
+            return "cpu"
 
-        def launch(logits, out, peers, r, c, budget, status):
-            ctypes.memset(out, FAKE_BYTE, logits.shape[0] * self.width * 2)
+        def compiled(self, tp, shard, config, pdl, arch):
+            if step == "prepare" and rank == fail_rank:
+                raise RuntimeError("compile failed")
 
-        self._route = {m: (launch, getattr(ctas[m], "ctas", 1)) for m in self.rows}
-        self.ctas = {m: c for m, (_, c) in self._route.items()}
-        self._open_status(budget_s)
+            def fill(logits, out, peers, r, c, budget, status):
+                ctypes.memset(out, FAKE_BYTE, logits.shape[0] * tp * shard * 2)
+
+            return types.SimpleNamespace(launch=launch or fill)
+
+        def resident(self, compiled, device):
+            return 1 << 20  # every plan fits
 
     class CpuRows(mailbox._ProcessMailbox):
         def _allocate(self, count):
@@ -68,7 +72,7 @@ def _fake_cuda(monkeypatch_like, rank, case):
                 raise RuntimeError("cannot map a peer")
             self.peers = torch.tensor(mailbox.peer_table(bases, self.cap, self.words))
 
-    set_(head_gather.HeadGather, "_prepare", prepare)
+    set_(head_gather, "KERNELS", CpuKernels())
     set_(head_gather, "MAILBOXES", {"ipc": CpuRows, "symmetric": CpuRows})
     set_(mailbox, "device_key", lambda device: ("host", "the one GPU"))
     set_(head_gather, "_raw_stream", lambda index: 0)

@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import astuple
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
+from lamport_head.config import GatherConfig, cta_choices
 from lamport_head.table import RowPlan, load_table
 from lamport_head.tuning import sweep
 from lamport_head.tuning.harness import Timing
@@ -172,7 +174,7 @@ def test_measured_rows_one_entry_each_and_yaml_round_trip(tmp_path):
     assert t.plan("GPU X", 8, 1) == {}  # emulated: never served
     plan = t.plan("GPU X", 8, 1, emulated=True)
     assert plan[2].ctas == 8 and plan[16].enabled and not plan[16].filled
-    assert plan[12] == RowPlan(12, True, 256, 4, filled=True)  # served from row 16
+    assert plan[12] == RowPlan(GatherConfig(12, 256, 4), True, filled=True)  # served from row 16
     assert 1 not in plan and 17 not in plan  # outside the measured rows: stock
     assert len(t.sections) == 2
     assert not list(tmp_path.glob(".head_gather.yaml.*"))  # no temporary left behind
@@ -342,7 +344,7 @@ def _collective_worker(rank, world, init, db, out, fail_rank):
     r = sweep.tune_rows(target, 4, device="g", tp=world, dcp=1, vocab=V, trials=40, storage=db,
                         comm=sweep.DistComm(None), threads=(256,), unroll=(2, 4),
                         on_trial=lambda rows, config, timing: seen.append(
-                            [list(config), timing and timing.gpu_us]))
+                            [list(astuple(config)), timing and timing.gpu_us]))
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"plan": [r.plan.ctas, r.plan.enabled, r.plan.threads, r.plan.unroll],
                    "us": [r.lamport_us, r.stock_us], "trials": r.trials, "seen": seen}, f)
@@ -475,7 +477,7 @@ def test_every_rank_takes_part_in_every_collective(tmp_path, world, fail_rank):
     results = [json.loads(open(f"{out}.{r}").read()) for r in range(world)]
     assert all(r == results[0] for r in results)  # same result, same trials, same story
     first = results[0]
-    assert len(first["seen"]) == 2 * len(sweep.cta_choices(16))  # the whole grid, once
+    assert len(first["seen"]) == 2 * len(cta_choices(16))  # the whole grid, once
     assert first["trials"] == len(first["seen"]) - (fail_rank is not None)  # completed ones
     if fail_rank is None:
         assert first["plan"] == [16, True, 256, 4]  # the cost model's argmin
@@ -496,4 +498,43 @@ def test_an_emulated_timeout_while_measured_is_a_failed_trial(monkeypatch):
         raise GatherTimeout(0, (3,), 11)
 
     monkeypatch.setattr(target, "_measure", measure)
-    assert target.lamport(8, sweep.RowPlan(4, True)) is None
+    assert target.lamport(8, GatherConfig(4)) is None
+
+
+_WALK = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_sweep import CostModel, V
+from lamport_head.tuning import sweep
+
+target = CostModel(limit=16, bad={{(8, 256, 4)}})
+r = sweep.tune_rows(target, 4, device="g", tp=8, dcp=1, vocab=V, trials=10, storage=None,
+                    threads=(256,), unroll=(4,), ctas=(4, 8, 16, 32), kernel="k")
+print(json.dumps({{"optuna": "optuna" in sys.modules, "timed": target.timed,
+                  "result": [r.plan.ctas, r.plan.enabled, r.lamport_us, r.stock_us,
+                             r.lamport_gpu_us, r.trials, r.timed]}}))
+"""
+
+
+def test_a_walk_without_storage_never_imports_optuna_and_matches_the_study(tmp_path):
+    """First-use tuning (storage None, a grid within its trials) runs in the serving
+    process: it must not import Optuna, and it must choose exactly what an Optuna
+    study walking the same grid chooses. A subprocess: other tests import Optuna."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(__file__)
+    run = subprocess.run([sys.executable, "-c", _WALK.format(tests=tests)], check=True,
+                         capture_output=True, text=True, cwd=tmp_path)
+    walked = json.loads(run.stdout.strip().splitlines()[-1])
+    assert walked["optuna"] is False
+    target = CostModel(limit=16, bad={(8, 256, 4)})
+    r = sweep.tune_rows(target, 4, device="g", tp=8, dcp=1, vocab=V, trials=10,
+                        storage=storage(tmp_path), threads=(256,), unroll=(4,),
+                        ctas=(4, 8, 16, 32), kernel="k")
+    assert walked["timed"] == [list(t) for t in target.timed] == [
+        [4, 4, 256, 4], [4, 8, 256, 4], [4, 16, 256, 4]]  # the grid, in order, once each
+    assert walked["result"] == [r.plan.ctas, r.plan.enabled, r.lamport_us, r.stock_us,
+                                r.lamport_gpu_us, r.trials, r.timed]
+    assert walked["result"][:2] == [16, True] and walked["result"][5:] == [2, 3]

@@ -3,6 +3,7 @@ rejected with a TableError naming the file and the entry."""
 
 import pytest
 
+from lamport_head.config import GatherConfig
 from lamport_head.table import RowPlan, TableError, fill, load_table, parse
 
 GOOD = """\
@@ -31,12 +32,13 @@ devices:
 def test_good_table_expands_ranges(tmp_path):
     t = parse(GOOD, "good.yaml")
     plan = t.plan("nvidia  h200", 8, 1)
-    assert plan[1] == RowPlan(8, True)
-    assert plan[3] == RowPlan(16, True, 512, 2)
-    assert plan[64] == RowPlan(32, False) and 65 not in plan
+    assert plan[1] == RowPlan(GatherConfig(8), True)
+    assert plan[3] == RowPlan(GatherConfig(16, 512, 2), True)
+    assert plan[64] == RowPlan(GatherConfig(32), False) and 65 not in plan
     assert sorted(plan) == list(range(1, 65))
-    assert t.plan("NVIDIA H200", 8, 1, emulated=True) == {1: RowPlan(4, True)}
-    assert t.plan("NVIDIA H200", 4, 2) == {1: RowPlan(1, True), 2: RowPlan(1, True)}
+    assert t.plan("NVIDIA H200", 8, 1, emulated=True) == {1: RowPlan(GatherConfig(4), True)}
+    assert t.plan("NVIDIA H200", 4, 2) == {1: RowPlan(GatherConfig(1), True),
+                                           2: RowPlan(GatherConfig(1), True)}
     assert t.plan("NVIDIA H100", 8, 1) == {} and t.plan("NVIDIA H200", 2, 1) == {}
 
 
@@ -155,23 +157,27 @@ devices:
 def test_gaps_fill_from_the_row_above():
     plan = parse(FILL).plan("GPU X", 8, 1)
     assert 1 not in plan  # below the smallest measured row: no lower neighbour, stock
-    assert plan[2] == RowPlan(2, True)  # measured rows are served as written
-    assert plan[3] == RowPlan(4, True, 128, filled=True)  # both neighbours enabled
+    assert plan[2] == RowPlan(GatherConfig(2), True)  # measured rows are served as written
+    assert plan[3] == RowPlan(GatherConfig(4, 128), True, filled=True)  # both neighbours enabled
     for m in (5, 6, 7):  # enabled below, disabled above: stays disabled
-        assert plan[m] == RowPlan(8, False, filled=True)
+        assert plan[m] == RowPlan(GatherConfig(8), False, filled=True)
     for m in range(9, 16):  # disabled below, enabled above: stays disabled
-        assert plan[m] == RowPlan(16, False, filled=True)
-    assert all(plan[m] == RowPlan(16, True) for m in range(16, 21))  # a range: all measured
-    assert all(plan[m] == RowPlan(32, True, 256, 8, filled=True) for m in range(21, 32))
+        assert plan[m] == RowPlan(GatherConfig(16), False, filled=True)
+    # a range: all measured
+    assert all(plan[m] == RowPlan(GatherConfig(16), True) for m in range(16, 21))
+    assert all(plan[m] == RowPlan(GatherConfig(32, 256, 8), True, filled=True)
+               for m in range(21, 32))
     assert max(plan) == 32  # past the largest measured row: stock
     assert sorted(plan) == list(range(2, 33))
 
 
 def test_fill_from_row_one_leaves_nothing_below():
-    plan = fill({1: RowPlan(4, True), 4: RowPlan(8, True)})
-    assert plan == {1: RowPlan(4, True), 2: RowPlan(8, True, filled=True),
-                    3: RowPlan(8, True, filled=True), 4: RowPlan(8, True)}
-    assert fill({}) == {} and fill({5: RowPlan(1, False)}) == {5: RowPlan(1, False)}
+    four, eight = RowPlan(GatherConfig(4), True), RowPlan(GatherConfig(8), True)
+    plan = fill({1: four, 4: eight})
+    gap = RowPlan(GatherConfig(8), True, filled=True)
+    assert plan == {1: four, 2: gap, 3: gap, 4: eight}
+    off = RowPlan(GatherConfig(1), False)
+    assert fill({}) == {} and fill({5: off}) == {5: off}
 
 
 def layer(*sections):
@@ -196,7 +202,8 @@ def test_layers_higher_replaces_lower(tmp_path, monkeypatch):
     t = load_table()
     assert t.layers == [str(packaged_path()), str(user)]
     assert t.plan("GPU X", 8, 1)[1].ctas == 2
-    assert t.plan(shipped.device, shipped.tp, 1, emulated=shipped.emulated) == {1: RowPlan(5, True)}
+    assert t.plan(shipped.device, shipped.tp, 1, emulated=shipped.emulated) == {
+        1: RowPlan(GatherConfig(5), True)}
     assert t.section(shipped.device, shipped.tp, 1, emulated=shipped.emulated).source == str(user)
     env = tmp_path / "env.yaml"
     env.write_text(layer(("GPU X", 8, 3, False)))

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from lamport_head.head_gather import default_ctas
+from lamport_head.config import GatherConfig, default_ctas
 from lamport_head.kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
-from lamport_head.table import RowPlan, load_table
+from lamport_head.table import load_table
 
 FIELDS = ["tp", "rows", "ctas", "threads", "unroll", "lamport_eager_us", "lamport_gpu_us",
           "lamport_host_us", "lamport_graph_us", "lamport_graph_host_us", "stock_eager_us", "stock_gpu_us", "stock_host_us",
@@ -41,11 +41,12 @@ def add_host_us(device, calls=200, reps=5):
 
 
 def plan_for(target, rows, table_plan, threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL):
+    """The GatherConfig to time ``rows`` with: the table's, else the default heuristic's."""
     if rows in table_plan:
-        return table_plan[rows]
+        return table_plan[rows].config
     limit = target.limit(threads, unroll)
-    return RowPlan(default_ctas(rows, target.tp, target.shard, threads, unroll, limit), True,
-                   threads, unroll)
+    return GatherConfig(default_ctas(rows, target.tp, target.shard, threads, unroll, limit),
+                        threads, unroll)
 
 
 def run(args):

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from lamport_head.collective import PeerFailed, agree, all_max, all_min, attempt
+from lamport_head.config import GatherConfig
+from lamport_head.head_gather import SPIN_BUDGET_S
+from lamport_head.plan import co_resident_limit
 from lamport_head.reference import planted, reference_gather
 from lamport_head.stock import StockGather
-from lamport_head.table import RowPlan
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,8 @@ class EmulatedTarget:
     emulated = True
     objective = "gpu_us"  # eager time here is the host issuing TP launches in a row
 
-    def __init__(self, device, tp, vocab, *, calls=50, reps=7, replays=20, budget_s=2.0):
+    def __init__(self, device, tp, vocab, *, calls=50, reps=7, replays=20,
+                 budget_s=SPIN_BUDGET_S):
         if vocab % tp or (vocab // tp) % 8:
             raise ValueError(f"vocab {vocab} does not split into tp={tp} shards of whole 8-BF16 fragments")
         self.device = torch.device(device)
@@ -213,20 +216,24 @@ class EmulatedTarget:
         self._limits = {}
 
     def limit(self, threads, unroll):
-        """Most CTAs per rank that stay co-resident with the other virtual ranks."""
+        """Most CTAs per rank that stay co-resident with the other virtual ranks: what
+        HeadGather accepts for them (``co_resident_limit``; every virtual rank shares
+        this GPU, PDL on as ``_gather`` builds them)."""
         key = (threads, unroll)
         if key not in self._limits:
-            g = self._gather(1, RowPlan(1, True, threads, unroll))
-            # Half: with PDL a rank's next kernel can be resident (waiting) beside its
-            # current one, and every virtual rank shares this GPU.
-            self._limits[key] = g.ranks[0].resident(threads, unroll) // 2
+            from lamport_head.head_gather import KERNELS
+
+            config = GatherConfig(1, threads, unroll)
+            kernel = KERNELS.compiled(self.tp, self.shard, config, True, KERNELS.arch(self.device))
+            resident = KERNELS.resident(kernel, self.device)
+            self._limits[key] = co_resident_limit(resident, self.tp, pdl=True)
         return self._limits[key]
 
-    def _gather(self, rows, plan):
+    def _gather(self, rows, config):
         from lamport_head.emulate import EmulatedGather
 
-        return EmulatedGather(self.device, self.tp, self.shard, {rows}, {rows: plan},
-                              threads=plan.threads, unroll=plan.unroll, budget_s=self.budget_s)
+        return EmulatedGather(self.device, self.tp, self.shard, {rows: config},
+                              budget_s=self.budget_s)
 
     def _shards(self, rows):
         data = planted(self.tp, rows, self.shard, device=self.device)
@@ -242,18 +249,18 @@ class EmulatedTarget:
         gather.check()
         return gather.armed()
 
-    def lamport(self, rows, plan):
+    def lamport(self, rows, config):
         """Timing of a verified configuration; None when it fails verification or a
         wait runs out while it is measured (a failed trial, never a figure)."""
         from lamport_head.head_gather import GatherTimeout
 
         try:
-            return self._measure(rows, plan)
+            return self._measure(rows, config)
         except GatherTimeout:
             return None
 
-    def _measure(self, rows, plan):
-        gather = self._gather(rows, plan)
+    def _measure(self, rows, config):
+        gather = self._gather(rows, config)
         if not self.verify(gather, rows):
             return None
         shards = self._shards(rows)
@@ -331,7 +338,7 @@ class DistributedTarget:
     emulated = False
     objective = "eager_us"  # what serving sees
 
-    def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=2.0):
+    def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=SPIN_BUDGET_S):
         self.ranks, self.group, self.device = ranks, ranks.group, ranks.device
         self.tp, self.rank, self.vocab, self.shard = ranks.world, ranks.rank, vocab, vocab // ranks.world
         self.emulated = ranks.shared  # time-sliced processes: never a serving figure
@@ -346,19 +353,21 @@ class DistributedTarget:
 
     def limit(self, threads, unroll):
         """Most CTAs per rank every rank's GPU holds: the occupancy calculator on the
-        compiled kernel (local, no mailbox; halved per rank where ranks share a GPU
-        with PDL, as HeadGather plans), then MIN over ranks (collective). A compile
-        that fails on one rank makes every rank raise, together."""
+        compiled kernel (local, no mailbox), per rank as HeadGather plans
+        (``co_resident_limit``: every rank shares the GPU where ranks share one, PDL
+        on), then MIN over ranks (collective). A compile that fails on one rank makes
+        every rank raise, together."""
         key = (threads, unroll)
         if key not in self._limits:
-            from lamport_head.kernels import compile_gather
-            from lamport_head.occupancy import device_arch, resident_ctas
+            from lamport_head.head_gather import KERNELS
 
             def local():
-                k = compile_gather(self.tp, self.shard // 2, threads=threads, unroll=unroll,
-                                   arch=device_arch(self.device))
-                share = self.tp * 2 if self.ranks.shared else 1  # as HeadGather plans
-                return resident_ctas(k.cubin, k.threads, self.device.index) // share
+                config = GatherConfig(1, threads, unroll)
+                kernel = KERNELS.compiled(self.tp, self.shard, config, True,
+                                          KERNELS.arch(self.device))
+                sharing = self.tp if self.ranks.shared else 1
+                return co_resident_limit(KERNELS.resident(kernel, self.device), sharing,
+                                         pdl=True)
 
             # A compile that fails on one rank raises on every rank, together.
             resident, error = attempt(local)
@@ -366,12 +375,11 @@ class DistributedTarget:
             self._limits[key] = all_min(resident, self.group, self.device)
         return self._limits[key]
 
-    def _gather(self, rows, plan):
+    def _gather(self, rows, config):
         from lamport_head.head_gather import HeadGather
 
-        return HeadGather(self.group, self.device, self.tp, self.rank, self.shard, {rows},
-                          {rows: plan}, threads=plan.threads, unroll=plan.unroll,
-                          budget_s=self.budget_s)
+        return HeadGather(self.group, self.device, self.tp, self.rank, self.shard,
+                          {rows: config}, budget_s=self.budget_s)
 
     def _stock(self, rows, step):
         """The stock gather's buffers, as a local step: its calls then allocate nothing
@@ -402,17 +410,17 @@ class DistributedTarget:
         step.meet("to check the gather against the reference")
         return not self._max(0.0 if ok else 1.0)
 
-    def lamport(self, rows, plan):
+    def lamport(self, rows, config):
         """Timing of a verified configuration; None (on every rank) when it fails to
         build, to verify, or a call fails or times out anywhere while measured. Any
         other local failure raises on every rank together, after the gather is closed."""
         try:
-            gather = self._gather(rows, plan)  # collective and fail-stop: all or none
+            gather = self._gather(rows, config)  # collective and fail-stop: all or none
         except Exception:
             return None
         step = self._lockstep()
         try:
-            timing = self._trial(gather, rows, plan, step)
+            timing = self._trial(gather, rows, config, step)
         except Exception:
             # Closing is collective: only where every rank raised together (at a meet).
             # Anything else came from inside a collective (the backend's to report);
@@ -423,7 +431,7 @@ class DistributedTarget:
         self._close(gather)
         return timing
 
-    def _trial(self, gather, rows, plan, step):
+    def _trial(self, gather, rows, config, step):
         failed = [False]
         if not self.verify(gather, rows, failed, step):
             return None
@@ -433,8 +441,8 @@ class DistributedTarget:
         eager, host = median_eager(lambda: self._call(gather, x, failed), self.device,
                                     self.calls, self.reps, step)
         # the kernel keeps the parity: captured launches continue the call sequence
-        graph, graph_host = _median_graph(lambda: (gather.launch(x, out, plan.ctas),
-                                                   gather.launch(x, out, plan.ctas)),
+        graph, graph_host = _median_graph(lambda: (gather.launch(x, out, config.ctas),
+                                                   gather.launch(x, out, config.ctas)),
                                           self.device, self.replays, self.reps, step)
         step.local(torch.cuda.synchronize, self.device)
         step.meet("to finish timing the gather")

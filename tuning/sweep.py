@@ -16,6 +16,10 @@ DCP, vocab, rows, the kernel's identity and the search space (``study_name``); e
 trial stores its configuration's values (``label``), never an index into a grid. A
 re-run loads its study, counts the finished trials against ``trials``, and a
 configuration already finished is answered from the study, never re-timed.
+
+Without a storage (first-use tuning at install) a grid no larger than ``trials`` is
+walked in order in memory (``_Walk``), so serving never imports Optuna; Optuna is
+imported only where a study is opened.
 """
 
 import hashlib
@@ -26,13 +30,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import optuna
-
+from lamport_head.config import CTA_STEPS, SWEEP_THREADS, SWEEP_UNROLL, GatherConfig, sweep_grid
 from lamport_head.table import RowPlan
-
-SWEEP_THREADS = (128, 256, 512)  # the CTA sizes a sweep tries (a subset of the kernel's THREADS)
-SWEEP_UNROLL = (2, 4, 8)
-_CTA_STEPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 @dataclass
@@ -85,13 +84,9 @@ class DistComm:
         return max(all_gather_objects(float(value), self.group))
 
 
-def cta_choices(limit):
-    return [c for c in _CTA_STEPS if c <= limit]
-
-
 def grid(target, threads=SWEEP_THREADS, unroll=SWEEP_UNROLL, ctas=None):
-    """Every (ctas, threads, unroll) the device can hold co-resident; ``ctas`` (None:
-    every step of ``_CTA_STEPS``) narrows the CTA counts tried."""
+    """Every ``GatherConfig`` the device can hold co-resident; ``ctas`` (None: every
+    step of ``CTA_STEPS``) narrows the CTA counts tried."""
     return _space(target, threads, unroll, ctas)[0]
 
 
@@ -99,24 +94,16 @@ def _space(target, threads, unroll, ctas):
     """``(grid, limits)``: the grid and the co-resident limit per (threads, unroll) it
     was cut at (collective on real ranks: ``target.limit`` is)."""
     limits = {(t, u): target.limit(t, u) for t in threads for u in unroll}
-    space = [(c, t, u) for (t, u), limit in limits.items() for c in cta_choices(limit)
-             if ctas is None or c in ctas]
-    return space, limits
+    return sweep_grid(limits, ctas), limits
 
 
 def _no_fit(limits, ctas):
     """The error every rank raises on an empty grid: what was asked, what fits."""
-    asked = sorted(ctas) if ctas is not None else list(_CTA_STEPS)
+    asked = sorted(ctas) if ctas is not None else list(CTA_STEPS)
     fits = ", ".join(f"limit {limit} at threads={t}, unroll={u}"
                      for (t, u), limit in limits.items())
     return ValueError(f"lamport-head tune: no CTA count fits: {fits}; the CTA counts tried are "
                       f"{asked}")
-
-
-def label(config):
-    """A configuration's values as the study stores them: 'ctas=32,threads=128,unroll=4'."""
-    ctas, threads, unroll = config
-    return f"ctas={ctas},threads={threads},unroll={unroll}"
 
 
 def _digest(*parts, size=12):
@@ -151,7 +138,7 @@ def study_name(device, tp, dcp, rows, emulated, *, vocab, kernel, space):
     """The study key: a timing is reused only for the same device, TP, DCP, vocab,
     rows and kernel build. The search space's hash is in it too: Optuna refuses a
     categorical parameter whose choices change within a study."""
-    grid_hash = _digest(*(label(c).encode() for c in space), size=8)
+    grid_hash = _digest(*(c.label().encode() for c in space), size=8)
     return (f"lamport-head|{device}|tp{tp}|dcp{dcp}|vocab{vocab}|rows{rows}|kernel-{kernel}"
             f"|space-{grid_hash}" + ("|emulated" if emulated else ""))
 
@@ -190,7 +177,11 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
     if not space:  # the same broadcast answer on every rank: every rank raises here
         raise _no_fit(limits, ctas)
     stock = target.stock(rows)
-    root = _Study(space, trials) if comm.is_root else None
+    root = None
+    if comm.is_root:
+        # No storage and a grid it can walk whole: nothing to resume, nothing to sample.
+        walk = storage is None and len(space) <= trials
+        root = (_Walk if walk else _Study)(space, trials)
 
     def key():  # root only, inside its guard: kernel_identity() reads files
         return study_name(device, tp, dcp, rows, target.emulated, vocab=vocab,
@@ -207,8 +198,8 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
             raise RuntimeError(f"lamport-head tune: the Optuna study failed on rank 0: {order[1]}")
         if order[0] == "stop":
             break
-        ctas, t, u = config = order[1]
-        timing = target.lamport(rows, RowPlan(ctas, True, t, u))
+        config = order[1]
+        timing = target.lamport(rows, config)
         timed += 1
         value = getattr(timing, target.objective) if timing is not None else math.inf
         if value != value:  # no usable figure (e.g. host-bound GPU timing)
@@ -230,11 +221,10 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
     return result
 
 
-class _Study:
-    """The root's side of a sweep: everything that touches Optuna. Its steps never
-    raise past ``run``/``guard``: a failure becomes an order every rank receives.
-    Construction only stores its arguments (it cannot fail); everything that can
-    fail, the study's key and search space included, happens in ``open``."""
+class _Root:
+    """The root's side of a sweep. Its steps never raise past ``run``/``guard``: a
+    failure becomes an order every rank receives. Construction only stores its
+    arguments (it cannot fail); everything that can fail happens in ``open``."""
 
     def __init__(self, space, trials):
         self.space, self.trials = space, trials
@@ -255,9 +245,53 @@ class _Study:
         except Exception as exc:
             return ("error", f"{type(exc).__name__}: {exc}")
 
+    def _result(self, rows, stock, objective, margin, timed, finished):
+        """The RowResult from ``finished``: (config, value, gpu_us) of every completed
+        trial in trial order; the first fastest wins."""
+        base = getattr(stock, objective)
+        if not finished:
+            return RowResult(rows, RowPlan(GatherConfig(1), False), math.inf, base, math.nan,
+                             stock.gpu_us, 0, timed)
+        config, value, gpu_us = min(finished, key=lambda f: f[1])
+        enabled = value < base * (1 - margin)
+        return RowResult(rows, RowPlan(config, enabled), value, base, gpu_us, stock.gpu_us,
+                         len({c for c, _, _ in finished}), timed)
+
+
+class _Walk(_Root):
+    """A grid walked in order in memory, each configuration once: what an Optuna
+    study without storage does for a grid no larger than its trials (every point
+    enqueued, asked in order), without importing Optuna (first-use tuning runs in the
+    serving process)."""
+
+    def open(self, key, storage, seed):
+        self.pending = list(self.space)
+        self.finished = []  # (config, value, gpu_us), trial order
+
+    def next_order(self):
+        if not self.pending:
+            return ("stop",)
+        self.current = self.pending.pop(0)
+        return ("measure", self.current)
+
+    def record(self, config, timing, value):
+        if timing is not None:  # failed verification: never a candidate
+            self.finished.append((config, float(value), timing.gpu_us))
+
+    def conclude(self, rows, stock, objective, margin, timed):
+        return self._result(rows, stock, objective, margin, timed, self.finished)
+
+
+class _Study(_Root):
+    """The root's Optuna study: opened (or resumed) from its storage, sampled by TPE
+    (a small grid is enqueued and walked)."""
+
     def open(self, key, storage, seed):
         """Open (or resume) the study named ``key()``; enqueue a small grid's walk."""
-        self.labels = {label(c): c for c in self.space}
+        import optuna
+
+        self.optuna = optuna
+        self.labels = {c.label(): c for c in self.space}
         self.choices = optuna.distributions.CategoricalDistribution(list(self.labels))
         name = key()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -277,7 +311,7 @@ class _Study:
 
     def next_order(self):
         """("measure", config) for the next untimed trial, or ("stop",)."""
-        study, done = self.study, self.done
+        optuna, study, done = self.optuna, self.study, self.done
         while self.budget > 0:
             trial = study.ask({"config": self.choices})
             name = trial.params["config"]
@@ -306,29 +340,21 @@ class _Study:
         current = self.current
         # The configuration's values travel with the trial, so a reader of the study
         # never has to trust an index into some run's grid.
-        for key, v in zip(("ctas", "threads", "unroll"), config):
+        for key, v in config.values().items():
             current.set_user_attr(key, v)
         if timing is None:  # failed verification: never a candidate
-            self.study.tell(current, state=optuna.trial.TrialState.FAIL)
+            self.study.tell(current, state=self.optuna.trial.TrialState.FAIL)
         else:
             current.set_user_attr("gpu_us", timing.gpu_us)
             current.set_user_attr("eager_us", timing.eager_us)
             current.set_user_attr("host_us", timing.host_us)
             self.study.tell(current, value)
-        self.done[label(config)] = self.study.trials[current.number]
+        self.done[config.label()] = self.study.trials[current.number]
         self.budget -= 1
 
     def conclude(self, rows, stock, objective, margin, timed):
-        finished = [tr for tr in self.study.trials
-                    if tr.state == optuna.trial.TrialState.COMPLETE
+        finished = [(self.labels[tr.params["config"]], tr.value,
+                     tr.user_attrs.get("gpu_us", math.nan)) for tr in self.study.trials
+                    if tr.state == self.optuna.trial.TrialState.COMPLETE
                     and tr.params.get("config") in self.labels]
-        base = getattr(stock, objective)
-        if not finished:
-            return RowResult(rows, RowPlan(1, False), math.inf, base, math.nan, stock.gpu_us,
-                             0, timed)
-        top = min(finished, key=lambda tr: tr.value)
-        ctas, t, u = self.labels[top.params["config"]]
-        enabled = top.value < base * (1 - margin)
-        return RowResult(rows, RowPlan(ctas, enabled, t, u), top.value, base,
-                         top.user_attrs.get("gpu_us", math.nan), stock.gpu_us,
-                         len({tr.params['config'] for tr in finished}), timed)
+        return self._result(rows, stock, objective, margin, timed, finished)

@@ -82,7 +82,7 @@ class Progress:
         width = 30
         fill = int(width * min(self.done, self.total) / self.total)
         what = f"{timing.eager_us:8.2f} µs" if timing else "  failed verify"
-        ctas, threads, unroll = config
+        ctas, threads, unroll = config.ctas, config.threads, config.unroll
         sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
                          f"rows={rows:<3} ctas={ctas:<4} threads={threads:<4} unroll={unroll} {what}")
         sys.stderr.flush()

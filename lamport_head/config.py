@@ -1,0 +1,83 @@
+"""``GatherConfig``: one launch configuration of the gather, its default heuristic and
+the search space the tuner walks.
+
+Invariants a change must keep:
+
+- Every knob of a launch is a field of ``GatherConfig`` and nothing else carries one:
+  the table's ``RowPlan``, the sweep's grid and study, the writer, the harness and
+  ``HeadGather`` all pass a ``GatherConfig``. A new knob is a new field here (with its
+  check in ``__post_init__`` and its values in the search space), the kernel's
+  compile argument of the same name, and the compile key; ``label()`` and the
+  study's stored values follow by construction.
+- ``label()`` is what an Optuna study stores for a trial: ``'ctas=32,threads=128,
+  unroll=4'``, the fields in declaration order. Existing fields keep their order and
+  spelling, or every stored study stops resuming.
+- ``ctas`` is a run-time argument of the kernel; every other field is a compile-time
+  one (``kernel_knobs()``), so one compilation serves every CTA count.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL, FRAGMENT_BF16, THREADS, UNROLL_MAX
+
+SWEEP_THREADS = (128, 256, 512)  # the CTA sizes a sweep tries (a subset of the kernel's THREADS)
+SWEEP_UNROLL = (2, 4, 8)
+CTA_STEPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def _int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class GatherConfig:
+    """How one row count is launched: ``ctas`` CTAs of ``threads`` threads, each
+    thread keeping ``unroll`` fragments in flight. Construction validates (ValueError
+    naming the field); whether the CTAs fit on the device is ``plan``'s check."""
+
+    ctas: int
+    threads: int = DEFAULT_THREADS
+    unroll: int = DEFAULT_UNROLL
+
+    def __post_init__(self):
+        if not _int(self.ctas) or self.ctas < 1:
+            raise ValueError(f"ctas must be an int >= 1, got {self.ctas!r}")
+        if not _int(self.threads) or self.threads not in THREADS:
+            raise ValueError(f"threads must be one of {THREADS}, got {self.threads!r}")
+        if not _int(self.unroll) or not 1 <= self.unroll <= UNROLL_MAX:
+            raise ValueError(f"unroll must be an int in [1, {UNROLL_MAX}], got {self.unroll!r}")
+
+    def label(self) -> str:
+        """The values as the study stores them: every field, in declaration order."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    def values(self) -> dict:
+        """{field: value}, in declaration order (the study's per-trial record)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def kernel_knobs(self) -> dict:
+        """The compile-time fields (all but ``ctas``): ``compile_gather``'s keywords."""
+        knobs = self.values()
+        del knobs["ctas"]
+        return knobs
+
+
+def default_ctas(rows: int, tp: int, shard: int, threads: int, unroll: int, limit: int) -> int:
+    """Enough CTAs that each thread polls about ``unroll`` fragments, within ``limit``."""
+    fragments = rows * (tp - 1) * (shard // FRAGMENT_BF16)
+    return max(1, min(limit, math.ceil(fragments / (threads * unroll))))
+
+
+def cta_choices(limit):
+    """The CTA counts a sweep tries under a co-resident ``limit``."""
+    return [c for c in CTA_STEPS if c <= limit]
+
+
+def sweep_grid(limits, ctas=None):
+    """Every configuration a sweep tries: for each ``(threads, unroll)`` of ``limits``
+    (in its order), each CTA step up to its limit, narrowed to ``ctas`` when given.
+    The order is the walk's order and part of the study key: keep it."""
+    return [GatherConfig(c, t, u) for (t, u), limit in limits.items() for c in cta_choices(limit)
+            if ctas is None or c in ctas]

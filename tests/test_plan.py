@@ -1,0 +1,108 @@
+"""plan(): row counts to GatherConfigs under the one co-resident limit, without a GPU;
+and that limit is the same function of (resident CTAs per device, sharing, PDL) for
+HeadGather and for the emulated timing target (the tuner searches what serving
+accepts)."""
+
+import types
+
+import pytest
+import torch
+
+from lamport_head import head_gather
+from lamport_head.config import GatherConfig, default_ctas
+from lamport_head.head_gather import HeadGather
+from lamport_head.plan import co_resident_limit, plan
+
+TP, SHARD = 4, 64
+
+
+def test_co_resident_limit_halves_for_pdl_only_when_ranks_share_the_device():
+    assert co_resident_limit(1056, 1, True) == 1056  # a GPU of its own: no halving
+    assert co_resident_limit(1056, 1, False) == 1056
+    assert co_resident_limit(1056, 8, False) == 132
+    assert co_resident_limit(1056, 8, True) == 66  # PDL's early launch holds slots too
+
+
+def resident_by_threads(config):
+    return 4096 // config.threads  # 16 of 256 threads, 32 of 128
+
+
+def test_plan_from_none_int_and_mappings():
+    kw = dict(tp=TP, shard=SHARD * 64, resident=resident_by_threads, sharing=1, pdl=True)
+    heuristic = plan({1, 8}, **kw)
+    assert heuristic == {m: GatherConfig(default_ctas(m, TP, SHARD * 64, 256, 4, 16))
+                         for m in (1, 8)}
+    assert plan([2, 3], 5, threads=128, unroll=2, **kw) == dict.fromkeys(
+        (2, 3), GatherConfig(5, 128, 2))
+    mixed = plan({1, 2}, {1: 3, 2: GatherConfig(32, 128, 8)}, **kw)
+    assert mixed == {1: GatherConfig(3), 2: GatherConfig(32, 128, 8)}
+
+
+@pytest.mark.parametrize("rows, ctas, what", [
+    (set(), None, "rows must be a non-empty set of positive row counts"),
+    ({0, 1}, 1, "rows must be a non-empty set"),
+    ({1, 2}, {1: 4}, r"no CTA count for rows \[2\]"),
+    ({1}, 17, "17 CTAs for 1 rows cannot all be co-resident: this device holds 16 CTAs of "
+              r"256 threads per rank \(1 rank\(s\) share it, PDL on\)"),
+    ({1}, {1: GatherConfig(33, 128)}, "33 CTAs for 1 rows cannot all be co-resident"),
+    ({1}, {1: 0}, "ctas must be an int >= 1"),
+])
+def test_plan_refuses_what_it_cannot_serve(rows, ctas, what):
+    with pytest.raises(ValueError, match=what):
+        plan(rows, ctas, tp=TP, shard=SHARD, resident=resident_by_threads, sharing=1, pdl=True)
+
+
+class CpuKernels(head_gather.DeviceKernels):
+    """The seam: kernels that 'compile' on CPU, and a device holding ``per_device``
+    CTAs of any of them."""
+
+    def __init__(self, per_device):
+        self.per_device = per_device
+
+    def arch(self, device):
+        return "cpu"
+
+    def compiled(self, tp, shard, config, pdl, arch):
+        return types.SimpleNamespace(launch=lambda *args: None)
+
+    def resident(self, compiled, device):
+        return self.per_device
+
+
+def shared_box(tp, sharing):
+    """What HeadGather reads of a LocalMailbox shared by ``sharing`` virtual ranks."""
+    return types.SimpleNamespace(tp=tp, words=tp * SHARD // 2, sharing=sharing, cap=8,
+                                 peers=torch.zeros(3, tp, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("per_device", [1056, 2112, 264])
+def test_the_emulated_targets_limit_is_what_head_gather_accepts(monkeypatch, tp, per_device):
+    from lamport_head.tuning.harness import EmulatedTarget
+
+    monkeypatch.setattr(head_gather, "KERNELS", CpuKernels(per_device))
+    limit = EmulatedTarget("cpu", tp, tp * SHARD).limit(256, 4)
+    # virtual ranks share the GPU and PDL is on: halved once, not twice
+    assert limit == co_resident_limit(per_device, tp, True) == per_device // (2 * tp)
+    box = shared_box(tp, tp)
+    gather = HeadGather(None, "cpu", tp, 0, SHARD, {1: GatherConfig(limit)}, mailbox=box)
+    assert gather.ctas == {1: limit} and gather.resident(256, 4) == limit
+    with pytest.raises(ValueError, match="cannot all be co-resident"):
+        HeadGather(None, "cpu", tp, 0, SHARD, {1: GatherConfig(limit + 1)}, mailbox=box)
+
+
+def test_rows_may_be_a_plan_and_then_ctas_must_be_none(monkeypatch):
+    monkeypatch.setattr(head_gather, "KERNELS", CpuKernels(1 << 16))
+    configs = {1: GatherConfig(8, 128, 2), 4: GatherConfig(16)}
+    g = HeadGather(None, "cpu", TP, 1, SHARD, configs, mailbox=shared_box(TP, TP))
+    assert g.rows == frozenset({1, 4}) and g.cap == 4 and g.configs == configs
+    assert g.ctas == {1: 8, 4: 16}
+    same = HeadGather(None, "cpu", TP, 1, SHARD, [1, 4], {1: 8, 4: 16}, mailbox=shared_box(TP, TP))
+    assert same.configs == {1: GatherConfig(8), 4: GatherConfig(16)}
+    with pytest.raises(ValueError, match="pass no ctas"):
+        HeadGather(None, "cpu", TP, 1, SHARD, configs, 8, mailbox=shared_box(TP, TP))
+
+
+def test_without_the_seam_a_cpu_device_is_refused():
+    with pytest.raises(ValueError, match="HeadGather needs a CUDA device, got cpu"):
+        HeadGather(None, "cpu", TP, 1, SHARD, [1], 8, mailbox=shared_box(TP, TP))
