@@ -28,7 +28,7 @@ from cutlass import Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .protocol import SENTINEL, WORDS
+from .protocol import SENTINEL
 
 
 def _asm(code, constraints, operands, results, effects, loc, ip):

@@ -21,7 +21,7 @@ class EmulatedGather:
     """``gather(shards) -> outs``: one emulated step of ``tp`` ranks on ``device``."""
 
     def __init__(self, device, tp, shard, rows, ctas=None, *, threads=DEFAULT_THREADS,
-                 unroll=DEFAULT_UNROLL, pdl=True, budget_s=SPIN_BUDGET_S):
+                 unroll=DEFAULT_UNROLL, pdl=None, budget_s=SPIN_BUDGET_S):
         """``rows`` and ``ctas`` as ``HeadGather`` takes them (``rows`` may map each
         row count to its ``GatherConfig``)."""
         self.device = torch.device(device)

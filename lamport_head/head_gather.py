@@ -18,8 +18,17 @@ Invariants a change must keep:
   a non-contiguous or unaligned tensor (the allocator's choice, which may differ by
   rank) is copied, and a tensor on another device raises.
 - Bytes move unchanged but for the sentinel word (+0, -0), which arrives as (+0, +0).
-- Fail-stop: a wait past the spin budget in call s writes the missing fragments as
-  NaN and marks every rank's mailbox; every rank's call s + 1 then fails too and
+- Fail-stop, serving mode (``mode="serving"``, what install builds for engines): a
+  wait past the spin budget marks every rank's mailbox, and the launch that gave up
+  (or began marked) stops this process's GPU context (``trap``) once all its CTAs
+  are done, after writing the status record. No later kernel of the stream runs, so
+  no value of that step reaches a sampler or the host: the engine's next CUDA call
+  raises, every peer stops the same way, and the watcher logs the missing ranks
+  (the engine's own error cannot name them). Nothing here recovers; the engine
+  restarts.
+- Fail-stop, recoverable mode (the default; tools, tuning, tests): a wait past the
+  spin budget in call s writes the missing fragments as NaN and marks every rank's
+  mailbox; every rank's call s + 1 then fails too and
   raises the host flag, so a loop that syncs once per step raises ``GatherTimeout``
   at call s + 2 on every rank alike (``check()`` after a sync raises as soon as the
   mark is there), and keeps raising until a collective ``reset()``. No rank ever
@@ -39,34 +48,21 @@ Invariants a change must keep:
   once); the compiler and the driver are reached only through ``KERNELS``.
 """
 
-import ctypes
 from collections.abc import Mapping
 
 import torch
 
 from .collective import agree, attempt
 from .config import GatherConfig
+from .kernels.arch import has_pdl
 from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, DEFAULT_UNROLL,
-                               FRAGMENT_BF16, MARK_TOP, STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS,
-                               STATUS_WORDS)
+                               FRAGMENT_BF16, MARK_TOP)
 from .mailbox import MAILBOXES, choose_backend
 from .plan import co_resident_limit, plan
+from .status import MODES, RECOVERABLE, SERVING, GatherTimeout, StatusRecord, Watcher
 
 SPIN_BUDGET_S = 2.0  # default spin budget per call: how long a gather waits for its peers
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-class GatherTimeout(RuntimeError):
-    """A gather gave up waiting for fragments some ranks never pushed, in call
-    ``epoch`` of every rank (its own wait ran out, or a peer's did and marked it)."""
-
-    def __init__(self, rank, peers, epoch):
-        self.rank, self.peers, self.epoch = rank, tuple(peers), epoch
-        self.parity = epoch & 1
-        names = ", ".join(str(p) for p in self.peers) or "unknown"
-        super().__init__(
-            f"lamport-head gather on rank {rank}: call {epoch} gave up waiting: rank(s) {names} "
-            f"never published; every rank raises from its next call until a collective reset()")
 
 
 class DeviceKernels:
@@ -84,12 +80,18 @@ class DeviceKernels:
 
         return device_arch(device)
 
-    def compiled(self, tp, shard, config, pdl, arch):
+    def pdl(self, arch) -> bool:
+        """Whether gathers for ``arch`` launch with PDL (the architecture decides:
+        ``kernels.arch.has_pdl``)."""
+        return has_pdl(arch)
+
+    def compiled(self, tp, shard, config, pdl, arch, stop=False):
         """The compiled gather (``.launch``, ``.cubin``, ``.threads``) for ``config``'s
-        compile-time knobs (compiled once per process)."""
+        compile-time knobs (compiled once per process); ``stop``: serving's give-up."""
         from .kernels import compile_gather
 
-        return compile_gather(tp, shard // 2, pdl=pdl, arch=arch, **config.kernel_knobs())
+        return compile_gather(tp, shard // 2, pdl=pdl, arch=arch, stop=stop,
+                              **config.kernel_knobs())
 
     def resident(self, compiled, device) -> int:
         """CTAs of ``compiled`` the whole device holds at once."""
@@ -111,11 +113,22 @@ class HeadGather:
     given. ``mailbox``: a ``LocalMailbox`` shared by virtual ranks (one-GPU emulation);
     None builds this rank's mailbox over ``group`` (None: the default group) with the
     ``backend`` chosen by ``mailbox.choose_backend``. ``configs``: the plan served,
-    ``{rows: GatherConfig}``; ``ctas``: its CTA counts."""
+    ``{rows: GatherConfig}``; ``ctas``: its CTA counts. ``pdl``: None takes it where
+    the architecture has it (sm_90 on).
+
+    ``mode``, one explicit choice (``kernels.protocol`` has the protocol of each):
+    ``"recoverable"`` (tools, tuning, tests: a give-up hands out NaN for two calls,
+    then every rank raises ``GatherTimeout`` until a collective ``reset()``) or
+    ``"serving"`` (engines, which never call ``check()``: a give-up stops this
+    process's GPU context before any later kernel can use the step, and a watcher
+    logs the missing ranks from the status record)."""
 
     def __init__(self, group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None,
-                 threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL, pdl=True,
-                 budget_s=SPIN_BUDGET_S, backend=None):
+                 threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL, pdl=None,
+                 budget_s=SPIN_BUDGET_S, backend=None, mode=RECOVERABLE):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
         if isinstance(rows, Mapping):
             if ctas is not None:
                 raise ValueError("rows maps row counts to GatherConfigs: pass no ctas")
@@ -155,6 +168,8 @@ class HeadGather:
         self._peers = self.box.peers.data_ptr()  # the kernel reads the table by address
         self._closed = False
         self._stream_id, self._stream = None, None
+        # serving: the engine's own error cannot name the ranks once the context stopped
+        self._watcher = Watcher(self._status) if mode == SERVING else None
 
     def _prepare(self, tp, rank, shard, rows, ctas, knobs, pdl, sharing, budget_s):
         """Everything that can fail on this rank alone: checks, the plan (compile,
@@ -168,9 +183,10 @@ class HeadGather:
         self.tp, self.rank, self.shard, self.width = tp, rank, shard, tp * shard
         # what Tensor.get_device() answers for a tensor on this device (-1: the CPU)
         self._index = self.device.index if self.device.type == "cuda" else -1
-        self._pdl, self.sharing = pdl, sharing
+        self._pdl = self._kernels.pdl(self._arch) if pdl is None else bool(pdl)
+        self.sharing = sharing
         self.configs = plan(rows, ctas, tp=tp, shard=shard, resident=self._resident,
-                            sharing=sharing, pdl=pdl, **knobs)
+                            sharing=sharing, pdl=self._pdl, **knobs)
         self.rows = frozenset(self.configs)
         self.cap = max(self.rows)
         self.parity = 0
@@ -179,16 +195,17 @@ class HeadGather:
         self._open_status(budget_s)
 
     def _open_status(self, budget_s):
-        """The spin budget and the host-visible status record (pinned: the kernel
-        writes it, the host reads it with no device sync; layout: kernels.protocol)."""
+        """The spin budget and the host-visible status record (``status.StatusRecord``:
+        the kernel writes it, the host reads it with no device sync)."""
+        if not budget_s > 0:
+            raise ValueError(f"the spin budget must be a positive number of seconds, got {budget_s!r}")
         self.budget_ns = int(budget_s * 1e9)
-        self._status = torch.zeros(STATUS_WORDS, dtype=torch.int32,
-                                   pin_memory=torch.cuda.is_available())
-        self._status_address = self._status.data_ptr()
-        self._flag = ctypes.c_int32.from_address(self._status_address + 4 * STATUS_FLAG)
+        self._status = StatusRecord(self.rank, self.tp)
+        self._status_address = self._status.address
 
     def _compiled(self, config):
-        return self._kernels.compiled(self.tp, self.shard, config, self._pdl, self._arch)
+        return self._kernels.compiled(self.tp, self.shard, config, self._pdl, self._arch,
+                                      stop=self.mode == SERVING)
 
     def _resident(self, config):
         return self._kernels.resident(self._compiled(config), self.device)
@@ -205,8 +222,8 @@ class HeadGather:
         gather's launch runs no ``__call__``, so whoever replays it calls ``poll()``
         before each replay (``lamport_head.sglang`` does, on the ModelRunner's
         ``forward``), or a failed peer would go on delivering NaN unnoticed."""
-        if self._flag.value:
-            raise self._failure()
+        if self._status.raised:
+            raise self.failure()
 
     def __call__(self, logits, stock):
         self.poll()
@@ -252,10 +269,10 @@ class HeadGather:
         launch(logits, out.data_ptr(), self._peers, self.rank, ctas, self.budget_ns,
                self._status_address)
 
-    def _failure(self):
-        record = self._status.tolist()
-        missing = [r for r in range(self.tp) if record[STATUS_PEERS + r]]
-        return GatherTimeout(self.rank, missing, record[STATUS_EPOCH])
+    def failure(self):
+        """The ``GatherTimeout`` this rank's status record describes (host memory: it
+        reads right with the GPU context stopped, as a serving give-up leaves it)."""
+        return self._status.failure(stopped=self.mode == SERVING)
 
     def check(self):
         """Raise ``GatherTimeout`` if a call of any rank gave up: the host flag (set by
@@ -278,7 +295,7 @@ class HeadGather:
         torch.cuda.synchronize(self.device)
         self.box.barrier()
         self.box.arm()
-        self._status.zero_()
+        self._status.clear()
         self.parity = 0  # arm() zeroed the epoch too
         torch.cuda.synchronize(self.device)
         self.box.barrier()
@@ -286,4 +303,6 @@ class HeadGather:
     def close(self):
         """Collective: release the mailbox once no peer can push into it."""
         self._closed = True
+        if self._watcher is not None:
+            self._watcher.stop()
         self.box.close()

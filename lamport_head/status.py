@@ -21,6 +21,10 @@ from .kernels.protocol import STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STATUS_WO
 logger = logging.getLogger("lamport_head")
 
 WATCH_PERIOD_S = 0.05  # how soon after a serving give-up its log line appears
+# What a gather does when it gives up (HeadGather's ``mode``; kernels.protocol):
+RECOVERABLE = "recoverable"  # NaN for the missing fragments, raise, a collective reset()
+SERVING = "serving"  # stop the GPU context (trap): no later kernel uses the step
+MODES = (RECOVERABLE, SERVING)
 
 
 class GatherTimeout(RuntimeError):

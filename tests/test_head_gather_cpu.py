@@ -1,16 +1,16 @@
 """HeadGather's host logic with the kernel replaced by a recording fake (no GPU):
 routing, parity, stream order, the fail-stop record and ``reset``'s order."""
 
-import ctypes
 
 import pytest
 import torch
 
 from lamport_head import head_gather
+from lamport_head.status import StatusRecord
 from lamport_head.config import default_ctas
 from lamport_head.head_gather import GatherTimeout, HeadGather
 from lamport_head.kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, CONTROL_WORDS, MARK_TOP,
-                                           STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STATUS_WORDS)
+                                           STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS)
 
 TP, SHARD = 4, 64
 
@@ -50,9 +50,9 @@ def fake_gather(rows=(1, 2, 4), log=None):
     g._launch = dict.fromkeys(rows, rec)
     g.ctas = {m: 10 + m for m in rows}
     g._peers, g.budget_ns = 1234, 10**9
-    g._status = torch.zeros(STATUS_WORDS, dtype=torch.int32)
-    g._status_address = g._status.data_ptr()
-    g._flag = ctypes.c_int32.from_address(g._status_address + 4 * STATUS_FLAG)
+    g.mode, g._watcher = "recoverable", None
+    g._status = StatusRecord(g.rank, TP)
+    g._status_address = g._status.address
     g._stream_id, g._stream, g._closed = None, None, False
     g.box = FakeBox(log if log is not None else [])
     return g, rec
@@ -193,10 +193,10 @@ def test_a_new_stream_waits_for_the_previous_one(streams):
 
 def _flag(g, epoch, peers):
     """What a kernel after the failed call writes: details first, the flag last."""
-    g._status[STATUS_EPOCH] = epoch
+    g._status.words[STATUS_EPOCH] = epoch
     for p in peers:
-        g._status[STATUS_PEERS + p] = 1
-    g._status[STATUS_FLAG] = 1
+        g._status.words[STATUS_PEERS + p] = 1
+    g._status.words[STATUS_FLAG] = 1
 
 
 def test_the_flag_raises_on_every_call_until_reset():
@@ -239,7 +239,7 @@ def test_reset_order_and_recovery(monkeypatch):
     g.reset()
     # stop -> sync -> barrier -> arm -> (status cleared) -> sync -> barrier
     assert log == ["sync", "barrier", "arm", "sync", "barrier"]
-    assert not g._status.any() and g.parity == 0
+    assert not g._status.words.any() and not g._status.raised and g.parity == 0
     g.check()
     g(torch.randn(1, SHARD).bfloat16(), stock)
     assert len(rec.calls) == 2 and g.parity == 1

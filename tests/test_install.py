@@ -2,7 +2,6 @@
 check, the MIN agreement (one rank failing construction leaves both stock), the
 instance-attribute routing, LAMPORT_HEAD_DISABLE, and `()` on a CPU device."""
 
-import json
 import os
 import types
 
@@ -48,7 +47,10 @@ def _fake_cuda(monkeypatch_like, rank, case, launch=None):
         def arch(self, device):
             return "cpu"
 
-        def compiled(self, tp, shard, config, pdl, arch):
+        def pdl(self, arch):
+            return True  # as on Hopper
+
+        def compiled(self, tp, shard, config, pdl, arch, stop=False):
             if step == "prepare" and rank == fail_rank:
                 raise RuntimeError("compile failed")
 

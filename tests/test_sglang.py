@@ -207,8 +207,8 @@ def _replay_worker(rank, nprocs, table):
         runner.forward(_shard(rank, 1))
     # What rank 0's kernel of the call after a failed one writes on every rank: the
     # flag (after the details), naming rank 1 as never published.
-    g._status[STATUS_PEERS + 1] = 1
-    g._status[STATUS_FLAG] = 1
+    g._status.words[STATUS_PEERS + 1] = 1
+    g._status.words[STATUS_FLAG] = 1
     raised = []
     for _ in range(2):  # and it keeps raising until a collective reset()
         try:

@@ -224,9 +224,11 @@ class EmulatedTarget:
             from lamport_head.head_gather import KERNELS
 
             config = GatherConfig(1, threads, unroll)
-            kernel = KERNELS.compiled(self.tp, self.shard, config, True, KERNELS.arch(self.device))
+            arch = KERNELS.arch(self.device)
+            pdl = KERNELS.pdl(arch)  # as HeadGather builds them
+            kernel = KERNELS.compiled(self.tp, self.shard, config, pdl, arch)
             resident = KERNELS.resident(kernel, self.device)
-            self._limits[key] = co_resident_limit(resident, self.tp, pdl=True)
+            self._limits[key] = co_resident_limit(resident, self.tp, pdl)
         return self._limits[key]
 
     def _gather(self, rows, config):
@@ -363,11 +365,11 @@ class DistributedTarget:
 
             def local():
                 config = GatherConfig(1, threads, unroll)
-                kernel = KERNELS.compiled(self.tp, self.shard, config, True,
-                                          KERNELS.arch(self.device))
+                arch = KERNELS.arch(self.device)
+                pdl = KERNELS.pdl(arch)  # as HeadGather builds them
+                kernel = KERNELS.compiled(self.tp, self.shard, config, pdl, arch)
                 sharing = self.tp if self.ranks.shared else 1
-                return co_resident_limit(KERNELS.resident(kernel, self.device), sharing,
-                                         pdl=True)
+                return co_resident_limit(KERNELS.resident(kernel, self.device), sharing, pdl)
 
             # A compile that fails on one rank raises on every rank, together.
             resident, error = attempt(local)
