@@ -350,7 +350,10 @@ def load_table(path=None) -> Table:
     if path is None:
         return load_layers()
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise TableError(f"{path}: cannot read the table: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise TableError(f"{path}: not a UTF-8 text file (byte {exc.object[exc.start]:#04x} at "
+                         f"offset {exc.start}); a table is YAML text") from None
     return parse(text, str(path))
