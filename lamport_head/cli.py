@@ -53,7 +53,10 @@ def _margin(text):
 
 
 def parser():
+    from lamport_head import __version__
+
     p = argparse.ArgumentParser(prog="lamport-head", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("tune", help="Optuna sweep that fills the HEAD_GATHER table")

@@ -159,3 +159,14 @@ def test_show_marks_filled_rows(tmp_path, capsys):
     assert "filled (not measured) from rows 8" in lines["5-7"]
     assert lines["5-7"].split()[1:5] == ["32", "256", "4", "no"]  # row 8's plan, disabled
     assert "filled" not in lines["1-4"] and "filled" not in lines["8"]
+
+
+def test_one_version_from_package_metadata():
+    """pyproject.toml is the one source: the package, the CLI and provenance say it."""
+    import lamport_head
+
+    version = importlib.metadata.version("lamport-head")
+    assert lamport_head.__version__ == version
+    run = subprocess.run([sys.executable, "-m", "lamport_head.cli", "--version"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == f"lamport-head {version}"
