@@ -25,20 +25,16 @@ a stale one is served as it is.
 """
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
+from . import provenance
 from .collective import agree, attempt, broadcast_object
 from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 from .table import MAX_ROWS, fill, normalize, user_path
 
 logger = logging.getLogger("lamport_head")
 
-ENV = "LAMPORT_HEAD_AUTOTUNE"
-SERVE_EMULATED_ENV = "LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED"
-DEFAULT_ROWS = tuple(range(1, 65))  # decode batches when the engine does not say
-STALE_KEYS = ("driver", "torch", "cutlass_dsl", "lamport_head", "kernel")
 COMMAND = "first-use tuning at install (lamport_head.autotune)"
 
 
@@ -62,18 +58,6 @@ class Budget:
 BUDGET = Budget()
 
 
-def _flag(name, default):
-    return os.environ.get(name, default).strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def enabled():
-    return _flag(ENV, "1")
-
-
-def serve_emulated():
-    return _flag(SERVE_EMULATED_ENV, "0")
-
-
 def rows_to_measure(rows):
     """A few representative row counts of ``rows``: its smallest, the powers of two
     between, and its largest (the cap). The table's fill rule covers the gaps."""
@@ -81,32 +65,6 @@ def rows_to_measure(rows):
     lo, hi = rows[0], rows[-1]
     picks = {lo, hi} | {1 << k for k in range(hi.bit_length()) if lo <= 1 << k <= hi}
     return sorted(m for m in picks if m in rows)
-
-
-def facts():
-    """This process's ``tuning.tune.runtime_facts()`` (computed once)."""
-    global _FACTS
-    if _FACTS is None:
-        from .tuning.tune import runtime_facts
-
-        _FACTS = runtime_facts()
-    return _FACTS
-
-
-_FACTS = None
-
-
-def status(section):
-    """'missing', 'current', or 'stale: key, ...' for a table section. Only the user
-    table (the cache first-use tuning writes) goes stale; the packaged table and
-    ``LAMPORT_HEAD_TABLE`` are served as they are."""
-    if section is None:
-        return "missing"
-    if section.source != str(user_path()):
-        return "current"
-    now = facts()
-    old = [k for k in STALE_KEYS if str(section.provenance.get(k)) != str(now[k])]
-    return f"stale: {', '.join(old)}" if old else "current"
 
 
 def make_target(ranks, vocab, budget=BUDGET):
@@ -134,14 +92,14 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, budget=BUDG
 
     from .mailbox import choose_backend
     from .procs import Ranks
-    from .tuning.sweep import DistComm, kernel_identity, tune_rows
+    from .tuning.sweep import DistComm, tune_rows
 
     start = time.monotonic()
     vocab = tp * shard
 
     def prepare():
         ranks = Ranks(torch.device(device), rank, tp, shared, dist.get_backend(group), group)
-        return make_target(ranks, vocab, budget), kernel_identity(), facts()
+        return make_target(ranks, vocab, budget), provenance.kernel_identity(), provenance.facts()
 
     prepared, error = attempt(prepare)
     agree(error, group, device, "to prepare first-use tuning")
@@ -165,10 +123,9 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, budget=BUDG
     seconds = time.monotonic() - start
 
     def write():
-        from .tuning.tune import provenance
         from .tuning.writer import measured_rows, merge_section
 
-        prov = provenance(device, COMMAND, name=name, facts=now)
+        prov = provenance.provenance(device, COMMAND, name=name, facts=now)
         prov["note"] = (f"{len(results)} row counts of {min(rows)}-{max(rows)} in {seconds:.1f} s, "
                         f"{len(budget.ctas)} CTA counts each")
         if emulated:

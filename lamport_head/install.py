@@ -213,7 +213,7 @@ class _View:
 
     plan: dict  # enabled rows of the real-rank section
     emulated_plan: dict  # enabled rows of the emulated section
-    real: str  # autotune.status of the real-rank section
+    real: str  # provenance.section_status of the real-rank section
     emulated: str  # ... and of the emulated one
     autotune: bool
     serve_emulated: bool
@@ -229,20 +229,21 @@ class _View:
 
 def _local_view(tp, dcp, device, name, rows):
     """(_View, None) or (None, why): this rank's reading of the tables, no collectives."""
-    from . import autotune
+    from . import settings
     from .mailbox import device_key
+    from .provenance import section_status
     from .table import TableError, load_table
 
     try:
         table = load_table()
-        on = autotune.enabled()
+        on = settings.autotune_enabled()
 
         def read(emulated):
             section = table.section(name, tp, dcp, emulated=emulated)
             plan = table.plan(name, tp, dcp, emulated=emulated)
             plan = {m: p for m, p in plan.items() if p.enabled and (rows is None or m in rows)}
             # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
-            state = autotune.status(section) if on else ("missing" if section is None
+            state = section_status(section) if on else ("missing" if section is None
                                                          else "current")
             return plan, state
 
@@ -252,8 +253,8 @@ def _local_view(tp, dcp, device, name, rows):
             key = device_key(device)
         except Exception:  # no device key: first-use tuning will not guess
             pass
-        return _View(plan, emulated_plan, real, emulated, on, autotune.serve_emulated(),
-                     tuple(sorted(set(rows or autotune.DEFAULT_ROWS))), key), None
+        return _View(plan, emulated_plan, real, emulated, on, settings.serve_emulated(),
+                     tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key), None
     except TableError as exc:
         return None, str(exc)
     except Exception as exc:  # told to every rank by the agreement, never raised alone

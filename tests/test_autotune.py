@@ -69,21 +69,21 @@ class CollectiveTarget:
 
 
 def _worker(rank, nprocs, cache, env, shared, fail, facts):
-    from lamport_head import install, mailbox
+    from lamport_head import install, mailbox, provenance, settings
 
     os.environ.pop("LAMPORT_HEAD_TABLE", None)
     os.environ.update(env, LAMPORT_HEAD_CACHE=cache)
     _fake_cuda(setattr, rank, "ok")
     host = f"host{rank}" if fail == "hosts" else "host"  # "hosts": one rank per host
     mailbox.device_key = lambda device: (host, "gpu" if shared else f"gpu{rank}")
-    autotune.facts = lambda: dict(facts)
+    provenance.facts = lambda: dict(facts)
     timed = []
 
     def make_target(ranks, vocab, budget=autotune.BUDGET):
         if fail == f"prepare@{rank}":
             raise RuntimeError("injected: no target")
         if fail == f"unserve@{rank}":  # the opt-in leaves this rank's environment mid-tuning
-            os.environ.pop(autotune.SERVE_EMULATED_ENV, None)
+            os.environ.pop(settings.SERVE_EMULATED_ENV, None)
         return CollectiveTarget(ranks, vocab, fail, timed)
 
     autotune.make_target = make_target

@@ -207,13 +207,13 @@ def _install_worker(rank, tp, cache, fail):
     """install_logits_gather with first-use tuning on the real harness (the review's
     scenario: one rank's ``planted`` runs out of memory mid-sweep), then one more
     collective, as a server's next step would issue."""
-    from lamport_head import autotune, install
+    from lamport_head import autotune, install, provenance
     from lamport_head.collective import all_gather_objects
 
     os.environ.pop("LAMPORT_HEAD_TABLE", None)
     os.environ.update(LAMPORT_HEAD_AUTOTUNE="1", LAMPORT_HEAD_CACHE=cache)
     _cpu_ranks(rank, tp, fail)
-    autotune.facts = lambda: {"driver": "580.1", "cuda": "13.0", "torch": "2.13.0",
+    provenance.facts = lambda: {"driver": "580.1", "cuda": "13.0", "torch": "2.13.0",
                               "cutlass_dsl": "4.8.0", "lamport_head": "0.1.0",
                               "kernel": "abcdef123456"}
     make_target = autotune.make_target
