@@ -19,7 +19,7 @@ except importlib.metadata.PackageNotFoundError:
 _LAZY = {
     "HeadGather": ("head_gather", "HeadGather"),
     "GatherTimeout": ("head_gather", "GatherTimeout"),
-    "install_logits_gather": ("install", "install_logits_gather"),
+    "install_logits_gather": ("engines.vllm", "install_logits_gather"),
     "EmulatedGather": ("emulate", "EmulatedGather"),
     "reference_gather": ("reference", "reference_gather"),
 }

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from . import provenance
 from .collective import agree, attempt, broadcast_object
 from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
-from .table import MAX_ROWS, fill, normalize, user_path
+from .table import fill, normalize, user_path
 
 logger = logging.getLogger("lamport_head")
 
@@ -139,15 +139,3 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, budget=BUDG
     measured = {r.rows: r.plan for r in results}
     plan = {m: p for m, p in fill(measured).items() if p.enabled and m in set(rows)}
     return Outcome(plan, results, emulated, seconds, path)
-
-
-def rows_from_vllm(vllm_config):
-    """The row counts a vLLM server's decode steps can gather: 1 .. max running
-    requests x (1 + speculative tokens per request), capped at ``MAX_ROWS``; None when
-    the config does not say."""
-    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
-    if not isinstance(seqs, int) or seqs < 1:
-        return None
-    spec = getattr(vllm_config, "speculative_config", None)
-    k = (getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
-    return tuple(range(1, min(seqs * (1 + int(k)), MAX_ROWS) + 1))

@@ -69,7 +69,8 @@ class CollectiveTarget:
 
 
 def _worker(rank, nprocs, cache, env, shared, fail, facts):
-    from lamport_head import install, mailbox, provenance, settings
+    from lamport_head import mailbox, provenance, settings
+    from lamport_head.engines.vllm import install_logits_gather
 
     os.environ.pop("LAMPORT_HEAD_TABLE", None)
     os.environ.update(env, LAMPORT_HEAD_CACHE=cache)
@@ -89,7 +90,7 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts):
     autotune.make_target = make_target
     seen = _capture_log()
     m = model(lm__tp_size=nprocs)
-    served = install.install_logits_gather(m, None, nprocs, rank, "cpu")
+    served = install_logits_gather(m, None, nprocs, rank, "cpu")
     out = m.logits_processor._gather_logits(torch.zeros(1, 64, dtype=torch.bfloat16))
     routed = (sorted(set(out.view(torch.uint8).flatten().tolist())) if torch.is_tensor(out)
               else out)
@@ -235,6 +236,7 @@ def test_rows_to_measure_are_powers_of_two_and_the_cap():
 
 
 def test_rows_from_the_vllm_config():
+    from lamport_head.engines.vllm import rows_from_vllm
     from lamport_head.table import MAX_ROWS
 
     def config(seqs, k=None):
@@ -242,11 +244,11 @@ def test_rows_from_the_vllm_config():
         return types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=seqs),
                                      speculative_config=spec)
 
-    assert autotune.rows_from_vllm(config(16)) == tuple(range(1, 17))
-    assert autotune.rows_from_vllm(config(16, 3)) == tuple(range(1, 65))  # 16 x (1 + 3)
-    assert max(autotune.rows_from_vllm(config(1024, 2))) == MAX_ROWS
-    assert autotune.rows_from_vllm(None) is None
-    assert autotune.rows_from_vllm(config(None)) is None
+    assert rows_from_vllm(config(16)) == tuple(range(1, 17))
+    assert rows_from_vllm(config(16, 3)) == tuple(range(1, 65))  # 16 x (1 + 3)
+    assert max(rows_from_vllm(config(1024, 2))) == MAX_ROWS
+    assert rows_from_vllm(None) is None
+    assert rows_from_vllm(config(None)) is None
 
 
 def test_rows_from_vllms_own_scheduler_config():
@@ -258,7 +260,7 @@ def test_rows_from_vllms_own_scheduler_config():
     code = (
         "import types\n"
         "from vllm.config import SchedulerConfig\n"
-        "from lamport_head.autotune import rows_from_vllm\n"
+        "from lamport_head.engines.vllm import rows_from_vllm\n"
         "sched = SchedulerConfig(max_num_seqs=48, max_model_len=4096, is_encoder_decoder=False)\n"
         "spec = types.SimpleNamespace(num_speculative_tokens=1)  # SpeculativeConfig needs a model\n"
         "cfg = types.SimpleNamespace(scheduler_config=sched, speculative_config=spec)\n"

@@ -207,7 +207,7 @@ def _install_worker(rank, tp, cache, fail):
     """install_logits_gather with first-use tuning on the real harness (the review's
     scenario: one rank's ``planted`` runs out of memory mid-sweep), then one more
     collective, as a server's next step would issue."""
-    from lamport_head import autotune, install, provenance
+    from lamport_head import autotune, provenance
     from lamport_head.collective import all_gather_objects
 
     os.environ.pop("LAMPORT_HEAD_TABLE", None)
@@ -226,7 +226,9 @@ def _install_worker(rank, tp, cache, fail):
 
     autotune.make_target = real_target
     seen = _capture_log()
-    served = install.install_logits_gather(model(lm__tp_size=tp), None, tp, rank, "cpu")
+    from lamport_head.engines.vllm import install_logits_gather
+
+    served = install_logits_gather(model(lm__tp_size=tp), None, tp, rank, "cpu")
     after = all_gather_objects(list(served))
     return {"served": list(served), "after": after,
             "warnings": [line for line in seen if "stays stock" in line]}

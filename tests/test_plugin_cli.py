@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from lamport_head import cli, plugin
+from lamport_head import cli
+from lamport_head.engines import vllm as plugin
 
 
 def fake_vllm(monkeypatch):
@@ -38,9 +39,7 @@ def fake_vllm(monkeypatch):
 
 def test_plugin_installs_after_load_once(monkeypatch):
     Worker, calls = fake_vllm(monkeypatch)
-    import lamport_head.install as install
-
-    monkeypatch.setattr(install, "install_logits_gather",
+    monkeypatch.setattr(plugin, "install_logits_gather",
                         lambda *a, **kw: calls.append(("install", a, kw)) or (1, 2))
     plugin.register()
     plugin.register()  # loading twice is harmless
@@ -60,12 +59,11 @@ def test_plugin_lets_an_install_error_stop_the_worker(monkeypatch):
     means this rank could not finish while peers may wait in a collective, so it is
     never swallowed (the rank would enter vLLM's collectives alone): fail-stop."""
     Worker, calls = fake_vllm(monkeypatch)
-    import lamport_head.install as install
 
     def boom(*a, **kw):
         raise RuntimeError("rank left install alone")
 
-    monkeypatch.setattr(install, "install_logits_gather", boom)
+    monkeypatch.setattr(plugin, "install_logits_gather", boom)
     plugin.register()
     with pytest.raises(RuntimeError, match="rank left install alone"):
         Worker().load_model()
@@ -79,7 +77,7 @@ def test_plugin_without_vllm_is_harmless(monkeypatch):
 
 def test_installed_metadata():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
-    assert any(e.name == "lamport_head" and e.value == "lamport_head.plugin:register" for e in eps)
+    assert any(e.name == "lamport_head" and e.value == "lamport_head.engines.vllm:register" for e in eps)
     scripts = importlib.metadata.entry_points(group="console_scripts")
     assert any(e.name == "lamport-head" for e in scripts)
     import lamport_head
