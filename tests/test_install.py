@@ -298,3 +298,30 @@ def test_a_rank_that_cannot_name_its_device_takes_every_rank_to_stock(tmp_path, 
         assert r["log"][-1].startswith("lamport-head: logits gather stays stock: "
                                        + ("" if rank == 1 else "rank 1: "))
         assert "RuntimeError: injected: no device name" in r["log"][-1]
+
+
+def _serving_worker(rank, nprocs, table):
+    """A fresh serving process: the engine adapters and the core imported, the gather
+    installed from a table with first-use tuning on; which tuner modules came in."""
+    import sys
+
+    os.environ["LAMPORT_HEAD_TABLE"] = table
+    os.environ["LAMPORT_HEAD_AUTOTUNE"] = "1"  # on, yet the table covers this GPU
+    import lamport_head.engines.sglang  # noqa: F401
+    import lamport_head.engines.vllm
+    import lamport_head.install  # noqa: F401
+
+    _fake_cuda(setattr, rank, "ok")
+    m = model(lm__tp_size=nprocs)
+    served = lamport_head.engines.vllm.install_logits_gather(m, None, nprocs, rank, "cpu")
+    tuner = sorted(n for n in sys.modules
+                   if n.split(".")[0] == "optuna" or n.startswith(("lamport_head.cli",
+                                                                     "lamport_head.tuning")))
+    return {"served": list(served), "tuner": tuner}
+
+
+def test_serving_from_a_table_imports_neither_the_tuner_nor_optuna_nor_the_cli(tmp_path):
+    table = tmp_path / "t.yaml"
+    table.write_text(TABLE)
+    for r in spawn(_serving_worker, 2, tmp_path, str(table)):
+        assert r["served"] == [1, 2, 4] and r["tuner"] == []

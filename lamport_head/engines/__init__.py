@@ -14,6 +14,6 @@ so a serving process whose tables cover it never imports the tuner or optuna.
 def measure_first_use(*args, **kwargs):
     """First-use tuning's measuring (``lamport_head.tuning.firstuse.measure``), imported
     only when the install core decided, on every rank alike, to measure."""
-    from lamport_head.autotune import measure
+    from lamport_head.tuning.firstuse import measure
 
     return measure(*args, **kwargs)
