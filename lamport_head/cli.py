@@ -239,7 +239,7 @@ def verify(args):
     from lamport_head.reference import planted, reference_gather
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # real ranks: the free-running check
-        from lamport_head.tuning.ranks import main as ranks_main
+        from lamport_head.tuning.diagnostics.ranks import main as ranks_main
 
         return ranks_main(["--calls", str(args.calls), "--vocab", str(args.vocab),
                            "--rows", ",".join(map(str, args.rows))])
