@@ -1,16 +1,25 @@
 """lamport-head: the tensor-parallel logits gather of LLM decode on a Lamport mailbox.
 
-Public names (DESIGN.md): ``HeadGather``, ``install_logits_gather``, ``table``
-(``load_table``, ``Table``, ``RowPlan``, ``TableError``). Heavy modules load lazily so
-that ``import lamport_head`` is cheap and works without a GPU or vLLM.
+Public names (the README's "Use" section; each module's docstring holds its design):
+``HeadGather``, ``install_logits_gather``, ``table`` (``load_table``, ``Table``,
+``RowPlan``, ``TableError``). Heavy modules load lazily so that ``import lamport_head``
+is cheap and works without a GPU or vLLM.
+
+``__version__`` is the installed distribution's (pyproject.toml is the one source);
+"0+unknown" when the package runs from a tree that was never installed.
 """
 
-__version__ = "0.1.0"
+import importlib.metadata
+
+try:
+    __version__ = importlib.metadata.version("lamport-head")
+except importlib.metadata.PackageNotFoundError:
+    __version__ = "0+unknown"
 
 _LAZY = {
     "HeadGather": ("head_gather", "HeadGather"),
     "GatherTimeout": ("head_gather", "GatherTimeout"),
-    "install_logits_gather": ("install", "install_logits_gather"),
+    "install_logits_gather": ("engines.vllm", "install_logits_gather"),
     "EmulatedGather": ("emulate", "EmulatedGather"),
     "reference_gather": ("reference", "reference_gather"),
 }

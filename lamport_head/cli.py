@@ -53,7 +53,10 @@ def _margin(text):
 
 
 def parser():
+    from lamport_head import __version__
+
     p = argparse.ArgumentParser(prog="lamport-head", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("tune", help="Optuna sweep that fills the HEAD_GATHER table")
@@ -236,7 +239,7 @@ def verify(args):
     from lamport_head.reference import planted, reference_gather
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # real ranks: the free-running check
-        from lamport_head.tuning.ranks import main as ranks_main
+        from lamport_head.tuning.diagnostics.ranks import main as ranks_main
 
         return ranks_main(["--calls", str(args.calls), "--vocab", str(args.vocab),
                            "--rows", ",".join(map(str, args.rows))])

@@ -1,7 +1,12 @@
-"""``install_logits_gather``: route a model's LogitsProcessor gather through HeadGather
-for the rows the HEAD_GATHER table enables on this GPU model and (TP, DCP).
+"""The engine-neutral install core: route one engine's logits gather through a
+HeadGather for the rows the HEAD_GATHER table enables on this GPU model and (TP, DCP).
 
-Fail-stop order: the model checks (the same on every rank by construction) need no
+It knows no engine. An adapter (``lamport_head.engines.vllm``, ``.sglang``) finds the
+processor and lm_head and hands a ``GatherSite`` (the object and attribute to route,
+the head's weight and TP size, where it sits, the engine's own facts) and the
+first-use measuring (``measure``, injected: the runtime never imports the tuner).
+
+Fail-stop order: the site checks (the same on every rank by construction) need no
 collective; then each rank reads alone what may differ or fail on it alone (its
 device's name, the tables, LAMPORT_HEAD_DISABLE and LAMPORT_HEAD_FORCE, first-use
 tuning settings) into its vote, and every rank, whatever it read, meets at the plan
@@ -10,25 +15,42 @@ to stock). Only then the HeadGather is built, itself collective and fail-stop (l
 part, agree, map the peers' mailboxes, agree, arm, barrier): every rank serves the
 rows or every rank stays stock. When no layer holds a real-rank section for this
 GPU model, TP and DCP (or the user table's is stale), the agreed view says so on
-every rank alike, and first-use tuning (``autotune.measure``, collective and
-fail-stop) measures, writes the user table and hands back the plan to build; what
-follows it reads the agreed view, never the environment again. Never raises into
-serving: a missing table entry, a non-CUDA device or a failed build leaves the stock
-gather with one log line.
+every rank alike, and first-use tuning (``measure``, collective and fail-stop)
+measures, writes the user table and hands back the plan to build; what follows it
+reads the agreed view, never the environment again. Never raises into serving: a
+missing table entry, a non-CUDA device or a failed build leaves the stock gather with
+one log line. No rank switches to stock alone: the stock path is itself a collective.
 """
 
 import logging
-import os
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
 import torch
 
+from . import settings
 from .collective import all_gather_objects
-from .vllm_model import FORCE_ENV, find_gather_target, forced, owns_gather
 
 logger = logging.getLogger("lamport_head")
+
+
+@dataclass(frozen=True)
+class GatherSite:
+    """One engine's logits gather, as its adapter found it: all the core reads of the
+    engine. Facts only, the same on every rank of the TP group by construction (the
+    same model and head everywhere); what may differ per rank (the environment, the
+    device) the core reads itself into the rank's vote."""
+
+    processor: object  # holds the gather; gets ``head_gather`` once served
+    attr: str  # its attribute x [M, V/TP] -> [M, V], routed as gather(x, stock=the engine's)
+    weight: object  # the vocab-parallel lm_head's weight: this rank's [V/TP, hidden] shard
+    head_tp: object  # the lm_head's TP size (must be the group's)
+    where: str  # where the processor sits, for the log lines
+    plain: bool = True  # the engine gathers these logits by the plain TP all-gather (last dim)
+    facts: str = ""  # the engine's facts behind ``plain``, for the line when it is not
+    kept: object = None  # set when the processor's class has its own gather: why it keeps it
+    # unless every rank's LAMPORT_HEAD_FORCE is set (None: no gather of its own)
 
 
 def _device_name(device):
@@ -55,44 +77,37 @@ class _Vote(NamedTuple):
     force: bool  # LAMPORT_HEAD_FORCE as this rank's environment reads it
 
 
-def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
-    """Route the model's LogitsProcessor ``_gather_logits`` (an instance attribute:
-    other LogitsProcessors keep theirs) through a HeadGather for the table's enabled
-    rows; which processor (nested language model, LoRA base layer, a subclass with its
-    own gather) is ``vllm_model.find_gather_target``'s to say.
-    ``rows``: the row counts the server's decode steps gather (vLLM: 1 .. max running
-    requests x (1 + speculative tokens)); served rows are limited to them, so the
-    mailbox's cap follows, and first-use tuning measures among them. None: the
-    table's rows, and 1-64 for first-use tuning.
-    Returns the rows served; ``()`` means the stock gather.
+def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure):
+    """Route ``site`` through a HeadGather for the table's enabled rows; returns the
+    rows served, ``()`` meaning the engine's stock gather.
+    ``rows``: the row counts the server's decode steps gather; served rows are
+    limited to them, so the mailbox's cap follows, and first-use tuning measures
+    among them. None: the table's rows, and ``settings.DEFAULT_ROWS`` for first-use
+    tuning. ``measure``: first-use tuning's measuring, called (collectively) only
+    when the agreed view asks for it, as ``measure(group, device, tp, rank, dcp, shard,
+    rows, shared, name)`` returning an outcome with ``plan``, ``results``,
+    ``emulated``, ``seconds``, ``path``.
 
     Never raises, and never leaves a peer in a collective: it returns before the
-    first collective only on facts every rank shares by construction (the same model
-    and head on every rank of the TP group, an earlier install, itself agreed, tp).
-    Whatever a rank reads or fails at alone (its device, its tables, its environment:
-    DISABLE, FORCE, first-use tuning settings) travels in its ``_Vote``; every rank
-    reaches the agreement and all take the decision from the same gathered votes."""
-    lp, head, where = find_gather_target(model, force=True)  # FORCE is decided agreed
+    first collective only on facts every rank shares by construction (the site, an
+    earlier install, itself agreed, tp). Whatever a rank reads or fails at alone (its
+    device, its tables, its environment: DISABLE, FORCE, first-use tuning settings)
+    travels in its ``_Vote``; every rank reaches the agreement and all take the
+    decision from the same gathered votes."""
+    lp, where = site.processor, site.where
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call installed one: keep it
         return tuple(sorted(installed.rows))
-    if lp is None:
-        logger.info("lamport-head: stock logits gather: %s", where)
-        return ()
     if tp <= 1:
         logger.info("lamport-head: tp=%d has no logits gather to replace", tp)
         return ()
-    weight = getattr(head, "weight", None)
+    weight = site.weight
     if (weight is None or weight.dim() != 2 or weight.dtype != torch.bfloat16
-            or getattr(lp, "logits_as_input", False)
-            or getattr(lp, "head_dtype", None) not in (None, torch.bfloat16)
-            or getattr(head, "tp_size", 1) != tp or not getattr(lp, "use_all_gather", False)):
+            or site.head_tp != tp or not site.plain):
         logger.info("lamport-head: stock logits gather: %s is not a BF16 vocab-parallel head "
-                    "gathered by all-gather over tp=%d (lm_head weight %s, tp_size %s; "
-                    "use_all_gather=%s, logits_as_input=%s, head_dtype=%s)", where, tp,
-                    None if weight is None else f"{tuple(weight.shape)} {weight.dtype}",
-                    getattr(head, "tp_size", None), getattr(lp, "use_all_gather", None),
-                    getattr(lp, "logits_as_input", None), getattr(lp, "head_dtype", None))
+                    "gathered by all-gather over tp=%d (lm_head weight %s, tp_size %s%s)", where,
+                    tp, None if weight is None else f"{tuple(weight.shape)} {weight.dtype}",
+                    site.head_tp, f"; {site.facts}" if site.facts else "")
         return ()
     shard = weight.shape[0]
     if shard % 8:
@@ -104,7 +119,7 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
     # here, whatever it read or failed at: a rank deciding alone would be missing from
     # the mailbox's (or the sweep's) collectives its peers enter next.
     votes = [_Vote(*v) for v in all_gather_objects(tuple(vote), group)]
-    if owns_gather(lp) and not _agree_force(votes, model):
+    if site.kept is not None and not _agree_force(votes, site.kept):
         return ()
     reasons = [(r, v.reason) for r, v in enumerate(votes) if v.reason]
     if reasons:
@@ -124,16 +139,14 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
                        "whether the TP ranks share a GPU (no device key)")
         return ()
     if choice == "tune":
-        from . import autotune
-
         try:  # collective, fail-stop: every rank gets the same outcome or every rank raises
-            outcome = autotune.measure(group, device, tp, rank, dcp, shard, view.rows, shared, name)
+            outcome = measure(group, device, tp, rank, dcp, shard, view.rows, shared, name)
         except Exception as exc:
             logger.warning("lamport-head: logits gather stays stock: first-use tuning failed: "
                            "%s: %s", type(exc).__name__, exc)
             return ()
         logger.info("lamport-head: first-use tuning on %s (tp=%d, dcp=%d, %s): measured rows "
-                    "%s in %.1f s, wrote %s%s", name, tp, dcp, view.real, 
+                    "%s in %.1f s, wrote %s%s", name, tp, dcp, view.real,
                     [r.rows for r in outcome.results], outcome.seconds, outcome.path,
                     " (emulated: true)" if outcome.emulated else "")
         plan = outcome.plan
@@ -145,11 +158,11 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
         logger.info("lamport-head: stock logits gather: the ranks share one GPU, so the %s "
                     "section for %s, tp=%d, dcp=%d is emulated: true, never served (%s=1 "
                     "serves it, to test this mode only)", name, name, tp, dcp,
-                    "LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED")
+                    settings.SERVE_EMULATED_ENV)
         return ()
     if choice == "emulated":
         logger.warning("lamport-head: serving an emulated section (processes sharing one GPU: "
-                       "not performance) because LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED is set")
+                       "not performance) because %s is set", settings.SERVE_EMULATED_ENV)
     if not plan:
         logger.info("lamport-head: no enabled HEAD_GATHER rows for %s, tp=%d, dcp=%d; "
                     "stock logits gather", name, tp, dcp)
@@ -160,9 +173,10 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
         logger.warning("lamport-head: logits gather stays stock: %s: %s",
                        type(exc).__name__, exc)
         return ()
-    stock = lp._gather_logits
+    stock = getattr(lp, site.attr)
     lp.head_gather = gather
-    lp._gather_logits = partial(gather, stock=stock)
+    setattr(lp, site.attr, partial(gather, stock=stock))  # an instance attribute: other
+    # processors keep theirs
     served = tuple(sorted(gather.rows))
     logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d) for rows %s, "
                 "routed at %s", name, tp, dcp, served, where)
@@ -173,7 +187,7 @@ def _local_vote(tp, dcp, device, rows):
     """``(device name, _View or None, _Vote)``: everything this rank reads alone before
     the agreement. Never raises: a failure here is the vote's reason, which every
     rank hears (each rank then stays stock together)."""
-    force = forced()
+    force = settings.forced()
     try:
         name = _device_name(device)
     except Exception as exc:
@@ -182,28 +196,28 @@ def _local_vote(tp, dcp, device, rows):
     if name is None:
         return None, None, _Vote(None, None, f"{device} is not a CUDA device", force)
     view, reason = _local_view(tp, dcp, device, name, rows)
-    if os.environ.get("LAMPORT_HEAD_DISABLE", "") not in ("", "0"):
+    if settings.disabled():
         # An environment variable may reach some ranks only: it travels with the plan.
-        view, reason = None, "disabled by LAMPORT_HEAD_DISABLE"
+        view, reason = None, f"disabled by {settings.DISABLE_ENV}"
     return name, view, _Vote(view and view.agreed, view and view.key, reason, force)
 
 
-def _agree_force(votes, model):
-    """For a processor whose class has its own gather: True when every rank's
-    LAMPORT_HEAD_FORCE is set. Not set anywhere: the processor keeps its gather (one
-    line). Set on some ranks only: every rank keeps it, with a warning naming them,
-    as a LAMPORT_HEAD_DISABLE that reached some ranks only takes every rank to stock.
+def _agree_force(votes, why):
+    """For a processor whose class has its own gather (``why``: the site's text saying
+    it keeps it): True when every rank's LAMPORT_HEAD_FORCE is set. Not set anywhere:
+    the processor keeps its gather (one line). Set on some ranks only: every rank
+    keeps it, with a warning naming them, as a LAMPORT_HEAD_DISABLE that reached some
+    ranks only takes every rank to stock.
     The same answer on every rank: ``votes`` are the gathered ones."""
     on = [r for r, v in enumerate(votes) if v.force]
     if len(on) == len(votes):
         return True
-    why = find_gather_target(model, force=False)[2]
     if not on:
         logger.info("lamport-head: stock logits gather: %s", why)
         return False
     off = [r for r, v in enumerate(votes) if not v.force]
     logger.warning("lamport-head: logits gather stays stock: %s=1 reached TP rank(s) %s but not "
-                   "%s (every rank must say the same): %s", FORCE_ENV, on, off, why)
+                   "%s (every rank must say the same): %s", settings.FORCE_ENV, on, off, why)
     return False
 
 
@@ -213,7 +227,7 @@ class _View:
 
     plan: dict  # enabled rows of the real-rank section
     emulated_plan: dict  # enabled rows of the emulated section
-    real: str  # autotune.status of the real-rank section
+    real: str  # provenance.section_status of the real-rank section
     emulated: str  # ... and of the emulated one
     autotune: bool
     serve_emulated: bool
@@ -229,20 +243,20 @@ class _View:
 
 def _local_view(tp, dcp, device, name, rows):
     """(_View, None) or (None, why): this rank's reading of the tables, no collectives."""
-    from . import autotune
     from .mailbox import device_key
+    from .provenance import section_status
     from .table import TableError, load_table
 
     try:
         table = load_table()
-        on = autotune.enabled()
+        on = settings.autotune_enabled()
 
         def read(emulated):
             section = table.section(name, tp, dcp, emulated=emulated)
             plan = table.plan(name, tp, dcp, emulated=emulated)
             plan = {m: p for m, p in plan.items() if p.enabled and (rows is None or m in rows)}
             # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
-            state = autotune.status(section) if on else ("missing" if section is None
+            state = section_status(section) if on else ("missing" if section is None
                                                          else "current")
             return plan, state
 
@@ -252,8 +266,8 @@ def _local_view(tp, dcp, device, name, rows):
             key = device_key(device)
         except Exception:  # no device key: first-use tuning will not guess
             pass
-        return _View(plan, emulated_plan, real, emulated, on, autotune.serve_emulated(),
-                     tuple(sorted(set(rows or autotune.DEFAULT_ROWS))), key), None
+        return _View(plan, emulated_plan, real, emulated, on, settings.serve_emulated(),
+                     tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key), None
     except TableError as exc:
         return None, str(exc)
     except Exception as exc:  # told to every rank by the agreement, never raised alone

@@ -15,10 +15,10 @@ calls=10000; [ "$gpus" -ge 2 ] || calls=300  # shared GPU: ~20-100 ms per call
 mkdir -p results
 for n in "${sizes[@]}"; do
   run="torchrun --standalone --nproc-per-node $n"
-  $run -m lamport_head.tuning.ranks --calls "$calls"
-  $run -m lamport_head.tuning.ranks --calls 1000 --kill-rank 1 --kill-after 100
-  $run -m lamport_head.tuning.ranks --calls 40 --slow-rank 1 --slow-s 3 --budget 1 --late-push
-  $run -m lamport_head.tuning.ranks --install
+  $run -m lamport_head.tuning.diagnostics.ranks --calls "$calls"
+  $run -m lamport_head.tuning.diagnostics.ranks --calls 1000 --kill-rank 1 --kill-after 100
+  $run -m lamport_head.tuning.diagnostics.ranks --calls 40 --slow-rank 1 --slow-s 3 --budget 1 --late-push
+  $run -m lamport_head.tuning.diagnostics.ranks --install
   for dcp in 1 "$n"; do
     $run -m lamport_head.cli tune --tp "$n" --dcp "$dcp" --rows "$rows" \
       --out tables/head_gather.yaml --plot "results/tune-tp$n-dcp$dcp.png" --quiet

@@ -1,4 +1,4 @@
-"""First-use tuning at install (lamport_head.autotune) on 2-rank gloo groups, CUDA
+"""First-use tuning at install (lamport_head.tuning.firstuse) on 2-rank gloo groups, CUDA
 faked (test_install._fake_cuda) and the timing harness replaced by a collective cost
 model: measures once and writes the user table, a second start (fresh processes)
 reads it and measures nothing, the off switch, stale provenance, a failure on one
@@ -15,7 +15,7 @@ import yaml
 from spawn import spawn
 from test_install import FAKE_BYTE, _capture_log, _fake_cuda, model
 
-from lamport_head import autotune
+from lamport_head.tuning import firstuse
 from lamport_head.table import load_table
 
 FACTS = {"driver": "580.1", "cuda": "13.0", "torch": "2.13.0", "cutlass_dsl": "4.8.0",
@@ -69,27 +69,28 @@ class CollectiveTarget:
 
 
 def _worker(rank, nprocs, cache, env, shared, fail, facts):
-    from lamport_head import install, mailbox
+    from lamport_head import mailbox, provenance, settings
+    from lamport_head.engines.vllm import install_logits_gather
 
     os.environ.pop("LAMPORT_HEAD_TABLE", None)
     os.environ.update(env, LAMPORT_HEAD_CACHE=cache)
     _fake_cuda(setattr, rank, "ok")
     host = f"host{rank}" if fail == "hosts" else "host"  # "hosts": one rank per host
     mailbox.device_key = lambda device: (host, "gpu" if shared else f"gpu{rank}")
-    autotune.facts = lambda: dict(facts)
+    provenance.facts = lambda: dict(facts)
     timed = []
 
-    def make_target(ranks, vocab, budget=autotune.BUDGET):
+    def make_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS):
         if fail == f"prepare@{rank}":
             raise RuntimeError("injected: no target")
         if fail == f"unserve@{rank}":  # the opt-in leaves this rank's environment mid-tuning
-            os.environ.pop(autotune.SERVE_EMULATED_ENV, None)
+            os.environ.pop(settings.SERVE_EMULATED_ENV, None)
         return CollectiveTarget(ranks, vocab, fail, timed)
 
-    autotune.make_target = make_target
+    firstuse.make_target = make_target
     seen = _capture_log()
     m = model(lm__tp_size=nprocs)
-    served = install.install_logits_gather(m, None, nprocs, rank, "cpu")
+    served = install_logits_gather(m, None, nprocs, rank, "cpu")
     out = m.logits_processor._gather_logits(torch.zeros(1, 64, dtype=torch.bfloat16))
     routed = (sorted(set(out.view(torch.uint8).flatten().tolist())) if torch.is_tensor(out)
               else out)
@@ -116,7 +117,7 @@ def test_first_install_measures_writes_and_serves_a_second_start_measures_nothin
     for r in first:
         assert r["served"] == SERVED and r["routed"] == [FAKE_BYTE]
         assert r["rows"] == MEASURED  # the representative rows of 1-64, each timed
-        assert r["timed"] == len(MEASURED) * len(autotune.BUDGET.ctas)
+        assert r["timed"] == len(MEASURED) * len(firstuse.FIRST_USE_LIMITS.ctas)
         assert any("first-use tuning on NVIDIA H200 (tp=2, dcp=1, missing): measured rows "
                    "[1, 2, 4, 8, 16, 32, 64]" in line for line in r["log"])
         assert not any("stays stock" in line for line in r["log"])
@@ -129,7 +130,7 @@ def test_first_install_measures_writes_and_serves_a_second_start_measures_nothin
     assert not section["rows"][32]["enabled"]
     prov = section["provenance"]
     assert {k: prov[k] for k in FACTS} == FACTS and prov["gpu"] == "NVIDIA H200"
-    assert prov["command"] == autotune.COMMAND and "date" in prov and "commit" in prov
+    assert prov["command"] == firstuse.COMMAND and "date" in prov and "commit" in prov
     assert load_table(path).section("NVIDIA H200", 2, 1) is not None  # the loader takes it
 
     second = _start(tmp_path)
@@ -229,12 +230,13 @@ def test_serving_what_was_measured_follows_the_agreed_view_not_a_fresh_read(tmp_
 
 
 def test_rows_to_measure_are_powers_of_two_and_the_cap():
-    assert autotune.rows_to_measure(range(1, 65)) == MEASURED
-    assert autotune.rows_to_measure(range(1, 49)) == [1, 2, 4, 8, 16, 32, 48]
-    assert autotune.rows_to_measure([3]) == [3]
+    assert firstuse.rows_to_measure(range(1, 65)) == MEASURED
+    assert firstuse.rows_to_measure(range(1, 49)) == [1, 2, 4, 8, 16, 32, 48]
+    assert firstuse.rows_to_measure([3]) == [3]
 
 
 def test_rows_from_the_vllm_config():
+    from lamport_head.engines.vllm import rows_from_vllm
     from lamport_head.table import MAX_ROWS
 
     def config(seqs, k=None):
@@ -242,11 +244,11 @@ def test_rows_from_the_vllm_config():
         return types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=seqs),
                                      speculative_config=spec)
 
-    assert autotune.rows_from_vllm(config(16)) == tuple(range(1, 17))
-    assert autotune.rows_from_vllm(config(16, 3)) == tuple(range(1, 65))  # 16 x (1 + 3)
-    assert max(autotune.rows_from_vllm(config(1024, 2))) == MAX_ROWS
-    assert autotune.rows_from_vllm(None) is None
-    assert autotune.rows_from_vllm(config(None)) is None
+    assert rows_from_vllm(config(16)) == tuple(range(1, 17))
+    assert rows_from_vllm(config(16, 3)) == tuple(range(1, 65))  # 16 x (1 + 3)
+    assert max(rows_from_vllm(config(1024, 2))) == MAX_ROWS
+    assert rows_from_vllm(None) is None
+    assert rows_from_vllm(config(None)) is None
 
 
 def test_rows_from_vllms_own_scheduler_config():
@@ -258,7 +260,7 @@ def test_rows_from_vllms_own_scheduler_config():
     code = (
         "import types\n"
         "from vllm.config import SchedulerConfig\n"
-        "from lamport_head.autotune import rows_from_vllm\n"
+        "from lamport_head.engines.vllm import rows_from_vllm\n"
         "sched = SchedulerConfig(max_num_seqs=48, max_model_len=4096, is_encoder_decoder=False)\n"
         "spec = types.SimpleNamespace(num_speculative_tokens=1)  # SpeculativeConfig needs a model\n"
         "cfg = types.SimpleNamespace(scheduler_config=sched, speculative_config=spec)\n"

@@ -10,7 +10,7 @@ from lamport_head.emulate import EmulatedGather
 from lamport_head.head_gather import GatherTimeout
 from lamport_head.kernels.protocol import CONTROL_EPOCH, EPOCH_SPAN, NAN_PAIR
 from lamport_head.reference import planted, reference_gather
-from lamport_head.tuning.ranks import gpu_cycles
+from lamport_head.tuning.diagnostics.ranks import gpu_cycles
 
 pytestmark = pytest.mark.gpu
 

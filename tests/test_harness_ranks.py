@@ -200,26 +200,29 @@ def _install_worker(rank, tp, cache, fail):
     """install_logits_gather with first-use tuning on the real harness (the review's
     scenario: one rank's ``planted`` runs out of memory mid-sweep), then one more
     collective, as a server's next step would issue."""
-    from lamport_head import autotune, install
+    from lamport_head import provenance
+    from lamport_head.tuning import firstuse
     from lamport_head.collective import all_gather_objects
 
     os.environ.pop("LAMPORT_HEAD_TABLE", None)
     os.environ.update(LAMPORT_HEAD_AUTOTUNE="1", LAMPORT_HEAD_CACHE=cache)
     _cpu_ranks(rank, tp, fail)
-    autotune.facts = lambda: {"driver": "580.1", "cuda": "13.0", "torch": "2.13.0",
+    provenance.facts = lambda: {"driver": "580.1", "cuda": "13.0", "torch": "2.13.0",
                               "cutlass_dsl": "4.8.0", "lamport_head": "0.1.0",
                               "kernel": "abcdef123456"}
-    make_target = autotune.make_target
+    make_target = firstuse.make_target
 
-    def real_target(ranks, vocab, budget=autotune.BUDGET):
-        target = make_target(ranks, vocab, budget)  # the real DistributedTarget
+    def real_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS):
+        target = make_target(ranks, vocab, limits)  # the real DistributedTarget
         # The occupancy calculator needs a GPU; the limit is not under test here.
-        target._limits.update({(t, u): 128 for t in budget.threads for u in budget.unroll})
+        target._limits.update({(t, u): 128 for t in limits.threads for u in limits.unroll})
         return target
 
-    autotune.make_target = real_target
+    firstuse.make_target = real_target
     seen = _capture_log()
-    served = install.install_logits_gather(model(lm__tp_size=tp), None, tp, rank, "cpu")
+    from lamport_head.engines.vllm import install_logits_gather
+
+    served = install_logits_gather(model(lm__tp_size=tp), None, tp, rank, "cpu")
     after = all_gather_objects(list(served))
     return {"served": list(served), "after": after,
             "warnings": [line for line in seen if "stays stock" in line]}

@@ -12,6 +12,7 @@ from spawn import spawn
 from tables import TWO_RANKS as TABLE
 
 from lamport_head import install
+from lamport_head.engines.vllm import install_logits_gather
 
 
 
@@ -105,8 +106,8 @@ def _install_worker(rank, nprocs, table, case, other_table):
     seen = _capture_log()
     m = model(lm__tp_size=nprocs)
     other = model(lm__tp_size=nprocs)
-    served = install.install_logits_gather(m, None, nprocs, rank, "cpu")
-    again = install.install_logits_gather(m, None, nprocs, rank, "cpu")
+    served = install_logits_gather(m, None, nprocs, rank, "cpu")
+    again = install_logits_gather(m, None, nprocs, rank, "cpu")
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     routed = m.logits_processor._gather_logits(x)
     routed = (sorted(set(routed.view(torch.uint8).flatten().tolist())) if torch.is_tensor(routed)
@@ -192,7 +193,7 @@ def test_checks_leave_stock_without_collectives(overrides, monkeypatch):
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
     monkeypatch.setattr(install, "_build", lambda *a: built.append(a))
     m = model(**overrides)
-    assert install.install_logits_gather(m, None, 2, 0, "cpu") == ()
+    assert install_logits_gather(m, None, 2, 0, "cpu") == ()
     assert built == [] and not hasattr(m.logits_processor, "head_gather")
 
 
@@ -206,20 +207,20 @@ def solo_group(tmp_path):
 
 
 def test_no_logits_processor_tp1_cpu_and_disable(monkeypatch, tmp_path, caplog, solo_group):
-    assert install.install_logits_gather(types.SimpleNamespace(), None, 2, 0, "cpu") == ()
+    assert install_logits_gather(types.SimpleNamespace(), None, 2, 0, "cpu") == ()
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
-    assert install.install_logits_gather(model(lm__tp_size=1), None, 1, 0, "cpu") == ()
+    assert install_logits_gather(model(lm__tp_size=1), None, 1, 0, "cpu") == ()
     monkeypatch.setattr(install, "_device_name", lambda d: None)
     with caplog.at_level("INFO", logger="lamport_head"):
-        assert install.install_logits_gather(model(), None, 2, 0, "cpu") == ()
+        assert install_logits_gather(model(), None, 2, 0, "cpu") == ()
     assert "not a CUDA device" in caplog.text
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA B300")
     caplog.clear()
     with caplog.at_level("INFO", logger="lamport_head"):
-        assert install.install_logits_gather(model(), None, 2, 0, "cpu") == ()
+        assert install_logits_gather(model(), None, 2, 0, "cpu") == ()
     assert "no enabled HEAD_GATHER rows for NVIDIA B300" in caplog.text
     monkeypatch.setenv("LAMPORT_HEAD_DISABLE", "1")
-    assert install.install_logits_gather(model(), None, 2, 0, "cpu") == ()
+    assert install_logits_gather(model(), None, 2, 0, "cpu") == ()
 
 
 def test_malformed_table_warns_and_stays_stock(monkeypatch, tmp_path, caplog, solo_group):
@@ -228,7 +229,7 @@ def test_malformed_table_warns_and_stays_stock(monkeypatch, tmp_path, caplog, so
     monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(bad))
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
     with caplog.at_level("WARNING", logger="lamport_head"):
-        assert install.install_logits_gather(model(), None, 2, 0, "cpu") == ()
+        assert install_logits_gather(model(), None, 2, 0, "cpu") == ()
     assert str(bad) in caplog.text and "bare 'on'" in caplog.text
 
 
@@ -257,7 +258,7 @@ def _vote_worker(rank, nprocs, table, own, force_ranks, nameless_rank):
     m = model(lm__tp_size=nprocs)
     if own:
         m.logits_processor = OwnGather()
-    served = install.install_logits_gather(m, None, nprocs, rank, "cpu")
+    served = install_logits_gather(m, None, nprocs, rank, "cpu")
     routed = m.logits_processor._gather_logits(torch.zeros(1, 64, dtype=torch.bfloat16))
     routed = (sorted(set(routed.view(torch.uint8).flatten().tolist())) if torch.is_tensor(routed)
               else routed)
@@ -303,3 +304,30 @@ def test_a_rank_that_cannot_name_its_device_takes_every_rank_to_stock(tmp_path, 
         assert r["log"][-1].startswith("lamport-head: logits gather stays stock: "
                                        + ("" if rank == 1 else "rank 1: "))
         assert "RuntimeError: injected: no device name" in r["log"][-1]
+
+
+def _serving_worker(rank, nprocs, table):
+    """A fresh serving process: the engine adapters and the core imported, the gather
+    installed from a table with first-use tuning on; which tuner modules came in."""
+    import sys
+
+    os.environ["LAMPORT_HEAD_TABLE"] = table
+    os.environ["LAMPORT_HEAD_AUTOTUNE"] = "1"  # on, yet the table covers this GPU
+    import lamport_head.engines.sglang  # noqa: F401
+    import lamport_head.engines.vllm
+    import lamport_head.install  # noqa: F401
+
+    _fake_cuda(setattr, rank, "ok")
+    m = model(lm__tp_size=nprocs)
+    served = lamport_head.engines.vllm.install_logits_gather(m, None, nprocs, rank, "cpu")
+    tuner = sorted(n for n in sys.modules
+                   if n.split(".")[0] == "optuna" or n.startswith(("lamport_head.cli",
+                                                                     "lamport_head.tuning")))
+    return {"served": list(served), "tuner": tuner}
+
+
+def test_serving_from_a_table_imports_neither_the_tuner_nor_optuna_nor_the_cli(tmp_path):
+    table = tmp_path / "t.yaml"
+    table.write_text(TABLE)
+    for r in spawn(_serving_worker, 2, tmp_path, str(table)):
+        assert r["served"] == [1, 2, 4] and r["tuner"] == []

@@ -1,6 +1,6 @@
 """Real processes, one GPU: N ranks share the GPU through the CUDA IPC mailbox and a
 gloo group (NCCL and symmetric memory refuse two ranks on one GPU). Each case
-starts ``python -m lamport_head.tuning.ranks`` in N processes with torchrun's
+starts ``python -m lamport_head.tuning.diagnostics.ranks`` in N processes with torchrun's
 environment (our own launcher: torchrun's agent would kill the survivors of the
 killed-rank case before they report). Skips without CUDA; correctness only, the
 contexts time-slice the GPU."""
@@ -38,7 +38,7 @@ def launch(n, *args, timeout=300, program=None):
                    NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
         if torch.cuda.device_count() > 1:
             env["CUDA_VISIBLE_DEVICES"] = "0"  # the one-GPU mode even on a larger machine
-        argv = program or ["-m", "lamport_head.tuning.ranks"]
+        argv = program or ["-m", "lamport_head.tuning.diagnostics.ranks"]
         procs.append(subprocess.Popen([sys.executable, *argv, *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))

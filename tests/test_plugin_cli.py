@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from lamport_head import cli, plugin
+from lamport_head import cli
+from lamport_head.engines import vllm as plugin
 
 
 def fake_vllm(monkeypatch):
@@ -38,9 +39,7 @@ def fake_vllm(monkeypatch):
 
 def test_plugin_installs_after_load_once(monkeypatch):
     Worker, calls = fake_vllm(monkeypatch)
-    import lamport_head.install as install
-
-    monkeypatch.setattr(install, "install_logits_gather",
+    monkeypatch.setattr(plugin, "install_logits_gather",
                         lambda *a, **kw: calls.append(("install", a, kw)) or (1, 2))
     plugin.register()
     plugin.register()  # loading twice is harmless
@@ -60,12 +59,11 @@ def test_plugin_lets_an_install_error_stop_the_worker(monkeypatch):
     means this rank could not finish while peers may wait in a collective, so it is
     never swallowed (the rank would enter vLLM's collectives alone): fail-stop."""
     Worker, calls = fake_vllm(monkeypatch)
-    import lamport_head.install as install
 
     def boom(*a, **kw):
         raise RuntimeError("rank left install alone")
 
-    monkeypatch.setattr(install, "install_logits_gather", boom)
+    monkeypatch.setattr(plugin, "install_logits_gather", boom)
     plugin.register()
     with pytest.raises(RuntimeError, match="rank left install alone"):
         Worker().load_model()
@@ -79,7 +77,7 @@ def test_plugin_without_vllm_is_harmless(monkeypatch):
 
 def test_installed_metadata():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
-    assert any(e.name == "lamport_head" and e.value == "lamport_head.plugin:register" for e in eps)
+    assert any(e.name == "lamport_head" and e.value == "lamport_head.engines.vllm:register" for e in eps)
     scripts = importlib.metadata.entry_points(group="console_scripts")
     assert any(e.name == "lamport-head" for e in scripts)
     import lamport_head
@@ -159,3 +157,14 @@ def test_show_marks_filled_rows(tmp_path, capsys):
     assert "filled (not measured) from rows 8" in lines["5-7"]
     assert lines["5-7"].split()[1:5] == ["32", "256", "4", "no"]  # row 8's plan, disabled
     assert "filled" not in lines["1-4"] and "filled" not in lines["8"]
+
+
+def test_one_version_from_package_metadata():
+    """pyproject.toml is the one source: the package, the CLI and provenance say it."""
+    import lamport_head
+
+    version = importlib.metadata.version("lamport-head")
+    assert lamport_head.__version__ == version
+    run = subprocess.run([sys.executable, "-m", "lamport_head.cli", "--version"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == f"lamport-head {version}"

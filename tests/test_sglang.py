@@ -24,7 +24,7 @@ from spawn import spawn
 from test_install import FAKE_BYTE, TABLE, _capture_log, _fake_cuda
 
 from lamport_head import install
-from lamport_head import sglang as sgl
+from lamport_head.engines import sglang as sgl
 
 SHARD = 64  # per-rank lm_head rows (a multiple of 8), padded vocab = TP * SHARD
 
@@ -283,17 +283,18 @@ def test_runner_defaults_come_from_sglang(monkeypatch):
     a LoRA-wrapped lm_head is read through ``base_layer``."""
     calls = []
     monkeypatch.setattr(sgl, "_sglang_tp", lambda: ("tp-device-group", 2, 1))
-    monkeypatch.setattr(install, "install_logits_gather",
-                        lambda view, *a: calls.append((view, a)) or ())
+    monkeypatch.setattr(install, "install",
+                        lambda site, *a, **kw: calls.append((site, a)) or ())
     model = CausalLM(2)
     base = model.lm_head
     model.lm_head = torch.nn.Module()  # a LoRA wrapper
     model.lm_head.base_layer = base
     runner = types.SimpleNamespace(model=model, is_draft_worker=False)
     assert sgl.install_sglang_logits_gather(runner, dcp=2) == ()
-    view, args = calls[0]
-    assert args == ("tp-device-group", 2, 1, base.weight.device, 2) and view.lm_head is base
-    assert view.logits_processor._gather_logits is model.logits_processor._logits_gatherer
+    site, args = calls[0]
+    assert args == ("tp-device-group", 2, 1, base.weight.device, 2)
+    assert site.weight is base.weight and site.head_tp == base.tp_size  # the base layer's
+    assert site.processor is model.logits_processor and site.attr == sgl.GATHERER
     assert sgl.install_sglang_logits_gather(torch.nn.Linear(2, 2)) == ()  # no processor
 
 
@@ -379,5 +380,5 @@ def test_sglang_entry_point_metadata():
     import importlib.metadata
 
     eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
-    assert any(e.name == "lamport_head" and e.value == "lamport_head.sglang:register"
+    assert any(e.name == "lamport_head" and e.value == "lamport_head.engines.sglang:register"
                for e in eps)

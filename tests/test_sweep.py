@@ -126,28 +126,6 @@ def test_trials_store_configuration_values(tmp_path):
     assert got == [(f"ctas={c},threads=128,unroll=2", c, 128, 2) for c in (1, 2, 3, 4)]
 
 
-def test_kernel_identity_follows_sources_and_dsl_version(tmp_path, monkeypatch):
-    import importlib.util
-    import shutil
-    import subprocess
-    import sys
-
-    installed = importlib.util.find_spec("lamport_head.kernels").submodule_search_locations[0]
-    copy = tmp_path / "kernels"
-    shutil.copytree(installed, copy)
-    ident = sweep.kernel_identity()
-    assert len(ident) == 12 and int(ident, 16) >= 0
-    assert sweep.kernel_identity(copy) == ident
-    (copy / "gather.py").write_bytes((copy / "gather.py").read_bytes() + b"\n# edited\n")
-    assert sweep.kernel_identity(copy) != ident
-    monkeypatch.setattr(sweep.importlib.metadata, "version", lambda name: "0.0.0-other")
-    assert sweep.kernel_identity() != ident
-    # Computed without importing the kernels (or cutlass).
-    code = ("import sys; from lamport_head.tuning.sweep import kernel_identity; kernel_identity(); "
-            "assert 'cutlass' not in sys.modules and 'lamport_head.kernels.compile' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
 def test_tpe_beyond_the_grid_never_repeats(tmp_path):
     target = CostModel(limit=1024)
     sweep.tune_rows(target, 8, device="g", tp=8, dcp=1, vocab=V, trials=25, storage=storage(tmp_path))

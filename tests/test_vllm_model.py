@@ -8,8 +8,9 @@ import types
 
 import torch
 
-from lamport_head import install, log, plugin
-from lamport_head.vllm_model import find_gather_target, owns_gather
+from lamport_head import install, log
+from lamport_head.engines import vllm as plugin
+from lamport_head.engines.vllm import find_gather_target, install_logits_gather, owns_gather
 
 STOCK_MODULE = "vllm.model_executor.layers.logits_processor"
 
@@ -121,7 +122,7 @@ def test_install_routes_what_the_model_calls(monkeypatch, tmp_path, caplog):
     lora = types.SimpleNamespace(base_layer=base)
     m = Lm(lora)
     with caplog.at_level("INFO", logger="lamport_head"):
-        assert install.install_logits_gather(m, None, 2, 0, "cpu") == (1, 2)
+        assert install_logits_gather(m, None, 2, 0, "cpu") == (1, 2)
     assert base._gather_logits(torch.zeros(1, 8)) == ("lamport", 1)  # what LoRA calls
     assert base._gather_logits(torch.zeros(3, 8)) == ("stock", 3)
     assert not hasattr(lora, "_gather_logits") and "routed at Lm.logits_processor.base_layer" in caplog.text
@@ -135,12 +136,12 @@ def test_install_routes_what_the_model_calls(monkeypatch, tmp_path, caplog):
     caplog.clear()
     own = Lm(Own())
     with caplog.at_level("INFO", logger="lamport_head"):
-        assert install.install_logits_gather(own, None, 2, 0, "cpu") == ()
+        assert install_logits_gather(own, None, 2, 0, "cpu") == ()
     assert own.logits_processor._gather_logits(torch.zeros(1, 8)) == ("own", 1)
     assert len(caplog.records) == 1 and "keeps it" in caplog.text
     monkeypatch.setenv("LAMPORT_HEAD_FORCE", "1")
     forced = Lm(Own())
-    assert install.install_logits_gather(forced, None, 2, 0, "cpu") == (1, 2)
+    assert install_logits_gather(forced, None, 2, 0, "cpu") == (1, 2)
     assert forced.logits_processor._gather_logits(torch.zeros(1, 8)) == ("lamport", 1)
     assert forced.logits_processor._gather_logits(torch.zeros(3, 8)) == ("own", 3)
 

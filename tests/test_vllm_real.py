@@ -86,7 +86,7 @@ def _scenarios(rank, tmp):
     from vllm.v1.worker.gpu_worker import Worker
 
     import lamport_head.install as install
-    from lamport_head import plugin, vllm_model
+    from lamport_head.engines import vllm as engine
 
     ps.init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
                                     distributed_init_method=f"file://{tmp}/init")
@@ -98,7 +98,7 @@ def _scenarios(rank, tmp):
     original = Worker.load_model
     vllm.plugins.load_general_plugins()
     vllm.plugins.load_general_plugins()
-    plugin.register()
+    engine.register()
     out["wrapped_once"] = (Worker.load_model is not original
                            and Worker.load_model.__wrapped__ is original)
 
@@ -199,7 +199,7 @@ def _scenarios(rank, tmp):
         mark(name)
         model = load(build)
         lp = processor_of(model)
-        head = vllm_model.find_gather_target(model)[1]
+        head = engine.find_gather_target(model)[1]
         out[name] = {"equal": compare(model, twin_build(), logits_of), "calls": calls(lp),
                      "shard": None if head is None else list(head.weight.shape)}
         return model
@@ -208,7 +208,7 @@ def _scenarios(rank, tmp):
     case("flat", Lm, Lm, lambda m: m.logits_processor)
 
     # 2. Kimi K3 / K2.5: the head under get_language_model()
-    out["nested_found"] = vllm_model.find_gather_target(Outer())[2]
+    out["nested_found"] = engine.find_gather_target(Outer())[2]
     case("nested", Outer, Outer, lambda m: m.language_model.logits_processor)
 
     # 3. LoRA: the wrapper calls base_layer._gather_logits; run LoRA's real _get_logits
@@ -243,10 +243,10 @@ def _scenarios(rank, tmp):
             SpecializedDecodeLogitsProcessor as Specialized,
         )
 
-        out["specialized_owns"] = vllm_model.owns_gather(Specialized.__new__(Specialized))
+        out["specialized_owns"] = engine.owns_gather(Specialized.__new__(Specialized))
     except Exception as exc:  # its module imports CUDA-only pieces
         out["specialized_owns"] = f"not importable here: {type(exc).__name__}: {exc}"
-    out["stock_owns"] = vllm_model.owns_gather(LogitsProcessor.__new__(LogitsProcessor))
+    out["stock_owns"] = engine.owns_gather(LogitsProcessor.__new__(LogitsProcessor))
     mark("end")
     dist.barrier()
     return out
@@ -314,7 +314,8 @@ def test_log_lines_reach_vllms_handler(ranks):
     served = fmt.format(file=r"install\.py") + (
         r"lamport-head: Lamport logits gather on NVIDIA H200 \(tp=2, dcp=1\) for rows "
         r"\(1, 2, 4\), routed at {where}\n")
-    summary = fmt.format(file=r"plugin\.py") + r"lamport-head summary: {model}, tp=2, dcp=1: {what}.*\n"
+    # the plugin's summary line, from lamport_head/engines/vllm.py
+    summary = fmt.format(file=r"vllm\.py") + r"lamport-head summary: {model}, tp=2, dcp=1: {what}.*\n"
     lines = {
         "flat": (served.format(where=r"Lm\.logits_processor"), "Lm",
                  r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks"),

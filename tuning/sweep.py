@@ -22,15 +22,12 @@ walked in order in memory (``_Walk``), so serving never imports Optuna; Optuna i
 imported only where a study is opened.
 """
 
-import hashlib
-import importlib.metadata
-import importlib.util
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from lamport_head.config import CTA_STEPS, SWEEP_THREADS, SWEEP_UNROLL, GatherConfig, sweep_grid
+from lamport_head.provenance import digest, kernel_identity
 from lamport_head.table import RowPlan
 
 
@@ -106,39 +103,13 @@ def _no_fit(limits, ctas):
                       f"{asked}")
 
 
-def _digest(*parts, size=12):
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(len(part).to_bytes(8, "little"))  # length-prefixed: no two splits collide
-        h.update(part)
-    return h.hexdigest()[:size]
-
-
-def kernel_identity(sources=None):
-    """12 hex digits naming the kernel build a timing belongs to: the bytes of the
-    kernel package's ``*.py`` files (by name; default: the installed
-    ``lamport_head.kernels`` directory) and the nvidia-cutlass-dsl version. Reads the
-    files without importing the package, which would import cutlass."""
-    if sources is None:
-        sources = importlib.util.find_spec("lamport_head.kernels").submodule_search_locations
-    elif isinstance(sources, (str, Path)):
-        sources = [sources]
-    parts = []
-    for directory in sources:
-        for path in sorted(Path(directory).glob("*.py")):
-            parts += [path.name.encode(), path.read_bytes()]
-    try:
-        dsl = importlib.metadata.version("nvidia-cutlass-dsl")
-    except importlib.metadata.PackageNotFoundError:
-        dsl = "absent"
-    return _digest(*parts, f"nvidia-cutlass-dsl {dsl}".encode())
 
 
 def study_name(device, tp, dcp, rows, emulated, *, vocab, kernel, space):
     """The study key: a timing is reused only for the same device, TP, DCP, vocab,
     rows and kernel build. The search space's hash is in it too: Optuna refuses a
     categorical parameter whose choices change within a study."""
-    grid_hash = _digest(*(c.label().encode() for c in space), size=8)
+    grid_hash = digest(*(c.label().encode() for c in space), size=8)
     return (f"lamport-head|{device}|tp{tp}|dcp{dcp}|vocab{vocab}|rows{rows}|kernel-{kernel}"
             f"|space-{grid_hash}" + ("|emulated" if emulated else ""))
 

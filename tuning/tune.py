@@ -7,66 +7,18 @@ user's table by default (``lamport_head.table.user_path``, a serving layer above
 packaged one), its Optuna studies beside it.
 """
 
-import datetime
-import importlib.metadata
 import math
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from lamport_head.provenance import provenance
+
 from .sweep import DistComm, LocalComm, tune_rows
 from .writer import measured_rows, merge_section
-
-
-def _run(*cmd):
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except Exception:
-        return ""
-
-
-def _version(name):
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def runtime_facts():
-    """What a timing depends on besides the GPU model: the driver, CUDA, torch, the
-    DSL, lamport-head's version and its kernel build. First-use tuning re-measures a
-    user-table section whose facts (``autotune.STALE_KEYS``) no longer match."""
-    from lamport_head import __version__
-
-    from .sweep import kernel_identity
-
-    driver = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
-    return {
-        "driver": driver.splitlines()[0] if driver else "unknown",
-        "cuda": torch.version.cuda or "unknown",
-        "torch": str(torch.__version__),
-        "cutlass_dsl": _version("nvidia-cutlass-dsl"),
-        "lamport_head": __version__,
-        "kernel": kernel_identity(),
-    }
-
-
-def provenance(device, command, *, name=None, facts=None):
-    """The provenance block of a written section: the GPU (``name``, default the
-    device's), ``facts`` (default ``runtime_facts()``), date, commit and command."""
-    return {
-        "gpu": name or torch.cuda.get_device_name(device),
-        **(facts if facts is not None else runtime_facts()),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": (_run("git", "rev-parse", "--short=12", "HEAD")
-                   or os.environ.get("LAMPORT_HEAD_COMMIT", "unknown")),
-        "command": command,
-    }
 
 
 class Progress:

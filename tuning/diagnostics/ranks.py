@@ -1,6 +1,6 @@
 """Real-rank checks under torchrun, on GPUs of their own or N processes sharing one.
 
-    torchrun --nproc-per-node N -m lamport_head.tuning.ranks [--calls 300]
+    torchrun --nproc-per-node N -m lamport_head.tuning.diagnostics.ranks [--calls 300]
     ... --kill-rank 1 --kill-after 100            a rank dies mid-run
     ... --slow-rank 1 --slow-s 0.5 [--late-push]  a rank starts one call late
     ... --install [--fail-alloc-rank 1]           install_logits_gather on a model
@@ -61,7 +61,7 @@ SEED = 1234
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="python -m lamport_head.tuning.ranks")
+    p = argparse.ArgumentParser(prog="python -m lamport_head.tuning.diagnostics.ranks")
     p.add_argument("--vocab", type=int, default=163840)
     p.add_argument("--rows", default="1,2,3,5,8,16,33,64")
     p.add_argument("--calls", type=int, default=300)

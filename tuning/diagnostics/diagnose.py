@@ -7,7 +7,7 @@ GPU, so events time the GPU alone):
 - streams: each rank's calls stay on its own stream, joined once at the end (how
   real ranks run; the mailbox orders them);
 - fork/join alone: the same stream choreography around a trivial kernel.
-Run: python -m lamport_head.tuning.diagnose
+Run: python -m lamport_head.tuning.diagnostics.diagnose
 """
 
 import sys
@@ -17,7 +17,7 @@ import torch
 from lamport_head.emulate import EmulatedGather
 from lamport_head.reference import planted, reference_gather
 
-from .harness import gated_gpu_us
+from ..harness import gated_gpu_us
 
 
 def main(tp=8, vocab=163840, steps=20):

@@ -1,14 +1,16 @@
-"""First-use tuning at install: when no table layer holds a real-rank section for this
-GPU model, TP and DCP (or the user table's section was measured under other
-versions), ``install_logits_gather`` measures before it serves.
+"""First-use tuning's measuring (``measure``): when no table layer holds a real-rank
+section for this GPU model, TP and DCP (or the user table's section was measured under
+other versions), the install core measures before it serves. The core decides when
+(its agreed view, ``lamport_head.settings``); the engine adapters hand it ``measure``,
+imported only then, so serving from a table never imports the tuner.
 
 The measuring is ``lamport-head tune``'s: ``tuning.sweep.tune_rows`` per row count,
 rank-agreed (``DistComm``: rank 0 owns an in-memory Optuna study, every rank times
 every trial, a trial's figure is the maximum over ranks), on the ``DistributedTarget``
 harness (every configuration verified bitwise before it is timed, Lamport and stock
-timed in the same run), with a small budget (``BUDGET``). Rank 0 writes the measured
-rows to the user table (``table.user_path()``) with provenance; the next start reads
-that section and measures nothing.
+timed in the same run), within small limits (``FIRST_USE_LIMITS``). Rank 0 writes
+the measured rows to the user table (``table.user_path()``) with provenance; the next
+start reads that section and measures nothing.
 
 Fail-stop: every step that can fail on one rank runs inside ``attempt`` and is
 agreed (``agree``) before the next collective; the harness raises on every rank
@@ -25,29 +27,25 @@ a stale one is served as it is.
 """
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
-from .collective import agree, attempt, broadcast_object
-from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
-from .table import MAX_ROWS, fill, normalize, user_path
+from lamport_head import provenance
+from lamport_head.collective import agree, attempt, broadcast_object
+from lamport_head.kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
+from lamport_head.table import fill, normalize, user_path
 
 logger = logging.getLogger("lamport_head")
 
-ENV = "LAMPORT_HEAD_AUTOTUNE"
-SERVE_EMULATED_ENV = "LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED"
-DEFAULT_ROWS = tuple(range(1, 65))  # decode batches when the engine does not say
-STALE_KEYS = ("driver", "torch", "cutlass_dsl", "lamport_head", "kernel")
-COMMAND = "first-use tuning at install (lamport_head.autotune)"
+COMMAND = "first-use tuning at install (lamport_head.tuning.firstuse)"
 
 
 @dataclass(frozen=True)
-class Budget:
-    """How much first-use tuning measures. One kernel build per (threads, unroll), so
-    the kernel's defaults only; a few CTA counts, each a trial (walked, not sampled);
-    short timing loops; and a wall-clock stop between row counts (rows past it stay
-    unmeasured, hence stock)."""
+class FirstUseLimits:
+    """How much first-use tuning measures (its time allowance, not the kernel's spin
+    budget). One kernel build per (threads, unroll), so the kernel's defaults only; a
+    few CTA counts, each a trial (walked, not sampled); short timing loops; and a
+    wall-clock stop between row counts (rows past it stay unmeasured, hence stock)."""
 
     seconds: float = 15.0
     ctas: tuple = (8, 16, 32, 64, 128)
@@ -59,19 +57,7 @@ class Budget:
     margin: float = 0.05
 
 
-BUDGET = Budget()
-
-
-def _flag(name, default):
-    return os.environ.get(name, default).strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def enabled():
-    return _flag(ENV, "1")
-
-
-def serve_emulated():
-    return _flag(SERVE_EMULATED_ENV, "0")
+FIRST_USE_LIMITS = FirstUseLimits()
 
 
 def rows_to_measure(rows):
@@ -83,37 +69,11 @@ def rows_to_measure(rows):
     return sorted(m for m in picks if m in rows)
 
 
-def facts():
-    """This process's ``tuning.tune.runtime_facts()`` (computed once)."""
-    global _FACTS
-    if _FACTS is None:
-        from .tuning.tune import runtime_facts
+def make_target(ranks, vocab, limits=FIRST_USE_LIMITS):
+    from .harness import DistributedTarget
 
-        _FACTS = runtime_facts()
-    return _FACTS
-
-
-_FACTS = None
-
-
-def status(section):
-    """'missing', 'current', or 'stale: key, ...' for a table section. Only the user
-    table (the cache first-use tuning writes) goes stale; the packaged table and
-    ``LAMPORT_HEAD_TABLE`` are served as they are."""
-    if section is None:
-        return "missing"
-    if section.source != str(user_path()):
-        return "current"
-    now = facts()
-    old = [k for k in STALE_KEYS if str(section.provenance.get(k)) != str(now[k])]
-    return f"stale: {', '.join(old)}" if old else "current"
-
-
-def make_target(ranks, vocab, budget=BUDGET):
-    from .tuning.harness import DistributedTarget
-
-    return DistributedTarget(ranks, vocab, calls=budget.calls, reps=budget.reps,
-                             replays=budget.replays)
+    return DistributedTarget(ranks, vocab, calls=limits.calls, reps=limits.reps,
+                             replays=limits.replays)
 
 
 @dataclass
@@ -125,23 +85,24 @@ class Outcome:
     path: str
 
 
-def measure(group, device, tp, rank, dcp, shard, rows, shared, name, budget=BUDGET):
+def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRST_USE_LIMITS):
     """Collective over ``group``: measure ``rows_to_measure(rows)``, rank 0 writes the
     user table, every rank returns the same ``Outcome``. Raises on every rank
     together when any rank fails (nothing is written then)."""
     import torch
     import torch.distributed as dist
 
-    from .mailbox import choose_backend
-    from .procs import Ranks
-    from .tuning.sweep import DistComm, kernel_identity, tune_rows
+    from lamport_head.mailbox import choose_backend
+    from lamport_head.procs import Ranks
+
+    from .sweep import DistComm, tune_rows
 
     start = time.monotonic()
     vocab = tp * shard
 
     def prepare():
         ranks = Ranks(torch.device(device), rank, tp, shared, dist.get_backend(group), group)
-        return make_target(ranks, vocab, budget), kernel_identity(), facts()
+        return make_target(ranks, vocab, limits), provenance.kernel_identity(), provenance.facts()
 
     prepared, error = attempt(prepare)
     agree(error, group, device, "to prepare first-use tuning")
@@ -154,23 +115,22 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, budget=BUDG
     results = []
     for m in rows_to_measure(rows):
         # Rank 0's clock decides for everyone.
-        if comm.broadcast(time.monotonic() - start > budget.seconds and bool(results)):
+        if comm.broadcast(time.monotonic() - start > limits.seconds and bool(results)):
             break
         results.append(tune_rows(
             target, m, device=normalize(name), tp=tp, dcp=dcp, vocab=vocab,
-            trials=len(budget.ctas) * len(budget.threads) * len(budget.unroll), storage=None,
-            comm=comm, margin=budget.margin, threads=budget.threads, unroll=budget.unroll,
-            ctas=budget.ctas, kernel=kernel))
+            trials=len(limits.ctas) * len(limits.threads) * len(limits.unroll), storage=None,
+            comm=comm, margin=limits.margin, threads=limits.threads, unroll=limits.unroll,
+            ctas=limits.ctas, kernel=kernel))
     emulated = bool(shared or target.emulated)
     seconds = time.monotonic() - start
 
     def write():
-        from .tuning.tune import provenance
-        from .tuning.writer import measured_rows, merge_section
+        from .writer import measured_rows, merge_section
 
-        prov = provenance(device, COMMAND, name=name, facts=now)
+        prov = provenance.provenance(device, COMMAND, name=name, facts=now)
         prov["note"] = (f"{len(results)} row counts of {min(rows)}-{max(rows)} in {seconds:.1f} s, "
-                        f"{len(budget.ctas)} CTA counts each")
+                        f"{len(limits.ctas)} CTA counts each")
         if emulated:
             prov["note"] += "; processes sharing one GPU: not performance, never served"
         return str(merge_section(user_path(), name, tp, dcp, measured_rows(results), prov,
@@ -182,15 +142,3 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, budget=BUDG
     measured = {r.rows: r.plan for r in results}
     plan = {m: p for m, p in fill(measured).items() if p.enabled and m in set(rows)}
     return Outcome(plan, results, emulated, seconds, path)
-
-
-def rows_from_vllm(vllm_config):
-    """The row counts a vLLM server's decode steps can gather: 1 .. max running
-    requests x (1 + speculative tokens per request), capped at ``MAX_ROWS``; None when
-    the config does not say."""
-    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
-    if not isinstance(seqs, int) or seqs < 1:
-        return None
-    spec = getattr(vllm_config, "speculative_config", None)
-    k = (getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
-    return tuple(range(1, min(seqs * (1 + int(k)), MAX_ROWS) + 1))

@@ -7,7 +7,7 @@ own stream, so every launched gather finds its peer and completes; host time is
 taken around the piece only. Also says whether TVM-FFI has torch's fast DLPack
 exchange (``__dlpack_c_exchange_api__``): without it every tensor argument goes
 through ``to_dlpack``.
-Run: python -m lamport_head.tuning.hostcost [rows]
+Run: python -m lamport_head.tuning.diagnostics.hostcost [rows]
 """
 
 import sys
@@ -16,7 +16,7 @@ import torch
 
 from lamport_head.emulate import EmulatedGather
 
-from .harness import SOLO, median_eager
+from ..harness import SOLO, median_eager
 
 
 def main(rows=1, tp=2, vocab=163840):

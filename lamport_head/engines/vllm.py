@@ -1,0 +1,219 @@
+"""vLLM adapter: the general plugin (entry point ``vllm.general_plugins`` ->
+``lamport_head``), the explicit ``install_logits_gather`` on a loaded vLLM model, and
+which LogitsProcessor of that model to route.
+
+``register()`` wraps the GPU worker's ``load_model`` so that, once the model is
+loaded (before any CUDA graph capture), every TP worker calls
+``install_logits_gather`` with the TP device group, TP size and rank, its device,
+the DCP size and the rows its decode steps gather (``rows_from_vllm``: 1 ..
+max_num_seqs x (1 + num_speculative_tokens), capped at ``table.MAX_ROWS``). vLLM
+loads general plugins in every process and possibly more than once: wrapping is
+idempotent, and vLLM is imported only here, lazily. Install's outcome (stock
+included) is agreed by every TP rank; an exception out of it is never swallowed,
+since the rank it left would enter vLLM's collectives out of step with its peers.
+The ``lamport_head`` logger is routed through vLLM's handlers
+(``log.attach_to_vllm``), so each worker's lines reach the server's output; rank 0
+adds a one-line summary.
+
+Which processor (``find_gather_target``), found the way vLLM's own code finds a
+model's head:
+
+- Multimodal wrappers (``KimiK3ForConditionalGeneration``,
+  ``KimiK25ForConditionalGeneration``, ...) hold the LogitsProcessor and lm_head
+  under ``get_language_model()``; the language model's pair is preferred, then the
+  model's own (as vLLM's speculators look up the target's lm_head).
+- LoRA: ``LogitsProcessorWithLoRA`` calls ``self.base_layer._gather_logits``, so the
+  base layer is the one routed; a LoRA-wrapped lm_head is read through its
+  ``base_layer`` too.
+- A processor whose class overrides ``_gather_logits`` (vLLM's DeepSeek V4.1
+  ``SpecializedDecodeLogitsProcessor`` runs its own one-shot all-gather) keeps it
+  unless ``LAMPORT_HEAD_FORCE=1``; forced, its own gather still serves the rows our
+  table does not. The variable is one process's environment: the adapter looks the
+  processor up with ``force=True`` and hands the core the text saying why it would
+  keep its gather; the core decides only once every rank said whether it is set (a
+  rank deciding alone would leave its peers in a collective).
+
+vLLM is not imported at module level: the stock class is recognized by its module
+and name.
+"""
+
+import functools
+import logging
+
+import torch
+
+from .. import install, log
+from ..settings import FORCE_ENV, forced
+from ..table import MAX_ROWS
+from . import measure_first_use
+
+logger = logging.getLogger("lamport_head")
+GATHER = "_gather_logits"  # vLLM LogitsProcessor's gather: [M, V/TP] -> [M, V]
+_STOCK = ("vllm.model_executor.layers.logits_processor", "LogitsProcessor")
+_MARK = "_lamport_head_wrapped"
+
+def _language_model(model):
+    """``model.get_language_model()`` when it names another module, else None."""
+    get = getattr(model, "get_language_model", None)
+    if not callable(get):
+        return None
+    try:
+        inner = get()
+    except Exception:  # vLLM raises NotImplementedError when none is marked
+        return None
+    return None if inner is None or inner is model else inner
+
+
+def _gather_owner(processor):
+    """The class in the processor's MRO that defines ``_gather_logits`` (None: none does)."""
+    return next((c for c in type(processor).__mro__ if "_gather_logits" in vars(c)), None)
+
+
+def owns_gather(processor) -> bool:
+    """True when the processor's class overrides vLLM's stock ``_gather_logits``."""
+    owner = _gather_owner(processor)
+    return owner is not None and (owner.__module__, owner.__qualname__) != _STOCK
+
+
+def find_gather_target(model, force=None):
+    """``(processor, lm_head, text)``.
+
+    ``processor``: the object whose ``_gather_logits`` the model really calls (set as
+    an instance attribute to route it), or None to stay stock, ``text`` then saying
+    why. When found, ``lm_head`` is the vocab-parallel head (unwrapped from LoRA) and
+    ``text`` says where the processor sits and anything about how it is routed.
+    ``force``: route a processor whose class has its own gather; None reads this
+    process's ``LAMPORT_HEAD_FORCE``. A pure function of the model and ``force``."""
+    name = type(model).__name__
+    inner = _language_model(model)
+    owners = [(m, path) for m, path in ((inner, f"{name}.get_language_model()"), (model, name))
+              if m is not None]
+    found = next(((m, path) for m, path in owners
+                  if getattr(m, "logits_processor", None) is not None), None)
+    if found is None:
+        where = f"{name} or its language model" if inner is not None else name
+        return None, None, f"no logits_processor on {where}"
+    owner, path = found
+    processor = owner.logits_processor
+    path += ".logits_processor"
+    head = getattr(owner, "lm_head", None)
+    if head is None:
+        head = next((getattr(m, "lm_head") for m, _ in owners
+                     if getattr(m, "lm_head", None) is not None), None)
+    head = getattr(head, "base_layer", head)  # a LoRA-wrapped lm_head
+    notes = []
+    base = getattr(processor, "base_layer", None)
+    if base is not None and callable(getattr(base, "_gather_logits", None)):
+        notes.append(f"the base layer of {type(processor).__name__}, which calls its gather")
+        processor = base
+        path += ".base_layer"
+    if owns_gather(processor):
+        own = _gather_owner(processor).__qualname__
+        if not (forced() if force is None else force):
+            return None, None, (f"{path} ({type(processor).__name__}) has its own _gather_logits "
+                                f"({own}) and keeps it; {FORCE_ENV}=1 routes the table's rows "
+                                "through lamport-head instead")
+        notes.append(f"{FORCE_ENV}=1: replaces {own}._gather_logits for these rows; "
+                     "it keeps the others")
+    return processor, head, "; ".join([path] + notes)
+
+
+def rows_from_vllm(vllm_config):
+    """The row counts a vLLM server's decode steps can gather: 1 .. max running
+    requests x (1 + speculative tokens per request), capped at ``MAX_ROWS``; None when
+    the config does not say."""
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if not isinstance(seqs, int) or seqs < 1:
+        return None
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = (getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
+    return tuple(range(1, min(seqs * (1 + int(k)), MAX_ROWS) + 1))
+
+
+def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
+    """Route the vLLM model's LogitsProcessor ``_gather_logits`` (an instance
+    attribute: other LogitsProcessors keep theirs) through a HeadGather for the
+    table's enabled rows; which processor is ``find_gather_target``'s to say.
+    ``rows``: the row counts the server's decode steps gather (``rows_from_vllm``);
+    None: the table's rows. Returns the rows served; ``()`` means the stock gather.
+    Collective over ``group`` once a processor is found (``install.install``: every
+    rank takes the same outcome); never raises."""
+    lp, head, where = find_gather_target(model, force=True)  # FORCE is decided agreed
+    if lp is None:
+        logger.info("lamport-head: stock logits gather: %s", where)
+        return ()
+    site = install.GatherSite(
+        processor=lp, attr=GATHER, weight=getattr(head, "weight", None),
+        head_tp=getattr(head, "tp_size", 1), where=where,
+        plain=(getattr(lp, "use_all_gather", False) and not getattr(lp, "logits_as_input", False)
+               and getattr(lp, "head_dtype", None) in (None, torch.bfloat16)),
+        facts=(f"use_all_gather={getattr(lp, 'use_all_gather', None)}, "
+               f"logits_as_input={getattr(lp, 'logits_as_input', None)}, "
+               f"head_dtype={getattr(lp, 'head_dtype', None)}"),
+        kept=find_gather_target(model, force=False)[2] if owns_gather(lp) else None)
+    return install.install(site, group, tp, rank, device, dcp, rows, measure=measure_first_use)
+
+
+def _install_after_load(worker):
+    from vllm.distributed import parallel_state as ps
+
+    tp_group = ps.get_tp_group()
+    try:
+        dcp = ps.get_dcp_group().world_size
+    except Exception:  # no DCP group in this configuration
+        dcp = 1
+    model = worker.model_runner.get_model()
+    tp, rank = tp_group.world_size, tp_group.rank_in_group
+    # The rows its decode steps gather: max running requests x (1 + draft tokens).
+    rows = rows_from_vllm(getattr(worker, "vllm_config", None))
+    with log.collect() as lines:
+        served = install_logits_gather(model, tp_group.device_group, tp, rank, worker.device, dcp,
+                                       rows=rows)
+    if rank == 0:
+        logger.info("lamport-head summary: %s", summary(type(model).__name__, tp, dcp, served, lines))
+    return served
+
+
+def summary(model_name, tp, dcp, served, lines):
+    """Rank 0's one line for the whole TP group. Every rank takes the same outcome
+    (the checks see the same inputs; the build is agreed by a MIN all-reduce)."""
+    head = f"{model_name}, tp={tp}, dcp={dcp}: "
+    if served:
+        return head + f"Lamport logits gather for rows {list(served)} on all {tp} TP ranks"
+    why = (lines[-1].removeprefix("lamport-head: ").removeprefix("stock logits gather: ")
+           if lines else "see the lines above")
+    return head + f"stock logits gather on all {tp} TP ranks ({why})"
+
+
+def wrap_worker(worker_cls):
+    """Make ``worker_cls.load_model`` install the gather afterwards (once)."""
+    original = worker_cls.load_model
+    if getattr(original, _MARK, False):
+        return False
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        # No catch-all here: install_logits_gather never raises (every rank takes the
+        # agreed outcome, stock included), so an exception means this rank could not
+        # finish while its peers may wait in one of install's collectives. Swallowing
+        # it would send this rank alone into vLLM's collectives; letting it stop the
+        # worker is the fail-stop outcome (the engine stops every rank).
+        _install_after_load(self)
+        return result
+
+    setattr(load_model, _MARK, True)
+    worker_cls.load_model = load_model
+    return True
+
+
+def register():
+    """The plugin entry point: harmless when called twice or without vLLM's GPU worker."""
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception as exc:
+        logger.debug("lamport-head: no vLLM GPU worker to hook (%s)", exc)
+        return
+    log.attach_to_vllm()
+    if wrap_worker(Worker):
+        logger.debug("lamport-head: logits gather hook registered on %s", Worker.__qualname__)

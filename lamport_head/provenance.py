@@ -1,0 +1,125 @@
+"""What a timing depends on besides the GPU model, and whether a table section still
+matches it: the runtime facts (driver, CUDA, torch, DSL, lamport-head's version, the
+kernel build), the provenance block written with a measured section, and the
+section's staleness.
+
+Runtime, not tuner: serving asks ``section_status`` (first-use tuning's "is the user
+table's section stale?") and the tuner writes ``provenance``; neither pulls the other
+in. Nothing here imports the kernels (``kernel_identity`` reads their files), optuna
+or a CUDA context. Invariant: ``STALE_KEYS`` are facts ``runtime_facts`` reports, and
+a section is stale exactly when one of them differs from this process's value.
+"""
+
+import datetime
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+from pathlib import Path
+
+STALE_KEYS = ("driver", "torch", "cutlass_dsl", "lamport_head", "kernel")
+
+
+def digest(*parts, size=12):
+    """Hex digest of byte strings, length-prefixed so that no two splits collide."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()[:size]
+
+
+def _run(*cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except Exception:
+        return ""
+
+
+def _version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def kernel_identity(sources=None):
+    """12 hex digits naming the kernel build a timing belongs to: the bytes of the
+    kernel package's ``*.py`` files (by name; default: the installed
+    ``lamport_head.kernels`` directory) and the nvidia-cutlass-dsl version. Reads the
+    files without importing the package, which would import cutlass."""
+    if sources is None:
+        sources = importlib.util.find_spec("lamport_head.kernels").submodule_search_locations
+    elif isinstance(sources, (str, Path)):
+        sources = [sources]
+    parts = []
+    for directory in sources:
+        for path in sorted(Path(directory).glob("*.py")):
+            parts += [path.name.encode(), path.read_bytes()]
+    try:
+        dsl = importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        dsl = "absent"
+    return digest(*parts, f"nvidia-cutlass-dsl {dsl}".encode())
+
+
+def runtime_facts():
+    """What a timing depends on besides the GPU model: the driver, CUDA, torch, the
+    DSL, lamport-head's version (package metadata) and its kernel build. First-use
+    tuning re-measures a user-table section whose ``STALE_KEYS`` no longer match."""
+    import torch
+
+    from lamport_head import __version__
+
+    driver = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
+    return {
+        "driver": driver.splitlines()[0] if driver else "unknown",
+        "cuda": torch.version.cuda or "unknown",
+        "torch": str(torch.__version__),
+        "cutlass_dsl": _version("nvidia-cutlass-dsl"),
+        "lamport_head": __version__,
+        "kernel": kernel_identity(),
+    }
+
+
+def provenance(device, command, *, name=None, facts=None):
+    """The provenance block of a written section: the GPU (``name``, default the
+    device's), ``facts`` (default ``runtime_facts()``), date, commit and command."""
+    import torch
+
+    return {
+        "gpu": name or torch.cuda.get_device_name(device),
+        **(facts if facts is not None else runtime_facts()),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": (_run("git", "rev-parse", "--short=12", "HEAD")
+                   or os.environ.get("LAMPORT_HEAD_COMMIT", "unknown")),
+        "command": command,
+    }
+
+
+_FACTS = None
+
+
+def facts():
+    """This process's ``runtime_facts()``, computed once (it runs nvidia-smi)."""
+    global _FACTS
+    if _FACTS is None:
+        _FACTS = runtime_facts()
+    return _FACTS
+
+
+def section_status(section):
+    """'missing', 'current', or 'stale: key, ...' for a table section. Only the user
+    table (the cache first-use tuning writes) goes stale; the packaged table and
+    ``LAMPORT_HEAD_TABLE`` are served as they are."""
+    from .table import user_path
+
+    if section is None:
+        return "missing"
+    if section.source != str(user_path()):
+        return "current"
+    now = facts()
+    old = [k for k in STALE_KEYS if str(section.provenance.get(k)) != str(now[k])]
+    return f"stale: {', '.join(old)}" if old else "current"
