@@ -61,10 +61,14 @@ def _device_name(device):
     return torch.cuda.get_device_name(device)
 
 
-def _build(group, device, tp, rank, shard, plan):
+def _build(group, device, tp, rank, shard, plan, budget_s):
+    """The serving gather: a give-up stops the GPU context (``mode="serving"``), so no
+    step with missing data reaches the engine's sampler or its host."""
     from .head_gather import HeadGather
+    from .status import SERVING
 
-    return HeadGather(group, device, tp, rank, shard, {m: p.config for m, p in plan.items()})
+    return HeadGather(group, device, tp, rank, shard, {m: p.config for m, p in plan.items()},
+                      budget_s=budget_s, mode=SERVING)
 
 
 class _Vote(NamedTuple):
@@ -77,9 +81,14 @@ class _Vote(NamedTuple):
     force: bool  # LAMPORT_HEAD_FORCE as this rank's environment reads it
 
 
-def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure):
+def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_group=None):
     """Route ``site`` through a HeadGather for the table's enabled rows; returns the
     rows served, ``()`` meaning the engine's stock gather.
+    ``group``: where the ranks agree and the mailboxes are exchanged: the engine's
+    CPU (gloo) group where it has one, so a rank whose CUDA context broke still
+    reaches every agreement; ``device_group`` (default ``group``): the engine's
+    device group, on which first-use tuning times the stock all-gather it competes
+    with.
     ``rows``: the row counts the server's decode steps gather; served rows are
     limited to them, so the mailbox's cap follows, and first-use tuning measures
     among them. None: the table's rows, and ``settings.DEFAULT_ROWS`` for first-use
@@ -140,7 +149,8 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure):
         return ()
     if choice == "tune":
         try:  # collective, fail-stop: every rank gets the same outcome or every rank raises
-            outcome = measure(group, device, tp, rank, dcp, shard, view.rows, shared, name)
+            outcome = measure(device_group if device_group is not None else group, device, tp,
+                              rank, dcp, shard, view.rows, shared, name)
         except Exception as exc:
             logger.warning("lamport-head: logits gather stays stock: first-use tuning failed: "
                            "%s: %s", type(exc).__name__, exc)
@@ -168,7 +178,7 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure):
                     "stock logits gather", name, tp, dcp)
         return ()
     try:  # collective, fail-stop: every rank gets a gather or every rank raises
-        gather = _build(group, device, tp, rank, shard, plan)
+        gather = _build(group, device, tp, rank, shard, plan, view.budget_s)
     except Exception as exc:  # a capability fallback, taken by every rank together
         logger.warning("lamport-head: logits gather stays stock: %s: %s",
                        type(exc).__name__, exc)
@@ -179,7 +189,9 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure):
     # processors keep theirs
     served = tuple(sorted(gather.rows))
     logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d) for rows %s, "
-                "routed at %s", name, tp, dcp, served, where)
+                "routed at %s; spin budget %g s (%s), agreed by every rank; a give-up stops "
+                "the GPU context", name, tp, dcp, served, where, view.budget_s,
+                settings.BUDGET_ENV)
     return served
 
 
@@ -233,12 +245,13 @@ class _View:
     serve_emulated: bool
     rows: tuple  # the rows first-use tuning measures among
     key: object  # mailbox.device_key: equal keys mean ranks sharing one GPU
+    budget_s: float  # the serving gather's spin budget (settings.spin_budget_s)
 
     @property
     def agreed(self):
         """What every rank must see alike."""
         return (_digest(self.plan), _digest(self.emulated_plan), self.real, self.emulated,
-                self.autotune, self.serve_emulated, self.rows)
+                self.autotune, self.serve_emulated, self.rows, self.budget_s)
 
 
 def _local_view(tp, dcp, device, name, rows):
@@ -267,7 +280,8 @@ def _local_view(tp, dcp, device, name, rows):
         except Exception:  # no device key: first-use tuning will not guess
             pass
         return _View(plan, emulated_plan, real, emulated, on, settings.serve_emulated(),
-                     tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key), None
+                     tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key,
+                     settings.spin_budget_s()), None
     except TableError as exc:
         return None, str(exc)
     except Exception as exc:  # told to every rank by the agreement, never raised alone

@@ -102,6 +102,10 @@ def _install_worker(rank, nprocs, table, case, other_table):
     os.environ["LAMPORT_HEAD_TABLE"] = other_table if (case == "table@1" and rank == 1) else table
     if case == "disable@1" and rank == 1:  # the variable reached one rank only
         os.environ["LAMPORT_HEAD_DISABLE"] = "1"
+    if case.startswith("budget=") and rank == 1:  # a spin budget set on one rank only
+        os.environ["LAMPORT_HEAD_BUDGET_S"] = case.removeprefix("budget=")
+    if case == "budget everywhere":
+        os.environ["LAMPORT_HEAD_BUDGET_S"] = "0.75"
     _fake_cuda(setattr, rank, case)
     seen = _capture_log()
     m = model(lm__tp_size=nprocs)
@@ -112,7 +116,9 @@ def _install_worker(rank, nprocs, table, case, other_table):
     routed = m.logits_processor._gather_logits(x)
     routed = (sorted(set(routed.view(torch.uint8).flatten().tolist())) if torch.is_tensor(routed)
               else routed)
+    g = getattr(m.logits_processor, "head_gather", None)
     return {"served": list(served), "again": list(again), "routed": routed,
+            "mode": g and g.mode, "budget_ns": g and g.budget_ns,
             "unrouted": m.logits_processor._gather_logits(torch.zeros(3, 64, dtype=torch.bfloat16)),
             "other": other.logits_processor._gather_logits(torch.zeros(1, 64)), "log": seen}
 
@@ -133,6 +139,26 @@ def test_install_serves_enabled_rows_on_every_rank(tmp_path, nprocs):
         assert r["routed"] == [FAKE_BYTE]  # the (fake) kernel wrote the output
         assert r["unrouted"] == ["stock", 3]  # rows 3 are disabled: HeadGather takes stock
         assert r["other"] == ["stock", 1]  # another processor keeps its gather
+        # what install builds for engines: a give-up stops the context; 10 s unless set
+        assert r["mode"] == "serving" and r["budget_ns"] == 10 * 10**9
+
+
+def test_the_spin_budget_is_the_users_setting_agreed_and_logged(tmp_path):
+    for r in _run(tmp_path, "budget everywhere", nprocs=2):
+        assert r["served"] == [1, 2, 4] and r["budget_ns"] == 750_000_000
+        assert ("spin budget 0.75 s (LAMPORT_HEAD_BUDGET_S), agreed by every rank; a give-up "
+                "stops the GPU context") in r["log"][-1]
+
+
+@pytest.mark.parametrize("value,why", [
+    ("5", "different HEAD_GATHER plans"),  # set on one rank only: never two budgets
+    ("soon", "rank 1: LAMPORT_HEAD_BUDGET_S='soon': expected seconds in (0, 3600]"),
+    ("0", "rank 1: LAMPORT_HEAD_BUDGET_S='0': expected seconds in (0, 3600]"),
+])
+def test_a_spin_budget_one_rank_reads_otherwise_takes_every_rank_to_stock(tmp_path, value, why):
+    for r in _run(tmp_path, f"budget={value}", nprocs=2):
+        assert r["served"] == [] and r["routed"] == ["stock", 1]
+        assert why.removeprefix("rank 1: ") in r["log"][-1], r["log"]
 
 
 @pytest.mark.parametrize("case,cause", [

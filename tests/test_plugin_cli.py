@@ -22,7 +22,8 @@ def fake_vllm(monkeypatch):
         def load_model(self, *, load_dummy_weights=False):
             calls.append(("load", load_dummy_weights))
 
-    group = types.SimpleNamespace(device_group="tp-device-group", world_size=4, rank_in_group=1)
+    group = types.SimpleNamespace(device_group="tp-device-group", cpu_group="tp-cpu-group",
+                                  world_size=4, rank_in_group=1)
     ps = types.SimpleNamespace(get_tp_group=lambda: group,
                                get_dcp_group=lambda: types.SimpleNamespace(world_size=2))
     mods = {"vllm": types.ModuleType("vllm"), "vllm.v1": types.ModuleType("vllm.v1"),
@@ -44,14 +45,16 @@ def test_plugin_installs_after_load_once(monkeypatch):
     plugin.register()
     plugin.register()  # loading twice is harmless
     Worker().load_model(load_dummy_weights=True)
-    assert calls == [("load", True), ("install", ("the model", "tp-device-group", 4, 1, "cuda:1", 2),
-                                      {"rows": None})]  # no vllm_config: install's default rows
+    # agreement on vLLM's CPU group, first-use timing on its device group; no
+    # vllm_config: install's default rows
+    assert calls == [("load", True), ("install", ("the model", "tp-cpu-group", 4, 1, "cuda:1", 2),
+                                      {"rows": None, "device_group": "tp-device-group"})]
     worker = Worker()
     worker.vllm_config = types.SimpleNamespace(
         scheduler_config=types.SimpleNamespace(max_num_seqs=8),
         speculative_config=types.SimpleNamespace(num_speculative_tokens=1))
     worker.load_model()
-    assert calls[-1][2] == {"rows": tuple(range(1, 17))}  # 8 requests x (1 + 1 draft token)
+    assert calls[-1][2]["rows"] == tuple(range(1, 17))  # 8 requests x (1 + 1 draft token)
 
 
 def test_plugin_lets_an_install_error_stop_the_worker(monkeypatch):

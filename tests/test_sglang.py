@@ -282,17 +282,19 @@ def test_runner_defaults_come_from_sglang(monkeypatch):
     """A ModelRunner (``.model``) resolves SGLang's TP group and the lm_head's device;
     a LoRA-wrapped lm_head is read through ``base_layer``."""
     calls = []
-    monkeypatch.setattr(sgl, "_sglang_tp", lambda: ("tp-device-group", 2, 1))
+    monkeypatch.setattr(sgl, "_sglang_tp", lambda: ("tp-cpu-group", 2, 1, "tp-device-group"))
     monkeypatch.setattr(install, "install",
-                        lambda site, *a, **kw: calls.append((site, a)) or ())
+                        lambda site, *a, **kw: calls.append((site, a, kw)) or ())
     model = CausalLM(2)
     base = model.lm_head
     model.lm_head = torch.nn.Module()  # a LoRA wrapper
     model.lm_head.base_layer = base
     runner = types.SimpleNamespace(model=model, is_draft_worker=False)
     assert sgl.install_sglang_logits_gather(runner, dcp=2) == ()
-    site, args = calls[0]
-    assert args == ("tp-device-group", 2, 1, base.weight.device, 2)
+    site, args, kw = calls[0]
+    # agreement on SGLang's CPU group, first-use timing on its device group
+    assert args == ("tp-cpu-group", 2, 1, base.weight.device, 2)
+    assert kw["device_group"] == "tp-device-group"
     assert site.weight is base.weight and site.head_tp == base.tp_size  # the base layer's
     assert site.processor is model.logits_processor and site.attr == sgl.GATHERER
     assert sgl.install_sglang_logits_gather(torch.nn.Linear(2, 2)) == ()  # no processor

@@ -116,7 +116,7 @@ def _scenarios(rank, tmp):
             return torch.cat(parts, dim=1)
 
     install._device_name = lambda device: "NVIDIA H200"
-    install._build = lambda group, device, tp, r, shard, plan: StandIn(group, tp, plan)
+    install._build = lambda group, device, tp, r, shard, plan, budget_s: StandIn(group, tp, plan)
 
     full = torch.Generator().manual_seed(7)
 
@@ -313,7 +313,8 @@ def test_log_lines_reach_vllms_handler(ranks):
     fmt = r"INFO \d\d-\d\d [\d:]+ \[[\w./]*{file}:\d+\] "
     served = fmt.format(file=r"install\.py") + (
         r"lamport-head: Lamport logits gather on NVIDIA H200 \(tp=2, dcp=1\) for rows "
-        r"\(1, 2, 4\), routed at {where}\n")
+        r"\(1, 2, 4\), routed at {where}; spin budget 10 s \(LAMPORT_HEAD_BUDGET_S\), agreed by "
+        r"every rank; a give-up stops the GPU context\n")
     # the plugin's summary line, from lamport_head/engines/vllm.py
     summary = fmt.format(file=r"vllm\.py") + r"lamport-head summary: {model}, tp=2, dcp=1: {what}.*\n"
     lines = {

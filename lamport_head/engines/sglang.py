@@ -70,11 +70,14 @@ def _why_stock(lp):
 
 
 def _sglang_tp():
-    """SGLang's TP group: (device group, size, rank in group)."""
+    """SGLang's TP group: (agreement group: its CPU group where it has one, size, rank
+    in group, device group)."""
     from sglang.srt.distributed.parallel_state import get_tp_group
 
     tp_group = get_tp_group()
-    return tp_group.device_group, tp_group.world_size, tp_group.rank_in_group
+    cpu = getattr(tp_group, "cpu_group", None)
+    return (cpu if cpu is not None else tp_group.device_group, tp_group.world_size,
+            tp_group.rank_in_group, tp_group.device_group)
 
 
 def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None, device=None,
@@ -104,9 +107,11 @@ def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None
         return ()
     head = owner.lm_head
     head = getattr(head, "base_layer", head)  # a LoRA wrapper keeps the layer here
+    device_group = None
     if group is None or tp is None or rank is None:
-        sg_group, sg_tp, sg_rank = _sglang_tp()
-        group = sg_group if group is None else group
+        sg_group, sg_tp, sg_rank, sg_device_group = _sglang_tp()
+        if group is None:
+            group, device_group = sg_group, sg_device_group
         tp = sg_tp if tp is None else tp
         rank = sg_rank if rank is None else rank
     if device is None:
@@ -115,7 +120,8 @@ def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None
     site = install.GatherSite(processor=lp, attr=GATHERER, weight=getattr(head, "weight", None),
                               head_tp=getattr(head, "tp_size", 1),
                               where=f"{type(owner).__name__}.logits_processor")
-    served = install.install(site, group, tp, rank, device, dcp, measure=measure_first_use)
+    served = install.install(site, group, tp, rank, device, dcp, measure=measure_first_use,
+                             device_group=device_group)
     if served:  # the core routed GATHERER: gather(logits, stock=SGLang's) for these rows
         if model is not model_or_runner and callable(getattr(model_or_runner, "forward", None)):
             poll_before_forward(model_or_runner, lp.head_gather)

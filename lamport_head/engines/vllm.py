@@ -130,14 +130,17 @@ def rows_from_vllm(vllm_config):
     return tuple(range(1, min(seqs * (1 + int(k)), MAX_ROWS) + 1))
 
 
-def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
+def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None, *,
+                          device_group=None):
     """Route the vLLM model's LogitsProcessor ``_gather_logits`` (an instance
     attribute: other LogitsProcessors keep theirs) through a HeadGather for the
     table's enabled rows; which processor is ``find_gather_target``'s to say.
     ``rows``: the row counts the server's decode steps gather (``rows_from_vllm``);
     None: the table's rows. Returns the rows served; ``()`` means the stock gather.
     Collective over ``group`` once a processor is found (``install.install``: every
-    rank takes the same outcome); never raises."""
+    rank takes the same outcome); never raises. ``group``: where the ranks agree (a
+    CPU group where there is one); ``device_group``: the stock all-gather's group,
+    which first-use tuning times (default ``group``)."""
     lp, head, where = find_gather_target(model, force=True)  # FORCE is decided agreed
     if lp is None:
         logger.info("lamport-head: stock logits gather: %s", where)
@@ -151,7 +154,14 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None):
                f"logits_as_input={getattr(lp, 'logits_as_input', None)}, "
                f"head_dtype={getattr(lp, 'head_dtype', None)}"),
         kept=find_gather_target(model, force=False)[2] if owns_gather(lp) else None)
-    return install.install(site, group, tp, rank, device, dcp, rows, measure=measure_first_use)
+    return install.install(site, group, tp, rank, device, dcp, rows, measure=measure_first_use,
+                           device_group=device_group)
+
+
+def _cpu_group(coordinator):
+    """A GroupCoordinator's CPU (gloo) group, or its device group when it has none."""
+    cpu = getattr(coordinator, "cpu_group", None)
+    return cpu if cpu is not None else coordinator.device_group
 
 
 def _install_after_load(worker):
@@ -167,8 +177,9 @@ def _install_after_load(worker):
     # The rows its decode steps gather: max running requests x (1 + draft tokens).
     rows = rows_from_vllm(getattr(worker, "vllm_config", None))
     with log.collect() as lines:
-        served = install_logits_gather(model, tp_group.device_group, tp, rank, worker.device, dcp,
-                                       rows=rows)
+        # Agreement on vLLM's gloo group: a rank whose CUDA context broke still reaches it.
+        served = install_logits_gather(model, _cpu_group(tp_group), tp, rank, worker.device, dcp,
+                                       rows=rows, device_group=tp_group.device_group)
     if rank == 0:
         logger.info("lamport-head summary: %s", summary(type(model).__name__, tp, dcp, served, lines))
     return served
