@@ -17,6 +17,7 @@ rank builds every shard from the step's seed), so nothing needs a live peer.
 """
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -82,6 +83,8 @@ def main(argv=None):
                                                     device=ranks.device), tp_size=ranks.world)
     model = types.SimpleNamespace(logits_processor=lp, lm_head=head)
     served = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device)
+    # A rank stuck anywhere (a copy that never returns) shows where, then exits.
+    faulthandler.dump_traceback_later(args.budget + args.stall_s + 40, exit=True)
 
     report = {"rank": ranks.rank, "served": list(served), "steps": 0, "wrong": 0,
               "wrong_steps": [], "error": None, "stopped_after_s": None}
@@ -101,6 +104,8 @@ def main(argv=None):
             logits = lp._gather_logits(shards[ranks.rank].to(ranks.device))
             tokens = logits.argmax(dim=-1).cpu()  # the engine's copy of the tokens
             report["steps"] += 1
+            if step % 20 == 0 or step >= args.at:
+                print(f"rank {ranks.rank}: step {step} tokens on the host", flush=True)
             if not torch.equal(tokens, want):
                 report["wrong"] += 1
                 report["wrong_steps"].append(step)

@@ -49,7 +49,8 @@ def launch(n, *args, timeout=300, program=None):
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            pytest.fail(f"a rank was still running after {timeout} s: a hang")
+            seen = [q.communicate()[0] or "" for q in procs]
+            pytest.fail(f"a rank was still running after {timeout} s: a hang\n" + _show(seen))
         outs.append(out)
         codes.append(p.returncode)
     return codes, outs, time.monotonic() - start
@@ -182,7 +183,7 @@ def test_engine_shaped_steps_never_put_a_wrong_token_on_a_host(n, fault):
     for r in reports:
         print(f"  {fault} n={n} rank {r['rank']}: {r['steps']} steps' tokens on the host, "
               f"{r['wrong']} wrong; stopped {r.get('stopped_after_s')} s into step "
-              f"{r.get('failed_step')}: {r['error']}; log: {r['log'][-1:] }")
+              f"{r.get('failed_step')}: {r['error']}; log: {r.get('log', [])[-1:]}")
     assert all(r["served"] for r in reports), _show(outs)  # the Lamport path, not stock
     assert sum(r["wrong"] for r in reports) == 0, _show(outs)
     stopped = [r for r in reports if not r.get("killed")]
