@@ -87,6 +87,13 @@ class Gather:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         start = cute.arch.globaltimer()
+        wait = budget
+        if cutlass.const_expr(self.stop):
+            # Serving gives up an eighth of the budget early and traps at the budget:
+            # a peer that gave up at the same moment is still marking every rank's
+            # mailbox (this one's too), and a context that has already trapped must
+            # not be written to.
+            wait = budget - (budget >> 3)
         own_control = load_address(peers + Int64(PEER_CONTROL * tp + rank) * 8)
         epoch = epoch_of(own_control)
         parity = epoch & 1
@@ -119,7 +126,7 @@ class Gather:
             while (pending != 0) & (cause == 0):
                 pending = repoll(own, held, where, pending, unroll)
                 if pending != 0:  # a batch that just completed is never a give-up
-                    if cute.arch.globaltimer() - start > budget:
+                    if cute.arch.globaltimer() - start > wait:
                         cause = Int32(CAUSE_TIMEOUT)
                     elif mark_of(own_control) != 0:
                         cause = Int32(CAUSE_MARK)
@@ -131,4 +138,4 @@ class Gather:
         if cutlass.const_expr(not self.stop):
             if cause != 0:
                 publish(status, own_control, epoch, tp)
-        advance(own_control, epoch, grid, tid, status, tp, self.stop)
+        advance(own_control, epoch, grid, tid, status, start, budget, tp, self.stop)

@@ -40,7 +40,10 @@ Two ways to give up, chosen at compile time (``stop``), one per gather:
 - stop (``stop=True``; serving: engines never call ``check()``): a launch that gives
   up, or begins marked, ends in ``trap`` once all its CTAs are done: the last CTA
   copies the failed epoch and the missing ranks into the status record, fences,
-  raises the flag, then traps. The context is gone before any later kernel of the
+  raises the flag, then traps. Its waits give up at 7/8 of the budget and the trap
+  comes at the budget: ranks giving up together write each other's mailboxes, and
+  none may write into a context that has already stopped (measured on one H200, 4
+  processes: a rank marking a peer that had trapped hung in its own kernel). The context is gone before any later kernel of the
   stream (the sampler, the copy of the tokens to the host) can run, so no value of
   a step with missing data is ever used; the engine's next CUDA call raises, and the
   host names the missing ranks from the status record (pinned host memory, readable

@@ -50,7 +50,7 @@ def epoch_of(control: Int64) -> Int32:
 
 @cute.jit
 def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64,
-            tp: cutlass.Constexpr, stop: cutlass.Constexpr):
+            start: Int64, budget: Int64, tp: cutlass.Constexpr, stop: cutlass.Constexpr):
     """The last CTA to finish moves the epoch on (modulo ``EPOCH_SPAN``). Every thread
     read ``epoch`` before its CTA reached the barrier, so no CTA of this launch can see
     the new value. With ``stop`` (serving), the last CTA of a launch that finds the
@@ -63,16 +63,20 @@ def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64
             if cutlass.const_expr(stop):
                 fence_sys()  # the other CTAs' marks and missing ranks before the read
                 if mark_of(control) != 0:
-                    record_and_stop(status, control, tp)
+                    record_and_stop(status, control, start, budget, tp)
             store_word(control + CONTROL_DONE * 4, 0)
             store_word(control + CONTROL_EPOCH * 4, (epoch + 1) & Int32(EPOCH_SPAN - 1))
 
 
 @cute.jit
-def record_and_stop(status: Int64, own_control: Int64, tp: cutlass.Constexpr):
+def record_and_stop(status: Int64, own_control: Int64, start: Int64, budget: Int64,
+                    tp: cutlass.Constexpr):
     """Serving's give-up: the failed epoch and the missing ranks (from the mark's
-    control block) into the status record, a fence, the flag, then ``trap``. The
-    record is out before the context dies, so the host can name the ranks."""
+    control block) into the status record, a fence, the flag, then ``trap``, not
+    before ``budget`` since the launch's ``start`` (the waits gave up an eighth
+    earlier: peers giving up at the same moment finish marking this rank's mailbox
+    before its context dies). The record is out before the context dies, so the host
+    can name the ranks."""
     failed = Int32(MARK_TOP) - mark_of(own_control)
     for p in cutlass.range_constexpr(tp):
         if load_word_volatile(own_control + (CONTROL_MISSING + p) * 4) != Uint32(0):
@@ -81,6 +85,8 @@ def record_and_stop(status: Int64, own_control: Int64, tp: cutlass.Constexpr):
     fence_sys()
     store_word_sys(status + STATUS_FLAG * 4, 1)
     fence_sys()
+    while cute.arch.globaltimer() - start <= budget:
+        pass
     trap()
 
 
