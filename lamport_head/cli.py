@@ -1,7 +1,9 @@
-"""The ``lamport-head`` command: tune, show, verify, bench.
+"""lamport-head: tune, show, verify and benchmark the Lamport logits gather.
 
-Errors are one line on stderr and a non-zero exit, never a traceback, for what a
-user can get wrong (no GPU, bad arguments, a malformed table).
+Errors are one line on stderr and exit status 2, never a traceback, for what a user
+can get wrong (no GPU, bad arguments, a malformed table). This is an entry point at
+the top of the import graph, beside the engine adapters: it reaches the tuner
+(``lamport_head.tuning``) lazily, and nothing in the runtime imports it.
 """
 
 import argparse
@@ -9,6 +11,7 @@ import os
 import shutil
 import sys
 
+from lamport_head.config import SWEEP_THREADS, SWEEP_UNROLL
 from lamport_head.table import KIMI_K2_VOCAB, MAX_ROWS, mailbox_cost
 
 
@@ -52,56 +55,93 @@ def _margin(text):
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2): the message, then where to get help."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class _Help(argparse.HelpFormatter):
+    """Plain-text help that states each option's default, unless its help already
+    says it or there is none to state (a flag, an optional path)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        value = action.default
+        if isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))
+        return f"{text} (default: {value})"
+
+
+_ROWS_HELP = "comma-separated row counts M (the decode batch: requests x (1 + draft tokens))"
+
+
 def parser():
     from lamport_head import __version__
 
-    p = argparse.ArgumentParser(prog="lamport-head", description=__doc__.splitlines()[0])
+    fmt = _Help
+    p = _Parser(prog="lamport-head", description=__doc__.splitlines()[0].split(": ", 1)[1],
+                formatter_class=fmt)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    t = sub.add_parser("tune", help="Optuna sweep that fills the HEAD_GATHER table")
-    t.add_argument("--tp", type=_positive, default=8)
-    t.add_argument("--dcp", type=_positive, default=1)
-    t.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"))
-    t.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB)
+    t = sub.add_parser("tune", help="Optuna sweep that fills the HEAD_GATHER table",
+                       description="Measure the gather against the stock all-gather per row "
+                       "count and write the winning plan into a table.", formatter_class=fmt)
+    t.add_argument("--tp", type=_positive, default=8, help="tensor-parallel ranks (TP)")
+    t.add_argument("--dcp", type=_positive, default=1,
+                   help="decode context-parallel size (DCP); must divide --tp")
+    t.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"), help=_ROWS_HELP)
+    t.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB,
+                   help="vocabulary size V (Kimi K2's); V/TP must be a multiple of 8")
     t.add_argument("--emulate", action="store_true", help="TP virtual ranks on one GPU")
     t.add_argument("--auto", action="store_true",
                    help="use every GPU here: torchrun over several, --emulate on one")
     t.add_argument("--storage", help="Optuna storage URL (default: SQLite beside --out)")
     t.add_argument("--trials", type=_positive, default=40, help="trials per row count")
-    t.add_argument("--margin", type=_margin, default=0.05)
-    t.add_argument("--threads", type=_ints, default=None,
-                   help="CTA sizes to try (default: the sweep's SWEEP_THREADS)")
-    t.add_argument("--unroll", type=_ints, default=None,
-                   help="fragments in flight per thread to try (default: the sweep's SWEEP_UNROLL)")
+    t.add_argument("--margin", type=_margin, default=0.05,
+                   help="a row is enabled only when the gather beats stock by this fraction")
+    t.add_argument("--threads", type=_ints, default=list(SWEEP_THREADS),
+                   help="comma-separated threads per CTA to try")
+    t.add_argument("--unroll", type=_ints, default=list(SWEEP_UNROLL),
+                   help="comma-separated fragments in flight per thread to try")
     t.add_argument("--out", help="table to merge into (default: the user table, "
                    "$LAMPORT_HEAD_CACHE/head_gather.yaml or ~/.cache/lamport-head/head_gather.yaml)")
     t.add_argument("--plot", help="write a PNG of latency and speedup against rows")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    s = sub.add_parser("show", help="print the resolved plan")
-    s.add_argument("--device", help="GPU model (default: this machine's GPU)")
-    s.add_argument("--tp", type=_positive)
-    s.add_argument("--dcp", type=_positive, default=1)
+    s = sub.add_parser("show", help="print the resolved plan", formatter_class=fmt,
+                       description="Print the plan serving would use, per table section.")
+    s.add_argument("--device", help="GPU model, case-insensitive; a unique part of a name "
+                   "is enough (default: this machine's GPU)")
+    s.add_argument("--tp", type=_positive, help="only sections for this TP (default: every TP)")
+    s.add_argument("--dcp", type=_positive, default=1, help="DCP of the sections shown")
     s.add_argument("--table", help="one table file (default: the layers serving reads: packaged "
                    "< user table < $LAMPORT_HEAD_TABLE)")
     s.add_argument("--emulated", action="store_true", help="show emulated sections")
 
     v = sub.add_parser("verify", help="bitwise check of the gather on this GPU (emulated ranks; "
-                                      "under torchrun: real ranks, free-running)")
-    v.add_argument("--tp", type=_positive, default=8)
-    v.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB)
-    v.add_argument("--rows", type=_rows, default=_rows("1,2,3,7,8,16,33,64"))
-    v.add_argument("--calls", type=_positive, default=200)
+                                      "under torchrun: real ranks, free-running)",
+                       formatter_class=fmt)
+    v.add_argument("--tp", type=_positive, default=8, help="tensor-parallel ranks (TP)")
+    v.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB, help="vocabulary size V")
+    v.add_argument("--rows", type=_rows, default=_rows("1,2,3,7,8,16,33,64"), help=_ROWS_HELP)
+    v.add_argument("--calls", type=_positive, default=200, help="gathers to check")
 
-    b = sub.add_parser("bench", help="Lamport vs stock latency, GPU time and host time")
-    b.add_argument("--tp", type=_positive, default=8)
-    b.add_argument("--dcp", type=_positive, default=1)
-    b.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB)
-    b.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"))
-    b.add_argument("--table")
-    b.add_argument("--out", default="results/bench")
-    b.add_argument("--plot")
+    b = sub.add_parser("bench", help="Lamport vs stock latency, GPU time and host time",
+                       formatter_class=fmt)
+    b.add_argument("--tp", type=_positive, default=8, help="tensor-parallel ranks (TP)")
+    b.add_argument("--dcp", type=_positive, default=1, help="DCP of the table section used")
+    b.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB, help="vocabulary size V")
+    b.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"), help=_ROWS_HELP)
+    b.add_argument("--table", help="table whose plan is benchmarked (default: the layers "
+                   "serving reads)")
+    b.add_argument("--out", default="results/bench", help="CSV and JSON path prefix")
+    b.add_argument("--plot", help="write a PNG of the results")
     return p
 
 
@@ -120,11 +160,22 @@ def _need_cuda(command):
 
 
 def main(argv=None):
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # output piped into `head`: not an error of ours
+        sys.stderr.close()
+        return 0
+
+
+def _main(argv=None):
     args = parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])  # for provenance
     from lamport_head.kernels.protocol import THREADS
     from lamport_head.table import TableError
 
+    tp, dcp = getattr(args, "tp", None), getattr(args, "dcp", None)
+    if tp is not None and dcp is not None and tp % dcp:
+        return _fail(f"{args.command}: --dcp {dcp} does not divide --tp {tp}")
     try:
         if args.command == "show":
             return show(args)
@@ -136,10 +187,6 @@ def main(argv=None):
                 return auto_tune(args, argv)
             from lamport_head.tuning.tune import run
 
-            from lamport_head.tuning.sweep import SWEEP_THREADS, SWEEP_UNROLL
-
-            args.threads = args.threads or list(SWEEP_THREADS)
-            args.unroll = args.unroll or list(SWEEP_UNROLL)
             for t in args.threads:
                 if t not in THREADS:
                     return _fail(f"tune: --threads {t} is not one of {', '.join(map(str, THREADS))}")
@@ -183,11 +230,17 @@ def show(args):
 
     table = load_table(args.table)
     device = args.device
+    known = sorted({s.device for s in table.sections}, key=normalize)
     if device is None:
         import torch
 
         if torch.cuda.is_available():
             device = torch.cuda.get_device_name()
+    elif not any(normalize(k) == normalize(device) for k in known):
+        parts = [k for k in known if normalize(device) in normalize(k)]
+        if len(parts) > 1:
+            return _fail(f"show: more than one GPU model matches {device!r}: {', '.join(parts)}")
+        device = parts[0] if parts else device
     sections = [s for s in table.sections
                 if (device is None or normalize(s.device) == normalize(device))
                 and (args.tp is None or s.tp == args.tp) and s.dcp == args.dcp
@@ -196,6 +249,8 @@ def show(args):
     if not sections:
         what = f"{device or 'any GPU'}, tp={args.tp or 'any'}, dcp={args.dcp}"
         print(f"no {'' if args.emulated else 'serving '}entries for {what}: the stock gather is used")
+        print(f"GPU models in these tables: {', '.join(known) or 'none'}"
+              + ("" if args.emulated else " (--emulated also shows emulated sections)"))
         return 0
     for s in sections:
         print(f"\n{s.device}  tp={s.tp} dcp={s.dcp}" + ("  (emulated: never served)" if s.emulated else ""))

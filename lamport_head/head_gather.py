@@ -220,7 +220,7 @@ class HeadGather:
         """Raise ``GatherTimeout`` if this rank's host flag is up (a host-memory read,
         no device sync): what every call does first. A graph replay that holds this
         gather's launch runs no ``__call__``, so whoever replays it calls ``poll()``
-        before each replay (``lamport_head.sglang`` does, on the ModelRunner's
+        before each replay (``lamport_head.engines.sglang`` does, on the ModelRunner's
         ``forward``), or a failed peer would go on delivering NaN unnoticed."""
         if self._status.raised:
             raise self.failure()
