@@ -77,13 +77,7 @@ def record_and_stop(status: Int64, own_control: Int64, start: Int64, budget: Int
     earlier: peers giving up at the same moment finish marking this rank's mailbox
     before its context dies). The record is out before the context dies, so the host
     can name the ranks."""
-    failed = Int32(MARK_TOP) - mark_of(own_control)
-    for p in cutlass.range_constexpr(tp):
-        if load_word_volatile(own_control + (CONTROL_MISSING + p) * 4) != Uint32(0):
-            store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
-    store_word_sys(status + STATUS_EPOCH * 4, failed)
-    fence_sys()
-    store_word_sys(status + STATUS_FLAG * 4, 1)
+    write_record(status, own_control, Int32(MARK_TOP) - mark_of(own_control), tp)
     fence_sys()
     while cute.arch.globaltimer() - start <= budget:
         pass
@@ -200,13 +194,21 @@ def publish(status: Int64, own_control: Int64, epoch: Int32, tp: cutlass.Constex
         if behind != 0:
             if behind < Int32(EPOCH_SPAN // 2):
                 fence_sys()  # read what the mark announces only after the mark
-                for p in cutlass.range_constexpr(tp):
-                    if load_word_volatile(own_control + (CONTROL_MISSING + p) * 4) != Uint32(0):
-                        store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
-                store_word_sys(status + STATUS_EPOCH * 4, failed)
-                fence_sys()
-                store_word_sys(status + STATUS_FLAG * 4, 1)
+                write_record(status, own_control, failed, tp)
+
+
+@cute.jit
+def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.Constexpr):
+    """The host-visible record of a give-up: the missing ranks (copied from the
+    mark's control block) and the failed epoch, a system-scope fence, then the flag,
+    so a host that reads the flag reads the details."""
+    for p in cutlass.range_constexpr(tp):
+        if load_word_volatile(own_control + (CONTROL_MISSING + p) * 4) != Uint32(0):
+            store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
+    store_word_sys(status + STATUS_EPOCH * 4, failed)
+    fence_sys()
+    store_word_sys(status + STATUS_FLAG * 4, 1)
 
 
 __all__ = ["epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
-           "publish", "record_and_stop", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]
+           "publish", "record_and_stop", "write_record", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]
