@@ -19,7 +19,6 @@ rank builds every shard from the step's seed), so nothing needs a live peer.
 import argparse
 import faulthandler
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import time
 import types
 
 import torch
+from helpers import capture_log
 
 
 def _args(argv):
@@ -66,11 +66,7 @@ def main(argv=None):
     from lamport_head.stock import all_gather_logits
 
     args = _args(argv)
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("lamport_head").addHandler(handler)
-    logging.getLogger("lamport_head").setLevel(logging.INFO)
+    lines = capture_log()
 
     ranks = init_ranks()
     rows = sorted(int(x) for x in args.rows.split(","))

@@ -1,5 +1,5 @@
 """First-use tuning at install (lamport_head.tuning.firstuse) on 2-rank gloo groups, CUDA
-faked (test_install._fake_cuda) and the timing harness replaced by a collective cost
+faked (helpers.fake_cuda) and the timing harness replaced by a collective cost
 model: measures once and writes the user table, a second start (fresh processes)
 reads it and measures nothing, the off switch, stale provenance, a failure on one
 rank (every rank stock, one warning each, nobody hangs: spawn's deadline), ranks
@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 import yaml
+from helpers import FAKE_BYTE, capture_log, fake_cuda, model
 from spawn import spawn
-from test_install import FAKE_BYTE, _capture_log, _fake_cuda, model
 
 from lamport_head.tuning import firstuse
 from lamport_head.table import load_table
@@ -74,7 +74,7 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts):
 
     os.environ.pop("LAMPORT_HEAD_TABLE", None)
     os.environ.update(env, LAMPORT_HEAD_CACHE=cache)
-    _fake_cuda(setattr, rank, "ok")
+    fake_cuda(setattr, rank, "ok")
     host = f"host{rank}" if fail == "hosts" else "host"  # "hosts": one rank per host
     mailbox.device_key = lambda device: (host, "gpu" if shared else f"gpu{rank}")
     provenance.facts = lambda: dict(facts)
@@ -88,7 +88,7 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts):
         return CollectiveTarget(ranks, vocab, fail, timed)
 
     firstuse.make_target = make_target
-    seen = _capture_log()
+    seen = capture_log()
     m = model(lm__tp_size=nprocs)
     served = install_logits_gather(m, None, nprocs, rank, "cpu")
     out = m.logits_processor._gather_logits(torch.zeros(1, 64, dtype=torch.bfloat16))

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from helpers import assert_same_words, no_stock, same_bits, words
 
 from lamport_head.emulate import EmulatedGather
 from lamport_head.head_gather import GatherTimeout
@@ -23,11 +24,6 @@ def _poison_allocator(rows, width, device):
     blocks = [torch.full((rows, width // 2), POISON, dtype=torch.int32, device=device)
               for _ in range(4)]
     del blocks
-
-
-def same_bits(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def _shards(tp, rows, shard, device):
@@ -52,9 +48,7 @@ def test_emulated_bitwise_2000_calls(tp, vocab):
         want = reference_gather(shards)
         for r, out in enumerate(outs):
             assert out.shape == (rows, tp * shard) and out.dtype == torch.bfloat16
-            if not torch.equal(out.view(torch.int32), want.view(torch.int32)):
-                bad = (out.view(torch.int32) != want.view(torch.int32)).nonzero()[:5].tolist()
-                pytest.fail(f"call {call}, rank {r}, M={rows}: words differ at {bad}")
+            assert_same_words(out, want, f"call {call}, rank {r}, M={rows}")
     gather.check()
     assert gather.armed(), "mailbox words left un-armed after the run"
 
@@ -70,7 +64,7 @@ def test_explicitly_poisoned_outputs():
         gather.launch(shards, outs, gather.ctas[rows])
         want = reference_gather(shards).view(torch.int32)
         for out in outs:
-            assert torch.equal(out.view(torch.int32), want)
+            assert torch.equal(words(out), want)
     assert gather.armed()
 
 
@@ -93,9 +87,7 @@ def _check_steps(steps, outs, tp):
     for i, (shards, row) in enumerate(zip(steps, outs)):
         want = reference_gather(shards).view(torch.int32)
         for r, out in enumerate(row):
-            if not torch.equal(out.view(torch.int32), want):
-                bad = (out.view(torch.int32) != want).nonzero()[:5].tolist()
-                pytest.fail(f"step {i}, rank {r}, M={shards[0].shape[0]}: words differ at {bad}")
+            assert_same_words(out, want, f"step {i}, rank {r}, M={shards[0].shape[0]}")
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -144,7 +136,7 @@ def _every_rank_raises_at_the_same_call(gather, shards, missing, skip=()):
             continue
         for _ in range(2):
             with pytest.raises(GatherTimeout, match=name):
-                g(shards[r], lambda x: pytest.fail("stock taken alone"))
+                g(shards[r], no_stock("stock taken alone"))
 
 
 def test_slow_rank_inside_the_budget_is_right():
@@ -208,7 +200,7 @@ def test_dead_rank_times_out_and_gpu_recovers():
     shards = _shards(tp, 4, shard, device)
     outs = gather(shards)
     want = reference_gather(shards)
-    assert all(torch.equal(o.view(torch.int32), want.view(torch.int32)) for o in outs)
+    assert all(same_bits(o, want) for o in outs)
     assert gather.armed()
 
 
@@ -262,4 +254,4 @@ def test_the_epoch_wraps_keeping_the_parity_and_the_fail_stop():
     shards = _shards(tp, 8, shard, device)
     outs = gather(shards)
     want = reference_gather(shards).view(torch.int32)
-    assert all(torch.equal(o.view(torch.int32), want) for o in outs)
+    assert all(torch.equal(words(o), want) for o in outs)

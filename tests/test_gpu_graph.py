@@ -6,6 +6,7 @@ replay makes every rank raise."""
 
 import pytest
 import torch
+from helpers import no_stock
 
 from lamport_head.emulate import EmulatedGather
 from lamport_head.head_gather import GatherTimeout
@@ -14,10 +15,7 @@ from lamport_head.reference import planted, reference_gather
 pytestmark = pytest.mark.gpu
 
 MS = (1, 8, 64)  # the K = 3 gathers each graph holds
-
-
-def _no_stock(x):
-    raise AssertionError("a served row count took stock under capture")
+NO_STOCK = no_stock("a served row count took stock under capture")
 
 
 def _graph_ctas(device, tp, shard):
@@ -59,7 +57,7 @@ def _capture(gather, shard):
         static = [torch.zeros(m, shard, dtype=torch.bfloat16, device=device) for m in MS]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            out = [g(x, _no_stock) for x in static]
+            out = [g(x, NO_STOCK) for x in static]
         statics.append(static)
         graphs.append(graph)
         outs.append(out)
@@ -95,7 +93,7 @@ def _eager(gather, shard, bad, i):
     for r, (g, stream) in enumerate(zip(gather.ranks, gather.streams)):
         stream.wait_stream(here)
         with torch.cuda.stream(stream):
-            bad[i, r, 0] = (g(shards[r], _no_stock).view(torch.int32) != want).any()
+            bad[i, r, 0] = (g(shards[r], NO_STOCK).view(torch.int32) != want).any()
         for t in (data, want):
             t.record_stream(stream)
 
@@ -142,7 +140,7 @@ def test_a_rank_missing_from_a_replay_makes_every_rank_raise():
     x = planted(8, shard, device=device)
     for g in gather.ranks:
         with pytest.raises(GatherTimeout, match=r"rank\(s\) 2 never published"):
-            g(x, _no_stock)
+            g(x, NO_STOCK)
     gather.reset()
     bad.zero_()
     _replay(gather, statics, graphs, outs, shard, bad, 0)

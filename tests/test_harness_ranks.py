@@ -7,7 +7,7 @@ trial (None) on every rank. Then the review's scenario end to end: first-use tun
 at install with the real harness, one rank's ``planted`` out of memory: every rank
 stock with one warning, nobody hangs (spawn's deadline), still in step.
 
-What is faked and why: HeadGather's CUDA-only construction (test_install._fake_cuda:
+What is faked and why: HeadGather's CUDA-only construction (helpers.fake_cuda:
 its kernels through the seam ``head_gather.KERNELS``, the mailbox, the device key)
 with a kernel stand-in that writes the right bytes (every rank plants the same
 shard: same seed, same calls), and the CUDA timing machinery (events, side streams,
@@ -22,7 +22,7 @@ import types
 import pytest
 import torch
 from spawn import spawn
-from test_install import _capture_log, _fake_cuda, model
+from helpers import capture_log, fake_cuda, model
 
 from lamport_head.reference import reference_gather
 from lamport_head.config import GatherConfig
@@ -73,7 +73,7 @@ def _cpu_ranks(rank, tp, fail=None):
         want = reference_gather([logits] * tp)  # every rank's shard is this one
         ctypes.memmove(out, want.data_ptr(), want.numel() * want.element_size())
 
-    _fake_cuda(setattr, rank, "ok", launch=launch)
+    fake_cuda(setattr, rank, "ok", launch=launch)
     due = _inject(rank, fail)
     closes = []
     close = HeadGather.close
@@ -219,7 +219,7 @@ def _install_worker(rank, tp, cache, fail):
         return target
 
     firstuse.make_target = real_target
-    seen = _capture_log()
+    seen = capture_log()
     from lamport_head.engines.vllm import install_logits_gather
 
     served = install_logits_gather(model(lm__tp_size=tp), None, tp, rank, "cpu")

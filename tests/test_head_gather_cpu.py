@@ -4,6 +4,7 @@ routing, parity, stream order, the fail-stop record and ``reset``'s order."""
 
 import pytest
 import torch
+from helpers import no_stock, same_bits
 
 from lamport_head import head_gather
 from lamport_head.status import StatusRecord
@@ -86,10 +87,6 @@ def stock(x):
     return torch.cat([x] * TP, dim=-1)
 
 
-def bits(x):
-    return x.contiguous().view(torch.uint8)
-
-
 def test_served_rows_launch_with_their_ctas():
     g, rec = fake_gather()
     for m in (1, 2, 4, 2, 1):
@@ -120,7 +117,7 @@ def _misaligned(rows):
 def test_fallbacks_are_stock_bitwise_and_leave_parity(bad):
     g, rec = fake_gather()
     got = g(bad, stock)
-    assert torch.equal(bits(got), bits(stock(bad)))
+    assert same_bits(got, stock(bad))
     assert rec.calls == [] and g.parity == 0
 
 
@@ -134,10 +131,10 @@ def test_placement_the_allocator_chose_is_copied_never_stock(placed):
     seen = []
     rec_call = rec.__call__
     g._launch[2] = lambda shard, *a: (seen.append(shard), rec_call(shard, *a))
-    g(placed, lambda x: pytest.fail("stock taken on one rank's placement"))
+    g(placed, no_stock("stock taken on one rank's placement"))
     (shard,) = seen
     assert shard.is_contiguous() and shard.data_ptr() % 16 == 0
-    assert torch.equal(bits(shard), bits(placed))
+    assert same_bits(shard, placed)
 
 
 def test_tensor_on_another_device_raises():
@@ -163,7 +160,7 @@ def test_graph_capture_records_the_launch(monkeypatch, streams):
     g(x, stock)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     streams["now"] = 7  # torch.cuda.graph captures on a side stream
-    out = g(x, lambda v: pytest.fail("stock under capture"))
+    out = g(x, no_stock("stock under capture"))
     assert out.shape == (2, TP * SHARD) and len(rec.calls) == 2
     assert streams["log"] == []
 def test_a_failed_launch_leaves_the_host_parity():

@@ -8,94 +8,12 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import FAKE_BYTE, capture_log, fake_cuda, model
 from spawn import spawn
 from tables import TWO_RANKS as TABLE
 
 from lamport_head import install
 from lamport_head.engines.vllm import install_logits_gather
-
-
-
-def model(**overrides):
-    lp = types.SimpleNamespace(logits_as_input=False, head_dtype=None, use_all_gather=True)
-    lp._gather_logits = lambda x: ("stock", x.shape[0])
-    head = types.SimpleNamespace(weight=torch.zeros(64, 16, dtype=torch.bfloat16), tp_size=2)
-    m = types.SimpleNamespace(logits_processor=lp, lm_head=head)
-    for key, value in overrides.items():
-        target, attr = key.split("__")
-        setattr(m.logits_processor if target == "lp" else m.lm_head, attr, value)
-    return m
-
-
-FAKE_BYTE = 0x11  # what the fake kernel writes into every output byte
-
-
-def _fake_cuda(monkeypatch_like, rank, case, launch=None):
-    """Every CUDA-only piece of HeadGather's construction replaced on CPU: its kernels
-    (``head_gather.KERNELS``: compile and occupancy) by a CPU stand-in whose launch
-    fills the output with FAKE_BYTE (or is ``launch``), the device key, the mailbox
-    by a CPU box whose connect() is a real gloo collective. ``case`` picks the
-    failing step ("prepare": the compile)."""
-    import ctypes
-
-    from lamport_head import head_gather, mailbox
-
-    set_ = monkeypatch_like
-    fail_rank = int(case.split("@")[1]) if "@" in case else -1
-    step = case.split("@")[0]
-
-    class CpuKernels(head_gather.DeviceKernels):
-        def arch(self, device):
-            return "cpu"
-
-        def pdl(self, arch):
-            return True  # as on Hopper
-
-        def compiled(self, tp, shard, config, pdl, arch, stop=False):
-            if step == "prepare" and rank == fail_rank:
-                raise RuntimeError("compile failed")
-
-            def fill(logits, out, peers, r, c, budget, status):
-                ctypes.memset(out, FAKE_BYTE, logits.shape[0] * tp * shard * 2)
-
-            return types.SimpleNamespace(launch=launch or fill)
-
-        def resident(self, compiled, device):
-            return 1 << 20  # every plan fits
-
-    class CpuRows(mailbox._ProcessMailbox):
-        def _allocate(self, count):
-            if step == "alloc" and rank == fail_rank:
-                raise MemoryError("injected: mailbox allocation refused")
-            return torch.empty(count, dtype=torch.int32)
-
-        def connect(self):
-            bases = mailbox.all_gather_objects(self.box.data_ptr(), self.group)
-            if step == "connect" and rank == fail_rank:
-                raise RuntimeError("cannot map a peer")
-            self.peers = torch.tensor(mailbox.peer_table(bases, self.cap, self.words))
-
-    set_(head_gather, "KERNELS", CpuKernels())
-    set_(head_gather, "MAILBOXES", {"ipc": CpuRows, "symmetric": CpuRows})
-    set_(mailbox, "device_key", lambda device: ("host", "the one GPU"))
-    set_(head_gather, "_raw_stream", lambda index: 0)
-    set_(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
-        wait_stream=lambda other: None))
-    set_(torch.cuda, "synchronize", lambda device=None: None)
-    set_(torch.cuda, "is_current_stream_capturing", lambda: False)
-    set_(install, "_device_name", lambda device: "NVIDIA H200")
-
-
-def _capture_log():
-    """The lamport_head logger's messages (INFO and up) from now on, in a list."""
-    import logging
-
-    seen = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logging.getLogger("lamport_head").addHandler(handler)
-    logging.getLogger("lamport_head").setLevel(logging.INFO)
-    return seen
 
 
 def _install_worker(rank, nprocs, table, case, other_table):
@@ -106,8 +24,8 @@ def _install_worker(rank, nprocs, table, case, other_table):
         os.environ["LAMPORT_HEAD_BUDGET_S"] = case.removeprefix("budget=")
     if case == "budget everywhere":
         os.environ["LAMPORT_HEAD_BUDGET_S"] = "0.75"
-    _fake_cuda(setattr, rank, case)
-    seen = _capture_log()
+    fake_cuda(setattr, rank, case)
+    seen = capture_log()
     m = model(lm__tp_size=nprocs)
     other = model(lm__tp_size=nprocs)
     served = install_logits_gather(m, None, nprocs, rank, "cpu")
@@ -274,13 +192,13 @@ def _vote_worker(rank, nprocs, table, own, force_ranks, nameless_rank):
     os.environ.pop("LAMPORT_HEAD_FORCE", None)
     if rank in force_ranks:  # the variable reached these ranks only
         os.environ["LAMPORT_HEAD_FORCE"] = "1"
-    _fake_cuda(setattr, rank, "ok")
+    fake_cuda(setattr, rank, "ok")
     if rank == nameless_rank:
         def nameless(device):
             raise RuntimeError("injected: no device name")
 
         install._device_name = nameless
-    seen = _capture_log()
+    seen = capture_log()
     m = model(lm__tp_size=nprocs)
     if own:
         m.logits_processor = OwnGather()
@@ -343,7 +261,7 @@ def _serving_worker(rank, nprocs, table):
     import lamport_head.engines.vllm
     import lamport_head.install  # noqa: F401
 
-    _fake_cuda(setattr, rank, "ok")
+    fake_cuda(setattr, rank, "ok")
     m = model(lm__tp_size=nprocs)
     served = lamport_head.engines.vllm.install_logits_gather(m, None, nprocs, rank, "cpu")
     tuner = sorted(n for n in sys.modules

@@ -1,10 +1,7 @@
 import torch
+from helpers import words
 
 from lamport_head.reference import SPECIAL, planted, reference_gather, scrub
-
-
-def words(x):
-    return x.view(torch.int32)
 
 
 def test_scrub_only_touches_the_sentinel_word():

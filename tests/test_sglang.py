@@ -9,7 +9,7 @@ gatherer (``MultimemAllGatherer`` without multicast: ``tensor_model_parallel_all
 = ``GroupCoordinator.all_gather(x, dim=-1)``, here on gloo), ``ParallelLMHead``, a
 Kimi K2.5-shaped model (``language_model`` holds the processor and the lm_head) and
 the plugin framework's ``HookRegistry`` (AFTER hooks). HeadGather's CUDA parts are
-faked as in test_install (``_fake_cuda``)."""
+faked as in helpers (``fake_cuda``)."""
 
 import enum
 import functools
@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from spawn import spawn
-from test_install import FAKE_BYTE, TABLE, _capture_log, _fake_cuda
+from helpers import FAKE_BYTE, capture_log, fake_cuda, same_bits
+from tables import TWO_RANKS as TABLE
 
 from lamport_head import install
 from lamport_head.engines import sglang as sgl
@@ -109,18 +110,12 @@ def _reference(nprocs, rows, vocab):
     return torch.cat([_shard(r, rows) for r in range(nprocs)], dim=1)[:, :vocab]
 
 
-def _same(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32),
-        b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32))
-
-
 def _sglang_worker(rank, nprocs, table, case):
     from lamport_head import head_gather
 
     os.environ["LAMPORT_HEAD_TABLE"] = table
-    _fake_cuda(setattr, rank, case)
-    seen = _capture_log()
+    fake_cuda(setattr, rank, case)
+    seen = capture_log()
 
     m, other = KimiK25(nprocs), CausalLM(nprocs)
     lp = m.language_model.logits_processor
@@ -134,15 +129,15 @@ def _sglang_worker(rank, nprocs, table, case):
 
     one = lp.gather(_shard(rank, 1))  # row 1: enabled
     out["one_bytes"] = sorted(set(one.contiguous().view(torch.uint8).flatten().tolist()))
-    out["one_is_stock"] = _same(one, _reference(nprocs, 1, vocab))
+    out["one_is_stock"] = same_bits(one, _reference(nprocs, 1, vocab))
     out["one_shape"] = list(one.shape)
     calls = stock.calls
     three = lp.gather(_shard(rank, 3))  # row 3: disabled in the table
-    out["three_is_stock"] = _same(three, _reference(nprocs, 3, vocab))
+    out["three_is_stock"] = same_bits(three, _reference(nprocs, 3, vocab))
     fp32 = lp.gather(_shard(rank, 1).float())  # not BF16
-    out["fp32_is_stock"] = _same(fp32, _reference(nprocs, 1, vocab).float())
+    out["fp32_is_stock"] = same_bits(fp32, _reference(nprocs, 1, vocab).float())
     out["stock_calls"] = stock.calls - calls
-    out["other_is_stock"] = (_same(other.logits_processor.gather(_shard(rank, 1)),
+    out["other_is_stock"] = (same_bits(other.logits_processor.gather(_shard(rank, 1)),
                                    _reference(nprocs, 1, vocab))
                              and not hasattr(other.logits_processor, "head_gather"))
     if served:
@@ -198,7 +193,7 @@ def _replay_worker(rank, nprocs, table):
     from lamport_head.kernels.protocol import STATUS_FLAG, STATUS_PEERS
 
     os.environ["LAMPORT_HEAD_TABLE"] = table
-    _fake_cuda(setattr, rank, "ok")
+    fake_cuda(setattr, rank, "ok")
     runner = ReplayingRunner(KimiK25(nprocs))
     served = sgl.install_sglang_logits_gather(runner, dist.group.WORLD, nprocs, rank, "cpu")
     sgl.install_sglang_logits_gather(runner, dist.group.WORLD, nprocs, rank, "cpu")  # again

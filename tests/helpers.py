@@ -1,0 +1,123 @@
+"""Helpers the tests share: vLLM-shaped stand-ins, HeadGather's CUDA-only construction
+faked on CPU, log capture, bitwise comparisons, a stock path that must not run.
+Test modules import these from here (never from one another)."""
+
+import types
+
+import torch
+
+FAKE_BYTE = 0x11  # what the fake kernel writes into every output byte
+
+
+def model(**overrides):
+    """A vLLM-shaped model stand-in: ``logits_processor`` (its stock gather returns
+    ``("stock", rows)``) and a TP-2 ``lm_head`` of 64 rows. ``lp__X=v`` / ``lm__X=v``
+    override the processor's / head's attribute X."""
+    lp = types.SimpleNamespace(logits_as_input=False, head_dtype=None, use_all_gather=True)
+    lp._gather_logits = lambda x: ("stock", x.shape[0])
+    head = types.SimpleNamespace(weight=torch.zeros(64, 16, dtype=torch.bfloat16), tp_size=2)
+    m = types.SimpleNamespace(logits_processor=lp, lm_head=head)
+    for key, value in overrides.items():
+        target, attr = key.split("__")
+        setattr(m.logits_processor if target == "lp" else m.lm_head, attr, value)
+    return m
+
+
+def fake_cuda(monkeypatch_like, rank, case, launch=None):
+    """Every CUDA-only piece of HeadGather's construction replaced on CPU: its kernels
+    (``head_gather.KERNELS``: compile and occupancy) by a CPU stand-in whose launch
+    fills the output with FAKE_BYTE (or is ``launch``), the device key, the mailbox
+    by a CPU box whose connect() is a real gloo collective. ``case`` picks the
+    failing step ("prepare": the compile)."""
+    import ctypes
+
+    from lamport_head import head_gather, install, mailbox
+
+    set_ = monkeypatch_like
+    fail_rank = int(case.split("@")[1]) if "@" in case else -1
+    step = case.split("@")[0]
+
+    class CpuKernels(head_gather.DeviceKernels):
+        def arch(self, device):
+            return "cpu"
+
+        def pdl(self, arch):
+            return True  # as on Hopper
+
+        def compiled(self, tp, shard, config, pdl, arch, stop=False):
+            if step == "prepare" and rank == fail_rank:
+                raise RuntimeError("compile failed")
+
+            def fill(logits, out, peers, r, c, budget, status):
+                ctypes.memset(out, FAKE_BYTE, logits.shape[0] * tp * shard * 2)
+
+            return types.SimpleNamespace(launch=launch or fill)
+
+        def resident(self, compiled, device):
+            return 1 << 20  # every plan fits
+
+    class CpuRows(mailbox._ProcessMailbox):
+        def _allocate(self, count):
+            if step == "alloc" and rank == fail_rank:
+                raise MemoryError("injected: mailbox allocation refused")
+            return torch.empty(count, dtype=torch.int32)
+
+        def connect(self):
+            bases = mailbox.all_gather_objects(self.box.data_ptr(), self.group)
+            if step == "connect" and rank == fail_rank:
+                raise RuntimeError("cannot map a peer")
+            self.peers = torch.tensor(mailbox.peer_table(bases, self.cap, self.words))
+
+    set_(head_gather, "KERNELS", CpuKernels())
+    set_(head_gather, "MAILBOXES", {"ipc": CpuRows, "symmetric": CpuRows})
+    set_(mailbox, "device_key", lambda device: ("host", "the one GPU"))
+    set_(head_gather, "_raw_stream", lambda index: 0)
+    set_(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
+        wait_stream=lambda other: None))
+    set_(torch.cuda, "synchronize", lambda device=None: None)
+    set_(torch.cuda, "is_current_stream_capturing", lambda: False)
+    set_(install, "_device_name", lambda device: "NVIDIA H200")
+
+
+def capture_log():
+    """The lamport_head logger's messages (INFO and up) from now on, in a list."""
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("lamport_head").addHandler(handler)
+    logging.getLogger("lamport_head").setLevel(logging.INFO)
+    return seen
+
+
+def words(x):
+    """A bfloat16 tensor's pairs as int32 words (what the gather moves)."""
+    return x.view(torch.int32)
+
+
+def same_bits(a, b):
+    """Same shape, same dtype, the same bytes (NaN payloads and signed zeros included)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def assert_same_words(got, want, what):
+    """``got`` bitwise ``want`` as int32 words; else the test fails naming ``what`` and
+    the first five words that differ."""
+    got, want = words(got), words(want)
+    if not torch.equal(got, want):
+        import pytest
+
+        bad = (got != want).nonzero()[:5].tolist()
+        pytest.fail(f"{what}: words differ at {bad}")
+
+
+def no_stock(why):
+    """A stock path for calls that must not take it: fails the test with ``why``."""
+    import pytest
+
+    def stock(x):
+        pytest.fail(why)
+
+    return stock
