@@ -7,8 +7,7 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn import spawn
 
 
 def _gpus():
@@ -43,19 +42,17 @@ def test_killed_rank_is_named_and_no_gpu_hangs():
     assert len(lines) == n - 1 and all("rank(s) 1" in line for line in lines), run.stdout + run.stderr
 
 
-def _stock_worker(rank, init, out):
+def _stock_worker(rank, world, out):
     from lamport_head.stock import all_gather_logits
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     x = torch.arange(6, dtype=torch.float32).reshape(3, 2) + 100 * rank
     got = all_gather_logits(x)
-    torch.save(got, f"{out}.{rank}")
-    dist.destroy_process_group()
+    torch.save(got, f"{out}.{rank}")  # the tensor itself: dtype and all
 
 
 def test_stock_layout_is_cat_of_ranks_on_gloo(tmp_path):
     out = tmp_path / "g"
-    mp.spawn(_stock_worker, args=(f"file://{tmp_path / 'init'}", str(out)), nprocs=2)
+    spawn(_stock_worker, 2, tmp_path, str(out))
     want = torch.cat([torch.arange(6, dtype=torch.float32).reshape(3, 2) + 100 * r for r in range(2)], 1)
     for r in range(2):
         assert torch.equal(torch.load(f"{out}.{r}"), want)

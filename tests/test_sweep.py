@@ -7,8 +7,8 @@ from dataclasses import astuple
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
+from spawn import spawn
 
 from lamport_head.config import GatherConfig, cta_choices
 from lamport_head.table import RowPlan, load_table
@@ -186,20 +186,15 @@ class RankCost(CostModel):
         return Timing(t.eager_us, local.item(), t.host_us)
 
 
-def _agree_worker(rank, init, db, out):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+def _agree_worker(rank, world, db):
     target = RankCost(rank)
-    r = sweep.tune_rows(target, 1, device="g", tp=2, dcp=1, vocab=V, trials=40, storage=db,
+    r = sweep.tune_rows(target, 1, device="g", tp=world, dcp=1, vocab=V, trials=40, storage=db,
                         comm=sweep.DistComm(None))
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump({"ctas": r.plan.ctas, "us": r.lamport_us, "timed": target.timed}, f)
-    dist.destroy_process_group()
+    return {"ctas": r.plan.ctas, "us": r.lamport_us, "timed": target.timed}
 
 
 def test_ranks_agree_on_one_choice(tmp_path):
-    out = tmp_path / "r"
-    mp.spawn(_agree_worker, args=(f"file://{tmp_path / 'init'}", storage(tmp_path), str(out)), nprocs=2)
-    a, b = (json.loads(open(f"{out}.{r}").read()) for r in range(2))
+    a, b = spawn(_agree_worker, 2, tmp_path, storage(tmp_path))
     assert a == b  # same result, and the same configurations measured in the same order
     assert a["ctas"] != 4  # the max over ranks ruled out rank 0's favourite
 
@@ -313,47 +308,19 @@ class CollectiveCost(CostModel):
         return Timing(t.eager_us, self._reduce(t.gpu_us, dist.ReduceOp.MAX), t.host_us)
 
 
-def _collective_worker(rank, world, init, db, out, fail_rank):
-    import datetime
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def _collective_worker(rank, world, db, fail_rank):
     target, seen = CollectiveCost(rank, fail_rank), []
     r = sweep.tune_rows(target, 4, device="g", tp=world, dcp=1, vocab=V, trials=40, storage=db,
                         comm=sweep.DistComm(None), threads=(256,), unroll=(2, 4),
                         on_trial=lambda rows, config, timing: seen.append(
                             [list(astuple(config)), timing and timing.gpu_us]))
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump({"plan": [r.plan.ctas, r.plan.enabled, r.plan.threads, r.plan.unroll],
-                   "us": [r.lamport_us, r.stock_us], "trials": r.trials, "seen": seen}, f)
-    dist.destroy_process_group()
+    return {"plan": [r.plan.ctas, r.plan.enabled, r.plan.threads, r.plan.unroll],
+            "us": [r.lamport_us, r.stock_us], "trials": r.trials, "seen": seen}
 
 
-def run_ranks(worker, world, args, deadline_s=120):
-    """Spawn ``world`` ranks of ``worker(rank, world, *args)``; a deadlock fails the
-    test at the deadline instead of hanging it."""
-    import time
-
-    ctx = mp.start_processes(worker, args=(world, *args), nprocs=world, join=False,
-                             start_method="spawn")
-    end = time.monotonic() + deadline_s
-    try:
-        while not ctx.join(timeout=max(0.0, end - time.monotonic())):
-            if time.monotonic() >= end:
-                pytest.fail(f"{world} ranks still running after {deadline_s} s: deadlock")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-
-
-def _broken_study_worker(rank, world, init, db, out, when):
+def _broken_study_worker(rank, world, db, when):
     """Rank 0's Optuna fails (its storage, or a tell mid-sweep); every rank must raise
     the same error instead of waiting in a broadcast."""
-    import datetime
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
     if rank == 0 and when == "tell":
         original = sweep._Study.record
         calls = []
@@ -378,17 +345,12 @@ def _broken_study_worker(rank, world, init, db, out, when):
         what = "returned"
     except RuntimeError as exc:
         what = str(exc)
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(what, f)
-    dist.destroy_process_group()
+    return what
 
 
 @pytest.mark.parametrize("when", ["open", "tell", "kernel"])
 def test_an_optuna_failure_on_the_root_stops_every_rank(tmp_path, when):
-    out = tmp_path / "r"
-    run_ranks(_broken_study_worker, 3,
-              (f"file://{tmp_path / 'init'}", storage(tmp_path), str(out), when))
-    results = [json.loads(open(f"{out}.{r}").read()) for r in range(3)]
+    results = spawn(_broken_study_worker, 3, tmp_path, storage(tmp_path), when, timeout_s=60)
     assert all(r == results[0] for r in results), results
     assert results[0].startswith("lamport-head tune: the Optuna study failed on rank 0")
     assert ("disk full" in results[0]) == (when == "tell")
@@ -411,8 +373,6 @@ def _empty_grid_worker(rank, world):
 
 
 def test_an_empty_grid_raises_the_same_error_on_every_rank(tmp_path):
-    from spawn import spawn
-
     results = spawn(_empty_grid_worker, 2, tmp_path, deadline_s=60)
     assert results[0] == results[1]
     assert results[0][0] == results[0][1] == (
@@ -440,8 +400,6 @@ def _broken_progress_worker(rank, world):
 
 
 def test_a_failing_progress_callback_on_one_rank_stops_no_rank(tmp_path):
-    from spawn import spawn
-
     results = spawn(_broken_progress_worker, 2, tmp_path, deadline_s=60)
     assert results[0] == results[1] and results[0][0] == results[0][1]
     assert isinstance(results[0][0], list), results[0][0]
@@ -449,10 +407,8 @@ def test_a_failing_progress_callback_on_one_rank_stops_no_rank(tmp_path):
 
 @pytest.mark.parametrize("world, fail_rank", [(2, None), (3, None), (2, 1), (3, 0)])
 def test_every_rank_takes_part_in_every_collective(tmp_path, world, fail_rank):
-    out = tmp_path / "r"
-    run_ranks(_collective_worker, world,
-              (f"file://{tmp_path / 'init'}", storage(tmp_path), str(out), fail_rank))
-    results = [json.loads(open(f"{out}.{r}").read()) for r in range(world)]
+    results = spawn(_collective_worker, world, tmp_path, storage(tmp_path), fail_rank,
+                    timeout_s=60)
     assert all(r == results[0] for r in results)  # same result, same trials, same story
     first = results[0]
     assert len(first["seen"]) == 2 * len(cta_choices(16))  # the whole grid, once

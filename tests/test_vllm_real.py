@@ -14,12 +14,12 @@ it); without it these tests skip, unless ``LAMPORT_HEAD_REQUIRE_VLLM=1`` (CI) ma
 that a failure.
 """
 
-import json
 import os
 import re
 
 import pytest
-import torch.multiprocessing as mp
+from helpers import same_bits
+from spawn import spawn
 from tables import TWO_RANKS as TABLE
 
 VLLM = "0.33.0"
@@ -49,7 +49,7 @@ def _require():
 
 # ---- what runs on each rank (a spawned process) ------------------------------------
 
-def _rank(rank, tmp, table):
+def _rank(rank, world, tmp, table):
     fd = os.open(f"{tmp}/out.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)  # vLLM's handler writes to sys.stdout: the file
     os.dup2(fd, 2)
@@ -63,9 +63,7 @@ def _rank(rank, tmp, table):
 
     configure_logging(LoggingConfig())  # what vLLM's worker_main does first in a worker
     with set_current_vllm_config(VllmConfig()):
-        result = _scenarios(rank, tmp)
-    with open(f"{tmp}/result.{rank}", "w") as f:
-        json.dump(result, f)
+        return _scenarios(rank, tmp)
 
 
 def _scenarios(rank, tmp):
@@ -180,13 +178,9 @@ def _scenarios(rank, tmp):
     def hidden(m):
         return torch.randn(m, HIDDEN, generator=full.manual_seed(100 + m)).to(torch.bfloat16)
 
-    def bits(t):
-        return t.contiguous().view(torch.int16)
-
     def compare(model, twin, logits_of=None):
         logits_of = logits_of or (lambda mdl, h: mdl.compute_logits(h))
-        return {m: torch.equal(bits(logits_of(model, hidden(m))), bits(logits_of(twin, hidden(m))))
-                for m in ROWS}
+        return {m: same_bits(logits_of(model, hidden(m)), logits_of(twin, hidden(m))) for m in ROWS}
 
     def calls(processor):
         gather = getattr(processor, "head_gather", None)
@@ -260,12 +254,11 @@ def ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_real")
     table = tmp / "table.yaml"
     table.write_text(TABLE)
-    try:
-        mp.spawn(_rank, args=(str(tmp), str(table)), nprocs=2)
+    try:  # vLLM makes the group itself (init_distributed_environment, at tmp/init)
+        results = spawn(_rank, 2, tmp, str(tmp), str(table), group=False)
     finally:
         logs = [(tmp / f"out.{r}").read_text() if (tmp / f"out.{r}").exists() else ""
                 for r in range(2)]
-    results = [json.loads((tmp / f"result.{r}").read_text()) for r in range(2)]
     return results, logs
 
 
