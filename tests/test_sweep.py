@@ -279,6 +279,39 @@ def test_bench_command_writes_csv_json_png(tmp_path, monkeypatch, capsys):
         1.01 * float(rows[1]["lamport_gpu_us"]), rel=1e-2)
 
 
+def test_tune_and_bench_choose_their_target_in_one_place(monkeypatch, capsys):
+    """tuning.targets.make_target: one process emulates (tune asks for --emulate above
+    TP 1); under torchrun the ranks' own target, tune's --tp checked against them, the
+    note printed by the root where they share a GPU."""
+    import types
+
+    import lamport_head.procs as procs
+    import lamport_head.tuning.harness as harness
+    from lamport_head.tuning.targets import make_target
+
+    fake_gpu(monkeypatch)
+    with pytest.raises(SystemExit, match="^lamport-head tune: one process sees one rank; use "
+                       "--emulate for TP virtual ranks on one GPU, or torchrun --nproc-per-node TP$"):
+        make_target("tune", 2, V, emulate=False)
+    solo = make_target("bench", 2, V)  # bench emulates without being asked
+    assert (solo.world, solo.root, solo.emulated, solo.target.tp) == (1, True, True, 2)
+    assert make_target("tune", 1, V, emulate=False).target.tp == 1
+
+    ranks = types.SimpleNamespace(world=2, device="cuda:0", shared=True, is_root=True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(procs, "init_ranks", lambda: ranks)
+    monkeypatch.setattr(harness, "DistributedTarget", lambda r, vocab: ("ranks", r, vocab))
+    with pytest.raises(SystemExit, match="^lamport-head tune: --tp 4 but torchrun started 2 ranks$"):
+        make_target("tune", 4, V, emulate=False)
+    chosen = make_target("tune", 2, V, emulate=False, shared_note="; written emulated")
+    assert (chosen.target, chosen.device, chosen.world, chosen.root, chosen.emulated) == (
+        ("ranks", ranks, V), "cuda:0", 2, True, True)
+    assert capsys.readouterr().out == f"lamport-head tune: {procs.SHARED_NOTE}; written emulated\n"
+    ranks.is_root, ranks.shared = False, False
+    chosen = make_target("bench", 8, V)  # bench takes the ranks torchrun started
+    assert (chosen.root, chosen.emulated) == (False, False) and capsys.readouterr().out == ""
+
+
 class CollectiveCost(CostModel):
     """A target as real ranks see it: every method issues a gloo collective (limit a
     MIN, lamport and stock a MAX), so a rank that skips a call deadlocks its peers.

@@ -11,7 +11,6 @@ emulating), else the built-in CTA heuristic.
 import csv
 import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +20,8 @@ import torch
 from lamport_head.config import GatherConfig, default_ctas
 from lamport_head.kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 from lamport_head.table import load_table
+
+from .targets import make_target
 
 FIELDS = ["tp", "rows", "ctas", "threads", "unroll", "lamport_eager_us", "lamport_gpu_us",
           "lamport_host_us", "lamport_graph_us", "lamport_graph_host_us", "stock_eager_us", "stock_gpu_us", "stock_host_us",
@@ -50,24 +51,9 @@ def plan_for(target, rows, table_plan, threads=DEFAULT_THREADS, unroll=DEFAULT_U
 
 
 def run(args):
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        from lamport_head.procs import SHARED_NOTE, init_ranks
-
-        from .harness import DistributedTarget
-
-        ranks = init_ranks()
-        device = ranks.device
-        target = DistributedTarget(ranks, args.vocab)
-        root, emulated = ranks.is_root, ranks.shared
-        if ranks.shared and root:
-            print(f"lamport-head bench: {SHARED_NOTE}", flush=True)
-    else:
-        from .harness import EmulatedTarget
-
-        device = torch.device("cuda", torch.cuda.current_device())
-        target = EmulatedTarget(device, args.tp, args.vocab)
-        root, emulated = True, True
+    chosen = make_target("bench", args.tp, args.vocab)
+    target, device, world = chosen.target, chosen.device, chosen.world
+    root, emulated = chosen.root, chosen.emulated
     name = torch.cuda.get_device_name(device)
     table = load_table(args.table)
     table_plan = table.plan(name, target.tp, args.dcp, emulated=emulated)

@@ -8,7 +8,6 @@ packaged one), its Optuna studies beside it.
 """
 
 import math
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from lamport_head.provenance import provenance
 
 from .sweep import DistComm, LocalComm, tune_rows
+from .targets import make_target
 from .writer import measured_rows, merge_section
 
 
@@ -62,33 +62,11 @@ def run(args):
     from lamport_head.table import normalize, user_path
 
     rows_list = args.rows
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        from lamport_head.procs import SHARED_NOTE, init_ranks
-
-        from .harness import DistributedTarget
-
-        ranks = init_ranks()
-        if ranks.world != args.tp:
-            raise SystemExit(f"lamport-head tune: --tp {args.tp} but torchrun started "
-                             f"{ranks.world} ranks")
-        device = ranks.device
-        target = DistributedTarget(ranks, args.vocab)
-        comm = DistComm(None)
-        emulated = ranks.shared  # time-sliced processes: written emulated, never served
-        if ranks.shared and ranks.is_root:
-            print(f"lamport-head tune: {SHARED_NOTE}; the section is written emulated: true",
-                  flush=True)
-    else:
-        if not args.emulate and args.tp > 1:
-            raise SystemExit("lamport-head tune: one process sees one rank; use --emulate for "
-                             "TP virtual ranks on one GPU, or torchrun --nproc-per-node TP")
-        from .harness import EmulatedTarget
-
-        device = torch.device("cuda", torch.cuda.current_device())
-        target = EmulatedTarget(device, args.tp, args.vocab)
-        comm = LocalComm()
-        emulated = True
+    # time-sliced processes (ranks sharing a GPU) are written emulated, never served
+    chosen = make_target("tune", args.tp, args.vocab, emulate=args.emulate,
+                         shared_note="; the section is written emulated: true")
+    target, device, world, emulated = chosen.target, chosen.device, chosen.world, chosen.emulated
+    comm = DistComm(None) if world > 1 else LocalComm()
     name = torch.cuda.get_device_name(device)
     out = Path(args.out) if args.out else user_path()  # the user layer by default
     storage = args.storage or f"sqlite:///{out.with_name(out.stem + '.optuna.db').resolve()}"

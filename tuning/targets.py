@@ -1,0 +1,45 @@
+"""The timing target ``tune`` and ``bench`` measure on, chosen in one place: under
+torchrun (``WORLD_SIZE`` > 1) one rank per process, ``harness.DistributedTarget``;
+else TP virtual ranks on this process's GPU, ``harness.EmulatedTarget``."""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Chosen:
+    target: object  # DistributedTarget or EmulatedTarget
+    device: torch.device
+    world: int  # the processes torchrun started; 1: this one process, emulating
+    root: bool  # this process prints and writes
+    emulated: bool  # not one rank per GPU (virtual ranks, or processes sharing a GPU)
+
+
+def make_target(command, tp, vocab, *, emulate=None, shared_note=""):
+    """The target of ``lamport-head COMMAND`` at ``tp`` ranks and ``vocab``. Under
+    torchrun the ranks are started here; where they share a GPU the root prints the
+    note, ``shared_note`` after it. ``emulate`` (tune's --emulate; None: not asked)
+    is checked: torchrun's ranks must be ``tp``, and one process at ``tp`` > 1 needs it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        from lamport_head.procs import SHARED_NOTE, init_ranks
+
+        from .harness import DistributedTarget
+
+        ranks = init_ranks()
+        if emulate is not None and ranks.world != tp:
+            raise SystemExit(f"lamport-head {command}: --tp {tp} but torchrun started "
+                             f"{ranks.world} ranks")
+        target = DistributedTarget(ranks, vocab)
+        if ranks.shared and ranks.is_root:
+            print(f"lamport-head {command}: {SHARED_NOTE}{shared_note}", flush=True)
+        return Chosen(target, ranks.device, world, ranks.is_root, ranks.shared)
+    if emulate is not None and not emulate and tp > 1:
+        raise SystemExit(f"lamport-head {command}: one process sees one rank; use --emulate for "
+                         "TP virtual ranks on one GPU, or torchrun --nproc-per-node TP")
+    from .harness import EmulatedTarget
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    return Chosen(EmulatedTarget(device, tp, vocab), device, 1, True, True)
