@@ -505,3 +505,21 @@ def test_a_walk_without_storage_never_imports_optuna_and_matches_the_study(tmp_p
     assert walked["result"] == [r.plan.ctas, r.plan.enabled, r.lamport_us, r.stock_us,
                                 r.lamport_gpu_us, r.trials, r.timed]
     assert walked["result"][:2] == [16, True] and walked["result"][5:] == [2, 3]
+
+
+def _writer_worker(rank, nprocs, path):
+    """One TP group's rank 0 writing its own section, many times, all at once."""
+    for i in range(15):
+        merge_section(path, "NVIDIA H200", 2 * (rank + 1), 1,
+                      {1: {"ctas": 8 + i, "enabled": True}}, {"note": f"writer {rank}"})
+    return rank
+
+
+def test_writers_of_different_sections_at_once_lose_none(tmp_path):
+    """Issue 19 item 6: 4 processes (DP > 1 on one host: several TP groups' rank 0s)
+    merging different sections into one user table at once: every section survives."""
+    path = str(tmp_path / "cache" / "head_gather.yaml")
+    assert spawn(_writer_worker, 4, tmp_path, path, group=False) == [0, 1, 2, 3]
+    table = load_table(path)
+    assert sorted(s.tp for s in table.sections) == [2, 4, 6, 8]
+    assert all(s.rows[1].ctas == 8 + 14 for s in table.sections)  # each writer's last

@@ -3,12 +3,16 @@
 Only the section being written (device, tp, dcp, emulated) is replaced; every other
 device and section is kept as it was. The new text is validated with the loader
 before it replaces the file (write to a temporary file beside it, then rename), so a
-reader never sees a half-written or invalid table.
+reader never sees a half-written or invalid table. The read-modify-write holds an
+exclusive lock (``flock`` on a ``.lock`` file beside the table), so writers of
+different sections at once (several TP groups' rank 0s on one host, DP > 1) lose none.
 """
 
+import fcntl
 import math
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -38,8 +42,26 @@ def measured_rows(results):
     return table
 
 
+@contextmanager
+def _locked(path):
+    """An exclusive lock for the read-modify-write of ``path`` (blocks until free)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False):
     """Write ``rows`` ({key: entry}) as the (device, tp, dcp, emulated) section."""
+    path = Path(path)
+    with _locked(path):
+        return _merge(path, device, tp, dcp, rows, provenance, emulated)
+
+
+def _merge(path, device, tp, dcp, rows, provenance, emulated):
     data = _load(path)
     devices = data.setdefault("devices", {}) or {}
     data["devices"] = devices
@@ -54,8 +76,6 @@ def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False):
     devices[name] = sections
     text = _render(data)
     parse(text, str(path))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
