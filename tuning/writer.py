@@ -4,7 +4,7 @@ Only the section being written (device, tp, dcp, emulated) is replaced; every ot
 device and section is kept as it was. The new text is validated with the loader
 before it replaces the file (write to a temporary file beside it, then rename), so a
 reader never sees a half-written or invalid table. The read-modify-write holds an
-exclusive lock (``flock`` on a ``.lock`` file beside the table), so writers of
+exclusive lock (``flock`` on ``.head_gather.lock`` beside the table), so writers of
 different sections at once (several TP groups' rank 0s on one host, DP > 1) lose none.
 """
 
@@ -46,7 +46,7 @@ def measured_rows(results):
 def _locked(path):
     """An exclusive lock for the read-modify-write of ``path`` (blocks until free)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+    with open(path.with_name(f".{path.stem}.lock"), "a") as lock:  # kept: locks need a file
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
