@@ -79,6 +79,9 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts):
     os.environ.update(env, LAMPORT_HEAD_CACHE=cache)
     fake_cuda(setattr, rank, "ok")
     host = f"host{rank}" if fail == "hosts" else "host"  # "hosts": one rank per host
+    if env.get("PER_HOST_CACHE"):  # each rank its own host, so its own user table
+        host = f"host{rank}"
+        os.environ["LAMPORT_HEAD_CACHE"] = os.path.join(cache, host)
     mailbox.device_key = lambda device: (host, "gpu" if shared else f"gpu{rank}")
     provenance.facts = lambda: dict(facts)
     timed = []
@@ -298,3 +301,21 @@ def test_a_row_that_built_nothing_is_not_written(tmp_path):
     section = next(iter(rows.values()))[0]
     assert 64 not in section["rows"] and 32 in section["rows"]
     assert "rows [64] could not be built (not written)" in section["provenance"]["note"]
+
+
+def test_every_host_gets_the_table_and_later_starts_serve_it(tmp_path):
+    """Issue 19 item 4: ranks on two hosts (one NVLink domain: symmetric forced), each
+    host its own user table: start 1 measures and both hosts' tables get the section;
+    starts 2 and 3 read one view everywhere, measure nothing and serve."""
+    env = {"PER_HOST_CACHE": "1", "LAMPORT_HEAD_MAILBOX": "symmetric"}
+    cache = tmp_path / "cache"
+    for start in range(3):
+        for rank, r in enumerate(_start(tmp_path, env=env, cache=str(cache))):
+            assert r["served"] == SERVED and r["routed"] == [FAKE_BYTE], r["log"]
+            assert (r["timed"] > 0) == (start == 0)  # measured once, then read
+            if start == 0:
+                line = next(x for x in r["log"] if "first-use tuning on" in x)
+                assert f"wrote {cache / f'host{rank}' / 'head_gather.yaml'}" in line
+        tables = [yaml.safe_load((cache / f"host{r}" / "head_gather.yaml").read_text())
+                  for r in range(2)]
+        assert tables[0]["devices"] == tables[1]["devices"]  # one agreed section

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 from lamport_head import provenance
-from lamport_head.collective import agree, attempt, broadcast_object
+from lamport_head.collective import agree, attempt
 from lamport_head.kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 from lamport_head.table import fill, normalize, user_path
 
@@ -86,13 +86,14 @@ class Outcome:
 
 
 def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRST_USE_LIMITS):
-    """Collective over ``group``: measure ``rows_to_measure(rows)``, rank 0 writes the
-    user table, every rank returns the same ``Outcome``. Raises on every rank
+    """Collective over ``group``: measure ``rows_to_measure(rows)``, the first rank of
+    each host writes the agreed rows into that host's user table, every rank returns
+    the same ``Outcome`` (but ``path``: its own host's table). Raises on every rank
     together when any rank fails (nothing is written then)."""
     import torch
     import torch.distributed as dist
 
-    from lamport_head.mailbox import choose_backend
+    from lamport_head.mailbox import choose_backend, device_key, exchange
     from lamport_head.procs import Ranks
 
     from .sweep import DistComm, tune_rows
@@ -149,9 +150,14 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
         return str(merge_section(user_path(), name, tp, dcp, measured_rows(results), prov,
                                  emulated=emulated))
 
-    path, error = attempt(write) if comm.is_root else (None, None)
+    # Every host gets the table: its first rank writes the agreed rows into its own
+    # user table (ranks on several hosts, an NVL72 domain, would otherwise find the
+    # section only on rank 0's host and stay stock for good at the next start).
+    hosts = exchange(lambda: device_key(torch.device(device))[0], group, what="name its host")
+    writes = hosts.index(hosts[rank]) == rank
+    path, error = attempt(write) if writes else (None, None)
     agree(error, group, device, "to write the user table")
-    path = broadcast_object(path, group)
+    path = str(user_path())  # the file this rank's host serves from (its writer's)
     measured = {r.rows: r.plan for r in results}
     plan = {m: p for m, p in fill(measured).items() if p.enabled and m in set(rows)}
     return Outcome(plan, results, emulated, seconds, path)
