@@ -189,7 +189,6 @@ class HeadGather:
                             sharing=sharing, pdl=self._pdl, **knobs)
         self.rows = frozenset(self.configs)
         self.cap = max(self.rows)
-        self.parity = 0
         self.ctas = {m: c.ctas for m, c in self.configs.items()}
         self._launch = {m: self._compiled(c).launch for m, c in self.configs.items()}
         self._open_status(budget_s)
@@ -246,7 +245,6 @@ class HeadGather:
         out = logits.new_empty((shape[0], self.width))  # under capture: the graph's own
         launch(logits, out.data_ptr(), self._peers, self.rank, self.ctas[shape[0]],
                self.budget_ns, self._status_address)
-        self.parity ^= 1  # the host's view only; the kernel keeps the real alternation
         return out
 
     def _follow_stream(self):
@@ -296,7 +294,6 @@ class HeadGather:
         self.box.barrier()
         self.box.arm()
         self._status.clear()
-        self.parity = 0  # arm() zeroed the epoch too
         torch.cuda.synchronize(self.device)
         self.box.barrier()
 
