@@ -337,8 +337,27 @@ def choose_backend(group, device, backend=None):
     if len(asked) > 1:
         raise ValueError(f"ranks disagree on the mailbox backend: {sorted(map(str, asked))}")
     keys = [k for k, _, _ in facts]
-    mine = keys[torch.distributed.get_rank(group)]  # facts come in the group's rank order
-    return decide(keys, [s for _, s, _ in facts], forced), keys.count(mine)
+    me = torch.distributed.get_rank(group)  # facts come in the group's rank order
+    kind = decide(keys, [s for _, s, _ in facts], forced)
+    if kind == "ipc" and torch.device(device).type == "cuda":
+        # Every rank checks its own access to its host's other GPUs; the verdicts travel
+        # together, so a GPU without peer access (PCIe without P2P) makes every rank raise
+        # the same error, naming it, and install leaves every rank stock.
+        indices = exchange(lambda: torch.device(device).index, group, what="name its GPU")
+        exchange(lambda: _check_peer_access(keys, indices, me), group,
+                 what="reach its TP peers' GPUs (CUDA peer access)")
+    return kind, keys.count(keys[me])
+
+
+def _check_peer_access(keys, indices, me):
+    """Raise unless this rank's GPU can access the memory of every other GPU its host's
+    ranks use (ranks sharing this GPU need nothing)."""
+    host, gpu = keys[me]
+    for r, (h, g) in enumerate(keys):
+        if h == host and g != gpu and not torch.cuda.can_device_access_peer(indices[me],
+                                                                            indices[r]):
+            raise RuntimeError(f"GPU {indices[me]} cannot access GPU {indices[r]}'s memory "
+                               f"(rank {r}): no CUDA peer access (PCIe without P2P?)")
 
 
 __all__ = ["LocalMailbox", "IpcMailbox", "SymmetricMailbox", "MAILBOXES", "choose_backend",

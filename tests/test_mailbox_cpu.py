@@ -246,3 +246,33 @@ def test_a_torch_that_keeps_multicast_on_is_refused(monkeypatch):
     finally:
         del sys.modules["torch.distributed._symmetric_memory"]
     assert calls == []  # neither empty nor rendezvous ran
+
+
+def _peer_access_worker(rank, nprocs, blocked):
+    """Distinct GPUs of one host; ``blocked``: (a, b) pairs with no peer access."""
+    mailbox.device_key = lambda device: ("host", f"gpu{rank}")
+    torch.cuda.can_device_access_peer = lambda a, b: (a, b) not in {tuple(p) for p in blocked}
+    device = types.SimpleNamespace(type="cuda", index=rank)
+    real = torch.device
+    torch.device = lambda d, *a: d if isinstance(d, types.SimpleNamespace) else real(d, *a)
+    try:
+        outcome = list(mailbox.choose_backend(None, device))
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        torch.device = real
+    return {"outcome": outcome, "in_step": _in_step()}
+
+
+def test_gpus_without_peer_access_give_every_rank_one_reason(tmp_path):
+    """Issue 20 item 1: a GPU that cannot reach a TP peer's memory (PCIe without P2P):
+    every rank raises the same error naming it (install: every rank stock, one line)."""
+    results = spawn(_peer_access_worker, 3, tmp_path, [(2, 0)], deadline_s=60)
+    assert len({r["outcome"] for r in results}) == 1 and all(r["in_step"] == 3 for r in results)
+    assert results[0]["outcome"] == (
+        "RuntimeError: lamport-head: 1 rank(s) failed to reach its TP peers' GPUs (CUDA peer "
+        "access): rank 2: RuntimeError: GPU 2 cannot access GPU 0's memory (rank 0): no CUDA "
+        "peer access (PCIe without P2P?)")
+    (tmp_path / "ok").mkdir()
+    for r in spawn(_peer_access_worker, 3, tmp_path / "ok", [], deadline_s=60):
+        assert r["outcome"] == ["ipc", 1]
