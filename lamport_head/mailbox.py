@@ -328,22 +328,23 @@ def decide(keys, symmetric, forced=None):
 def choose_backend(group, device, backend=None):
     """Collective: ``(backend, ranks on this GPU)``, the backend the same on every
     rank. ``backend`` (or ``$LAMPORT_HEAD_MAILBOX``) forces one; else ipc (the ranks
-    of one host); ranks on several hosts: none (``decide`` raises). A rank whose own facts fail still takes
-    part, and then every rank raises."""
+    of one host, each GPU reaching its peers' GPUs); ranks on several hosts: none
+    (``decide`` raises). A rank whose own facts fail still takes part, and then every
+    rank raises."""
     forced = backend or os.environ.get(BACKEND_ENV) or None
-    facts = exchange(lambda: (device_key(device), _symmetric_available(), forced), group,
-                     what="describe its GPU")
-    asked = {f for _, _, f in facts}
+    facts = exchange(lambda: (device_key(device), _symmetric_available(), forced,
+                              torch.device(device).index), group, what="describe its GPU")
+    asked = {f for _, _, f, _ in facts}
     if len(asked) > 1:
         raise ValueError(f"ranks disagree on the mailbox backend: {sorted(map(str, asked))}")
-    keys = [k for k, _, _ in facts]
+    keys = [k for k, _, _, _ in facts]
     me = torch.distributed.get_rank(group)  # facts come in the group's rank order
-    kind = decide(keys, [s for _, s, _ in facts], forced)
+    kind = decide(keys, [s for _, s, _, _ in facts], forced)
     if kind == "ipc" and torch.device(device).type == "cuda":
         # Every rank checks its own access to its host's other GPUs; the verdicts travel
         # together, so a GPU without peer access (PCIe without P2P) makes every rank raise
         # the same error, naming it, and install leaves every rank stock.
-        indices = exchange(lambda: torch.device(device).index, group, what="name its GPU")
+        indices = [i for _, _, _, i in facts]
         exchange(lambda: _check_peer_access(keys, indices, me), group,
                  what="reach its TP peers' GPUs (CUDA peer access)")
     return kind, keys.count(keys[me])

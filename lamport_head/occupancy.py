@@ -21,10 +21,11 @@ def _checked(result, what):
 
 
 def device_arch(device) -> str:
-    """The compile target of ``device``: sm_90a on Hopper and later (the arch-specific
-    features), plain sm_XY before."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+    """The compile target of ``device`` (``kernels.arch.target``: sm_90a on Hopper and
+    later, plain sm_XY before)."""
+    from .kernels.arch import target
+
+    return target(*torch.cuda.get_device_capability(device))
 
 
 @functools.lru_cache(maxsize=None)
