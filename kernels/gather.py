@@ -40,7 +40,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from .primitives import load_address
-from .protocol import PEER_CONTROL, WORDS
+from .protocol import GIVE_UP_SHIFT, PEER_CONTROL, WORDS
 from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, advance, deliver, epoch_of, fetch, mark_of, mark_peers,
                     publish, push, repoll)
 
@@ -89,11 +89,10 @@ class Gather:
         start = cute.arch.globaltimer()
         wait = budget
         if cutlass.const_expr(self.stop):
-            # Serving gives up an eighth of the budget early and traps at the budget:
-            # a peer that gave up at the same moment is still marking every rank's
-            # mailbox (this one's too), and a context that has already trapped must
-            # not be written to.
-            wait = budget - (budget >> 3)
+            # Serving gives up at three quarters and traps an eighth later (in
+            # ``advance``): stopped within the budget, and a peer that gave up at the
+            # same moment has finished marking this rank's mailbox before it traps.
+            wait = budget - (budget >> GIVE_UP_SHIFT)
         own_control = load_address(peers + Int64(PEER_CONTROL * tp + rank) * 8)
         epoch = epoch_of(own_control)
         parity = epoch & 1
@@ -138,4 +137,4 @@ class Gather:
         if cutlass.const_expr(not self.stop):
             if cause != 0:
                 publish(status, own_control, epoch, tp)
-        advance(own_control, epoch, grid, tid, status, start, budget, tp, self.stop)
+        advance(own_control, epoch, grid, tid, status, budget, tp, self.stop)

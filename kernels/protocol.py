@@ -40,14 +40,19 @@ Two ways to give up, chosen at compile time (``stop``), one per gather:
 - stop (``stop=True``; serving: engines never call ``check()``): a launch that gives
   up, or begins marked, ends in ``trap`` once all its CTAs are done: the last CTA
   copies the failed epoch and the missing ranks into the status record, fences,
-  raises the flag, then traps. Its waits give up at 7/8 of the budget and the trap
-  comes at the budget: ranks giving up together write each other's mailboxes, and
-  none may write into a context that has already stopped (measured on one H200, 4
-  processes: a rank marking a peer that had trapped hung in its own kernel). The context is gone before any later kernel of the
-  stream (the sampler, the copy of the tokens to the host) can run, so no value of
-  a step with missing data is ever used; the engine's next CUDA call raises, and the
-  host names the missing ranks from the status record (pinned host memory, readable
-  with the context dead). Peers stop too: the give-up marked every rank's mailbox.
+  raises the flag, waits ``budget >> STOP_SHIFT`` (an eighth), then traps. Its waits
+  give up at ``budget - (budget >> GIVE_UP_SHIFT)`` (three quarters), so the trap
+  comes at seven eighths and the context is gone within the budget. The eighth
+  between the flag and the trap is for peers giving up at the same moment: they
+  write this rank's mailbox while marking, and none may write into a context that
+  has already stopped (measured on one H200, 4 processes: a rank marking a peer that
+  had trapped hung in its own kernel). The context is gone before any later kernel
+  of the stream (the sampler, the copy of the tokens to the host) can run, so no
+  value of a step with missing data is ever used; the engine's next CUDA call
+  raises, and the host names the missing ranks from the status record (pinned host
+  memory, readable with the context dead). Peers stop too: the give-up marked every
+  rank's mailbox. The host's watcher ends the process if the trap has not stopped
+  the context soon after it was due (``lamport_head.status``).
 
 Status record (host-visible, one per rank; the kernel writes it, the host reads it
 without a device sync): ``STATUS_EPOCH`` is the call ``s`` that failed and
@@ -77,6 +82,10 @@ PEER_ROWS = 3
 
 STATUS_FLAG, STATUS_EPOCH, STATUS_PEERS = 0, 1, 2
 STATUS_WORDS = STATUS_PEERS + MAX_TP
+
+# Serving's give-up (stop): waits end at budget - (budget >> GIVE_UP_SHIFT); the trap
+# follows the status record's flag by budget >> STOP_SHIFT.
+GIVE_UP_SHIFT, STOP_SHIFT = 2, 3
 
 THREADS = (64, 128, 256, 512, 1024)  # CTA sizes the kernel compiles for
 UNROLL_MAX = 16  # fragments in flight per thread, at most

@@ -19,8 +19,9 @@ Invariants every step keeps:
   kernel stops at once; ``publish``: details, then ``fence_sys``, then the flag.
 - ``epoch_of``/``advance``: every CTA reads the epoch before any CTA of the launch
   can advance it; only the launch's last CTA advances it, once.
-- ``record_and_stop`` (serving only): the record, a fence, the flag, a fence, then
-  ``trap``; only the launch's last CTA, after every CTA delivered and marked.
+- ``record_and_stop`` (serving only): the record, a fence, the flag, a fence, an
+  eighth of the budget, then ``trap``; only the launch's last CTA, after every CTA
+  delivered and marked.
 """
 
 import cutlass
@@ -31,7 +32,8 @@ from .primitives import (armed, atomic_add_word, atomic_max_word_sys, fence_sys,
                          load_address, load_volatile, load_word_volatile, scrub, store, store_sys,
                          store_word, store_word_sys, trap)
 from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, EPOCH_SPAN,
-                       MARK_TOP, NAN_PAIR, SENTINEL, STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, WORDS)
+                       MARK_TOP, NAN_PAIR, SENTINEL, STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STOP_SHIFT,
+                       WORDS)
 
 CAUSE_TIMEOUT, CAUSE_MARK = 1, 2  # why a thread stopped waiting
 
@@ -50,7 +52,7 @@ def epoch_of(control: Int64) -> Int32:
 
 @cute.jit
 def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64,
-            start: Int64, budget: Int64, tp: cutlass.Constexpr, stop: cutlass.Constexpr):
+            budget: Int64, tp: cutlass.Constexpr, stop: cutlass.Constexpr):
     """The last CTA to finish moves the epoch on (modulo ``EPOCH_SPAN``). Every thread
     read ``epoch`` before its CTA reached the barrier, so no CTA of this launch can see
     the new value. With ``stop`` (serving), the last CTA of a launch that finds the
@@ -63,23 +65,23 @@ def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64
             if cutlass.const_expr(stop):
                 fence_sys()  # the other CTAs' marks and missing ranks before the read
                 if mark_of(control) != 0:
-                    record_and_stop(status, control, start, budget, tp)
+                    record_and_stop(status, control, budget, tp)
             store_word(control + CONTROL_DONE * 4, 0)
             store_word(control + CONTROL_EPOCH * 4, (epoch + 1) & Int32(EPOCH_SPAN - 1))
 
 
 @cute.jit
-def record_and_stop(status: Int64, own_control: Int64, start: Int64, budget: Int64,
-                    tp: cutlass.Constexpr):
+def record_and_stop(status: Int64, own_control: Int64, budget: Int64, tp: cutlass.Constexpr):
     """Serving's give-up: the failed epoch and the missing ranks (from the mark's
-    control block) into the status record, a fence, the flag, then ``trap``, not
-    before ``budget`` since the launch's ``start`` (the waits gave up an eighth
-    earlier: peers giving up at the same moment finish marking this rank's mailbox
-    before its context dies). The record is out before the context dies, so the host
-    can name the ranks."""
+    control block) into the status record, a fence, the flag, then ``trap``
+    ``budget >> STOP_SHIFT`` later: peers giving up at the same moment finish marking
+    this rank's mailbox before its context dies. The record is out before the
+    context dies, so the host can name the ranks (and its watcher knows when the
+    trap is due)."""
     write_record(status, own_control, Int32(MARK_TOP) - mark_of(own_control), tp)
     fence_sys()
-    while cute.arch.globaltimer() - start <= budget:
+    due = cute.arch.globaltimer() + (budget >> STOP_SHIFT)
+    while cute.arch.globaltimer() < due:
         pass
     trap()
 

@@ -56,10 +56,11 @@ from .collective import agree, attempt
 from .config import GatherConfig
 from .kernels.arch import has_pdl
 from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, DEFAULT_UNROLL,
-                               FRAGMENT_BF16, MARK_TOP)
+                               FRAGMENT_BF16, MARK_TOP, STOP_SHIFT)
 from .mailbox import MAILBOXES, choose_backend
 from .plan import co_resident_limit, plan
-from .status import MODES, RECOVERABLE, SERVING, GatherTimeout, StatusRecord, Watcher
+from .status import (MODES, RECOVERABLE, SERVING, STOP_GRACE_S, GatherTimeout, StatusRecord,
+                     Watcher)
 
 SPIN_BUDGET_S = 2.0  # default spin budget per call: how long a gather waits for its peers
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -169,7 +170,10 @@ class HeadGather:
         self._closed = False
         self._stream_id, self._stream = None, None
         # serving: the engine's own error cannot name the ranks once the context stopped
-        self._watcher = Watcher(self._status) if mode == SERVING else None
+        # and a trap that never surfaces must not leave the engine waiting: the watchdog
+        self._watcher = Watcher(self._status, device=self.device,
+                                stop_after_s=budget_s / (1 << STOP_SHIFT) + STOP_GRACE_S) \
+            if mode == SERVING else None
 
     def _prepare(self, tp, rank, shard, rows, ctas, knobs, pdl, sharing, budget_s):
         """Everything that can fail on this rank alone: checks, the plan (compile,

@@ -8,10 +8,22 @@ then the flag. Host memory stays readable after the CUDA context died, which is
 what a serving gather's give-up does (``trap``): the engine's next CUDA call raises
 a bare "unspecified launch failure", and only this record can say which rank never
 published. The watcher reads the flag a few times a second and logs that once.
+
+The watcher is also the serving path's watchdog, as NCCL's is for its collectives:
+the kernel raises the flag an eighth of the budget before it traps
+(``kernels.protocol.STOP_SHIFT``), so once the trap is due (plus ``STOP_GRACE_S`` for
+the driver to surface it) the watcher asks the
+context whether it stopped. If it did not (measured on one H200, 4 processes, a
+killed peer: in every run one of the three survivors' traps never surfaced and its
+token copy waited for ever), the watcher ends the process (``STOP_EXIT_CODE``) after
+logging why: a step with missing data can never finish, and a process that neither
+raises nor exits would hang the engine.
 """
 
 import ctypes
 import logging
+import os
+import sys
 import threading
 
 import torch
@@ -21,6 +33,11 @@ from .kernels.protocol import STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STATUS_WO
 logger = logging.getLogger("lamport_head")
 
 WATCH_PERIOD_S = 0.05  # how soon after a serving give-up its log line appears
+# After the trap is due: how long the driver may take to surface it (measured on one
+# H200: 0.3-1.0 s with 2-4 processes time-slicing the GPU), then how long the probe of
+# the context may block before the watcher takes the context for stuck.
+STOP_GRACE_S, PROBE_WAIT_S = 0.6, 0.3
+STOP_EXIT_CODE = 70  # a serving process whose GPU context did not stop (EX_SOFTWARE)
 # What a gather does when it gives up (HeadGather's ``mode``; kernels.protocol):
 RECOVERABLE = "recoverable"  # NaN for the missing fragments, raise, a collective reset()
 SERVING = "serving"  # stop the GPU context (trap): no later kernel uses the step
@@ -67,14 +84,53 @@ class StatusRecord:
         self.words.zero_()
 
 
-class Watcher:
-    """Serving only: a daemon thread that logs the record's failure once, at ERROR,
-    as soon as the flag is up. The give-up stopped the context, so the engine's own
-    error ("CUDA error: unspecified launch failure") cannot name the rank; this line
-    does. It touches no CUDA state and ends after its one line or ``stop()``."""
+def context_stopped(device, wait_s=PROBE_WAIT_S) -> bool:
+    """Whether ``device``'s CUDA context in this process has stopped (a device sync
+    raises). A sync that returns, or is still blocked after ``wait_s``, means the
+    context still runs (the sync goes on in a daemon thread, harmlessly)."""
+    outcome = []
 
-    def __init__(self, record, period_s=WATCH_PERIOD_S):
+    def probe():
+        try:
+            torch.cuda.synchronize(device)
+            outcome.append(False)
+        except Exception:  # the context's sticky error: it stopped
+            outcome.append(True)
+
+    thread = threading.Thread(target=probe, name="lamport-head-probe", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    return bool(outcome and outcome[0])
+
+
+def end_process(code=STOP_EXIT_CODE):
+    """The watchdog's last resort: flush what was logged, then leave at once (no
+    teardown: a CUDA call could wait on the stuck context)."""
+    for handler in logging.getLogger("lamport_head").handlers + logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:
+            pass
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Watcher:
+    """Serving only: a daemon thread that, once the record's flag is up, logs the
+    failure once at ERROR (the give-up stopped the context, so the engine's own error,
+    "CUDA error: unspecified launch failure", cannot name the rank; this line does),
+    then, ``stop_after_s`` later (when the kernel's trap is due, plus
+    ``STOP_GRACE_S``), checks that the context stopped; if not, logs that at CRITICAL
+    and ends the process (``end_process``). Until the flag it touches no CUDA state;
+    ``stop()`` ends it. ``stopped`` and ``end`` are the context probe and the exit
+    (``context_stopped`` and ``end_process``; tests pass their own)."""
+
+    def __init__(self, record, period_s=WATCH_PERIOD_S, *, device=None, stop_after_s=None,
+                 stopped=None, end=end_process):
         self.record, self.period_s = record, period_s
+        self.stop_after_s = stop_after_s
+        self._stopped = stopped or (lambda: context_stopped(device))
+        self._end = end
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lamport-head-watcher",
                                         daemon=True)
@@ -83,9 +139,22 @@ class Watcher:
     def _run(self):
         while not self._done.wait(self.period_s):
             if self.record.raised:
+                failure = self.record.failure(stopped=True)
                 logger.error("%s (read from the pinned status record after the GPU context "
-                             "stopped)", self.record.failure(stopped=True))
+                             "stopped)", failure)
+                if self.stop_after_s is not None:
+                    self._watchdog(failure)
                 return
+
+    def _watchdog(self, failure):
+        if self._done.wait(self.stop_after_s) or self._stopped():
+            return  # closed meanwhile, or the trap stopped the context as designed
+        logger.critical("lamport-head gather on rank %d: the GPU context did not stop %.1f s "
+                        "after call %d gave up (rank(s) %s never published); ending this "
+                        "process (exit code %d) so that no step with missing data can finish",
+                        self.record.rank, self.stop_after_s, failure.epoch,
+                        ", ".join(map(str, failure.peers)) or "unknown", STOP_EXIT_CODE)
+        self._end()
 
     def stop(self):
         self._done.set()

@@ -10,8 +10,9 @@ Faults (one rank): ``--kill-rank R --at S`` exits after step S-1's tokens reache
 host; ``--stall-rank R --at S --stall-s T`` sleeps T seconds on the host before step S
 (a GC pause, a host stall). Every rank prints one ``engine-step`` JSON line: the
 steps whose tokens reached its host, how many differ from the reference tokens,
-the error that stopped it (type and text), the seconds from the start of the step
-that failed to the error, and the lamport-head log lines (which name the missing
+the error that stopped it (type and text; or the watchdog's line when the library ended
+the process because its GPU context did not stop), the seconds from the start of
+the step that failed to the error, and the lamport-head log lines (which name the missing
 ranks). Each rank checks its tokens against the reference on its own CPU (every
 rank builds every shard from the step's seed), so nothing needs a live peer.
 """
@@ -39,6 +40,11 @@ def _args(argv):
     p.add_argument("--stall-rank", type=int)
     p.add_argument("--stall-s", type=float, default=4.0)
     p.add_argument("--at", type=int, default=60)
+    p.add_argument("--linger", type=float, default=0.0,
+                   help="seconds a stopped rank stays alive (its context and box) before exiting")
+    p.add_argument("--trace", action="store_true",
+                   help="timestamps of each step from the fault on, and a report of a rank "
+                        "still inside a step 8 s after the budget (diagnosis, not the test)")
     return p.parse_args(argv)
 
 
@@ -85,6 +91,9 @@ def main(argv=None):
     report = {"rank": ranks.rank, "served": list(served), "steps": 0, "wrong": 0,
               "wrong_steps": [], "error": None, "stopped_after_s": None}
     step, started = 0, time.monotonic()
+    _report_before_the_watchdog_exits(report, lines, lambda: (step, started))
+    if args.trace:
+        _trace(args, report, lines, lambda: (step, started))
     try:
         for step in range(args.steps):
             if step == args.at and ranks.rank == args.kill_rank:
@@ -97,6 +106,9 @@ def main(argv=None):
             full, shards = _shards(step, m, ranks.world, shard)
             want = full.float().argmax(dim=-1)
             started = time.monotonic()
+            if args.trace and step >= args.at - 1:
+                print(f"trace rank {ranks.rank}: step {step} starts at {time.time():.3f}",
+                      flush=True)
             logits = lp._gather_logits(shards[ranks.rank].to(ranks.device))
             tokens = logits.argmax(dim=-1).cpu()  # the engine's copy of the tokens
             report["steps"] += 1
@@ -110,10 +122,55 @@ def main(argv=None):
         report["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         report["failed_step"] = step
         time.sleep(0.3)  # the watcher's line, if it is still on its way
+        if args.trace:
+            print(f"trace rank {ranks.rank}: raised at {time.time():.3f}", flush=True)
+        time.sleep(args.linger)
     report["log"] = [x for x in lines if "lamport-head" in x][-6:]
     print("engine-step " + json.dumps(report), flush=True)
     sys.stdout.flush()
     os._exit(0)  # no teardown: a peer may be gone, and a stopped context cannot sync
+
+
+def _report_before_the_watchdog_exits(report, lines, where):
+    """The watcher ends a process whose GPU context did not stop (``status.Watcher``),
+    right after its CRITICAL line: print this rank's report from that line, as the
+    engine's log would show it, since ``main`` never gets to."""
+    import logging
+
+    def emit(record):
+        if record.levelno >= logging.CRITICAL:
+            step, started = where()
+            report.update(stopped_after_s=round(time.monotonic() - started, 3),
+                          error=f"ended by the watchdog: {record.getMessage()[:300]}",
+                          failed_step=step, log=[x for x in lines if "lamport-head" in x][-6:])
+            print("engine-step " + json.dumps(report), flush=True)
+
+    handler = logging.Handler()
+    handler.emit = emit
+    logging.getLogger("lamport_head").addHandler(handler)
+
+
+def _trace(args, report, lines, where):
+    """A daemon thread: once a step has run past budget + 8 s, print what this rank
+    knows (its log lines, the GPU's compute processes) so a hang can be told apart
+    from a slow stop."""
+    import subprocess
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(0.5)
+            step, started = where()
+            if report["error"] is None and time.monotonic() - started > args.budget + 8:
+                smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                      "--format=csv,noheader"], capture_output=True, text=True)
+                print(f"trace rank {report['rank']} (pid {os.getpid()}): still in step {step} "
+                      f"{time.monotonic() - started:.1f} s after it began, at {time.time():.3f}; "
+                      f"log {[x[:160] for x in lines[-3:]]}; compute apps "
+                      f"{smi.stdout.split()}", flush=True)
+                return
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 if __name__ == "__main__":

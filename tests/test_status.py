@@ -57,3 +57,84 @@ def test_a_stopped_watcher_says_nothing(caplog):
         _give_up(record, 5, [1])
         time.sleep(0.05)
     assert not caplog.records
+
+
+def _watch(record, stopped, stop_after_s=0.05):
+    """A watcher with a stand-in context probe (``stopped``) and exit (recorded)."""
+    ended = []
+    watcher = Watcher(record, period_s=0.01, stop_after_s=stop_after_s, stopped=stopped,
+                      end=lambda: ended.append(time.monotonic()))
+    return watcher, ended
+
+
+def _until(cond, limit=2.0):
+    deadline = time.monotonic() + limit
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_the_watchdog_ends_a_process_whose_context_did_not_stop(caplog):
+    """The trap was due and the context still runs (the hang measured on the H200):
+    the process ends, after a CRITICAL line naming the missing rank, and not before
+    ``stop_after_s`` after the flag."""
+    record = StatusRecord(rank=1, tp=4)
+    watcher, ended = _watch(record, stopped=lambda: False, stop_after_s=0.2)
+    with caplog.at_level(logging.ERROR, logger="lamport_head"):
+        _give_up(record, 60, [3])
+        flagged = time.monotonic()
+        _until(lambda: ended)
+    watcher.stop()
+    assert len(ended) == 1 and ended[0] - flagged >= 0.2
+    critical = [r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert len(critical) == 1, caplog.records
+    assert "rank 1: the GPU context did not stop" in critical[0]
+    assert "rank(s) 3 never published" in critical[0] and "exit code 70" in critical[0]
+
+
+def test_the_watchdog_leaves_a_stopped_context_to_the_engine(caplog):
+    """The trap stopped the context as designed: the engine's next CUDA call raises;
+    the watcher logs the ranks once and ends nothing."""
+    record = StatusRecord(rank=0, tp=2)
+    asked = []
+    watcher, ended = _watch(record, stopped=lambda: asked.append(1) or True)
+    with caplog.at_level(logging.ERROR, logger="lamport_head"):
+        _give_up(record, 7, [1])
+        _until(lambda: asked)
+        time.sleep(0.1)
+    watcher.stop()
+    assert asked == [1] and ended == []
+    assert [r.levelno for r in caplog.records] == [logging.ERROR]
+
+
+def test_a_gather_closed_before_the_trap_is_due_ends_nothing():
+    record = StatusRecord(rank=0, tp=2)
+    watcher, ended = _watch(record, stopped=lambda: False, stop_after_s=0.3)
+    _give_up(record, 3, [1])
+    time.sleep(0.1)  # flag seen, trap not yet due
+    watcher.stop()
+    time.sleep(0.4)
+    assert ended == []
+
+
+def test_the_context_probe_reads_a_sync_that_raises_as_stopped(monkeypatch):
+    """``context_stopped``: a device sync that raises is a stopped context; one that
+    returns, or blocks past the wait, is a context still running."""
+    import threading
+
+    import torch
+
+    from lamport_head import status
+
+    def raising(device):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", raising)
+    assert status.context_stopped("cuda:0", wait_s=1.0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
+    assert not status.context_stopped("cuda:0", wait_s=1.0)
+    hold = threading.Event()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: hold.wait(5))
+    started = time.monotonic()
+    assert not status.context_stopped("cuda:0", wait_s=0.1)
+    assert time.monotonic() - started < 1.0
+    hold.set()
