@@ -30,7 +30,18 @@ deriving peer addresses) goes through ``exchange``, so every rank issues the sam
 collectives in the same order and a failure raises on every rank, naming the rank.
 ``close()`` waits for every rank (barrier) before the box can be freed: a peer may
 still push into it.
+
+Torch's symmetric-memory rendezvous is one call with phases of its own (an all-gather
+of handles over the group's store, an exchange of file descriptors, importing and
+mapping each peer, a store barrier); a rank failing inside it leaves its peers
+waiting in a later phase, which no agreement of ours can reach. So every store wait
+in it is bounded (``RENDEZVOUS_WAIT_S``, set on the group's store for the rendezvous
+only): a stranded peer's wait ends with an error, every rank carries its outcome
+into ``exchange``, and every rank raises.
 """
+
+import contextlib
+import datetime
 
 import os
 import pickle
@@ -45,6 +56,7 @@ from .kernels.protocol import (CONTROL_EPOCH, MAX_TP, PEER_CONTROL, PEER_ROWS, S
 BACKEND_ENV = "LAMPORT_HEAD_MAILBOX"
 BACKENDS = ("symmetric", "ipc")
 MULTICAST_OFF_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"  # read by torch at rendezvous
+RENDEZVOUS_WAIT_S = 60.0  # the longest store wait inside torch's rendezvous (start-up)
 
 
 def multicast_off(symm_mem, device):
@@ -247,12 +259,21 @@ class SymmetricMailbox(_ProcessMailbox):
         return symm_mem.empty(count, dtype=torch.int32, device=self.device)
 
     def connect(self):
-        """Collective: torch's rendezvous first (nothing local before it), then
-        ``exchange``'s one all-gather, which carries each rank's local derivation of
-        the peer addresses (or its failure) to every rank."""
-        self.handle = self._symm_mem.rendezvous(self.box, self._symm_group)
-        derived = exchange(self._derive, self.group, self.tp,
-                           "derive peer addresses from its symmetric memory handle")
+        """Collective: torch's rendezvous first (nothing local before it; its store
+        waits bounded, so a peer failing inside it cannot strand this rank), then
+        ``exchange``'s one all-gather, which every rank reaches whatever its
+        rendezvous did and which carries each rank's derivation of the peer
+        addresses, or its failure, to every rank."""
+        with bounded_store_waits(self._symm_group, RENDEZVOUS_WAIT_S):
+            self.handle, failed = attempt(self._symm_mem.rendezvous, self.box, self._symm_group)
+
+        def derive():
+            if failed is not None:
+                raise failed
+            return self._derive()
+
+        derived = exchange(derive, self.group, self.tp, "rendezvous and derive peer addresses "
+                           "from its symmetric memory handle")
         offsets = [offset for _, offset in derived]
         if len(set(offsets)) > 1:  # the derivation assumes one offset on every rank
             raise RuntimeError(f"symmetric memory places the box at different offsets on the "
@@ -276,6 +297,31 @@ class SymmetricMailbox(_ProcessMailbox):
 
     def _release(self):
         self.handle = None
+
+
+@contextlib.contextmanager
+def bounded_store_waits(group, seconds):
+    """Within the block, every wait on ``group``'s store (and the stores it prefixes)
+    ends after ``seconds``; the previous timeouts come back after it. A store that
+    cannot be reached or bounded is left as it is (the rendezvous then waits as
+    long as torch's own timeout)."""
+    stores = []
+    with contextlib.suppress(Exception):
+        from torch.distributed import distributed_c10d as c10d
+
+        store = c10d._get_process_group_store(group)
+        while store is not None:
+            stores.append((store, store.timeout))
+            store = getattr(store, "underlying_store", None)
+    try:
+        for store, _ in stores:
+            with contextlib.suppress(Exception):
+                store.set_timeout(datetime.timedelta(seconds=seconds))
+        yield
+    finally:
+        for store, before in stores:
+            with contextlib.suppress(Exception):
+                store.set_timeout(before)
 
 
 # The real-rank backends by name: what ``choose_backend`` answers, what HeadGather builds.

@@ -94,20 +94,14 @@ def _symmetric_worker(rank, nprocs, case):
     failing = int(case.split("@")[1])
     _fake_symmetric_memory(rank, failing if case.startswith("past@") else -1)
     box = mailbox.SymmetricMailbox(None, "cpu", nprocs, rank, CAP, WORDS)
-    if case == f"unimportable@{rank}":
-        # After allocation (agreed), this rank could no longer import the module: a
-        # local step of connect's before torch's rendezvous would now fail alone.
-        sys.modules["torch.distributed._symmetric_memory"] = None
-        del dist._symmetric_memory
     agreed, error = _connect_agreed(box)
     return {"agreed": agreed, "own": None if error is None else str(error),
             "bases": None if agreed else box.peers[0].tolist(), "in_step": _in_step()}
 
 
-def test_symmetric_connect_starts_with_the_rendezvous(tmp_path):
-    """Nothing local (imports, the group) runs in connect before the rendezvous, so a
-    rank cannot fail there alone while its peers sit in it."""
-    results = spawn(_symmetric_worker, 3, tmp_path, "unimportable@1", deadline_s=60)
+def test_symmetric_connect_maps_every_peers_box(tmp_path):
+    """(A failure in each of the rendezvous' own phases: ``test_startup_phases.py``.)"""
+    results = spawn(_symmetric_worker, 3, tmp_path, "past@-1", deadline_s=60)
     for r in results:
         assert r["agreed"] is None and r["in_step"] == 3
         assert r["bases"] == results[0]["bases"]  # one peer table: every rank's box
@@ -116,8 +110,9 @@ def test_symmetric_connect_starts_with_the_rendezvous(tmp_path):
 def test_symmetric_derivation_failing_on_one_rank_names_it_on_every_rank(tmp_path):
     for r in spawn(_symmetric_worker, 3, tmp_path, "past@2", deadline_s=60):
         assert r["in_step"] == 3 and r["agreed"] is not None
-        assert r["own"].startswith("lamport-head: 1 rank(s) failed to derive peer addresses "
-                                   "from its symmetric memory handle: rank 2: RuntimeError: "
+        assert r["own"].startswith("lamport-head: 1 rank(s) failed to rendezvous and derive "
+                                   "peer addresses from its symmetric memory handle: rank 2: "
+                                   "RuntimeError: "
                                    "symmetric memory handle points past this box")
 
 
