@@ -6,7 +6,7 @@ which LogitsProcessor of that model to route.
 loaded (before any CUDA graph capture), every TP worker calls
 ``install_logits_gather`` with the TP device group, TP size and rank, its device,
 the DCP size and the rows its decode steps gather (``rows_from_vllm``: 1 ..
-max_num_seqs x (1 + num_speculative_tokens), capped at ``table.MAX_ROWS``). vLLM
+max_num_seqs x (1 + num_speculative_tokens), capped: ``install.decode_rows``). vLLM
 loads general plugins in every process and possibly more than once: wrapping is
 idempotent, and vLLM is imported only here, lazily. Install's outcome (stock
 included) is agreed by every TP rank; an exception out of it is never swallowed,
@@ -44,7 +44,6 @@ import torch
 
 from .. import install, log
 from ..settings import FORCE_ENV, forced
-from ..table import MAX_ROWS
 from . import measure_first_use
 
 logger = logging.getLogger("lamport_head")
@@ -120,14 +119,14 @@ def find_gather_target(model, force=None):
 
 def rows_from_vllm(vllm_config):
     """The row counts a vLLM server's decode steps can gather: 1 .. max running
-    requests x (1 + speculative tokens per request), capped at ``MAX_ROWS``; None when
+    requests x (1 + speculative tokens per request), capped (``install.decode_rows``); None when
     the config does not say."""
     seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
     if not isinstance(seqs, int) or seqs < 1:
         return None
     spec = getattr(vllm_config, "speculative_config", None)
     k = (getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
-    return tuple(range(1, min(seqs * (1 + int(k)), MAX_ROWS) + 1))
+    return install.decode_rows(seqs, 1 + int(k))
 
 
 def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None, *,
