@@ -290,9 +290,10 @@ def test_log_lines_reach_vllms_handler(ranks):
         r"every rank; a give-up stops the GPU context\n")
     # the plugin's summary line, from lamport_head/engines/vllm.py
     summary = fmt.format(file=r"vllm\.py") + r"lamport-head summary: {model}, tp=2, dcp=1: {what}.*\n"
+    through = r", through compute_logits(?=\n)"  # vLLM's default config: sampling gathers
     lines = {
         "flat": (served.format(where=r"Lm\.logits_processor"), "Lm",
-                 r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks"),
+                 r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks" + through),
         "nested": (served.format(where=r"Outer\.get_language_model\(\)\.logits_processor"), "Outer",
                    r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks"),
         "lora": (served.format(where=r"Lm\.logits_processor\.base_layer; the base layer of "
