@@ -5,6 +5,9 @@ It knows no engine. An adapter (``lamport_head.engines.vllm``, ``.sglang``) find
 processor and lm_head and hands a ``GatherSite`` (the object and attribute to route,
 the head's weight and TP size, where it sits, the engine's own facts) and the
 first-use measuring (``measure``, injected: the runtime never imports the tuner).
+``decode_rows`` is the engines' one bound on the rows (requests x rows per request,
+capped); ``reroute`` routes an engine's replacement model through the gather already
+built, with no collective.
 
 Fail-stop order: the site checks (the same on every rank by construction) need no
 collective; then each rank reads alone what may differ or fail on it alone (its
