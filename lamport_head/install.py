@@ -5,6 +5,9 @@ It knows no engine. An adapter (``lamport_head.engines.vllm``, ``.sglang``) find
 processor and lm_head and hands a ``GatherSite`` (the object and attribute to route,
 the head's weight and TP size, where it sits, the engine's own facts) and the
 first-use measuring (``measure``, injected: the runtime never imports the tuner).
+``decode_rows`` is the engines' one bound on the rows (requests x rows per request,
+capped); ``reroute`` routes an engine's replacement model through the gather already
+built, with no collective.
 
 Fail-stop order: the site checks (the same on every rank by construction) need no
 collective; then each rank reads alone what may differ or fail on it alone (its
@@ -110,19 +113,11 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
     if tp <= 1:
         logger.info("lamport-head: tp=%d has no logits gather to replace", tp)
         return ()
-    weight = site.weight
-    if (weight is None or weight.dim() != 2 or weight.dtype != torch.bfloat16
-            or site.head_tp != tp or not site.plain):
-        logger.info("lamport-head: stock logits gather: %s is not a BF16 vocab-parallel head "
-                    "gathered by all-gather over tp=%d (lm_head weight %s, tp_size %s%s)", where,
-                    tp, None if weight is None else f"{tuple(weight.shape)} {weight.dtype}",
-                    site.head_tp, f"; {site.facts}" if site.facts else "")
+    why = _site_refuses(site, tp)
+    if why is not None:
+        logger.info("lamport-head: stock logits gather: %s", why)
         return ()
-    shard = weight.shape[0]
-    if shard % 8:
-        logger.info("lamport-head: stock logits gather: shard width %d is not a multiple of 8",
-                    shard)
-        return ()
+    shard = site.weight.shape[0]
     name, view, vote = _local_vote(tp, dcp, device, rows)
     # Collective 1: agree on the plan and on whether to measure first. Every rank gets
     # here, whatever it read or failed at: a rank deciding alone would be missing from
@@ -183,16 +178,73 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
         logger.warning("lamport-head: logits gather stays stock: %s: %s",
                        type(exc).__name__, exc)
         return ()
-    stock = getattr(lp, site.attr)
-    lp.head_gather = gather
-    setattr(lp, site.attr, partial(gather, stock=stock))  # an instance attribute: other
-    # processors keep theirs
-    served = tuple(sorted(gather.rows))
+    served = _route(site, gather)
     logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d) for rows %s, "
                 "routed at %s; spin budget %g s (%s), agreed by every rank; a give-up stops "
                 "the GPU context", name, tp, dcp, served, where, view.budget_s,
                 settings.BUDGET_ENV)
     return served
+
+
+def _site_refuses(site, tp, shard=None):
+    """Why ``site`` cannot take a gather over ``tp`` ranks (of ``shard`` columns when
+    given), or None. Facts of the site only, the same on every rank by construction:
+    no collective needed to act on the answer."""
+    weight = site.weight
+    if (weight is None or weight.dim() != 2 or weight.dtype != torch.bfloat16
+            or site.head_tp != tp or not site.plain):
+        return (f"{site.where} is not a BF16 vocab-parallel head gathered by all-gather over "
+                f"tp={tp} (lm_head weight "
+                f"{None if weight is None else f'{tuple(weight.shape)} {weight.dtype}'}, "
+                f"tp_size {site.head_tp}{f'; {site.facts}' if site.facts else ''})")
+    if weight.shape[0] % 8:
+        return f"shard width {weight.shape[0]} is not a multiple of 8"
+    if shard is not None and weight.shape[0] != shard:
+        return f"shard width {weight.shape[0]}, the gather's is {shard}"
+    return None
+
+
+def _route(site, gather):
+    """Route ``site``'s gather attribute through ``gather`` (an instance attribute: other
+    processors keep theirs); the rows served."""
+    stock = getattr(site.processor, site.attr)
+    site.processor.head_gather = gather
+    setattr(site.processor, site.attr, partial(gather, stock=stock))
+    return tuple(sorted(gather.rows))
+
+
+def reroute(site, gather):
+    """Route a new processor (the engine replaced its model, e.g. after a weight update)
+    through the ``gather`` its first model was served by; the rows served, ``()``
+    meaning the engine's stock gather, with one line either way.
+
+    No collective: ``gather`` (its mailboxes, rows, ranks) was agreed and built by
+    every rank at install and depends on no model; ``site``'s facts are the same on
+    every rank by construction (the same new model everywhere), so every rank takes the
+    same branch alone. The site checks are install's; a processor whose class has its
+    own gather (``site.kept``) keeps it (LAMPORT_HEAD_FORCE was agreed for another
+    processor). Never raises."""
+    installed = getattr(site.processor, "head_gather", None)
+    if installed is gather:  # the same processor (weights updated in place): still routed
+        return tuple(sorted(gather.rows))
+    why = site.kept or _site_refuses(site, gather.tp, gather.shard)
+    if why is not None:
+        logger.info("lamport-head: stock logits gather on the new model: %s", why)
+        return ()
+    served = _route(site, gather)
+    logger.info("lamport-head: the new model's gather routed again at %s: the gather built at "
+                "install serves rows %s", site.where, served)
+    return served
+
+
+def decode_rows(requests, per_request):
+    """The row counts an engine's decode steps gather: 1 .. ``requests`` x ``per_request``
+    (logits rows per request: 1 + its draft tokens), capped at ``table.MAX_ROWS``.
+    ``requests`` None (the engine resolves it later, from memory): up to the cap."""
+    from .table import MAX_ROWS
+
+    top = MAX_ROWS if requests is None else min(int(requests) * int(per_request), MAX_ROWS)
+    return tuple(range(1, top + 1))
 
 
 def _local_vote(tp, dcp, device, rows):

@@ -1,5 +1,7 @@
 """Helpers the tests share: vLLM-shaped stand-ins, HeadGather's CUDA-only construction
-faked on CPU, log capture, bitwise comparisons, a stock path that must not run.
+faked on CPU, log capture, bitwise comparisons, a stock path that must not run, and
+first-use tuning's timing target replaced by a collective cost model
+(``CollectiveTarget``).
 Test modules import these from here (never from one another)."""
 
 import types
@@ -7,6 +9,27 @@ import types
 import torch
 
 FAKE_BYTE = 0x11  # what the fake kernel writes into every output byte
+VLLM = "0.33.0"  # the vLLM the real-vLLM tests run against (scripts/install-vllm-cpu.sh)
+
+
+def require_vllm():
+    """Skip unless vLLM ``VLLM`` is installed; with ``LAMPORT_HEAD_REQUIRE_VLLM=1`` (CI)
+    its absence fails the test instead."""
+    import os
+    from importlib.metadata import PackageNotFoundError, version
+
+    import pytest
+
+    try:
+        found = version("vllm")
+    except PackageNotFoundError:
+        found = None
+    if found == VLLM:
+        return
+    reason = f"needs vLLM {VLLM} (found {found}); install it with scripts/install-vllm-cpu.sh"
+    if os.environ.get("LAMPORT_HEAD_REQUIRE_VLLM", "") not in ("", "0"):
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
 def model(**overrides):
@@ -121,3 +144,50 @@ def no_stock(why):
         pytest.fail(why)
 
     return stock
+
+
+class CollectiveTarget:
+    """DistributedTarget's shape: every method a gloo collective on every rank (limit a
+    MIN, lamport and stock a MAX). Lamport is fastest at ctas = 8 x rows (capped at
+    the limit) and costs 3 + rows/2 µs there; stock 10 + rows/8 µs. ``fail`` 'stock@R'
+    makes rank R's local step of stock(4) fail; the failure is agreed and raised on
+    every rank, as DistributedTarget.stock does."""
+
+    objective = "eager_us"
+
+    def __init__(self, ranks, vocab, fail, timed):
+        self.group, self.rank, self.emulated = ranks.group, ranks.rank, ranks.shared
+        self.vocab, self.fail, self.timed = vocab, fail, timed
+
+    def _reduce(self, value, op):
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=op, group=self.group)
+        return t.item()
+
+    def limit(self, threads, unroll):
+        return int(self._reduce(128, torch.distributed.ReduceOp.MIN))
+
+    def lamport(self, rows, plan):
+        import math
+
+        from lamport_head.tuning.harness import Timing
+
+        self.timed.append((rows, plan.ctas))
+        if self.fail == "nobuild" or (self.fail == "nobuild64" and rows == 64):
+            self._reduce(0, torch.distributed.ReduceOp.MAX)  # the same collectives
+            return None  # a failed trial on every rank (built nothing, verified nothing)
+        best = min(8 * rows, 128)
+        us = self._reduce(3 + rows / 2 + abs(math.log2(plan.ctas / best)),
+                          torch.distributed.ReduceOp.MAX)
+        return Timing(us, us, 1.0)
+
+    def stock(self, rows):
+        from lamport_head.tuning.harness import Timing
+
+        from lamport_head.collective import agree
+
+        failing = self.fail == f"stock@{self.rank}" and rows == 4
+        agree(RuntimeError("injected: stock path failed") if failing else None, self.group,
+              "cpu", "to plant the stock path's data")
+        us = self._reduce(10 + rows / 8, torch.distributed.ReduceOp.MAX)
+        return Timing(us, us, 1.0)

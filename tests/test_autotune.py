@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 import yaml
-from helpers import FAKE_BYTE, capture_log, fake_cuda, model
+from helpers import FAKE_BYTE, CollectiveTarget, capture_log, fake_cuda, model
 from spawn import spawn
 
 from lamport_head.tuning import firstuse
@@ -23,52 +23,6 @@ FACTS = {"driver": "580.1", "cuda": "13.0", "torch": "2.13.0", "cutlass_dsl": "4
 # The cost model below: Lamport wins up to 16 rows, loses from 32 on.
 SERVED = list(range(1, 17))
 MEASURED = [1, 2, 4, 8, 16, 32, 64]
-
-
-class CollectiveTarget:
-    """DistributedTarget's shape: every method a gloo collective on every rank (limit a
-    MIN, lamport and stock a MAX). Lamport is fastest at ctas = 8 x rows (capped at
-    the limit) and costs 3 + rows/2 µs there; stock 10 + rows/8 µs. ``fail`` 'stock@R'
-    makes rank R's local step of stock(4) fail; the failure is agreed and raised on
-    every rank, as DistributedTarget.stock does."""
-
-    objective = "eager_us"
-
-    def __init__(self, ranks, vocab, fail, timed):
-        self.group, self.rank, self.emulated = ranks.group, ranks.rank, ranks.shared
-        self.vocab, self.fail, self.timed = vocab, fail, timed
-
-    def _reduce(self, value, op):
-        t = torch.tensor([float(value)], dtype=torch.float64)
-        torch.distributed.all_reduce(t, op=op, group=self.group)
-        return t.item()
-
-    def limit(self, threads, unroll):
-        return int(self._reduce(128, torch.distributed.ReduceOp.MIN))
-
-    def lamport(self, rows, plan):
-        from lamport_head.tuning.harness import Timing
-
-        import math
-
-        self.timed.append((rows, plan.ctas))
-        if self.fail == "nobuild" or (self.fail == "nobuild64" and rows == 64):
-            self._reduce(0, torch.distributed.ReduceOp.MAX)  # the same collectives
-            return None  # a failed trial on every rank (built nothing, verified nothing)
-        best = min(8 * rows, 128)
-        us = self._reduce(3 + rows / 2 + abs(math.log2(plan.ctas / best)),
-                          torch.distributed.ReduceOp.MAX)
-        return Timing(us, us, 1.0)
-
-    def stock(self, rows):
-        from lamport_head.collective import agree
-        from lamport_head.tuning.harness import Timing
-
-        failing = self.fail == f"stock@{self.rank}" and rows == 4
-        agree(RuntimeError("injected: stock path failed") if failing else None, self.group,
-              "cpu", "to plant the stock path's data")
-        us = self._reduce(10 + rows / 8, torch.distributed.ReduceOp.MAX)
-        return Timing(us, us, 1.0)
 
 
 def _worker(rank, nprocs, cache, env, shared, fail, facts):

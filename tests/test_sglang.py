@@ -288,7 +288,7 @@ def test_runner_defaults_come_from_sglang(monkeypatch):
     assert sgl.install_sglang_logits_gather(runner, dcp=2) == ()
     site, args, kw = calls[0]
     # agreement on SGLang's CPU group, first-use timing on its device group
-    assert args == ("tp-cpu-group", 2, 1, base.weight.device, 2)
+    assert args == ("tp-cpu-group", 2, 1, base.weight.device, 2, None)  # rows: the table's
     assert kw["device_group"] == "tp-device-group"
     assert site.weight is base.weight and site.head_tp == base.tp_size  # the base layer's
     assert site.processor is model.logits_processor and site.attr == sgl.GATHERER
@@ -322,49 +322,178 @@ class HookRegistry:
 
 
 class ModelRunner:
-    def __init__(self, is_draft_worker=False):
-        self.is_draft_worker = is_draft_worker
+    """SGLang 0.5.23's ModelRunner as the plugin sees it: ``load_model`` sets ``model``;
+    ``update_model_fields`` (a weight update) sets it to the model it is handed;
+    ``decode_num_tokens_per_req``: logits rows per decode slot (1, or the draft
+    tokens verified per request); ``forward``: one step's gather."""
+
+    def __init__(self, is_draft_worker=False, tp=2):
+        self.is_draft_worker, self.tp = is_draft_worker, tp
 
     def load_model(self):
-        self.model = CausalLM(2)
+        self.model = CausalLM(self.tp)
         return "loaded"
 
+    def update_model_fields(self, new_model, *, model_path, load_format, load_config):
+        self.model = new_model
 
-@pytest.fixture
-def fake_sglang(monkeypatch):
-    """SGLang's plugin framework and parallel state as modules in sys.modules."""
+    def decode_num_tokens_per_req(self, *, num_draft_tokens=None):
+        return num_draft_tokens or 1
+
+    def forward(self, batch):
+        return self.model.logits_processor.gather(batch)
+
+
+def fake_sglang(set_module, requests=8, draft_tokens=None, group=None):
+    """SGLang's plugin framework, runtime context (``max_running_requests``, the largest
+    draft-token count, DCP 2) and TP group as modules, each put with ``set_module(name,
+    module)``."""
     HookRegistry.hooks = []
     registry = types.ModuleType("sglang.srt.plugins.hook_registry")
     registry.HookRegistry, registry.HookType = HookRegistry, HookType
-    state = types.ModuleType("sglang.srt.runtime_context")
-    state.get_parallel = lambda: types.SimpleNamespace(attn_dcp_size=2)
-    for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", registry)
-    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", state)
+    context = types.ModuleType("sglang.srt.runtime_context")
+    context.get_parallel = lambda: types.SimpleNamespace(attn_dcp_size=2 if group is None else 1)
+    context.get_schedule = lambda: types.SimpleNamespace(max_running_requests=requests)
+    context.max_speculative_num_draft_tokens = lambda: draft_tokens
+    state = types.ModuleType("sglang.srt.distributed.parallel_state")
+    state.get_tp_group = lambda: types.SimpleNamespace(
+        cpu_group=group, device_group=group, world_size=dist.get_world_size(),
+        rank_in_group=dist.get_rank())
+    for name in ("sglang", "sglang.srt", "sglang.srt.plugins", "sglang.srt.distributed"):
+        set_module(name, types.ModuleType(name))
+    set_module("sglang.srt.plugins.hook_registry", registry)
+    set_module("sglang.srt.runtime_context", context)
+    set_module("sglang.srt.distributed.parallel_state", state)
+
+
+@pytest.fixture
+def sglang_modules(monkeypatch):
+    fake_sglang(functools.partial(monkeypatch.setitem, sys.modules))
     monkeypatch.setattr(sgl, "_registered", False)
+    monkeypatch.setattr(sgl, "_unsaid", [])
     monkeypatch.setattr(ModelRunner, "load_model", ModelRunner.load_model)
+    monkeypatch.setattr(ModelRunner, "update_model_fields", ModelRunner.update_model_fields)
 
 
-def test_plugin_installs_after_load_model_once(fake_sglang, monkeypatch):
+def test_plugin_installs_after_load_model_once(sglang_modules, monkeypatch):
     calls = []
     monkeypatch.setattr(sgl, "install_sglang_logits_gather",
-                        lambda runner, dcp: calls.append((runner, dcp)) or (1,))
+                        lambda runner, dcp, rows: calls.append((runner, dcp, rows)) or (1,))
     sgl.register()
-    sgl.register()  # loaded twice in one process: one hook
+    sgl.register()  # loaded twice in one process: one hook each
     assert [(t, h, k) for t, h, k in HookRegistry.hooks] == [
-        (sgl.LOAD_MODEL, sgl._after_load_model, HookType.AFTER)]
+        (sgl.LOAD_MODEL, sgl._after_load_model, HookType.AFTER),
+        (sgl.UPDATE_MODEL, sgl._after_update_model_fields, HookType.AFTER)]
     HookRegistry.apply_to(ModelRunner)
     runner, draft = ModelRunner(), ModelRunner(is_draft_worker=True)
     assert runner.load_model() == "loaded" and draft.load_model() == "loaded"
-    assert calls == [(runner, 2)]  # the draft model keeps SGLang's gather
+    # the draft model keeps SGLang's gather; rows: 8 running requests, no speculation
+    assert calls == [(runner, 2, tuple(range(1, 9)))]
 
-    def broken(runner, dcp):
+    def broken(runner, dcp, rows):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(sgl, "install_sglang_logits_gather", broken)
     with pytest.raises(RuntimeError, match="boom"):  # fail-stop: never swallowed
         ModelRunner().load_model()
+
+
+@pytest.mark.parametrize("requests, draft_tokens, top", [
+    (8, None, 8),  # max running requests x 1
+    (8, 4, 32),  # x the draft tokens verified per request
+    (600, 4, 1024),  # capped
+    (None, None, 1024),  # SGLang sizes it from the KV pool after load: up to the cap
+])
+def test_rows_from_sglang(requests, draft_tokens, top, monkeypatch):
+    fake_sglang(functools.partial(monkeypatch.setitem, sys.modules), requests, draft_tokens)
+    assert sgl.rows_from_sglang(ModelRunner()) == tuple(range(1, top + 1))
+    assert sgl.rows_from_sglang(types.SimpleNamespace()) is None  # not 0.5.23's runner
+
+
+def _plugin_worker(rank, nprocs, table, requests):
+    """The plugin on a 2-rank gloo group: load, then three weight updates."""
+    os.environ["LAMPORT_HEAD_TABLE"] = table
+    fake_cuda(setattr, rank, "ok")
+    seen = capture_log()
+    fake_sglang(sys.modules.__setitem__, requests=requests, group=dist.group.WORLD)
+    sgl.register()
+    HookRegistry.apply_to(ModelRunner)
+    runner = ModelRunner(tp=nprocs)
+    runner.load_model()
+    lp = runner.model.logits_processor
+    out = {"served": sorted(getattr(lp, "head_gather", None) and lp.head_gather.rows or [])}
+
+    def step(name, model):
+        before = len(seen)
+        if model is not None:
+            runner.update_model_fields(model, model_path="m", load_format="auto",
+                                       load_config=None)
+        lp = runner.model.logits_processor
+        one = runner.forward(_shard(rank, 1))
+        three = runner.forward(_shard(rank, 3))
+        out[name] = {
+            "kernel": sorted(set(one.contiguous().view(torch.uint8).flatten().tolist()))
+            == [FAKE_BYTE],
+            "one_stock": same_bits(one, _reference(nprocs, 1, lp.vocab_size)),
+            "three_stock": same_bits(three, _reference(nprocs, 3, lp.vocab_size)),
+            "same_gather": getattr(lp, "head_gather", None) is runner.lamport_head_gathers[-1]
+            if hasattr(runner, sgl.POLLED) else None,
+            "log": seen[before:]}
+
+    step("loaded", None)
+    step("in_place", runner.model)  # 0.5.23 loads the weights in place: the same object
+    step("new", CausalLM(nprocs))  # a new model object
+    step("fp32", CausalLM(nprocs, lp_flags={"use_fp32_lm_head": True}))
+    out["polled"] = len(runner.__dict__.get(sgl.POLLED, []))
+    return out
+
+
+def test_plugin_serves_sglangs_rows_and_routes_a_new_model_again(tmp_path):
+    """Through the hooks, on 2 ranks: rows bounded by max running requests (2: the
+    table's row 4 is not served); after a weight update that hands the runner a new
+    model object, that model's gather goes through the same HeadGather (no collective,
+    no second mailbox); an in-place update changes nothing; a new model that cannot be
+    served says so in one line and keeps SGLang's gather."""
+    table = tmp_path / "t.yaml"
+    table.write_text(TABLE)
+    for r in spawn(_plugin_worker, 2, tmp_path, str(table), 2):
+        assert r["served"] == [1, 2] and r["polled"] == 1
+        for name in ("loaded", "in_place", "new"):
+            assert r[name]["kernel"] and r[name]["three_stock"] and r[name]["same_gather"], name
+        assert r["in_place"]["log"] == []
+        assert len(r["new"]["log"]) == 1 and "routed again" in r["new"]["log"][0]
+        assert r["fp32"]["one_stock"] and r["fp32"]["three_stock"]
+        assert r["fp32"]["same_gather"] is False
+        why = "lamport-head: stock logits gather on the new model: FP32 lm_head logits"
+        assert r["fp32"]["log"] == [why]
+
+
+def _logging_worker(rank, nprocs, out):
+    """SGLang's order in a scheduler process: load_plugins (register), then
+    configure_logger (``logging.basicConfig(..., force=True)`` on the root logger),
+    then the model loads."""
+    import logging
+
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)  # basicConfig's handler writes to stderr: the file
+    fake_sglang(sys.modules.__setitem__)
+    sgl.install_sglang_logits_gather = lambda runner, dcp, rows: ()  # no ranks here
+    sgl.register()  # load_plugins(): nothing configured logging yet
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S", force=True)  # SGLang's configure_logger
+    HookRegistry.apply_to(ModelRunner)
+    ModelRunner().load_model()
+    ModelRunner().load_model()
+    return True
+
+
+def test_registered_line_reaches_sglangs_logging(tmp_path):
+    out = tmp_path / "stderr"
+    spawn(_logging_worker, 1, tmp_path, str(out), group=False)
+    lines = [x for x in out.read_text().splitlines() if "hooks registered" in x]
+    said = (f"lamport-head: logits gather hooks registered on {sgl.LOAD_MODEL} and "
+            f"{sgl.UPDATE_MODEL}")
+    assert lines == [f"[{lines[0][1:20]}] {said}"], out.read_text()  # SGLang's format, once
 
 
 def test_plugin_without_sglang_is_harmless(monkeypatch):

@@ -148,7 +148,8 @@ def test_install_routes_what_the_model_calls(monkeypatch, tmp_path, caplog):
 
 def test_summary_line():
     assert plugin.summary("M", 8, 1, (1, 2), []) == (
-        "M, tp=8, dcp=1: Lamport logits gather for rows [1, 2] on all 8 TP ranks")
+        "M, tp=8, dcp=1: Lamport logits gather for rows [1, 2] on all 8 TP ranks, "
+        "through compute_logits")
     assert plugin.summary("M", 8, 1, (), ["lamport-head: stock logits gather: why"]) == (
         "M, tp=8, dcp=1: stock logits gather on all 8 TP ranks (why)")
 
@@ -160,3 +161,41 @@ def test_attach_without_vllm_leaves_logging_alone(monkeypatch):
     before = list(logging.getLogger("lamport_head").handlers)
     assert log.attach_to_vllm() is False
     assert logging.getLogger("lamport_head").handlers == before
+
+
+def _config(sharded=False, v2=True, argmax=None):
+    """vLLM 0.33's config fields that decide which logits paths its runners take."""
+    spec = None if argmax is None else types.SimpleNamespace(use_local_argmax_reduction=argmax)
+    return types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(enable_batch_sharded_sampling=sharded),
+        use_v2_model_runner=v2, speculative_config=spec)
+
+
+class Sharding(Lm):
+    def compute_logits_local(self, hidden):  # e.g. Llama, Qwen 3.5, DeepSeek V4.1
+        return hidden
+
+
+def test_summary_names_only_the_paths_through_the_gather():
+    """Batch-sharded sampling samples through compute_logits_local and the drafter's
+    local argmax reduction through get_top_tokens: neither gathers logits, so the
+    summary does not report the rows as served through them."""
+    plain, sharding = Lm(stock_class()()), Sharding(stock_class()())
+    assert plugin.logits_paths(plain, _config()) == (["compute_logits"], [])
+    assert plugin.logits_paths(plain, None) == (["compute_logits"], [])
+    assert plugin.logits_paths(plain, _config(sharded=True)) == (["compute_logits"], [])
+    assert plugin.logits_paths(sharding, _config(sharded=True, v2=False)) == (
+        ["compute_logits"], [])  # the V1 runner has no batch-sharded sampling
+    through, around = plugin.logits_paths(sharding, _config(sharded=True, argmax=True))
+    assert through == [] and [a.split(" (")[0] for a in around] == [
+        "compute_logits_local", "the drafter's get_top_tokens"]
+    line = plugin.summary("M", 8, 1, (1, 2), [], through, around)
+    assert line.startswith("M, tp=8, dcp=1: Lamport logits gather installed for rows [1, 2] on "
+                           "all 8 TP ranks, but no step takes it: compute_logits_local (")
+    assert line.endswith("skip the gather") and "through" not in line
+    through, around = plugin.logits_paths(plain, _config(argmax=True))
+    assert plugin.summary("M", 8, 1, (1,), [], through, around) == (
+        "M, tp=8, dcp=1: Lamport logits gather for rows [1] on all 8 TP ranks, through "
+        "compute_logits; the drafter's get_top_tokens (use_local_argmax_reduction: an argmax "
+        "reduced across ranks) skips it")
+    assert "stock logits gather" in plugin.summary("M", 8, 1, (), ["why"], through, around)

@@ -18,33 +18,13 @@ import os
 import re
 
 import pytest
-from helpers import same_bits
+from helpers import require_vllm, same_bits
 from spawn import spawn
 from tables import TWO_RANKS as TABLE
 
-VLLM = "0.33.0"
 SERVED = [1, 2, 4]
 ROWS = [1, 2, 3, 4, 5]
 VOCAB, HIDDEN = 1000, 64  # padded to 1024: rank 1's shard ends in 24 padding rows
-
-
-def _vllm_version():
-    try:
-        from importlib.metadata import version
-
-        return version("vllm")
-    except Exception:
-        return None
-
-
-def _require():
-    found = _vllm_version()
-    if found == VLLM:
-        return
-    reason = (f"needs vLLM {VLLM} (found {found}); install it with scripts/install-vllm-cpu.sh")
-    if os.environ.get("LAMPORT_HEAD_REQUIRE_VLLM", "") not in ("", "0"):
-        pytest.fail(reason)
-    pytest.skip(reason)
 
 
 # ---- what runs on each rank (a spawned process) ------------------------------------
@@ -250,7 +230,7 @@ def _scenarios(rank, tmp):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    _require()
+    require_vllm()
     tmp = tmp_path_factory.mktemp("vllm_real")
     table = tmp / "table.yaml"
     table.write_text(TABLE)
@@ -310,9 +290,10 @@ def test_log_lines_reach_vllms_handler(ranks):
         r"every rank; a give-up stops the GPU context\n")
     # the plugin's summary line, from lamport_head/engines/vllm.py
     summary = fmt.format(file=r"vllm\.py") + r"lamport-head summary: {model}, tp=2, dcp=1: {what}.*\n"
+    through = r", through compute_logits(?=\n)"  # vLLM's default config: sampling gathers
     lines = {
         "flat": (served.format(where=r"Lm\.logits_processor"), "Lm",
-                 r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks"),
+                 r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks" + through),
         "nested": (served.format(where=r"Outer\.get_language_model\(\)\.logits_processor"), "Outer",
                    r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks"),
         "lora": (served.format(where=r"Lm\.logits_processor\.base_layer; the base layer of "
@@ -343,7 +324,7 @@ def test_our_ranges_hold_vllms_pins():
     """vLLM's pins on the packages we share sit inside our ranges (pip's own resolution
     is scripts/check-resolve-with-vllm.sh, run by CI); torch 2.11 (GPU host image) and
     2.13 (CPU tests) too."""
-    _require()
+    require_vllm()
     from importlib.metadata import requires
 
     from packaging.requirements import Requirement

@@ -5,7 +5,13 @@ the rows the HEAD_GATHER table enables; docs/sglang.md lists the SGLang names.
 ``install_sglang_logits_gather`` is the explicit call; ``register`` is SGLang's
 general plugin (entry point ``sglang.srt.plugins`` -> ``lamport_head``): it hooks
 ``ModelRunner.load_model`` (AFTER) through SGLang's ``HookRegistry``, so every TP
-rank installs once its model is loaded, before SGLang captures its CUDA graphs.
+rank installs once its model is loaded, before SGLang captures its CUDA graphs, for
+the rows its decode steps gather (``rows_from_sglang``: 1 .. max running requests x
+logits rows per request, capped), and ``ModelRunner.update_model_fields`` (AFTER): a
+new model object after a weight update is routed through the gather built at load
+(``install.reroute``: no collective), or says in one line why it stays stock.
+SGLang loads plugins before it configures logging, so ``register``'s line waits for
+the first hook call (a record emitted earlier would be dropped).
 
 The checks, the table plan, the ranks' agreement and the build are the engine-neutral
 install core's (``install.install`` on a ``GatherSite`` naming ``_logits_gatherer``):
@@ -27,8 +33,17 @@ from . import measure_first_use
 
 logger = logging.getLogger("lamport_head")
 
+# SGLang's names we rely on, all here, checked against the sglang 0.5.23 wheel's source
+# (docs/sglang.md): the hooked methods, and what the runtime context publishes.
 GATHERER = "_logits_gatherer"  # LogitsProcessor's instance attribute: x [M, V/TP] -> [M, V]
-LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
+RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+LOAD_MODEL = f"{RUNNER}.load_model"  # (self) -> None; sets self.model
+# (self, new_model, *, model_path, load_format, load_config) -> None: self.model = new_model
+UPDATE_MODEL = f"{RUNNER}.update_model_fields"
+CONTEXT = "sglang.srt.runtime_context"  # get_schedule(), get_parallel(), max_speculative_...
+REQUESTS = "max_running_requests"  # get_schedule(): None until the KV pool resolves it
+PER_REQUEST = "decode_num_tokens_per_req"  # ModelRunner: logits rows per decode batch slot
+DRAFT_TOKENS = "max_speculative_num_draft_tokens"  # runtime_context: the largest draft count
 # LogitsProcessor attributes (0.5.23) that must exist for us to read its gather path.
 _REQUIRED = (GATHERER, "do_tensor_parallel_all_gather", "use_attn_tp_group",
              "do_tensor_parallel_all_gather_dp_attn")
@@ -80,8 +95,39 @@ def _sglang_tp():
             tp_group.rank_in_group, tp_group.device_group)
 
 
+def rows_from_sglang(runner):
+    """The row counts an SGLang server's steps gather: 1 .. max running requests x logits
+    rows per request (the runner's ``decode_num_tokens_per_req`` at the largest draft
+    count: 1 without speculative decoding, the verified draft tokens with it), capped
+    (``install.decode_rows``). Max running requests unset (SGLang sizes it from the KV
+    pool after the model loads, thousands by default): up to the cap. None when this
+    SGLang does not answer (not 0.5.23's names): the table's rows."""
+    import importlib
+
+    try:
+        context = importlib.import_module(CONTEXT)
+        requests = getattr(context.get_schedule(), REQUESTS)
+        per_request = getattr(runner, PER_REQUEST)(
+            num_draft_tokens=getattr(context, DRAFT_TOKENS)())
+    except Exception as exc:  # the same SGLang and arguments on every rank: agreed anyway
+        logger.debug("lamport-head: SGLang's rows unknown (%s: %s)", type(exc).__name__, exc)
+        return None
+    if requests is not None and (not isinstance(requests, int) or requests < 1):
+        return None
+    return install.decode_rows(requests, max(1, int(per_request)))
+
+
+def _site(owner, lp):
+    """The install core's view of this LogitsProcessor and its owner's lm_head."""
+    head = owner.lm_head
+    head = getattr(head, "base_layer", head)  # a LoRA wrapper keeps the layer here
+    return install.GatherSite(processor=lp, attr=GATHERER, weight=getattr(head, "weight", None),
+                              head_tp=getattr(head, "tp_size", 1),
+                              where=f"{type(owner).__name__}.logits_processor")
+
+
 def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None, device=None,
-                                 dcp=1):
+                                 dcp=1, rows=None):
     """Route the SGLang model's ``logits_processor._logits_gatherer`` (an instance
     attribute: other processors keep theirs) through a HeadGather for the table's
     enabled rows. ``model_or_runner``: the model (an ``nn.Module``) or SGLang's
@@ -89,7 +135,8 @@ def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None
     TP group (``get_tp_group()``: ``device_group``, ``world_size``, ``rank_in_group``),
     ``device`` to the lm_head weight's. Collective over the TP group when a table
     entry applies; call it on every TP rank after the model loads and before CUDA
-    graph capture. Returns the rows served; ``()`` means SGLang's own gather."""
+    graph capture. ``rows``: the row counts its steps gather (``rows_from_sglang``);
+    None: the table's rows. Returns the rows served; ``()`` means SGLang's own gather."""
     model = model_or_runner
     if not isinstance(model, torch.nn.Module) and hasattr(model, "model"):
         model = model.model  # a ModelRunner
@@ -105,8 +152,7 @@ def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None
     if why is not None:
         logger.info("lamport-head: SGLang logits gather stays stock: %s", why)
         return ()
-    head = owner.lm_head
-    head = getattr(head, "base_layer", head)  # a LoRA wrapper keeps the layer here
+    site = _site(owner, lp)
     device_group = None
     if group is None or tp is None or rank is None:
         sg_group, sg_tp, sg_rank, sg_device_group = _sglang_tp()
@@ -115,13 +161,9 @@ def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None
         tp = sg_tp if tp is None else tp
         rank = sg_rank if rank is None else rank
     if device is None:
-        weight = getattr(head, "weight", None)
-        device = weight.device if torch.is_tensor(weight) else "cpu"
-    site = install.GatherSite(processor=lp, attr=GATHERER, weight=getattr(head, "weight", None),
-                              head_tp=getattr(head, "tp_size", 1),
-                              where=f"{type(owner).__name__}.logits_processor")
-    served = install.install(site, group, tp, rank, device, dcp, measure=measure_first_use,
-                             device_group=device_group)
+        device = site.weight.device if torch.is_tensor(site.weight) else "cpu"
+    served = install.install(site, group, tp, rank, device, dcp, rows,
+                             measure=measure_first_use, device_group=device_group)
     if served:  # the core routed GATHERER: gather(logits, stock=SGLang's) for these rows
         if model is not model_or_runner and callable(getattr(model_or_runner, "forward", None)):
             poll_before_forward(model_or_runner, lp.head_gather)
@@ -174,19 +216,61 @@ def _after_load_model(result, runner, *args, **kwargs):
     included, is agreed by the TP ranks, so nothing is caught here: an exception means
     this rank could not finish while its peers may wait in a collective, and it must
     stop the worker (fail-stop), not send this rank alone into SGLang's collectives."""
+    _say_registered()
     if getattr(runner, "is_draft_worker", False):
         logger.info("lamport-head: SGLang draft model: stock logits gather")
         return None
-    install_sglang_logits_gather(runner, dcp=_dcp_size())
+    install_sglang_logits_gather(runner, dcp=_dcp_size(), rows=rows_from_sglang(runner))
     return None
 
 
+def reroute_new_model(runner):
+    """Route ``runner.model`` through the gather its first model was served by (the
+    last in ``runner.lamport_head_gathers``, which its forward already polls); the rows
+    served, ``()`` for SGLang's gather, one line either way. No collective
+    (``install.reroute``): every rank holds the same new model and the gather agreed
+    at load."""
+    owner, lp = find_logits_processor(runner.model)
+    gathers = runner.__dict__.get(POLLED, [])
+    if lp is None:
+        logger.info("lamport-head: SGLang's new model has no LogitsProcessor with %s: its "
+                    "gather is SGLang's", GATHERER)
+        return ()
+    if not gathers:  # stock at load, agreed by every rank then: stays so, no collective
+        logger.info("lamport-head: SGLang's new model keeps SGLang's logits gather, as the "
+                    "model it replaced did")
+        return ()
+    why = _why_stock(lp)
+    if why is not None:
+        logger.info("lamport-head: stock logits gather on the new model: %s", why)
+        return ()
+    return install.reroute(_site(owner, lp), gathers[-1])
+
+
+def _after_update_model_fields(result, runner, *args, **kwargs):
+    """AFTER hook on ``ModelRunner.update_model_fields`` (a weight update hands the
+    runner its model, possibly a new object): route the new model again. Target
+    runners only, as at load."""
+    if not getattr(runner, "is_draft_worker", False):
+        reroute_new_model(runner)
+
+
 _registered = False
+_unsaid = []  # register's line, until SGLang's logging is configured
+
+
+def _say_registered():
+    """Emit register's line once, at the first hook call: by then SGLang has
+    configured logging (it loads plugins first, and a record emitted then had no
+    handler but Python's last resort, which drops INFO)."""
+    while _unsaid:
+        logger.info(*_unsaid.pop())
 
 
 def register():
-    """SGLang general plugin: hook ``ModelRunner.load_model`` once per process;
-    harmless without SGLang's plugin framework (a debug line)."""
+    """SGLang general plugin: hook ``ModelRunner.load_model`` and
+    ``update_model_fields`` once per process; harmless without SGLang's plugin
+    framework (a debug line)."""
     global _registered
     if _registered:
         return
@@ -196,5 +280,11 @@ def register():
         logger.debug("lamport-head: no SGLang hook registry (%s)", exc)
         return
     HookRegistry.register(LOAD_MODEL, _after_load_model, HookType.AFTER)
+    HookRegistry.register(UPDATE_MODEL, _after_update_model_fields, HookType.AFTER)
     _registered = True
-    logger.info("lamport-head: logits gather hook registered on %s", LOAD_MODEL)
+    line = ("lamport-head: logits gather hooks registered on %s and %s", LOAD_MODEL,
+            UPDATE_MODEL)
+    if logging.getLogger().handlers or logger.handlers:
+        logger.info(*line)  # logging configured already (the engine's own process)
+    else:
+        _unsaid.append(line)

@@ -6,7 +6,7 @@ which LogitsProcessor of that model to route.
 loaded (before any CUDA graph capture), every TP worker calls
 ``install_logits_gather`` with the TP device group, TP size and rank, its device,
 the DCP size and the rows its decode steps gather (``rows_from_vllm``: 1 ..
-max_num_seqs x (1 + num_speculative_tokens), capped at ``table.MAX_ROWS``). vLLM
+max_num_seqs x (1 + num_speculative_tokens), capped: ``install.decode_rows``). vLLM
 loads general plugins in every process and possibly more than once: wrapping is
 idempotent, and vLLM is imported only here, lazily. Install's outcome (stock
 included) is agreed by every TP rank; an exception out of it is never swallowed,
@@ -44,7 +44,6 @@ import torch
 
 from .. import install, log
 from ..settings import FORCE_ENV, forced
-from ..table import MAX_ROWS
 from . import measure_first_use
 
 logger = logging.getLogger("lamport_head")
@@ -120,14 +119,14 @@ def find_gather_target(model, force=None):
 
 def rows_from_vllm(vllm_config):
     """The row counts a vLLM server's decode steps can gather: 1 .. max running
-    requests x (1 + speculative tokens per request), capped at ``MAX_ROWS``; None when
+    requests x (1 + speculative tokens per request), capped (``install.decode_rows``); None when
     the config does not say."""
     seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
     if not isinstance(seqs, int) or seqs < 1:
         return None
     spec = getattr(vllm_config, "speculative_config", None)
     k = (getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
-    return tuple(range(1, min(seqs * (1 + int(k)), MAX_ROWS) + 1))
+    return install.decode_rows(seqs, 1 + int(k))
 
 
 def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None, *,
@@ -181,16 +180,52 @@ def _install_after_load(worker):
         served = install_logits_gather(model, _cpu_group(tp_group), tp, rank, worker.device, dcp,
                                        rows=rows, device_group=tp_group.device_group)
     if rank == 0:
-        logger.info("lamport-head summary: %s", summary(type(model).__name__, tp, dcp, served, lines))
+        through, around = logits_paths(model, getattr(worker, "vllm_config", None))
+        logger.info("lamport-head summary: %s", summary(type(model).__name__, tp, dcp, served,
+                                                        lines, through, around))
     return served
 
 
-def summary(model_name, tp, dcp, served, lines):
+def logits_paths(model, vllm_config):
+    """``(through, around)``: the entry points vLLM 0.33's runners call for this model's
+    logits that go through the routed ``_gather_logits``, and those that skip it, each
+    named with the setting that sends vLLM there.
+
+    - ``compute_logits`` (sampling; speculative verification included) gathers the
+      full-vocab logits: through, unless batch-sharded sampling takes sampling.
+    - ``compute_logits_local``: with ``parallel_config.enable_batch_sharded_sampling``,
+      the V2 runner and a model that has it, each rank samples its share of the
+      requests from an all-to-all of vocab-local logits: no gather.
+    - ``get_top_tokens``: with ``speculative_config.use_local_argmax_reduction`` the
+      drafter's greedy drafts all-gather (value, index) pairs, not logits."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    spec = getattr(vllm_config, "speculative_config", None)
+    sharded = (bool(getattr(parallel, "enable_batch_sharded_sampling", False))
+               and bool(getattr(vllm_config, "use_v2_model_runner", False))
+               and hasattr(model, "compute_logits_local"))
+    around = []
+    if sharded:
+        around.append("compute_logits_local (enable_batch_sharded_sampling: an all-to-all of "
+                      "vocab-local logits)")
+    if getattr(spec, "use_local_argmax_reduction", False):
+        around.append("the drafter's get_top_tokens (use_local_argmax_reduction: an argmax "
+                      "reduced across ranks)")
+    return ([] if sharded else ["compute_logits"]), around
+
+
+def summary(model_name, tp, dcp, served, lines, through=("compute_logits",), around=()):
     """Rank 0's one line for the whole TP group. Every rank takes the same outcome
-    (the checks see the same inputs; the build is agreed by a MIN all-reduce)."""
+    (the checks see the same inputs; the build is agreed by a MIN all-reduce).
+    ``through``/``around``: ``logits_paths``; served rows are named only with the paths
+    that really take the gather, and said unused when none does."""
     head = f"{model_name}, tp={tp}, dcp={dcp}: "
+    skip = f"{' and '.join(around)} skip{'s' if len(around) == 1 else ''}"
+    if served and not through:
+        return head + (f"Lamport logits gather installed for rows {list(served)} on all {tp} TP "
+                       f"ranks, but no step takes it: {skip} the gather")
     if served:
-        return head + f"Lamport logits gather for rows {list(served)} on all {tp} TP ranks"
+        return head + (f"Lamport logits gather for rows {list(served)} on all {tp} TP ranks, "
+                       f"through {' and '.join(through)}" + (f"; {skip} it" if around else ""))
     why = (lines[-1].removeprefix("lamport-head: ").removeprefix("stock logits gather: ")
            if lines else "see the lines above")
     return head + f"stock logits gather on all {tp} TP ranks ({why})"
