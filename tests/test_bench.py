@@ -7,6 +7,8 @@ The measurements are a fake runner (``bench.make_runner`` is the seam)."""
 import csv
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 
@@ -33,14 +35,17 @@ class FakeTarget:
 class FakeRunner:
     """Figures as simple functions of the row count; ``fail_at``: raise there."""
 
-    def __init__(self, mode, fail_at=None):
+    def __init__(self, mode, fail_at=None, interrupt_at=None):
         self.mode, self.fail_at, self.pdl, self.notes = mode, fail_at, True, []
+        self.interrupt_at = interrupt_at
         self.stock_asked = 0
 
     def bandwidth_gbs(self):
         return BANDWIDTH
 
     def row(self, rows, config, default):
+        if rows == self.interrupt_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` sends
         if rows == self.fail_at:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         gpu = 2.0 + rows
@@ -55,9 +60,9 @@ class FakeRunner:
         return out
 
 
-def _fake(monkeypatch, mode=report.EMULATED, tp=8, fail_at=None):
+def _fake(monkeypatch, mode=report.EMULATED, tp=8, fail_at=None, interrupt_at=None):
     """The bench on a machine that claims one H200; ``mode``'s target and runner."""
-    runner = FakeRunner(mode, fail_at)
+    runner = FakeRunner(mode, fail_at, interrupt_at)
     world = 1 if mode == report.EMULATED else tp
     chosen = Chosen(FakeTarget(tp), torch.device("cpu"), world, True, mode != report.RANKS)
     monkeypatch.setattr(bench, "make_target", lambda command, tp, vocab: chosen)
@@ -160,6 +165,18 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
         _bench(tmp_path)
     rows = _csv(tmp_path / "b.csv")
     assert [int(r["rows"]) for r in rows] == [1, 8]
+
+
+def test_a_terminated_run_reports_the_rows_it_measured(tmp_path, monkeypatch, capsys):
+    _, titles = _fake(monkeypatch, interrupt_at=64)
+    previous = signal.getsignal(signal.SIGTERM)
+    assert _bench(tmp_path, "--plot", str(tmp_path / "b.png")) == 130
+    assert signal.getsignal(signal.SIGTERM) is previous  # the handler is put back
+    printed = capsys.readouterr().out
+    assert "interrupted after 2 of 3 row counts: reporting those" in printed
+    meta = json.loads((tmp_path / "b.json").read_text())
+    assert [r["rows"] for r in meta["records"]] == [1, 8] and len(titles) == 1
+    assert "GPU time / HBM floor at M=8" in printed
 
 
 def test_every_figure_column_states_its_unit():

@@ -15,8 +15,11 @@ and a PNG with --plot whose title names the mode. The plan comes from the table
 (emulated sections included when emulating), else the built-in CTA heuristic.
 """
 
+import contextlib
 import json
 import math
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -74,6 +77,44 @@ def run(args):
          f"this GPU: {'yes' if runner.pdl else 'no (PDL on = off)'}; spin budget "
          f"{args.budget_s} s; device-to-device copy {bandwidth:.0f} GB/s (read + write)")
     records = []
+    try:
+        with _term_interrupts(chosen.world == 1):
+            _measure_rows(args, target, runner, table_plan, records, root, mode, out,
+                          ranks_here, bandwidth)
+        cut = False
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from `timeout`: report what was measured
+        cut = True
+        _say(root, f"  interrupted after {len(records)} of {len(args.rows)} row counts: "
+             "reporting those")
+    if not root:
+        return 0
+    code = _report(args, name, tp, vocab, mode, runner, bandwidth, records, out)
+    return 130 if cut else code
+
+
+@contextlib.contextmanager
+def _term_interrupts(enabled):
+    """SIGTERM raises KeyboardInterrupt while measuring (one process only: ranks under
+    torchrun are the launcher's to stop), so a run cut short still prints its tables."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _measure_rows(args, target, runner, table_plan, records, root, mode, out, ranks_here,
+                  bandwidth):
+    """Measure each row count into ``records`` (appended as each is done), the CSV
+    rewritten after each."""
+    tp, vocab = target.tp, args.vocab
     for rows in args.rows:
         chosen_plan = plan_for(target, rows, table_plan)
         default = plan_for(target, rows, {})
@@ -88,8 +129,10 @@ def run(args):
                              hidden=args.hidden)
         _say(root, f"  M={rows}: {record['gpu_us']:.2f} GPU µs/step, "
              f"{record['floor_ratio']:.2f}x the HBM floor")
-    if not root:
-        return 0
+
+
+def _report(args, name, tp, vocab, mode, runner, bandwidth, records, out):
+    """The root's tables, verdicts, notes, JSON and plot; the exit status."""
     for caption, columns in report.tables(mode):
         print()
         print("\n".join(report.format_table(caption, columns, records)))

@@ -192,9 +192,16 @@ class EmulatedRunner:
         return spent * 1e6 / (self.calls * len(fns))
 
     def _capture(self, stream, body):
+        """A CUDA graph of ``body()`` captured on ``stream``. Lower level than
+        ``torch.cuda.graph``, whose sync, ``gc.collect()`` and cache flush per capture
+        cost more than the figures here (``_captured`` syncs once before)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            body()
+        with torch.cuda.stream(stream):
+            graph.capture_begin()
+            try:
+                body()
+            finally:
+                graph.capture_end()
         return graph
 
     def _replay(self, graphs, streams, polls=None):
@@ -223,6 +230,7 @@ class EmulatedRunner:
         def gathers(r, count):
             return lambda: [ranks[r](shards[r], never_stock) for _ in range(count)]
 
+        torch.cuda.synchronize(self.device)
         many = [self._capture(s, gathers(r, self.steps)) for r, s in enumerate(streams)]
         self._replay(many, streams)  # warm-up (upload)
         torch.cuda.synchronize(self.device)
@@ -230,6 +238,7 @@ class EmulatedRunner:
                            self.reps)
         self._check(emu)
         small = [torch.zeros(16, device=self.device) for _ in range(self.tp)]
+        torch.cuda.synchronize(self.device)
         one = [self._capture(s, gathers(r, 1)) for r, s in enumerate(streams)]
         base = [self._capture(s, functools.partial(small[r].add_, 1.0))
                 for r, s in enumerate(streams)]
