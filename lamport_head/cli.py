@@ -14,6 +14,8 @@ import sys
 from lamport_head.config import SWEEP_THREADS, SWEEP_UNROLL
 from lamport_head.table import KIMI_K2_VOCAB, MAX_ROWS, mailbox_cost
 
+BENCH_BUDGET_S = 0.5  # bench's spin budget: a stalled figure costs this, not the default 2 s
+
 
 def _rows(text):
     try:
@@ -42,6 +44,16 @@ def _positive(text):
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def _seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
 
 
@@ -82,6 +94,7 @@ _ROWS_HELP = "comma-separated row counts M (the decode batch: requests x (1 + dr
 
 def parser():
     from lamport_head import __version__
+    from lamport_head.tuning.lmhead import KIMI_K2_HIDDEN  # no torch: cheap
 
     fmt = _Help
     p = _Parser(prog="lamport-head", description=__doc__.splitlines()[0].split(": ", 1)[1],
@@ -132,16 +145,31 @@ def parser():
     v.add_argument("--rows", type=_rows, default=_rows("1,2,3,7,8,16,33,64"), help=_ROWS_HELP)
     v.add_argument("--calls", type=_positive, default=200, help="gathers to check")
 
-    b = sub.add_parser("bench", help="Lamport vs stock latency, GPU time and host time",
-                       formatter_class=fmt)
+    b = sub.add_parser(
+        "bench", help="the gather per row count: GPU time vs the HBM floor, the lm_head "
+        "and the overlap behind it, host cost", formatter_class=fmt,
+        description="Measure the gather per row count, in one run: GPU time per step against "
+        "the HBM floor (bytes every rank moves over the copy bandwidth measured in the same run), "
+        "the default plan against the table's, the lm_head shard GEMM of the same shape and the "
+        "gather's visible cost behind it with PDL on and off, host time per eager call against "
+        "torch.add_, and what a captured gather costs. One process: TP virtual ranks on this "
+        "GPU (emulated; says nothing about NVLink, and has no stock figure). Under torchrun: "
+        "real ranks, also against the stock path (NCCL all-gather + reorder, vLLM's).")
     b.add_argument("--tp", type=_positive, default=8, help="tensor-parallel ranks (TP)")
     b.add_argument("--dcp", type=_positive, default=1, help="DCP of the table section used")
     b.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB, help="vocabulary size V")
+    b.add_argument("--hidden", type=_positive, default=KIMI_K2_HIDDEN,
+                   help="lm_head input width (Kimi K2's hidden size): the GEMM before the gather "
+                   "is [M, hidden] x [hidden, V/TP]")
     b.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"), help=_ROWS_HELP)
     b.add_argument("--table", help="table whose plan is benchmarked (default: the layers "
                    "serving reads)")
-    b.add_argument("--out", default="results/bench", help="CSV and JSON path prefix")
-    b.add_argument("--plot", help="write a PNG of the results")
+    b.add_argument("--budget-s", type=_seconds, default=BENCH_BUDGET_S,
+                   help="spin budget of the benchmarked gathers, seconds: a wait that runs out "
+                   "makes that figure n/a instead of stalling the run")
+    b.add_argument("--out", default="results/bench", help="path prefix of the CSV and JSON "
+                   "(the CSV is rewritten after every row count)")
+    b.add_argument("--plot", help="write a PNG (its title names the mode: emulated or real ranks)")
     return p
 
 
@@ -179,6 +207,11 @@ def _main(argv=None):
     try:
         if args.command == "show":
             return show(args)
+        if args.command == "bench":  # arguments first: a wrong one is wrong on any machine
+            if args.tp < 2:
+                return _fail("bench: --tp must be at least 2 (one rank has nothing to gather)")
+            if args.vocab % args.tp or (args.vocab // args.tp) % 8:
+                return _fail(f"bench: vocab {args.vocab} / tp {args.tp} is not a multiple of 8")
         code = _need_cuda(args.command)
         if code:
             return code

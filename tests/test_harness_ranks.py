@@ -239,3 +239,36 @@ def test_first_use_tuning_with_one_rank_out_of_memory_leaves_every_rank_stock(tm
         assert ("OutOfMemoryError: injected" if rank == 1
                 else PEER + "to plant the verification data") in warning
     assert not (tmp_path / "cache" / "head_gather.yaml").exists()
+
+
+def _overlap_worker(rank, tp, fail):
+    """lm_head_overlap(PDL as the architecture has it, then off) on the real
+    DistributedTarget with a CPU lm_head shard; then every rank's outcomes, gathered."""
+    from lamport_head.tuning.harness import DistributedTarget
+    from lamport_head.tuning.lmhead import LmHead
+
+    from lamport_head.collective import all_gather_objects
+    from lamport_head.procs import Ranks
+
+    closes = _cpu_ranks(rank, tp, fail)
+    target = DistributedTarget(Ranks(torch.device("cpu"), rank, tp, True, "gloo"), tp * SHARD,
+                               calls=4, reps=2, replays=3)
+    head = LmHead(ROWS, 32, SHARD, "cpu", seed=rank)
+    both = target.lm_head_overlap(ROWS, PLAN, head)
+    on = _outcome(lambda: both)
+    off = _outcome(target.lm_head_overlap, ROWS, PLAN, head, False)
+    return all_gather_objects({"on": on, "off": off, "closed": len(closes),
+                               "pair": list(both) if both else None})
+
+
+@pytest.mark.parametrize("fail, on", [(None, "timing"), (("call", 2), "None")])
+def test_lm_head_overlap_agrees_on_every_rank(tmp_path, fail, on):
+    """The bench's overlap figure on real ranks: (lm_head, lm_head + gather) per step
+    on every rank, each gather closed; a gather call failing on one rank (call 2 is
+    in verification) is a failed figure (None) on every rank, the next one measured."""
+    ranks = spawn(_overlap_worker, 2, tmp_path, fail, deadline_s=90)
+    assert ranks[0] == ranks[1]
+    assert [{k: r[k] for k in ("on", "off", "closed")} for r in ranks[0]] == \
+        [{"on": on, "off": "timing", "closed": 2}] * 2
+    if on == "timing":  # the fake events say 0.5 ms per repetition of 2 x 3 steps
+        assert ranks[0][0]["pair"] == [pytest.approx(500 / 6)] * 2

@@ -251,34 +251,6 @@ def test_tune_writes_the_user_layer_by_default(monkeypatch, capsys):
     assert f"from {user_path()}" in out and "filled (not measured) from rows 4" in out
 
 
-def test_bench_command_writes_csv_json_png(tmp_path, monkeypatch, capsys):
-    import csv as csvmod
-
-    import lamport_head.tuning.bench as bench
-    from lamport_head import cli
-
-    fake_gpu(monkeypatch)
-    monkeypatch.setattr(bench, "add_host_us", lambda device: 6.5)
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("schema: 1\ndevices: {}\n")
-    out = tmp_path / "b"
-    assert cli.main(["bench", "--tp", "8", "--rows", "1,8", "--table", str(empty), "--out", str(out),
-                     "--plot", str(tmp_path / "b.png")]) == 0
-    rows = list(csvmod.DictReader(open(tmp_path / "b.csv")))
-    assert [int(r["rows"]) for r in rows] == [1, 8]
-    assert float(rows[0]["eager_speedup"]) == pytest.approx(
-        float(rows[0]["stock_eager_us"]) / float(rows[0]["lamport_eager_us"]), rel=1e-3)
-    meta = json.loads((tmp_path / "b.json").read_text())
-    assert meta["emulated"] and meta["torch_add_host_us"] == 6.5
-    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
-    printed = capsys.readouterr().out
-    assert "torch.add_ host 6.5" in printed
-    assert "eager vs captured in a CUDA graph" in printed
-    assert float(rows[1]["lamport_graph_host_us"]) == 0.1  # the target's captured figures
-    assert float(rows[1]["lamport_graph_us"]) == pytest.approx(
-        1.01 * float(rows[1]["lamport_gpu_us"]), rel=1e-2)
-
-
 def test_tune_and_bench_choose_their_target_in_one_place(monkeypatch, capsys):
     """tuning.targets.make_target: one process emulates (tune asks for --emulate above
     TP 1); under torchrun the ranks' own target, tune's --tp checked against them, the

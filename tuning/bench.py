@@ -1,116 +1,153 @@
-"""``lamport-head bench``: Lamport vs stock per (TP, rows), measured in one run.
+"""``lamport-head bench``: where the gather stands, per row count, in one run.
 
-Per row count: eager per-call latency, GPU time (graph replay; emulated: a gated queue)
-and host µs per call of both paths, and their ratios; the Lamport gather captured in
-CUDA graphs (GPU µs and host µs per gather) beside its eager figures; plus, for scale, the host µs of one
-``torch.add_`` on this machine. Results go to CSV and JSON (and a PNG with --plot).
-The Lamport configuration comes from the table (emulated sections included when
-emulating), else the built-in CTA heuristic.
+Per row count: GPU time per step against the HBM floor (``floor``: the bytes every
+rank on the GPU reads and writes, over the copy bandwidth measured in this run), the
+default plan against the benchmarked one, the lm_head shard GEMM of the same shape
+and the gather's visible cost behind it with PDL on and off, host µs per eager call
+against ``torch.add_`` timed the same way in the same run, and what a captured
+gather costs. Under torchrun on real ranks, also the stock path (NCCL all-gather +
+reorder, vLLM's). The emulated mode (one process, TP virtual ranks on one GPU) has
+no stock figure: its only stand-in would be a local ``torch.cat``, no all-gather.
+
+Output: the tables and the targets' verdicts on stdout, a CSV (rewritten after every
+row count, so a run cut short keeps what it measured), a JSON with the run's facts,
+and a PNG with --plot whose title names the mode. The plan comes from the table
+(emulated sections included when emulating), else the built-in CTA heuristic.
 """
 
-import csv
+import contextlib
 import json
 import math
-import statistics
-import time
+import signal
+import threading
 from pathlib import Path
 
 import torch
 
-from lamport_head.config import GatherConfig, default_ctas
-from lamport_head.kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
+from lamport_head import config
 from lamport_head.table import load_table
 
+from . import goals, report
 from .targets import make_target
 
-FIELDS = ["tp", "rows", "ctas", "threads", "unroll", "lamport_eager_us", "lamport_gpu_us",
-          "lamport_host_us", "lamport_graph_us", "lamport_graph_host_us", "stock_eager_us", "stock_gpu_us", "stock_host_us",
-          "eager_speedup", "gpu_speedup", "host_ratio"]
 
-
-def add_host_us(device, calls=200, reps=5):
-    x = torch.zeros(1024, device=device)
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            x.add_(1.0)
-        times.append((time.perf_counter() - t0) * 1e6 / calls)
-    torch.cuda.synchronize(device)
-    return statistics.median(times)
-
-
-def plan_for(target, rows, table_plan, threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL):
+def plan_for(target, rows, table_plan, threads=config.DEFAULT_THREADS,
+             unroll=config.DEFAULT_UNROLL):
     """The GatherConfig to time ``rows`` with: the table's, else the default heuristic's."""
     if rows in table_plan:
         return table_plan[rows].config
     limit = target.limit(threads, unroll)
-    return GatherConfig(default_ctas(rows, target.tp, target.shard, threads, unroll, limit),
-                        threads, unroll)
+    ctas = config.default_ctas(rows, target.tp, target.shard, threads, unroll, limit)
+    return config.GatherConfig(ctas, threads, unroll)
+
+
+def make_runner(chosen, args):
+    """The measurements of ``chosen``'s mode (the seam CPU tests replace)."""
+    if chosen.world > 1:
+        from .rankbench import RanksRunner
+
+        return RanksRunner(chosen.target, args.hidden, budget_s=args.budget_s)
+    from .emubench import EmulatedRunner
+
+    return EmulatedRunner(chosen.target, args.hidden, budget_s=args.budget_s)
+
+
+def _say(root, *lines):
+    if root:
+        for line in lines:
+            print(line, flush=True)
 
 
 def run(args):
     chosen = make_target("bench", args.tp, args.vocab)
-    target, device, world = chosen.target, chosen.device, chosen.world
-    root, emulated = chosen.root, chosen.emulated
+    target, device, root = chosen.target, chosen.device, chosen.root
+    mode = report.mode_of(chosen.emulated, chosen.world)
     name = torch.cuda.get_device_name(device)
-    table = load_table(args.table)
-    table_plan = table.plan(name, target.tp, args.dcp, emulated=emulated)
-    add_us = add_host_us(device)
+    table_plan = load_table(args.table).plan(name, target.tp, args.dcp, emulated=chosen.emulated)
+    runner = make_runner(chosen, args)
+    tp, vocab = target.tp, args.vocab
+    ranks_here = tp if chosen.emulated else 1  # ranks whose bytes cross this GPU's memory
+    bandwidth = runner.bandwidth_gbs()
+    out = Path(args.out)
+    if root:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    _say(root, f"lamport-head bench: {report.title(name, tp, vocab, mode)}",
+         f"  mode: {report.MODE_LABEL[mode]}",
+         f"  lm_head shard: [M, {args.hidden}] x [{args.hidden}, {vocab // tp}] BF16; PDL on "
+         f"this GPU: {'yes' if runner.pdl else 'no (PDL on = off)'}; spin budget "
+         f"{args.budget_s} s; device-to-device copy {bandwidth:.0f} GB/s (read + write)")
     records = []
-    for rows in args.rows:
-        plan = plan_for(target, rows, table_plan)
-        lam = target.lamport(rows, plan)
-        stock = target.stock(rows)
-        if lam is None:
-            raise SystemExit(f"lamport-head bench: rows={rows} {plan} failed verification")
-        records.append({
-            "tp": target.tp, "rows": rows, "ctas": plan.ctas, "threads": plan.threads,
-            "unroll": plan.unroll, "lamport_eager_us": lam.eager_us,
-            "lamport_gpu_us": lam.gpu_us, "lamport_host_us": lam.host_us,
-            "lamport_graph_us": lam.graph_us, "lamport_graph_host_us": lam.graph_host_us,
-            "stock_eager_us": stock.eager_us, "stock_gpu_us": stock.gpu_us,
-            "stock_host_us": stock.host_us, "eager_speedup": stock.eager_us / lam.eager_us,
-            "gpu_speedup": stock.gpu_us / lam.gpu_us,
-            "host_ratio": lam.host_us / stock.host_us})
+    try:
+        with _term_interrupts(chosen.world == 1):
+            _measure_rows(args, target, runner, table_plan, records, root, mode, out,
+                          ranks_here, bandwidth)
+        cut = False
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from `timeout`: report what was measured
+        cut = True
+        _say(root, f"  interrupted after {len(records)} of {len(args.rows)} row counts: "
+             "reporting those")
     if not root:
         return 0
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in records:
-            w.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
-    meta = {"gpu": name, "emulated": emulated, "vocab": args.vocab, "tp": target.tp,
-            "torch_add_host_us": add_us, "records": records}
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
-    print(f"lamport-head bench: {name}, tp={target.tp}, vocab={args.vocab}"
-          f"{(' (processes sharing one GPU, stock = gloo: not performance)' if world > 1 else ' (emulated: one GPU, stock = cat of shards)') if emulated else ''}; "
-          f"torch.add_ host {add_us:.1f} µs")
-    print(f"{'rows':>4} {'ctas':>4} | {'lamport eager':>13} {'gpu':>7} {'host':>6} | "
-          f"{'stock eager':>11} {'gpu':>7} {'host':>6} | {'eager x':>7} {'gpu x':>7}")
-    for r in records:
-        print(f"{r['rows']:>4} {r['ctas']:>4} | {r['lamport_eager_us']:>13.2f} "
-              f"{r['lamport_gpu_us']:>7.2f} {r['lamport_host_us']:>6.2f} | "
-              f"{r['stock_eager_us']:>11.2f} {r['stock_gpu_us']:>7.2f} "
-              f"{r['stock_host_us']:>6.2f} | {r['eager_speedup']:>6.2f}x {r['gpu_speedup']:>6.2f}x")
-    print("Lamport eager vs captured in a CUDA graph (per gather): GPU µs | host µs")
-    print(f"{'rows':>4} | {'eager gpu':>9} {'graph gpu':>9} {'ratio':>6} | {'eager host':>10} "
-          f"{'graph host':>10}")
-    for r in records:
-        print(f"{r['rows']:>4} | {r['lamport_gpu_us']:>9.2f} {r['lamport_graph_us']:>9.2f} "
-              f"{r['lamport_graph_us'] / r['lamport_gpu_us']:>6.2f} | "
-              f"{r['lamport_host_us']:>10.2f} {r['lamport_graph_host_us']:>10.2f}")
-    if args.plot:
-        from .plot import plot_rows
+    code = _report(args, name, tp, vocab, mode, runner, bandwidth, records, out)
+    return 130 if cut else code
 
-        plot_rows([dict(rows=r["rows"], lamport_us=r["lamport_eager_us"],
-                        stock_us=r["stock_eager_us"], lamport_gpu_us=r["lamport_gpu_us"],
-                        stock_gpu_us=r["stock_gpu_us"]) for r in records],
-                  args.plot, f"{name} tp={target.tp} V={args.vocab}"
-                  + (" (emulated)" if emulated else ""))
+
+@contextlib.contextmanager
+def _term_interrupts(enabled):
+    """SIGTERM raises KeyboardInterrupt while measuring (one process only: ranks under
+    torchrun are the launcher's to stop), so a run cut short still prints its tables."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _measure_rows(args, target, runner, table_plan, records, root, mode, out, ranks_here,
+                  bandwidth):
+    """Measure each row count into ``records`` (appended as each is done), the CSV
+    rewritten after each."""
+    tp, vocab = target.tp, args.vocab
+    for rows in args.rows:
+        chosen_plan = plan_for(target, rows, table_plan)
+        default = plan_for(target, rows, {})
+        record = {"rows": rows, "ctas": chosen_plan.ctas, "threads": chosen_plan.threads,
+                  "unroll": chosen_plan.unroll,
+                  "plan": "table" if rows in table_plan else "default"}
+        record.update(runner.row(rows, chosen_plan, default))
+        report.derive(record, tp=tp, vocab=vocab, ranks_here=ranks_here, bandwidth_gbs=bandwidth)
+        records.append(record)
+        if root:
+            report.write_csv(out.with_suffix(".csv"), mode, records, tp=tp, vocab=vocab,
+                             hidden=args.hidden)
+        _say(root, f"  M={rows}: {record['gpu_us']:.2f} GPU µs/step, "
+             f"{record['floor_ratio']:.2f}x the HBM floor")
+
+
+def _report(args, name, tp, vocab, mode, runner, bandwidth, records, out):
+    """The root's tables, verdicts, notes, JSON and plot; the exit status."""
+    for caption, columns in report.tables(mode):
+        print()
+        print("\n".join(report.format_table(caption, columns, records)))
+    print("\nTargets (issue 21; ratios within this run):")
+    print("\n".join(goals.verdicts(records, tp)))
+    for note in runner.notes:
+        print(f"note: {note}")
+    meta = {"gpu": name, "mode": mode, "mode_label": report.MODE_LABEL[mode], "tp": tp,
+            "vocab": vocab, "hidden": args.hidden, "pdl": runner.pdl, "copy_gbs": bandwidth,
+            "budget_s": args.budget_s, "notes": runner.notes, "records": records}
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+    if args.plot:
+        from .plot import plot_bench
+
+        plot_bench(records, args.plot, report.title(name, tp, vocab, mode))
     print(f"wrote {out.with_suffix('.csv')}, {out.with_suffix('.json')}"
           + (f", {args.plot}" if args.plot else ""))
-    return 0 if all(math.isfinite(r["lamport_eager_us"]) for r in records) else 1
+    return 0 if all(math.isfinite(r["gpu_us"]) for r in records) else 1

@@ -377,11 +377,11 @@ class DistributedTarget:
             self._limits[key] = all_min(resident, self.group, self.device)
         return self._limits[key]
 
-    def _gather(self, rows, config):
+    def _gather(self, rows, config, pdl=None):
         from lamport_head.head_gather import HeadGather
 
         return HeadGather(self.group, self.device, self.tp, self.rank, self.shard,
-                          {rows: config}, budget_s=self.budget_s)
+                          {rows: config}, pdl=pdl, budget_s=self.budget_s)
 
     def _stock(self, rows, step):
         """The stock gather's buffers, as a local step: its calls then allocate nothing
@@ -412,17 +412,31 @@ class DistributedTarget:
         step.meet("to check the gather against the reference")
         return not self._max(0.0 if ok else 1.0)
 
-    def lamport(self, rows, config):
+    def lamport(self, rows, config, pdl=None):
         """Timing of a verified configuration; None (on every rank) when it fails to
         build, to verify, or a call fails or times out anywhere while measured. Any
-        other local failure raises on every rank together, after the gather is closed."""
+        other local failure raises on every rank together, after the gather is closed.
+        ``pdl``: as ``HeadGather`` takes it (None: the architecture's)."""
+        return self._with_gather(rows, config, pdl, self._trial)
+
+    def lm_head_overlap(self, rows, config, lm_head, pdl=None):
+        """``(lm_head µs, lm_head + gather µs)`` per step, MAX over ranks: GPU time of
+        a CUDA graph of two steps replayed, each step ``lm_head()`` (this rank's shard
+        GEMM, a local step's result) then the gather of its output, the gather launched
+        with ``pdl`` (None: the architecture's). None as ``lamport``."""
+        return self._with_gather(rows, config, pdl,
+                                 lambda g, m, c, step: self._overlap(g, m, c, lm_head, step))
+
+    def _with_gather(self, rows, config, pdl, trial):
+        """Build the gather (collective, all or none), ``trial(gather, rows, config,
+        step)``, close it: the fail-stop skeleton every measured gather shares."""
         try:
-            gather = self._gather(rows, config)  # collective and fail-stop: all or none
+            gather = self._gather(rows, config, pdl)  # collective and fail-stop: all or none
         except Exception:
             return None
         step = self._lockstep()
         try:
-            timing = self._trial(gather, rows, config, step)
+            timing = trial(gather, rows, config, step)
         except Exception:
             # Closing is collective: only where every rank raised together (at a meet).
             # Anything else came from inside a collective (the backend's to report);
@@ -453,6 +467,26 @@ class DistributedTarget:
         timing = Timing(self._max(eager), self._max(graph), self._max(host), self._max(graph),
                         self._max(graph_host))
         return None if bad else timing
+
+    def _overlap(self, gather, rows, config, lm_head, step):
+        failed = [False]
+        if not self.verify(gather, rows, failed, step):
+            return None
+        out = step.local(torch.empty, rows, self.vocab, dtype=torch.bfloat16, device=self.device)
+        step.meet("to allocate the lm_head's gather output")
+        alone, _ = _median_graph(lambda: (lm_head(), lm_head()), self.device, self.replays,
+                                 self.reps, step)
+
+        def pair():
+            for _ in range(2):
+                gather.launch(lm_head(), out, config.ctas)
+
+        both, _ = _median_graph(pair, self.device, self.replays, self.reps, step)
+        step.local(torch.cuda.synchronize, self.device)
+        step.meet("to finish timing the lm_head and the gather")
+        _trial_step(failed, gather.check)
+        bad = self._max(1.0 if failed[0] else 0.0)
+        return None if bad else (self._max(alone), self._max(both))
 
     def _close(self, gather):
         """Collective: release the trial's mailbox on every rank, or on none. A rank

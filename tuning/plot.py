@@ -1,8 +1,11 @@
-"""PNG plots: latency (Lamport vs stock) and speedup against rows."""
+"""PNG plots: tune's latency and speedup against rows (``plot_rows``); bench's GPU
+time against the HBM floor and the lm_head, and its ratios to the targets
+(``plot_bench``). Every plot's title is the caller's (bench's names the mode)."""
+
+import math
 
 
-def plot_rows(records, path, title):
-    """``records``: dicts with rows, lamport_us, stock_us (and optionally *_gpu_us)."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -10,6 +13,63 @@ def plot_rows(records, path, title):
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError("plots need matplotlib: pip install 'lamport-head[plot]'") from exc
+    return plt
+
+
+def _finite(ys):
+    return any(y is not None and isinstance(y, (int, float)) and math.isfinite(y) for y in ys)
+
+
+def plot_bench(records, path, title):
+    """Left: µs per step against rows (gather, HBM floor, lm_head GEMM, the gather's
+    visible cost behind it with PDL on and off, NCCL where measured). Right: the
+    ratios the targets bound (÷ floor, visible ÷ standalone, host ÷ torch.add_), with
+    the targets drawn. Returns the title drawn."""
+    from . import goals
+
+    plt = _pyplot()
+    records = sorted(records, key=lambda r: r["rows"])
+    rows = [r["rows"] for r in records]
+    fig, (lat, rat) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for key, label, style in (("gpu_us", "gather, GPU µs/step", "o-"),
+                              ("floor_us", "HBM floor", "k--"),
+                              ("lm_head_us", "lm_head GEMM", "s-"),
+                              ("visible_pdl_us", "gather visible behind lm_head, PDL on", "^-"),
+                              ("visible_nopdl_us", "gather visible, PDL off", "v:"),
+                              ("stock_gpu_us", "NCCL all-gather + reorder", "d-")):
+        ys = [r.get(key, math.nan) for r in records]
+        if _finite(ys):
+            lat.plot(rows, [y if y > 0 else math.nan for y in ys], style, label=label)
+    lat.set_xscale("log", base=2)
+    lat.set_yscale("log")
+    lat.set_xlabel("rows (M)")
+    lat.set_ylabel("µs per step")
+    lat.legend(fontsize=8)
+    lat.grid(alpha=0.3)
+    for key, label, style, target in (
+            ("floor_ratio", "GPU time ÷ HBM floor", "o-", goals.FLOOR_RATIO),
+            ("visible_pdl_share", "visible ÷ standalone, PDL on", "^-", goals.VISIBLE_SHARE),
+            ("host_vs_add", "host per call ÷ torch.add_", "s-", goals.HOST_VS_ADD)):
+        ys = [r.get(key, math.nan) for r in records]
+        if _finite(ys):
+            line, = rat.plot(rows, ys, style, label=f"{label} (target ≤ {target})")
+            rat.axhline(target, color=line.get_color(), lw=0.8, ls=":")
+    rat.set_xscale("log", base=2)
+    rat.set_xlabel("rows (M)")
+    rat.set_ylabel("ratio (×)")
+    rat.legend(fontsize=8)
+    rat.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    drawn = fig._suptitle.get_text()
+    plt.close(fig)
+    return drawn
+
+
+def plot_rows(records, path, title):
+    """``records``: dicts with rows, lamport_us, stock_us (and optionally *_gpu_us)."""
+    plt = _pyplot()
     records = sorted(records, key=lambda r: r["rows"])
     rows = [r["rows"] for r in records]
     fig, (lat, spd) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -18,7 +78,7 @@ def plot_rows(records, path, title):
                               ("lamport_gpu_us", "Lamport (GPU)", "o--"),
                               ("stock_gpu_us", "stock (GPU)", "s--")):
         ys = [r.get(key) for r in records]
-        if any(y is not None and y == y for y in ys):
+        if _finite(ys):
             lat.plot(rows, ys, style, label=label)
     lat.set_xscale("log", base=2)
     lat.set_xlabel("rows (M)")

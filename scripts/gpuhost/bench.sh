@@ -1,6 +1,46 @@
-# GPU-host pass: the emulated TP-8 bench (eager vs captured), then the GPU soak's
-# short form. Logs and the bench files under $OUT.
+# GPU-host pass (issue 21): `lamport-head bench` on one GPU, emulated TP 8 then TP 2
+# (GPU time vs the HBM floor, default vs table plan, the lm_head GEMM and the
+# gather's visible cost behind it with PDL on/off, host per call vs torch.add_,
+# captured cost), then the real-rank code path under torchrun with 2 processes
+# sharing the GPU (that path's correctness only: time-sliced, not performance).
+#
+# Run from the repository root:
+#   source /var/tmp/lamport-gpuhost/env.sh; source scripts/gpuhost/setup.sh; bash scripts/gpuhost/bench.sh
+# (it sources both itself when this tree's package is not the one installed).
+# Writes under $OUT: env.log; bench-tp8.{csv,json,png,log}; bench-tp2.*;
+# bench-torchrun2.{csv,json,log} (M = 1 only). About 4 minutes in all: each run has its own
+# timeout (TP8_T, TP2_T, TR_T seconds); a run cut short (SIGTERM) still prints its
+# tables for the rows it measured, and every CSV is rewritten after each row count.
+# Prints each run's targets and notes; the full tables are in the logs.
 set -o pipefail
-source /var/tmp/lamport-gpuhost/env.sh
-source scripts/gpuhost/setup.sh
-timeout ${BENCH_T:-200} lamport-head bench --tp 8 --rows ${ROWS:-1,2,4,8,16,32,64} --out $OUT/bench --plot $OUT/bench.png 2>&1 | grep -v Warn | tee $OUT/bench.log | tail -22
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+installed=$(python3 -c "import importlib.util as u, lamport_head, os; assert u.find_spec('lamport_head.tuning.goals'); print(os.path.dirname(os.path.dirname(lamport_head.__file__)))" 2>/dev/null)
+if [ "$installed" != "$PWD" ]; then
+  source /var/tmp/lamport-gpuhost/env.sh
+  source scripts/gpuhost/setup.sh
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total --format=csv
+  python3 -c "import torch, cutlass, tvm_ffi; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cutlass-dsl', cutlass.__version__, 'tvm_ffi', tvm_ffi.__version__)"
+  git rev-parse --short HEAD 2>/dev/null
+} > "$OUT/env.log" 2>&1
+head -3 "$OUT/env.log"
+
+run() {  # name seconds command...: log to $OUT/name.log, print its targets and notes
+  local name=$1 seconds=$2
+  shift 2
+  local t0=$SECONDS
+  timeout -k 15 "$seconds" "$@" --out "$OUT/$name" 2>&1 | grep -v -i warn > "$OUT/$name.log"
+  local code=${PIPESTATUS[0]}
+  echo "== $name: exit $code after $((SECONDS - t0)) s"
+  sed -n '/^lamport-head bench/p;/^  mode/p;/^  lm_head shard/p;/interrupted/p;/^GPU time per step/,/^$/p;/^Targets/,$p;/Traceback/,$p' "$OUT/$name.log" | grep -v '^wrote' | head -60
+}
+
+ROWS=${ROWS:-1,2,4,8,16,32,64}
+run bench-tp8 "${TP8_T:-100}" lamport-head bench --tp 8 --rows "$ROWS" --plot "$OUT/bench-tp8.png"
+run bench-tp2 "${TP2_T:-65}" lamport-head bench --tp 2 --rows "$ROWS" --plot "$OUT/bench-tp2.png"
+if [ "${TORCHRUN:-1}" = 1 ]; then
+  run bench-torchrun2 "${TR_T:-40}" torchrun --standalone --nproc-per-node 2 -m lamport_head.cli bench --tp 2 --rows 1
+fi

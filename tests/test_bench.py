@@ -1,0 +1,230 @@
+"""``lamport-head bench`` without a GPU: the floor's byte count, the tables and CSV
+(units in every header, every printed figure a CSV column), no stock or single-cat
+figure in the emulated mode, NCCL's columns on real ranks, the plot's title naming
+the mode, the targets' verdicts, a run cut short keeping its rows, and the CLI.
+The measurements are a fake runner (``bench.make_runner`` is the seam)."""
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from lamport_head.tuning import bench, goals, plot, report
+from lamport_head.tuning.floor import floor_us, step_bytes
+from lamport_head.tuning.targets import Chosen
+
+from lamport_head import cli
+
+V = 163840
+BANDWIDTH = 4000.0  # GB/s the fake runner "measures"
+
+
+class FakeTarget:
+    def __init__(self, tp, vocab=V):
+        self.tp, self.shard = tp, vocab // tp
+
+    def limit(self, threads, unroll):
+        return 16
+
+
+class FakeRunner:
+    """Figures as simple functions of the row count; ``fail_at``: raise there."""
+
+    def __init__(self, mode, fail_at=None, interrupt_at=None):
+        self.mode, self.fail_at, self.pdl, self.notes = mode, fail_at, True, []
+        self.interrupt_at = interrupt_at
+        self.stock_asked = 0
+
+    def bandwidth_gbs(self):
+        return BANDWIDTH
+
+    def row(self, rows, config, default):
+        if rows == self.interrupt_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` sends
+        if rows == self.fail_at:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        gpu = 2.0 + rows
+        out = {"gpu_us": gpu, "gpu_nopdl_us": gpu + 1, "default_gpu_us": gpu * 1.02,
+               "captured_gpu_us": gpu * 0.9, "lm_head_us": 50.0 + rows,
+               "lm_head_gather_pdl_us": 50.0 + rows + 0.4 * gpu,
+               "lm_head_gather_nopdl_us": 50.0 + rows + 0.9 * (gpu + 1),
+               "host_us": 8.0, "add_us": 10.0, "captured_host_us": 0.5}
+        if self.mode != report.EMULATED:
+            self.stock_asked += 1
+            out.update(eager_us=gpu + 5, stock_eager_us=30.0, stock_gpu_us=20.0)
+        return out
+
+
+def _fake(monkeypatch, mode=report.EMULATED, tp=8, fail_at=None, interrupt_at=None):
+    """The bench on a machine that claims one H200; ``mode``'s target and runner."""
+    runner = FakeRunner(mode, fail_at, interrupt_at)
+    world = 1 if mode == report.EMULATED else tp
+    chosen = Chosen(FakeTarget(tp), torch.device("cpu"), world, True, mode != report.RANKS)
+    monkeypatch.setattr(bench, "make_target", lambda command, tp, vocab: chosen)
+    monkeypatch.setattr(bench, "make_runner", lambda chosen, args: runner)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    titles = []
+    real = plot.plot_bench
+    monkeypatch.setattr(plot, "plot_bench", lambda *a: titles.append(real(*a)) or titles[-1])
+    return runner, titles
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _bench(tmp_path, *extra):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("schema: 1\ndevices: {}\n")
+    return cli.main(["bench", "--rows", "1,8,64", "--table", str(empty),
+                     "--out", str(tmp_path / "b"), *extra])
+
+
+def test_floor_counts_every_byte_the_protocol_moves():
+    # per rank: shard 1 + pushes TP-1 + own box TP-1 + output TP + re-arm TP-1 shards
+    shard = 20480 * 2  # one row of V/8 BF16
+    assert step_bytes(1, 8, V, 1) == shard * (1 + 7 + 7 + 8 + 7)
+    # 8 virtual ranks on one GPU: M x V x 2 B x (4 - 2/TP) per rank, all of them
+    assert step_bytes(1, 8, V, 8) == 8 * V * 2 * (4 - 2 / 8) == 9_830_400
+    assert step_bytes(8, 2, V, 1) == 8 * V * 2 * (4 - 2 / 2)
+    assert step_bytes(64, 8, V, 8) == 64 * step_bytes(1, 8, V, 8)
+    assert floor_us(9_830_400, 4000.0) == pytest.approx(2.4576)
+
+
+def test_emulated_tables_csv_and_json(tmp_path, monkeypatch, capsys):
+    _, titles = _fake(monkeypatch)
+    assert _bench(tmp_path, "--plot", str(tmp_path / "b.png")) == 0
+    printed = capsys.readouterr().out
+    rows = _csv(tmp_path / "b.csv")
+    assert list(rows[0]) == report.fields(report.EMULATED)
+    assert [int(r["rows"]) for r in rows] == [1, 8, 64]
+    r8 = {k: float(v) for k, v in rows[1].items() if k != "plan"}
+    assert r8["floor_us"] == pytest.approx(8 * 9_830_400 / (BANDWIDTH * 1e9) * 1e6, rel=1e-3)
+    assert r8["floor_ratio"] == pytest.approx(r8["gpu_us"] / r8["floor_us"], rel=1e-3)
+    assert r8["visible_pdl_us"] == pytest.approx(0.4 * 10, rel=1e-3)
+    assert r8["visible_pdl_share"] == pytest.approx(0.4, rel=1e-3)
+    assert r8["visible_nopdl_share"] == pytest.approx(0.9, rel=1e-3)  # over PDL-off standalone
+    assert r8["host_vs_add"] == pytest.approx(0.8) and r8["captured_host_us"] == 0.5
+    assert r8["default_vs_plan"] == pytest.approx(1.02, rel=1e-3)
+    assert rows[1]["plan"] == "default"
+    # every printed table: a caption, a header with units, one line per row count
+    for caption, columns in report.tables(report.EMULATED):
+        header = "  ".join(c.header for c in columns)
+        assert caption in printed
+        assert any(line.split() == header.split() for line in printed.splitlines()), header
+    assert "emulated: TP virtual ranks on one GPU" in printed and "NVLink" in printed
+    meta = json.loads((tmp_path / "b.json").read_text())
+    assert meta["mode"] == "emulated" and meta["copy_gbs"] == BANDWIDTH
+    assert titles == ["NVIDIA H200, TP 8, V = 163840: emulated, TP virtual ranks on one GPU (no NVLink)"]
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_emulated_has_no_baseline_figure(tmp_path, monkeypatch, capsys):
+    runner, _ = _fake(monkeypatch)
+    assert _bench(tmp_path) == 0
+    printed = capsys.readouterr().out.lower().replace(str(tmp_path).lower(), "")
+    header = (tmp_path / "b.csv").read_text().splitlines()[0].lower().split(",")
+    for column in header:
+        for word in ("stock", "cat", "speedup", "nccl", "eager"):
+            assert word not in column, column
+    assert "torch.cat" not in printed and "speedup" not in printed and "stock" not in printed
+    assert runner.stock_asked == 0
+
+
+def test_real_ranks_add_nccl_columns(tmp_path, monkeypatch, capsys):
+    _, titles = _fake(monkeypatch, report.RANKS)
+    assert _bench(tmp_path, "--plot", str(tmp_path / "b.png")) == 0
+    printed = capsys.readouterr().out
+    rows = _csv(tmp_path / "b.csv")
+    assert list(rows[0]) == report.fields(report.RANKS)
+    assert float(rows[0]["nccl_vs_gather"]) == pytest.approx(20.0 / 3.0, rel=1e-3)
+    r1_floor = float(rows[0]["floor_us"])  # one rank's bytes per GPU on real ranks
+    assert r1_floor == pytest.approx(step_bytes(1, 8, V, 1) / (BANDWIDTH * 1e9) * 1e6, rel=1e-3)
+    assert "NCCL all-gather + reorder (vLLM's)" in printed
+    assert titles == ["NVIDIA H200, TP 8, V = 163840: real ranks, one GPU each"]
+
+
+def test_processes_sharing_a_gpu_say_so(tmp_path, monkeypatch, capsys):
+    _, titles = _fake(monkeypatch, report.SHARED, tp=2)
+    assert _bench(tmp_path, "--plot", str(tmp_path / "b.png")) == 0
+    printed = capsys.readouterr().out
+    assert "not performance" in printed
+    assert titles == ["NVIDIA H200, TP 2, V = 163840: processes sharing one GPU (not performance)"]
+
+
+def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    _fake(monkeypatch, fail_at=64)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        _bench(tmp_path)
+    rows = _csv(tmp_path / "b.csv")
+    assert [int(r["rows"]) for r in rows] == [1, 8]
+
+
+def test_a_terminated_run_reports_the_rows_it_measured(tmp_path, monkeypatch, capsys):
+    _, titles = _fake(monkeypatch, interrupt_at=64)
+    previous = signal.getsignal(signal.SIGTERM)
+    assert _bench(tmp_path, "--plot", str(tmp_path / "b.png")) == 130
+    assert signal.getsignal(signal.SIGTERM) is previous  # the handler is put back
+    printed = capsys.readouterr().out
+    assert "interrupted after 2 of 3 row counts: reporting those" in printed
+    meta = json.loads((tmp_path / "b.json").read_text())
+    assert [r["rows"] for r in meta["records"]] == [1, 8] and len(titles) == 1
+    assert "GPU time / HBM floor at M=8" in printed
+
+
+def test_every_figure_column_states_its_unit():
+    for mode in (report.EMULATED, report.RANKS):
+        for _, columns in report.tables(mode):
+            for c in columns:
+                if c.key.endswith("_us"):
+                    assert "µs" in c.header, c
+                elif c.digits:  # a ratio
+                    assert "(x)" in c.header, c
+
+
+def test_verdicts_name_each_target_and_its_outcome():
+    def record(rows, gpu, floor_ratio=1.0, plan="table"):
+        return {"rows": rows, "gpu_us": gpu, "floor_ratio": floor_ratio, "host_vs_add": 1.2,
+                "captured_host_us": 0.4, "visible_pdl_share": math.nan, "default_vs_plan": 1.01,
+                "plan": plan}
+
+    lines = goals.verdicts([record(1, 4.0), record(8, 30.0, 1.3)], tp=8)
+    assert "  GPU µs per step at M=1: 4.00 (target <= 4.5): met" in lines
+    assert "  GPU time / HBM floor at M=8: 1.30 (target <= 1.25): MISSED" in lines
+    assert "  host per call / torch.add_ at M=1: 1.20 (target <= 1.0): MISSED" in lines
+    assert "  visible / standalone, PDL on at M=1: not measured" in lines
+    assert not any("HBM floor at M=1" in line for line in lines)  # floor from M = 8
+    assert "  default plan / table's plan at M=8: 1.01 (target <= 1.05): met" in lines
+    # a row benchmarked on the default plan has nothing to compare it with
+    assert not any("default plan" in line for line in goals.verdicts([record(1, 4.0, plan="default")], 8))
+    assert "  GPU µs per step at M=1: 4.00 (target <= 3.5): MISSED" in goals.verdicts(
+        [record(1, 4.0)], tp=2)
+
+
+def test_bench_help_names_the_modes_and_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "emulated; says nothing about NVLink" in text
+    assert "NCCL all-gather + reorder" in text and "HBM floor" in text
+    assert "(default: 7168)" in text and "(default: 0.5)" in text and "(default: 8)" in text
+    assert "cat" not in text.replace("captured", "").replace("comma", "")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--tp", "1"), "lamport-head: bench: --tp must be at least 2"),
+    (("--tp", "3"), "lamport-head: bench: vocab 163840 / tp 3 is not a multiple of 8"),
+    (("--budget-s", "0"), "lamport-head bench: argument --budget-s: expected a positive number"),
+])
+def test_bench_refuses_bad_arguments_on_any_machine(argv, message):
+    p = subprocess.run([sys.executable, "-m", "lamport_head.cli", "bench", *argv],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith(message), p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1

@@ -1,0 +1,255 @@
+"""``lamport-head bench`` on TP virtual ranks of one GPU (``lamport_head.emulate``).
+
+Per row count, every GPU figure is taken with a gated queue (``harness.gated_gpu_us``:
+a spin holds the GPU while the host queues every step, so the events time the GPU
+alone), each virtual rank on its own stream with no join between steps, as real
+ranks run (the mailbox alone orders them):
+
+- ``gpu_us`` / ``gpu_nopdl_us``: a step of every rank's gather, PDL as the
+  architecture has it / PDL off; ``default_gpu_us``: the built-in heuristic's plan;
+- ``lm_head_us``: a step of every rank's lm_head shard GEMM alone (``lmhead.LmHead``);
+  ``lm_head_gather_{pdl,nopdl}_us``: the GEMM then the gather of its output on each
+  rank's stream, the gather launched with PDL on / off;
+- ``captured_gpu_us``: every rank's CUDA graph of ``steps`` gathers, replayed together;
+- ``host_us``: host µs inside one eager call made as vLLM makes it (install routes
+  ``_gather_logits`` to ``functools.partial(gather, stock=...)``; serving's mode runs
+  the same Python); ``add_us``: ``torch.add_`` timed the same way, same loop shape;
+- ``captured_host_us``: host µs a gather adds to a graph replay: each rank's
+  one-gather graph replayed after ``poll()`` (as engines do) minus a one-kernel graph.
+
+Invariants: a gather is verified bitwise (and its mailbox found re-armed) before it
+is timed and after; every wait is bounded by the spin budget ``budget_s``: a gather
+that gives up makes its figures NaN and is dropped (never reused: its ranks' epochs
+may differ), and the run goes on. Every launch and event names its stream. On one
+GPU the ranks' GEMMs and spinning gathers share the SMs, so a GEMM that finds no room
+beside other ranks' spinning CTAs waits for their budget: NaN, not a hang.
+"""
+
+import functools
+import math
+import statistics
+import time
+
+import torch
+
+from lamport_head.emulate import EmulatedGather
+from lamport_head.head_gather import KERNELS, GatherTimeout
+from lamport_head.reference import planted
+
+from .floor import copy_bandwidth_gbs
+from .harness import gated_gpu_us
+from .lmhead import LmHead
+from .report import EMULATED
+
+MEASURED = ("gpu_us", "gpu_nopdl_us", "default_gpu_us", "captured_gpu_us", "lm_head_us",
+            "lm_head_gather_pdl_us", "lm_head_gather_nopdl_us", "host_us", "add_us",
+            "captured_host_us")
+
+
+def never_stock(x):
+    raise AssertionError("the timed row count is served: stock must not run")
+
+
+class _Broken(Exception):
+    """A gather gave up while measured: drop it, its figures are NaN."""
+
+
+class EmulatedRunner:
+    """The bench's per-row measurements on ``target``'s GPU (an ``EmulatedTarget``:
+    its ``limit`` and ``verify``)."""
+
+    mode = EMULATED
+
+    def __init__(self, target, hidden, *, budget_s, steps=20, reps=7, calls=50):
+        self.target, self.hidden, self.budget_s = target, hidden, budget_s
+        self.device, self.tp, self.shard = target.device, target.tp, target.shard
+        self.steps, self.reps, self.calls = steps, reps, calls
+        self.pdl = KERNELS.pdl(KERNELS.arch(self.device))
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(self.tp)]
+        self.notes = []
+
+    def bandwidth_gbs(self):
+        return copy_bandwidth_gbs(self.device)
+
+    # -- one row count -------------------------------------------------------------
+
+    def row(self, rows, config, default):
+        """``{figure: value}`` for ``MEASURED`` (NaN where not measured)."""
+        out = dict.fromkeys(MEASURED, math.nan)
+        data = planted(self.tp, rows, self.shard, device=self.device)
+        shards = [data[r] for r in range(self.tp)]
+        heads = [LmHead(rows, self.hidden, self.shard, self.device, seed=r) for r in range(self.tp)]
+        out["lm_head_us"] = self._gated(None, lambda n: self._steps(n, self.streams, heads=heads))
+
+        def main(emu, got):
+            got["gpu_us"] = self._gated(emu, lambda n: self._steps(n, emu.streams, emu, shards))
+            got["lm_head_gather_pdl_us"] = self._gated(
+                emu, lambda n: self._steps(n, emu.streams, emu, heads=heads))
+            got["host_us"], got["add_us"] = self._host(emu, shards)
+            got["captured_gpu_us"], got["captured_host_us"] = self._captured(emu, shards)
+
+        def nopdl(emu, got):
+            got["gpu_nopdl_us"] = self._gated(emu, lambda n: self._steps(n, emu.streams, emu, shards))
+            got["lm_head_gather_nopdl_us"] = self._gated(
+                emu, lambda n: self._steps(n, emu.streams, emu, heads=heads))
+
+        def plain(emu, got):
+            got["default_gpu_us"] = self._gated(emu, lambda n: self._steps(n, emu.streams, emu, shards))
+
+        out.update(self._measure(rows, config, None, main))
+        out.update(self._measure(rows, config, False, nopdl))
+        if default == config:
+            out["default_gpu_us"] = out["gpu_us"]
+        else:
+            out.update(self._measure(rows, default, None, plain))
+        return out
+
+    def _measure(self, rows, config, pdl, body):
+        """Build, verify, ``body(emu, got)``, verify again: the figures ``got``. A
+        give-up keeps those taken before it (each was checked); a failed
+        verification keeps none."""
+        got, what = {}, f"M={rows} {config.label()} pdl={'arch' if pdl is None else pdl}"
+        try:
+            emu = EmulatedGather(self.device, self.tp, self.shard, {rows: config}, pdl=pdl,
+                                 budget_s=self.budget_s)
+        except ValueError as exc:  # a plan this launch kind cannot hold co-resident
+            self.notes.append(f"{what}: not built: {exc}")
+            return got
+        try:
+            if not self.target.verify(emu, rows):
+                self.notes.append(f"{what}: FAILED bitwise verification before timing")
+                return {}
+            body(emu, got)
+            if not self.target.verify(emu, rows, calls=1):
+                self.notes.append(f"{what}: FAILED bitwise verification after timing")
+                return {}
+        except (GatherTimeout, _Broken) as exc:
+            self.notes.append(f"{what}: a wait gave up, later figures NaN ({exc})")
+        torch.cuda.synchronize(self.device)
+        return got
+
+    # -- pieces --------------------------------------------------------------------
+
+    def _steps(self, n, streams, emu=None, shards=None, heads=None):
+        """``n`` steps, each rank on its own stream (forked from the caller's once,
+        joined once): the rank's lm_head GEMM (``heads``) and/or its gather (``emu``)
+        of the GEMM's output or of ``shards``."""
+        here = torch.cuda.current_stream(self.device)
+        for s in streams:
+            s.wait_stream(here)
+        for _ in range(n):
+            for r, s in enumerate(streams):
+                with torch.cuda.stream(s):
+                    x = heads[r]() if heads is not None else shards[r]
+                    if emu is not None:
+                        emu.ranks[r](x, never_stock)
+        for s in streams:
+            here.wait_stream(s)
+
+    def _gated(self, emu, run):
+        """GPU µs per step of ``run(n)`` (gated), after one warm-up step (cuBLAS takes
+        its workspace per stream on first use). A give-up raises ``_Broken``."""
+        run(1)
+        torch.cuda.synchronize(self.device)
+        us = gated_gpu_us(run, self.device, self.steps, self.reps)
+        if emu is not None:
+            self._check(emu)
+        return us
+
+    def _check(self, emu):
+        try:
+            emu.check()
+        except GatherTimeout as exc:
+            raise _Broken(str(exc)) from exc
+
+    def _host(self, emu, shards):
+        """(gather, torch.add_) median host µs per call, each call timed alone on its
+        rank's stream, the same loop for both."""
+        calls = [functools.partial(g, stock=never_stock) for g in emu.ranks]
+        small = [torch.zeros(16, device=self.device) for _ in range(self.tp)]
+        adds = [functools.partial(x.add_, 1.0) for x in small]
+        args = [(x,) for x in shards]
+        gather = [self._host_once(calls, args, emu.streams) for _ in range(self.reps)]
+        self._check(emu)
+        add = [self._host_once(adds, [()] * self.tp, emu.streams) for _ in range(self.reps)]
+        return statistics.median(gather), statistics.median(add)
+
+    def _host_once(self, fns, args, streams):
+        here = torch.cuda.current_stream(self.device)
+        torch.cuda.synchronize(self.device)
+        for s in streams:
+            s.wait_stream(here)
+        spent = 0.0
+        for _ in range(self.calls):
+            for fn, a, s in zip(fns, args, streams):
+                with torch.cuda.stream(s):
+                    t0 = time.perf_counter()
+                    fn(*a)
+                    spent += time.perf_counter() - t0
+        for s in streams:
+            here.wait_stream(s)
+        torch.cuda.synchronize(self.device)
+        return spent * 1e6 / (self.calls * len(fns))
+
+    def _capture(self, stream, body):
+        """A CUDA graph of ``body()`` captured on ``stream``. Lower level than
+        ``torch.cuda.graph``, whose sync, ``gc.collect()`` and cache flush per capture
+        cost more than the figures here (``_captured`` syncs once before)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            graph.capture_begin()
+            try:
+                body()
+            finally:
+                graph.capture_end()
+        return graph
+
+    def _replay(self, graphs, streams, polls=None):
+        """Each graph once on its stream (forked, joined); host seconds inside the
+        replays (and the polls before them)."""
+        here = torch.cuda.current_stream(self.device)
+        for s in streams:
+            s.wait_stream(here)
+        spent = 0.0
+        for r, (graph, s) in enumerate(zip(graphs, streams)):
+            with torch.cuda.stream(s):
+                t0 = time.perf_counter()
+                if polls is not None:
+                    polls[r]()
+                graph.replay()
+                spent += time.perf_counter() - t0
+        for s in streams:
+            here.wait_stream(s)
+        return spent
+
+    def _captured(self, emu, shards):
+        """(GPU µs per step of graphs of ``steps`` gathers per rank replayed together,
+        host µs a gather adds to a replay beyond the graph launch)."""
+        ranks, streams = emu.ranks, emu.streams
+
+        def gathers(r, count):
+            return lambda: [ranks[r](shards[r], never_stock) for _ in range(count)]
+
+        torch.cuda.synchronize(self.device)
+        many = [self._capture(s, gathers(r, self.steps)) for r, s in enumerate(streams)]
+        self._replay(many, streams)  # warm-up (upload)
+        torch.cuda.synchronize(self.device)
+        gpu = gated_gpu_us(lambda n: self._replay(many, streams), self.device, self.steps,
+                           self.reps)
+        self._check(emu)
+        small = [torch.zeros(16, device=self.device) for _ in range(self.tp)]
+        torch.cuda.synchronize(self.device)
+        one = [self._capture(s, gathers(r, 1)) for r, s in enumerate(streams)]
+        base = [self._capture(s, functools.partial(small[r].add_, 1.0))
+                for r, s in enumerate(streams)]
+        polls = [g.poll for g in ranks]
+        with_gather, launch_only = [], []
+        for graphs, p, into in ((one, polls, with_gather), (base, None, launch_only)):
+            self._replay(graphs, streams, p)  # warm-up (upload)
+            for _ in range(self.reps):
+                torch.cuda.synchronize(self.device)
+                spent = sum(self._replay(graphs, streams, p) for _ in range(self.calls))
+                into.append(spent * 1e6 / (self.calls * self.tp))
+        torch.cuda.synchronize(self.device)
+        self._check(emu)
+        return gpu, statistics.median(with_gather) - statistics.median(launch_only)
