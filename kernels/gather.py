@@ -8,10 +8,11 @@ tensor (the shard, which also gives M, the device and the stream) instead of thr
 One launch per call. ``Gather.kernel`` is the protocol, step by step
 (``steps`` holds each step and the invariant it keeps):
 
-1. wait for the previous kernel (PDL), start the clock, read this rank's epoch (its
-   low bit is the parity: the kernel keeps the alternation in device memory, so a
-   CUDA graph replay alternates like an eager call) and the fail-stop mark; a call
-   that begins marked pushes nothing and delivers no peer fragment;
+1. load the peer table (before PDL's wait: it does not depend on the previous
+   kernel), wait for the previous kernel (PDL), start the clock, read this rank's
+   epoch (its low bit is the parity: the kernel keeps the alternation in device
+   memory, so a CUDA graph replay alternates like an eager call) and the fail-stop
+   mark; a call that begins marked pushes nothing and delivers no peer fragment;
 2. ``push`` this rank's rows to every peer (not when marked) and to the output;
 3. per batch: ``fetch`` every fragment, ``repoll`` the dirty ones until they all
    arrived, the budget ran out or the mark appeared, then ``deliver`` (copy and
@@ -27,9 +28,10 @@ One launch per call. ``Gather.kernel`` is the protocol, step by step
    (serving), that CTA instead records and traps when the mark is set
    (``record_and_stop``): no later kernel of the stream runs on this step's data.
 
-With PDL the kernel waits (``griddepcontrol.wait``) before reading the shard: the
-shard is the previous kernel's output, and the previous gather on this stream must
-have finished re-arming before this one's pushes reach a peer that is ahead.
+With PDL the kernel waits (``griddepcontrol.wait``) before reading the shard or
+its control words: the shard is the previous kernel's output, the epoch the previous
+gather's, and that gather must have finished re-arming before this one's pushes
+reach a peer that is ahead. Only the peer table is read before the wait.
 
 The grid's CTAs must all be co-resident with the peers' (their polls wait on pushes
 from other CTAs); the host checks that, not this module.
@@ -40,7 +42,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from .primitives import load_address
-from .protocol import GIVE_UP_SHIFT, PEER_CONTROL, WORDS
+from .protocol import GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1, WORDS
 from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, advance, deliver, epoch_of, fetch, mark_of, mark_peers,
                     publish, push, repoll)
 
@@ -82,8 +84,24 @@ class Gather:
         stride = grid * self.threads
         rows = shard.shape[0]
 
+        # Prologue: nothing here depends on the previous kernel (the peer table is
+        # written once, at construction), so with PDL it overlaps that kernel's tail
+        # (the lm_head GEMM in serving). Box addresses in push order (rank, rank + 1,
+        # ...) for parity 0; parity 1 lies ``span`` bytes further in every rank's box
+        # (``protocol``: one layout per rank), so the parity, known only after the
+        # wait, costs no second round of loads.
+        own_control = load_address(peers + Int64(PEER_CONTROL * tp + rank) * 8)
+        firsts = cute.make_rmem_tensor((tp,), Int64)
+        controls = cute.make_rmem_tensor((tp,), Int64)
+        for step in cutlass.range_constexpr(tp):
+            firsts[step] = load_address(peers + Int64(PEER_PARITY0 * tp + (rank + step) % tp) * 8)
+        for q in cutlass.range_constexpr(tp):
+            controls[q] = load_address(peers + Int64(PEER_CONTROL * tp + q) * 8)
+        span = load_address(peers + Int64(PEER_PARITY1 * tp + rank) * 8) - firsts[0]
+
         if cutlass.const_expr(self.pdl):
-            # The shard is the previous kernel's output; only then may we read it.
+            # The shard is the previous kernel's output, and the epoch is the previous
+            # gather's: both only after the wait.
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         start = cute.arch.globaltimer()
@@ -93,17 +111,11 @@ class Gather:
             # ``advance``): stopped within the budget, and a peer that gave up at the
             # same moment has finished marking this rank's mailbox before it traps.
             wait = budget - (budget >> GIVE_UP_SHIFT)
-        own_control = load_address(peers + Int64(PEER_CONTROL * tp + rank) * 8)
         epoch = epoch_of(own_control)
         parity = epoch & 1
-        boxes = peers + Int64(parity * tp) * 8  # this parity's row of the peer table
-        # Box and control addresses in push order (rank, rank + 1, ...), loaded once.
         targets = cute.make_rmem_tensor((tp,), Int64)
-        controls = cute.make_rmem_tensor((tp,), Int64)
         for step in cutlass.range_constexpr(tp):
-            targets[step] = load_address(boxes + Int64((rank + step) % tp) * 8)
-        for q in cutlass.range_constexpr(tp):
-            controls[q] = load_address(peers + Int64(PEER_CONTROL * tp + q) * 8)
+            targets[step] = firsts[step] + Int64(parity) * span
         own = targets[0]
         stopped = Int32(mark_of(own_control) != 0)  # a call before this one failed
         cause = CAUSE_MARK * stopped

@@ -10,7 +10,11 @@ Mailbox of one rank, int32 words, contiguous::
 ``W = V / 2`` (a full logits row). Box words start armed with ``SENTINEL``; control
 words start at 0. The peer table handed to the kernel is int64 ``[3, tp]``: rows
 ``PEER_PARITY0``/``PEER_PARITY1`` hold each rank's parity boxes, row ``PEER_CONTROL``
-each rank's control block (addresses as mapped in the calling process).
+each rank's control block (addresses as mapped in the calling process). Every
+rank's parity-1 box lies the same distance after its parity-0 box (one layout per
+rank), which the kernel uses to pick the parity's boxes without reloading the table.
+The table is written once, before any gather, so the kernel reads it before PDL's
+wait.
 
 Control block (cleared only by ``reset``), written by peers, read by its owner:
 ``CONTROL_MARK`` is 0, or ``MARK_TOP - s`` once some rank gave up waiting in call
