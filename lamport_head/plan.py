@@ -10,6 +10,12 @@ Invariants a change must keep:
 - ``co_resident_limit`` is the only place that limit is derived from the device's
   count: ``HeadGather`` (through ``plan``), the emulated and the distributed timing
   targets all call it, so the tuner searches exactly the space serving accepts.
+- A quarter of the device's CTA slots (``OTHER_STREAMS_SHARE``) is never planned
+  for: kernels of the engine's other streams (an NCCL kernel of another group, a
+  copy kernel, the next gather's early launch beyond PDL's) may hold SMs while a
+  gather runs, and two ranks each missing a CTA wait on each other until the budget
+  runs out. On one GPU the default plan takes 24-48 CTAs of 256 threads per rank,
+  far inside the limit; only the tuner's search reaches it.
 - ``plan`` is pure: the device's resident count comes in as a function, so it runs
   (and is tested) without a GPU.
 """
@@ -20,13 +26,18 @@ from .config import GatherConfig, default_ctas
 from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 
 
+OTHER_STREAMS_SHARE = 4  # 1/4 of the device's CTA slots stays free for other streams
+
+
 def co_resident_limit(resident_per_device: int, sharing: int, pdl: bool) -> int:
     """CTAs per rank that stay co-resident when ``sharing`` ranks share a device that
-    holds ``resident_per_device`` CTAs of the kernel. With PDL a rank's next gather is
-    launched early and holds SM slots beside its current one, which another rank's
-    current kernel on the same device may need: halved when ranks share it."""
+    holds ``resident_per_device`` CTAs of the kernel, with a quarter of them left to
+    the engine's other streams. With PDL a rank's next gather is launched early and
+    holds SM slots beside its current one, which another rank's current kernel on the
+    same device may need: halved when ranks share it."""
     early = 2 if pdl and sharing > 1 else 1
-    return resident_per_device // (sharing * early)
+    usable = resident_per_device - resident_per_device // OTHER_STREAMS_SHARE
+    return usable // (sharing * early)
 
 
 def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_THREADS,

@@ -17,34 +17,35 @@ TP, SHARD = 4, 64
 
 
 def test_co_resident_limit_halves_for_pdl_only_when_ranks_share_the_device():
-    assert co_resident_limit(1056, 1, True) == 1056  # a GPU of its own: no halving
-    assert co_resident_limit(1056, 1, False) == 1056
-    assert co_resident_limit(1056, 8, False) == 132
-    assert co_resident_limit(1056, 8, True) == 66  # PDL's early launch holds slots too
+    # a quarter of the device's 1056 slots stays free for other streams: 792 usable
+    assert co_resident_limit(1056, 1, True) == 792  # a GPU of its own: no halving
+    assert co_resident_limit(1056, 1, False) == 792
+    assert co_resident_limit(1056, 8, False) == 99
+    assert co_resident_limit(1056, 8, True) == 49  # PDL's early launch holds slots too
 
 
 def resident_by_threads(config):
-    return 4096 // config.threads  # 16 of 256 threads, 32 of 128
+    return 4096 // config.threads  # 16 of 256 threads, 32 of 128 (12 and 24 plannable)
 
 
 def test_plan_from_none_int_and_mappings():
     kw = dict(tp=TP, shard=SHARD * 64, resident=resident_by_threads, sharing=1, pdl=True)
     heuristic = plan({1, 8}, **kw)
-    assert heuristic == {m: GatherConfig(default_ctas(m, TP, SHARD * 64, 256, 4, 16))
+    assert heuristic == {m: GatherConfig(default_ctas(m, TP, SHARD * 64, 256, 4, 12))
                          for m in (1, 8)}
     assert plan([2, 3], 5, threads=128, unroll=2, **kw) == dict.fromkeys(
         (2, 3), GatherConfig(5, 128, 2))
-    mixed = plan({1, 2}, {1: 3, 2: GatherConfig(32, 128, 8)}, **kw)
-    assert mixed == {1: GatherConfig(3), 2: GatherConfig(32, 128, 8)}
+    mixed = plan({1, 2}, {1: 3, 2: GatherConfig(24, 128, 8)}, **kw)
+    assert mixed == {1: GatherConfig(3), 2: GatherConfig(24, 128, 8)}
 
 
 @pytest.mark.parametrize("rows, ctas, what", [
     (set(), None, "rows must be a non-empty set of positive row counts"),
     ({0, 1}, 1, "rows must be a non-empty set"),
     ({1, 2}, {1: 4}, r"no CTA count for rows \[2\]"),
-    ({1}, 17, "17 CTAs for 1 rows cannot all be co-resident: this device holds 16 CTAs of "
+    ({1}, 13, "13 CTAs for 1 rows cannot all be co-resident: this device holds 12 CTAs of "
               r"256 threads per rank \(1 rank\(s\) share it, PDL on\)"),
-    ({1}, {1: GatherConfig(33, 128)}, "33 CTAs for 1 rows cannot all be co-resident"),
+    ({1}, {1: GatherConfig(25, 128)}, "25 CTAs for 1 rows cannot all be co-resident"),
     ({1}, {1: 0}, "ctas must be an int >= 1"),
 ])
 def test_plan_refuses_what_it_cannot_serve(rows, ctas, what):
@@ -86,7 +87,7 @@ def test_the_emulated_targets_limit_is_what_head_gather_accepts(monkeypatch, tp,
     monkeypatch.setattr(head_gather, "KERNELS", CpuKernels(per_device))
     limit = EmulatedTarget("cpu", tp, tp * SHARD).limit(256, 4)
     # virtual ranks share the GPU and PDL is on: halved once, not twice
-    assert limit == co_resident_limit(per_device, tp, True) == per_device // (2 * tp)
+    assert limit == co_resident_limit(per_device, tp, True) == (per_device * 3 // 4) // (2 * tp)
     box = shared_box(tp, tp)
     gather = HeadGather(None, "cpu", tp, 0, SHARD, {1: GatherConfig(limit)}, mailbox=box)
     assert gather.ctas == {1: limit} and gather.resident(256, 4) == limit
