@@ -9,13 +9,16 @@ stock with one warning, nobody hangs (spawn's deadline), still in step.
 
 What is faked and why: HeadGather's CUDA-only construction (helpers.fake_cuda:
 its kernels through the seam ``head_gather.KERNELS``, the mailbox, the device key)
-with a kernel stand-in that writes the right bytes (every rank plants the same
+with a kernel stand-in that writes the gathered bytes (every rank plants the same
 shard: same seed, same calls), and the CUDA timing machinery (events, side streams,
-graphs) as CPU no-ops. The failures are injected at the harness's own local steps
+graphs) as CPU no-ops. The kernel stand-in waits for its peers' shards as the real
+kernel does (``_waiting_launch``: through the group's store, bounded), so a harness
+that launched a call on one rank only would wait and fail. The failures are injected at the harness's own local steps
 (its ``planted``, ``torch.empty``, the graph capture), never at an agreement call."""
 
 import contextlib
 import ctypes
+import itertools
 import os
 import types
 
@@ -61,6 +64,47 @@ def _inject(rank, fail):
     return due
 
 
+def _waiting_launch(rank, tp, current, wait_s=2.0):
+    """A kernel stand-in that waits for its peers as the real one does: call n of
+    gather g publishes this rank's shard in the group's store and waits (at most
+    ``wait_s``, the spin budget) for every peer's call n of g; it writes the gathered
+    row, NaN for a peer that never published, and then, like a give-up, marks this
+    rank's control block (so ``check()`` raises). A harness that launched a call on
+    one rank only, or in another order, waits here and fails."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from lamport_head.kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, MARK_TOP,
+                                               PEER_CONTROL)
+
+    store = dist.distributed_c10d._get_default_store()
+
+    def launch(logits, out, peers, r, ctas, budget, status):
+        gather = current[0]
+        n = next(gather.fake_calls)
+        key = f"fake-kernel/{gather.fake_gather}/{n}"
+        store.set(f"{key}/{rank}", logits.contiguous().view(torch.uint8).numpy().tobytes())
+        shards, missing = [], []
+        for peer in range(tp):
+            try:
+                store.wait([f"{key}/{peer}"], datetime.timedelta(seconds=wait_s))
+                raw = bytearray(store.get(f"{key}/{peer}"))
+                shards.append(torch.frombuffer(raw, dtype=torch.bfloat16).view(logits.shape))
+            except Exception:  # the peer never launched this call: a give-up
+                missing.append(peer)
+                shards.append(torch.full_like(logits, float("nan")))
+        want = reference_gather(shards)
+        ctypes.memmove(out, want.data_ptr(), want.numel() * want.element_size())
+        if missing:
+            control = ctypes.c_int64.from_address(peers + 8 * (PEER_CONTROL * tp + rank)).value
+            for peer in missing:
+                ctypes.c_int32.from_address(control + 4 * (CONTROL_MISSING + peer)).value = 1
+            ctypes.c_int32.from_address(control + 4 * CONTROL_MARK).value = MARK_TOP - n
+
+    return launch
+
+
 def _cpu_ranks(rank, tp, fail=None):
     """This process as one of ``tp`` CPU ranks the harness can time, with the failure
     ``fail`` injected on rank 1 (see ``_inject``)."""
@@ -69,20 +113,26 @@ def _cpu_ranks(rank, tp, fail=None):
 
     torch.manual_seed(0)  # every rank plants the same shards, call for call
 
-    def launch(logits, out, peers, r, ctas, budget, status):
-        want = reference_gather([logits] * tp)  # every rank's shard is this one
-        ctypes.memmove(out, want.data_ptr(), want.numel() * want.element_size())
-
+    current = []  # the gather whose call is launching
+    launch = _waiting_launch(rank, tp, current)
     fake_cuda(setattr, rank, "ok", launch=launch)
     due = _inject(rank, fail)
     closes = []
     close = HeadGather.close
     HeadGather.close = lambda self: (closes.append(1), close(self))[1]
+    init, built = HeadGather.__init__, itertools.count()
+
+    def building(self, *args, **kwargs):
+        init(self, *args, **kwargs)  # collective: every rank builds its gathers in one order
+        self.fake_gather, self.fake_calls = next(built), itertools.count()
+
+    HeadGather.__init__ = building
     call = HeadGather.__call__
 
     def called(self, logits, stock):
         if due("call"):
             raise RuntimeError("injected: the kernel launch failed")
+        current[:] = [self]
         return call(self, logits, stock)
 
     HeadGather.__call__ = called
