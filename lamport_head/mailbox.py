@@ -32,16 +32,19 @@ collectives in the same order and a failure raises on every rank, naming the ran
 still push into it.
 
 Torch's symmetric-memory rendezvous is one call with phases of its own (an all-gather
-of handles over the group's store, an exchange of file descriptors, importing and
-mapping each peer, a store barrier); a rank failing inside it leaves its peers
-waiting in a later phase, which no agreement of ours can reach. So every store wait
-in it is bounded (``RENDEZVOUS_WAIT_S``, set on the group's store for the rendezvous
-only): a stranded peer's wait ends with an error, every rank carries its outcome
-into ``exchange``, and every rank raises.
+of handles over the group's store, an exchange of file descriptors over a local
+socket, importing and mapping each peer, a store barrier with a timeout of its own);
+a rank failing inside it leaves its peers waiting in a later phase, which no
+agreement of ours can reach and not every phase of which honours a timeout we could
+set. So the rendezvous runs in a helper thread given ``RENDEZVOUS_WAIT_S``: a rank
+whose rendezvous has not returned by then takes that as its failure, every rank
+carries its outcome into ``exchange``, and every rank raises. A rendezvous left
+behind finishes or fails in its thread, unused; later symmetric-memory rendezvous in
+that process may then be out of step (torch numbers them per process), which is one
+more reason install leaves every rank stock.
 """
 
-import contextlib
-import datetime
+import threading
 
 import os
 import pickle
@@ -56,7 +59,7 @@ from .kernels.protocol import (CONTROL_EPOCH, MAX_TP, PEER_CONTROL, PEER_ROWS, S
 BACKEND_ENV = "LAMPORT_HEAD_MAILBOX"
 BACKENDS = ("symmetric", "ipc")
 MULTICAST_OFF_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"  # read by torch at rendezvous
-RENDEZVOUS_WAIT_S = 60.0  # the longest store wait inside torch's rendezvous (start-up)
+RENDEZVOUS_WAIT_S = 60.0  # how long a rank waits for torch's rendezvous to return (start-up)
 
 
 def multicast_off(symm_mem, device):
@@ -259,13 +262,18 @@ class SymmetricMailbox(_ProcessMailbox):
         return symm_mem.empty(count, dtype=torch.int32, device=self.device)
 
     def connect(self):
-        """Collective: torch's rendezvous first (nothing local before it; its store
-        waits bounded, so a peer failing inside it cannot strand this rank), then
+        """Collective: torch's rendezvous first (nothing local before it; bounded in
+        time, so a peer failing inside it cannot strand this rank), then
         ``exchange``'s one all-gather, which every rank reaches whatever its
         rendezvous did and which carries each rank's derivation of the peer
         addresses, or its failure, to every rank."""
-        with bounded_store_waits(self._symm_group, RENDEZVOUS_WAIT_S):
-            self.handle, failed = attempt(self._symm_mem.rendezvous, self.box, self._symm_group)
+        def rendezvous():  # in its own thread: the current device is per thread
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            return self._symm_mem.rendezvous(self.box, self._symm_group)
+
+        self.handle, failed = attempt(within, RENDEZVOUS_WAIT_S,
+                                      "torch's symmetric-memory rendezvous", rendezvous)
 
         def derive():
             if failed is not None:
@@ -299,29 +307,25 @@ class SymmetricMailbox(_ProcessMailbox):
         self.handle = None
 
 
-@contextlib.contextmanager
-def bounded_store_waits(group, seconds):
-    """Within the block, every wait on ``group``'s store (and the stores it prefixes)
-    ends after ``seconds``; the previous timeouts come back after it. A store that
-    cannot be reached or bounded is left as it is (the rendezvous then waits as
-    long as torch's own timeout)."""
-    stores = []
-    with contextlib.suppress(Exception):
-        from torch.distributed import distributed_c10d as c10d
+def within(seconds, what, fn, *args):
+    """``fn(*args)`` if it returns or raises within ``seconds``; else ``TimeoutError``
+    (``fn`` goes on in a daemon thread, its outcome dropped)."""
+    outcome = {}
 
-        store = c10d._get_process_group_store(group)
-        while store is not None:
-            stores.append((store, store.timeout))
-            store = getattr(store, "underlying_store", None)
-    try:
-        for store, _ in stores:
-            with contextlib.suppress(Exception):
-                store.set_timeout(datetime.timedelta(seconds=seconds))
-        yield
-    finally:
-        for store, before in stores:
-            with contextlib.suppress(Exception):
-                store.set_timeout(before)
+    def run():
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="lamport-head-rendezvous", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not return within {seconds:g} s (a peer failed inside it?)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 # The real-rank backends by name: what ``choose_backend`` answers, what HeadGather builds.

@@ -7,7 +7,8 @@ stand-in module whose ``rendezvous`` has torch's phases, over the group's store 
 torch's has: an all-gather of the handles, an exchange of file descriptors, the
 import and mapping of every peer (local), a store barrier. One rank fails in one
 phase; a failure inside the rendezvous leaves its peers waiting in a later phase
-(that is how torch's behaves), which only the bounded store waits end. Every rank
+(that is how torch's behaves), the fd exchange and the barrier with no timeout a
+caller can set, which only the rendezvous' deadline ends. Every rank
 must come out stock, with one warning naming the failing rank, before the spawn
 deadline, and then meet its peers in the next collective.
 """
@@ -27,7 +28,7 @@ from tables import TWO_RANKS as TABLE
 
 from lamport_head import head_gather, mailbox
 
-WAIT_S = 2.0  # the rendezvous' store waits, bounded for the test (RENDEZVOUS_WAIT_S)
+WAIT_S = 2.0  # how long a rank waits for the rendezvous in this test (RENDEZVOUS_WAIT_S)
 SYMMETRIC_PHASES = ("handles", "fds", "map", "after")
 IPC_PHASES = ("export", "map", "arm")
 
@@ -52,13 +53,25 @@ def _phased_symmetric_memory(rank, phase, failing):
             store.set(f"{n}/{tag}/{rank}", str(value))
             return [int(store.get(f"{n}/{tag}/{r}")) for r in range(world)]
 
+        def unbounded(key):
+            # torch's fd exchange (a local socket) and its store barrier (the prefix
+            # store's own timeout) honour no timeout a caller could set: wait as long
+            while True:
+                try:
+                    return store.get(key)
+                except Exception:  # this store's own timeout: keep waiting
+                    time.sleep(0.05)
+
         fail("handles")  # before publishing its handle: peers wait for it
         ptrs = all_gather("handles", box.data_ptr())
-        fail("fds")
-        all_gather("fds", 1000 + rank)
+        fail("fds")  # peers wait for its file descriptors
+        store.set(f"{n}/fds/{rank}", str(1000 + rank))
+        for r in range(world):
+            unbounded(f"{n}/fds/{r}")
         fail("map")  # importing and mapping a peer: peers wait in the barrier
         store.set(f"{n}/barrier/{rank}", "1")
-        store.wait([f"{n}/barrier/{r}" for r in range(world)])
+        for r in range(world):
+            unbounded(f"{n}/barrier/{r}")
         fail("after")  # peers have returned and gone on
         return types.SimpleNamespace(world_size=world, buffer_ptrs=ptrs)
 
