@@ -302,8 +302,13 @@ class HeadGather:
         self.box.barrier()
 
     def close(self):
-        """Collective: release the mailbox once no peer can push into it."""
+        """Collective: release the mailbox once no peer can push into it. A serving
+        gather that gave up raises its failure instead: its context stopped (or the
+        watchdog is about to end the process), so there is nothing to release and a
+        sync could wait for ever; the watchdog stays on."""
         self._closed = True
+        if self.mode == SERVING and self._status.raised:
+            raise self.failure()
         if self._watcher is not None:
             self._watcher.stop()
         self.box.close()

@@ -86,16 +86,17 @@ class StatusRecord:
 
 def context_stopped(device, wait_s=PROBE_WAIT_S) -> bool:
     """Whether ``device``'s CUDA context in this process has stopped (a device sync
-    raises). A sync that returns, or is still blocked after ``wait_s``, means the
-    context still runs (the sync goes on in a daemon thread, harmlessly)."""
+    raises its sticky error). A sync that returns, is still blocked after ``wait_s``,
+    or is refused because another thread is capturing a graph, means the context
+    still runs (the sync goes on in a daemon thread, harmlessly)."""
     outcome = []
 
     def probe():
         try:
             torch.cuda.synchronize(device)
             outcome.append(False)
-        except Exception:  # the context's sticky error: it stopped
-            outcome.append(True)
+        except Exception as exc:  # the context's sticky error: it stopped
+            outcome.append("capturing" not in str(exc))
 
     thread = threading.Thread(target=probe, name="lamport-head-probe", daemon=True)
     thread.start()

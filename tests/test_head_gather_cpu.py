@@ -1,6 +1,7 @@
 """HeadGather's host logic with the kernel replaced by a recording fake (no GPU):
 routing, parity, stream order, the fail-stop record and ``reset``'s order."""
 
+import types
 
 import pytest
 import torch
@@ -270,3 +271,24 @@ def test_backend_choice_is_a_function_of_every_ranks_facts():
         decide(distinct, [True, False], "symmetric")
     with pytest.raises(ValueError, match="LAMPORT_HEAD_MAILBOX='nvls'"):
         decide(distinct, [True, True], "nvls")
+
+
+def test_closing_a_serving_gather_that_gave_up_raises_and_leaves_the_watchdog_on(monkeypatch):
+    """After a serving give-up the context is stopped (or about to be ended): close()
+    names the missing ranks instead of syncing a context that may never answer, and
+    the watcher (the watchdog) is not stopped."""
+    g, _ = fake_gather()
+    log = []
+    g.box = FakeBox(log)
+    g.box.close = lambda: log.append("close")
+    stopped = []
+    g.mode, g._watcher = "serving", types.SimpleNamespace(stop=lambda: stopped.append(1))
+    g._status.words[STATUS_PEERS + 3] = 1
+    g._status.words[STATUS_EPOCH] = 60
+    g._status.words[STATUS_FLAG] = 1
+    with pytest.raises(GatherTimeout, match=r"call 60 gave up waiting: rank\(s\) 3"):
+        g.close()
+    assert log == [] and stopped == []
+    g._status.clear()  # a serving gather that never gave up closes as before
+    g.close()
+    assert log == ["close"] and stopped == [1]

@@ -132,6 +132,12 @@ def test_the_context_probe_reads_a_sync_that_raises_as_stopped(monkeypatch):
     assert status.context_stopped("cuda:0", wait_s=1.0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
     assert not status.context_stopped("cuda:0", wait_s=1.0)
+
+    def capturing(device):  # another thread's global-mode capture: no verdict on us
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", capturing)
+    assert not status.context_stopped("cuda:0", wait_s=1.0)
     hold = threading.Event()
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device: hold.wait(5))
     started = time.monotonic()
