@@ -21,6 +21,8 @@ One launch per call. ``Gather.kernel`` is the protocol, step by step
    finds the mark already set delivers no peer fragment at all: the mark was set
    before any late push of a void call could land in this box, so what the box
    holds now may be such a push (NaN instead, until ``reset`` re-arms);
+   Serving only: a thread still waiting at half the budget raises the slow
+   heartbeat (``raise_slow``; ``protocol``), once;
 4. on its own time-out, ``mark_peers``: the missing ranks and the mark in every
    rank's control block; on any give-up, ``publish`` the host flag when the failed
    call was an earlier one (the protocol's "flag waits one call"; recoverable only);
@@ -44,7 +46,7 @@ from cutlass import Int32, Int64, Uint32
 from .primitives import load_address
 from .protocol import GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1, WORDS
 from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, advance, deliver, epoch_of, fetch, mark_of, mark_peers,
-                    publish, push, repoll)
+                    publish, push, raise_slow, repoll)
 
 
 class Gather:
@@ -125,6 +127,7 @@ class Gather:
 
         polls = rows * (tp - 1) * frags
         missing = Int32(0)
+        slow = Int32(0)  # serving: this thread raised STATUS_SLOW
         base = me
         while base < polls:
             held = cute.make_rmem_tensor((unroll, WORDS), Uint32)
@@ -137,6 +140,10 @@ class Gather:
             while (pending != 0) & (cause == 0):
                 pending = repoll(own, held, where, pending, unroll)
                 if pending != 0:  # a batch that just completed is never a give-up
+                    if cutlass.const_expr(self.stop):
+                        if slow == 0:
+                            if cute.arch.globaltimer() - start > (budget >> 1):
+                                slow = raise_slow(status, own_control, epoch)
                     if cute.arch.globaltimer() - start > wait:
                         cause = Int32(CAUSE_TIMEOUT)
                     elif mark_of(own_control) != 0:

@@ -63,6 +63,14 @@ without a device sync): ``STATUS_EPOCH`` is the call ``s`` that failed and
 ``STATUS_PEERS + r`` is 1 for each rank recorded missing (both copied from the
 control block), then a system-scope fence, then ``STATUS_FLAG``. Every writer of a
 word writes the same value, so no update can be lost.
+
+Serving's heartbeat of a slow launch: a thread of the stop variant still waiting at
+half the budget writes ``STATUS_SLOW`` = its epoch + 1 (host memory) and
+``CONTROL_SLOW`` = 1 (its own control block), once per thread; healthy launches write
+neither. The launch's last CTA clears both when the launch finishes without a give-up
+(the wait ended in time); a give-up leaves them and raises the flag. So a host that
+sees ``STATUS_SLOW`` stay up, with no flag, past the moment the trap was due knows
+the launch is stuck before its record (a store into a peer whose context died, say).
 """
 
 SENTINEL = 0x80000000  # the BF16 pair (+0, -0): "not yet published"
@@ -80,12 +88,14 @@ MARK_TOP = 0x7FFFFFFF  # mark = MARK_TOP - failed epoch: the largest mark is the
 # 0 < (e - s) mod EPOCH_SPAN < EPOCH_SPAN / 2.
 EPOCH_SPAN = 1 << 30
 CONTROL_EPOCH, CONTROL_DONE = CONTROL_MISSING + MAX_TP, CONTROL_MISSING + MAX_TP + 1
-CONTROL_WORDS = 4 * ((CONTROL_DONE + 1 + 3) // 4)  # whole fragments: the boxes stay aligned
+CONTROL_SLOW = CONTROL_DONE + 1  # serving: some thread of this launch raised STATUS_SLOW
+CONTROL_WORDS = 4 * ((CONTROL_SLOW + 1 + 3) // 4)  # whole fragments: the boxes stay aligned
 PEER_PARITY0, PEER_PARITY1, PEER_CONTROL = 0, 1, 2
 PEER_ROWS = 3
 
 STATUS_FLAG, STATUS_EPOCH, STATUS_PEERS = 0, 1, 2
-STATUS_WORDS = STATUS_PEERS + MAX_TP
+STATUS_SLOW = STATUS_PEERS + MAX_TP  # serving: epoch + 1 of a launch still waiting at half the budget
+STATUS_WORDS = STATUS_SLOW + 1
 
 # Serving's give-up (stop): waits end at budget - (budget >> GIVE_UP_SHIFT); the trap
 # follows the status record's flag by budget >> STOP_SHIFT.

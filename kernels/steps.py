@@ -31,8 +31,9 @@ from cutlass import Int32, Int64, Uint32
 from .primitives import (armed, atomic_add_word, atomic_max_word_sys, fence_sys, load,
                          load_address, load_volatile, load_word_volatile, scrub, store, store_sys,
                          store_word, store_word_sys, trap)
-from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, EPOCH_SPAN,
-                       MARK_TOP, NAN_PAIR, SENTINEL, STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STOP_SHIFT,
+from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, CONTROL_SLOW,
+                       EPOCH_SPAN, MARK_TOP, NAN_PAIR, SENTINEL, STATUS_EPOCH, STATUS_FLAG,
+                       STATUS_PEERS, STATUS_SLOW, STOP_SHIFT,
                        WORDS)
 
 CAUSE_TIMEOUT, CAUSE_MARK = 1, 2  # why a thread stopped waiting
@@ -66,8 +67,24 @@ def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64
                 fence_sys()  # the other CTAs' marks and missing ranks before the read
                 if mark_of(control) != 0:
                     record_and_stop(status, control, budget, tp)
+                if load_word_volatile(control + CONTROL_SLOW * 4) != Uint32(0):
+                    # slow but finished in time: the host's heartbeat goes down
+                    store_word_sys(status + STATUS_SLOW * 4, 0)
+                    store_word(control + CONTROL_SLOW * 4, 0)
             store_word(control + CONTROL_DONE * 4, 0)
             store_word(control + CONTROL_EPOCH * 4, (epoch + 1) & Int32(EPOCH_SPAN - 1))
+
+
+@cute.jit
+def raise_slow(status: Int64, own_control: Int64, epoch: Int32) -> Int32:
+    """Serving's heartbeat of a launch still waiting at half the budget (``protocol``):
+    ``STATUS_SLOW`` = epoch + 1 in host memory, ``CONTROL_SLOW`` in this rank's control
+    block (so the last CTA clears both if the launch finishes in time). Returns 1, the
+    thread's "raised" flag, so it writes once."""
+    store_word(own_control + CONTROL_SLOW * 4, 1)
+    store_word_sys(status + STATUS_SLOW * 4, epoch + 1)
+    fence_sys()  # both before this CTA's arrival at the launch's CTA count
+    return Int32(1)
 
 
 @cute.jit
@@ -213,4 +230,4 @@ def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.C
 
 
 __all__ = ["epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
-           "publish", "record_and_stop", "write_record", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]
+           "publish", "raise_slow", "record_and_stop", "write_record", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]

@@ -171,8 +171,10 @@ class HeadGather:
         self._stream_id, self._stream = None, None
         # serving: the engine's own error cannot name the ranks once the context stopped
         # and a trap that never surfaces must not leave the engine waiting: the watchdog
+        # (the slow heartbeat comes at half the budget; the trap is due at 7/8)
         self._watcher = Watcher(self._status, device=self.device,
-                                stop_after_s=budget_s / (1 << STOP_SHIFT) + STOP_GRACE_S) \
+                                stop_after_s=budget_s / (1 << STOP_SHIFT) + STOP_GRACE_S,
+                                stuck_after_s=budget_s / 2 + STOP_GRACE_S) \
             if mode == SERVING else None
 
     def _prepare(self, tp, rank, shard, rows, ctas, knobs, pdl, sharing, budget_s):

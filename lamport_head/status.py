@@ -25,10 +25,11 @@ import logging
 import os
 import sys
 import threading
+import time
 
 import torch
 
-from .kernels.protocol import STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STATUS_WORDS
+from .kernels.protocol import STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STATUS_SLOW, STATUS_WORDS
 
 logger = logging.getLogger("lamport_head")
 
@@ -68,6 +69,13 @@ class StatusRecord:
                                  pin_memory=torch.cuda.is_available())
         self.address = self.words.data_ptr()  # what the kernel is handed
         self._flag = ctypes.c_int32.from_address(self.address + 4 * STATUS_FLAG)
+        self._slow = ctypes.c_int32.from_address(self.address + 4 * STATUS_SLOW)
+
+    @property
+    def slow(self) -> int:
+        """Serving's heartbeat: the epoch + 1 of a launch still waiting at half the
+        budget, 0 when none (``kernels.protocol``; host memory, no sync)."""
+        return self._slow.value
 
     @property
     def raised(self) -> bool:
@@ -122,14 +130,17 @@ class Watcher:
     "CUDA error: unspecified launch failure", cannot name the rank; this line does),
     then, ``stop_after_s`` later (when the kernel's trap is due, plus
     ``STOP_GRACE_S``), checks that the context stopped; if not, logs that at CRITICAL
-    and ends the process (``end_process``). Until the flag it touches no CUDA state;
+    and ends the process (``end_process``). Before any flag, a slow heartbeat
+    (``StatusRecord.slow``: a launch still waiting at half the budget) that stays up
+    ``stuck_after_s`` with no flag and the context still running means the launch is
+    stuck before its record: the same CRITICAL line and end. Until the flag it touches no CUDA state;
     ``stop()`` ends it. ``stopped`` and ``end`` are the context probe and the exit
     (``context_stopped`` and ``end_process``; tests pass their own)."""
 
     def __init__(self, record, period_s=WATCH_PERIOD_S, *, device=None, stop_after_s=None,
-                 stopped=None, end=end_process):
+                 stuck_after_s=None, stopped=None, end=end_process):
         self.record, self.period_s = record, period_s
-        self.stop_after_s = stop_after_s
+        self.stop_after_s, self.stuck_after_s = stop_after_s, stuck_after_s
         self._stopped = stopped or (lambda: context_stopped(device))
         self._end = end
         self._done = threading.Event()
@@ -138,6 +149,7 @@ class Watcher:
         self._thread.start()
 
     def _run(self):
+        seen, since = 0, None  # the slow heartbeat's value, and when it came up
         while not self._done.wait(self.period_s):
             if self.record.raised:
                 failure = self.record.failure(stopped=True)
@@ -145,6 +157,24 @@ class Watcher:
                              "stopped)", failure)
                 if self.stop_after_s is not None:
                     self._watchdog(failure)
+                return
+            if self.stuck_after_s is None:
+                continue
+            slow = self.record.slow
+            if slow != seen:
+                seen, since = slow, time.monotonic()
+            elif slow and time.monotonic() - since > self.stuck_after_s:
+                if self.record.raised:
+                    continue  # the give-up's record came: the flag's path, next round
+                if self._stopped():
+                    return  # the context stopped without a record: the engine's error says so
+                logger.critical("lamport-head gather on rank %d: call %d has waited past its "
+                                "spin budget and neither finished nor gave up (its GPU context "
+                                "is still running %.1f s after it passed half the budget: a "
+                                "store into a peer whose context died?); ending this process "
+                                "(exit code %d)", self.record.rank, slow - 1,
+                                self.stuck_after_s, STOP_EXIT_CODE)
+                self._end()
                 return
 
     def _watchdog(self, failure):

@@ -201,3 +201,18 @@ def test_engine_shaped_steps_never_put_a_wrong_token_on_a_host(n, fault):
     # the GPU serves the next process group
     codes, outs, _ = launch(2, "--calls", "30")
     assert codes == [0, 0], _show(outs)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_engine_shaped_steps_with_a_peer_slow_inside_the_budget_all_go_on(n):
+    """A host stall past half the budget and inside its three quarters: the peers'
+    gathers raise the slow heartbeat and then finish, which clears it; nobody stops
+    (no false watchdog end), every step's tokens reach every host, none wrong."""
+    budget, at, steps = 2.0, 60, 120
+    codes, outs, _ = launch(n, "--steps", str(steps), "--at", str(at), "--budget", str(budget),
+                            "--stall-rank", str(n - 1), "--stall-s", str(0.6 * budget),
+                            timeout=240, program=ENGINE_STEP)
+    reports = _engine_reports(outs)
+    assert codes == [0] * n, _show(outs)
+    for r in reports:
+        assert r["error"] is None and r["steps"] == steps and r["wrong"] == 0, _show(outs)

@@ -4,7 +4,7 @@ the watcher logs that once, from host memory alone, as soon as the flag is up.""
 import logging
 import time
 
-from lamport_head.kernels.protocol import STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS
+from lamport_head.kernels.protocol import STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STATUS_SLOW
 from lamport_head.status import GatherTimeout, StatusRecord, Watcher
 
 
@@ -144,3 +144,68 @@ def test_the_context_probe_reads_a_sync_that_raises_as_stopped(monkeypatch):
     assert not status.context_stopped("cuda:0", wait_s=0.1)
     assert time.monotonic() - started < 1.0
     hold.set()
+
+
+def _slow(record, epoch):
+    """What a serving launch still waiting at half the budget writes (0: cleared)."""
+    record.words[STATUS_SLOW] = 0 if epoch is None else epoch + 1
+
+
+def _stuck_watch(record, stopped, stuck_after_s=0.2):
+    ended = []
+    watcher = Watcher(record, period_s=0.01, stop_after_s=5.0, stuck_after_s=stuck_after_s,
+                      stopped=stopped, end=lambda: ended.append(time.monotonic()))
+    return watcher, ended
+
+
+def test_a_launch_stuck_before_its_record_ends_the_process(caplog):
+    """The slow heartbeat stays up, no flag ever comes, the context still runs (a
+    kernel stuck in a store to a dead peer): CRITICAL naming the call, then the end,
+    not before ``stuck_after_s``."""
+    record = StatusRecord(rank=2, tp=4)
+    watcher, ended = _stuck_watch(record, stopped=lambda: False)
+    with caplog.at_level(logging.ERROR, logger="lamport_head"):
+        _slow(record, 41)
+        up = time.monotonic()
+        _until(lambda: ended)
+    watcher.stop()
+    assert len(ended) == 1 and ended[0] - up >= 0.2
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "rank 2: call 41 has waited past its spin budget and neither finished" in line
+
+
+def test_a_slow_launch_that_finishes_ends_nothing(caplog):
+    """Slow but in time: the kernel clears the heartbeat; a later slow launch starts
+    the clock again."""
+    record = StatusRecord(rank=0, tp=2)
+    watcher, ended = _stuck_watch(record, stopped=lambda: False, stuck_after_s=0.3)
+    with caplog.at_level(logging.ERROR, logger="lamport_head"):
+        _slow(record, 7)
+        time.sleep(0.2)
+        _slow(record, None)  # finished in time
+        time.sleep(0.2)
+        _slow(record, 9)
+        time.sleep(0.2)  # 0.2 s of the new launch: under its own 0.3 s
+        _slow(record, 10)  # the next launch slow too: its own clock
+        time.sleep(0.2)
+        _slow(record, None)
+        time.sleep(0.4)
+    watcher.stop()
+    assert ended == [] and caplog.records == []
+
+
+def test_a_slow_launch_that_gives_up_takes_the_flags_path(caplog):
+    record = StatusRecord(rank=1, tp=4)
+    asked = []
+    watcher, ended = _stuck_watch(record, stopped=lambda: asked.append(1) or True,
+                                  stuck_after_s=0.2)
+    watcher.stop_after_s = 0.05
+    with caplog.at_level(logging.ERROR, logger="lamport_head"):
+        _slow(record, 60)
+        time.sleep(0.05)
+        _give_up(record, 60, [3])
+        _until(lambda: asked)
+        time.sleep(0.3)
+    watcher.stop()
+    assert ended == [] and asked == [1]
+    assert [r.levelno for r in caplog.records] == [logging.ERROR]
