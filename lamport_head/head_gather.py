@@ -19,13 +19,15 @@ Invariants a change must keep:
   rank) is copied, and a tensor on another device raises.
 - Bytes move unchanged but for the sentinel word (+0, -0), which arrives as (+0, +0).
 - Fail-stop, serving mode (``mode="serving"``, what install builds for engines): a
-  wait past the spin budget marks every rank's mailbox, and the launch that gave up
-  (or began marked) stops this process's GPU context (``trap``) once all its CTAs
-  are done, after writing the status record. No later kernel of the stream runs, so
-  no value of that step reaches a sampler or the host: the engine's next CUDA call
-  raises, every peer stops the same way, and the watcher logs the missing ranks
-  (the engine's own error cannot name them). Nothing here recovers; the engine
-  restarts.
+  wait past three quarters of the spin budget marks every rank's mailbox, and the
+  launch that gave up (or began marked) stops this process's GPU context (``trap``)
+  once all its CTAs are done, after writing the status record (timing:
+  ``kernels.protocol``). No later kernel of the stream runs, so no value of that step
+  reaches a sampler or the host: the engine's next CUDA call raises, every peer stops
+  the same way, and the watcher logs the missing ranks (the engine's own error cannot
+  name them). The watcher is also the watchdog (``status.Watcher``): a context that
+  did not stop when its trap was due, or a launch whose slow heartbeat stays up with
+  no record, ends the process. Nothing here recovers; the engine restarts.
 - Fail-stop, recoverable mode (the default; tools, tuning, tests): a wait past the
   spin budget in call s writes the missing fragments as NaN and marks every rank's
   mailbox; every rank's call s + 1 then fails too and
