@@ -1,7 +1,7 @@
 """``compile_gather``: one compiled Gather per shape key, cached per process.
 
 The key is everything the kernel specializes on: (tp, shard words, threads, unroll,
-pdl, stop, arch); ``stop`` picks serving's give-up (trap) over the recoverable one. M, the CTA count, rank, budget and the status address are
+pdl, stop, arch, timers); ``stop`` picks serving's give-up (trap) over the recoverable one. M, the CTA count, rank, budget and the status address are
 run-time arguments, so one compilation serves every row count.
 
 The callable goes through TVM-FFI: it takes torch tensors directly and launches on
@@ -42,13 +42,15 @@ class CompiledGather:
 def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
                    unroll: int = DEFAULT_UNROLL,
                    pdl: bool | None = None, stop: bool = False,
-                   arch: str = "sm_90a") -> CompiledGather:
+                   arch: str = "sm_90a", timers: bool = False) -> CompiledGather:
     """The compiled gather for this key, compiled at most once per process.
 
     ``pdl``: None takes it where ``arch`` has it (``arch.has_pdl``: sm_90 and later),
     so the defaults compile for every architecture of ``arch.ARCHS``. Raises
     ValueError on a key the kernel cannot serve (PDL asked for before Hopper
-    included)."""
+    included). ``timers`` (diagnostics only, never served): each CTA's phase
+    timestamps go after the status record (``protocol.TIMER_PHASES``), so the status
+    address must then point at a buffer that large."""
     if pdl is None:
         pdl = has_pdl(arch)
     elif pdl and not has_pdl(arch):
@@ -63,14 +65,14 @@ def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
         raise ValueError(f"threads must be one of {THREADS}, got {threads!r}")
     if not isinstance(unroll, int) or not 1 <= unroll <= UNROLL_MAX:
         raise ValueError(f"unroll must be an int in [1, {UNROLL_MAX}], got {unroll!r}")
-    key = (tp, shard_words, threads, unroll, bool(pdl), bool(stop), arch)
+    key = (tp, shard_words, threads, unroll, bool(pdl), bool(stop), arch, bool(timers))
     with _LOCK:
         if key not in _CACHE:
             _CACHE[key] = _compile(*key)
         return _CACHE[key]
 
 
-def _compile(tp, shard_words, threads, unroll, pdl, stop, arch):
+def _compile(tp, shard_words, threads, unroll, pdl, stop, arch, timers):
     rows = cute.sym_int32()
     shard = make_fake_compact_tensor(cutlass.BFloat16, (rows, 2 * shard_words), stride_order=(1, 0), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -78,7 +80,7 @@ def _compile(tp, shard_words, threads, unroll, pdl, stop, arch):
         options = (f"--gpu-arch={arch} --enable-tvm-ffi --keep-ptx --keep-cubin "
                    f"--dump-dir={dump}")
         launch = cute.compile(
-            Gather(tp, shard_words, threads, unroll, pdl, stop), shard, cutlass.Int64(0), cutlass.Int64(0),
+            Gather(tp, shard_words, threads, unroll, pdl, stop, timers), shard, cutlass.Int64(0), cutlass.Int64(0),
             cutlass.Int32(0), cutlass.Int32(1), cutlass.Int64(0), cutlass.Int64(0), stream,
             options=options)
         ptx, cubin = launch.__ptx__, launch.__cubin__

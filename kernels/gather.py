@@ -43,8 +43,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from .primitives import load_address
-from .protocol import GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1, WORDS
+from .primitives import load_address, store_word
+from .protocol import (GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1, TIMER_BASE,
+                       TIMER_PHASES, WORDS)
 from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, advance, deliver, epoch_of, fetch, mark_of, mark_peers,
                     publish, push, raise_slow, repoll)
 
@@ -53,16 +54,28 @@ class Gather:
     """One compiled gather for ``tp`` ranks of ``shard_words`` words per row.
 
     Compile-time: tp, shard width, threads per CTA, fragments in flight per thread
-    (``unroll``), PDL and ``stop`` (serving's give-up: trap; see ``protocol``). Run-time: M (the shard's rows), the CTA count, the rank,
+    (``unroll``), PDL, ``stop`` (serving's give-up: trap; see ``protocol``) and
+    ``timers`` (diagnostics: per-CTA phase timestamps after the status record). Run-time: M (the shard's rows), the CTA count, the rank,
     the spin budget and the status record's address; the parity comes from the
     rank's epoch in device memory."""
 
     def __init__(self, tp: int, shard_words: int, threads: int, unroll: int, pdl: bool,
-                 stop: bool = False):
+                 stop: bool = False, timers: bool = False):
         if shard_words % WORDS:
             raise ValueError(f"shard of {shard_words} words is not whole 16-byte fragments")
         self.tp, self.shard_words, self.threads = tp, shard_words, threads
-        self.unroll, self.pdl, self.stop = unroll, pdl, stop
+        self.unroll, self.pdl, self.stop, self.timers = unroll, pdl, stop, timers
+
+    @cute.jit
+    def stamp(self, status: Int64, cta: Int32, tid: Int32, phase: cutlass.Constexpr):
+        """Diagnostics (``timers``): thread 0 of the CTA writes the global timer for
+        ``phase`` (``protocol.TIMER_PHASES``) after the status record."""
+        if cutlass.const_expr(self.timers):
+            if tid == 0:
+                now = cute.arch.globaltimer()
+                at = status + (Int64(TIMER_BASE) + Int64(cta) * len(TIMER_PHASES) + phase) * 8
+                store_word(at, Int32(now & Int64(0xFFFFFFFF)))
+                store_word(at + 4, Int32(now >> 32))
 
     @cute.jit
     def __call__(self, shard: cute.Tensor, out: Int64, peers: Int64, rank: Int32, ctas: Int32,
@@ -85,6 +98,7 @@ class Gather:
         me = cta * self.threads + tid
         stride = grid * self.threads
         rows = shard.shape[0]
+        self.stamp(status, cta, tid, 0)
 
         # Prologue: nothing here depends on the previous kernel (the peer table is
         # written once, at construction), so with PDL it overlaps that kernel's tail
@@ -107,6 +121,7 @@ class Gather:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         start = cute.arch.globaltimer()
+        self.stamp(status, cta, tid, 1)
         wait = budget
         if cutlass.const_expr(self.stop):
             # Serving gives up at three quarters and traps an eighth later (in
@@ -124,6 +139,7 @@ class Gather:
 
         push(Int64(shard.iterator.toint()), out, targets, Int64(rank * self.shard_words), rows,
              me, stride, cause, tp, frags, width, unroll)
+        self.stamp(status, cta, tid, 2)
 
         polls = rows * (tp - 1) * frags
         missing = Int32(0)
@@ -151,9 +167,11 @@ class Gather:
             missing = deliver(own, out, held, where, source, pending, missing, base, stride,
                               polls, unroll)
             base = base + stride * unroll
+        self.stamp(status, cta, tid, 3)
         if cause == CAUSE_TIMEOUT:
             mark_peers(controls, missing, epoch, tp)
         if cutlass.const_expr(not self.stop):
             if cause != 0:
                 publish(status, own_control, epoch, tp)
         advance(own_control, epoch, grid, tid, status, budget, tp, self.stop)
+        self.stamp(status, cta, tid, 4)

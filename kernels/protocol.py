@@ -101,6 +101,12 @@ STATUS_WORDS = STATUS_SLOW + 1
 # follows the status record's flag by budget >> STOP_SHIFT.
 GIVE_UP_SHIFT, STOP_SHIFT = 2, 3
 
+# Diagnostics only (``compile_gather(..., timers=True)``): thread 0 of every CTA writes
+# the global timer (ns, int64) at each phase boundary into the status buffer after the
+# record, CTA c's phase k at int64 index TIMER_BASE + c * len(TIMER_PHASES) + k.
+TIMER_PHASES = ("entry", "waited", "pushed", "delivered", "done")
+TIMER_BASE = (STATUS_WORDS + 1) // 2  # in int64: the record's int32 words, rounded up
+
 THREADS = (64, 128, 256, 512, 1024)  # CTA sizes the kernel compiles for
 UNROLL_MAX = 16  # fragments in flight per thread, at most
 DEFAULT_THREADS, DEFAULT_UNROLL = 256, 4

@@ -103,3 +103,16 @@ def test_the_prologue_before_the_pdl_wait_reads_only_the_peer_table(tp):
     before, after = k.ptx.split("griddepcontrol.wait", 1)
     assert before.count("ld.global.b64") == 2 * tp + 2 and "ld.global.b64" not in after
     assert not re.search(r"\bld\.(?:volatile\.)?global\.(?:v4\.)?u32", before)
+
+
+def test_the_phase_timers_are_a_diagnostic_variant_only():
+    """``timers=True`` (tuning/diagnostics/phases.py) stamps the global timer at each
+    of the protocol's phase boundaries; the variants the runtime builds read it only
+    where they did (the start and the bounded waits)."""
+    from lamport_head.kernels.protocol import TIMER_PHASES
+
+    plain = compile_gather(8, 163840 // 8 // 2, arch="sm_90a")
+    timed = compile_gather(8, 163840 // 8 // 2, arch="sm_90a", timers=True)
+    assert timed is not plain and timed is compile_gather(8, 163840 // 8 // 2, timers=True)
+    extra = timed.ptx.count("%globaltimer") - plain.ptx.count("%globaltimer")
+    assert extra == len(TIMER_PHASES)
