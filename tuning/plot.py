@@ -16,6 +16,16 @@ def _pyplot():
     return plt
 
 
+def _rows_axis(ax, ylabel, legend_size=None):
+    """The x axis every plot here shares (rows M, powers of two), its y label, a legend
+    and a light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows (M)")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=legend_size)
+    ax.grid(alpha=0.3)
+
+
 def _finite(ys):
     return any(y is not None and isinstance(y, (int, float)) and math.isfinite(y) for y in ys)
 
@@ -40,12 +50,8 @@ def plot_bench(records, path, title):
         ys = [r.get(key, math.nan) for r in records]
         if _finite(ys):
             lat.plot(rows, [y if y > 0 else math.nan for y in ys], style, label=label)
-    lat.set_xscale("log", base=2)
     lat.set_yscale("log")
-    lat.set_xlabel("rows (M)")
-    lat.set_ylabel("µs per step")
-    lat.legend(fontsize=8)
-    lat.grid(alpha=0.3)
+    _rows_axis(lat, "µs per step", 8)
     for key, label, style, target in (
             ("floor_ratio", "GPU time ÷ HBM floor", "o-", goals.FLOOR_RATIO),
             ("visible_pdl_share", "visible ÷ standalone, PDL on", "^-", goals.VISIBLE_SHARE),
@@ -54,11 +60,7 @@ def plot_bench(records, path, title):
         if _finite(ys):
             line, = rat.plot(rows, ys, style, label=f"{label} (target ≤ {target})")
             rat.axhline(target, color=line.get_color(), lw=0.8, ls=":")
-    rat.set_xscale("log", base=2)
-    rat.set_xlabel("rows (M)")
-    rat.set_ylabel("ratio (×)")
-    rat.legend(fontsize=8)
-    rat.grid(alpha=0.3)
+    _rows_axis(rat, "ratio (×)", 8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -80,21 +82,13 @@ def plot_rows(records, path, title):
         ys = [r.get(key) for r in records]
         if _finite(ys):
             lat.plot(rows, ys, style, label=label)
-    lat.set_xscale("log", base=2)
-    lat.set_xlabel("rows (M)")
-    lat.set_ylabel("µs per gather")
-    lat.legend()
-    lat.grid(alpha=0.3)
+    _rows_axis(lat, "µs per gather")
     spd.plot(rows, [r["stock_us"] / r["lamport_us"] for r in records], "o-", label="eager")
     if all(r.get("lamport_gpu_us") for r in records):
         spd.plot(rows, [r["stock_gpu_us"] / r["lamport_gpu_us"] for r in records], "o--",
                  label="GPU time")
     spd.axhline(1.0, color="gray", lw=0.8)
-    spd.set_xscale("log", base=2)
-    spd.set_xlabel("rows (M)")
-    spd.set_ylabel("speedup over stock (×)")
-    spd.legend()
-    spd.grid(alpha=0.3)
+    _rows_axis(spd, "speedup over stock (×)")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
