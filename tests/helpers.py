@@ -1,5 +1,6 @@
 """Helpers the tests share: vLLM-shaped stand-ins, HeadGather's CUDA-only construction
-faked on CPU, log capture, bitwise comparisons, a stock path that must not run, and
+faked on CPU, log capture, bitwise comparisons, a stock path that must not run, a stand-in for
+torch's symmetric-memory module, and
 first-use tuning's timing target replaced by a collective cost model
 (``CollectiveTarget``).
 Test modules import these from here (never from one another)."""
@@ -100,6 +101,25 @@ def fake_cuda(monkeypatch_like, rank, case, launch=None):
     set_(torch.cuda, "synchronize", lambda device=None: None)
     set_(torch.cuda, "is_current_stream_capturing", lambda: False)
     set_(install, "_device_name", lambda device: "NVIDIA H200")
+
+
+def fake_symmetric_memory(rendezvous, empty=None, **more):
+    """Install a stand-in ``torch.distributed._symmetric_memory`` in this process: its
+    ``rendezvous`` is the caller's, ``empty`` a plain allocation unless given, plus any
+    other attribute in ``more``. Returns the module."""
+    import sys
+
+    import torch.distributed as dist
+
+    fake = types.ModuleType("torch.distributed._symmetric_memory")
+    fake.empty = empty or (lambda count, dtype, device: torch.empty(count, dtype=dtype,
+                                                                    device=device))
+    fake.rendezvous = rendezvous
+    for name, value in more.items():
+        setattr(fake, name, value)
+    sys.modules[fake.__name__] = fake
+    dist._symmetric_memory = fake
+    return fake
 
 
 def capture_log():

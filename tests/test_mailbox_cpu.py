@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import fake_symmetric_memory
 from spawn import spawn
 
 from lamport_head import mailbox
@@ -83,11 +84,7 @@ def _fake_symmetric_memory(rank, past):
             ptrs[rank] += 64
         return types.SimpleNamespace(world_size=len(ptrs), buffer_ptrs=ptrs)
 
-    fake = types.ModuleType("torch.distributed._symmetric_memory")
-    fake.empty = lambda count, dtype, device: torch.empty(count, dtype=dtype, device=device)
-    fake.rendezvous = rendezvous
-    sys.modules[fake.__name__] = fake
-    dist._symmetric_memory = fake
+    fake_symmetric_memory(rendezvous)
 
 
 def _symmetric_worker(rank, nprocs, case):
@@ -184,10 +181,7 @@ def _recording_symmetric_memory(calls, multicast_when_unset=True):
             record("has_multicast_support")
             return multicast_when_unset and os.environ.get(mailbox.MULTICAST_OFF_ENV) != "1"
 
-    fake = types.ModuleType("torch.distributed._symmetric_memory")
-    fake.empty, fake.rendezvous, fake._SymmetricMemory = empty, rendezvous, _SymmetricMemory
-    sys.modules[fake.__name__] = fake
-    dist._symmetric_memory = fake
+    fake_symmetric_memory(rendezvous, empty, _SymmetricMemory=_SymmetricMemory)
 
 
 def _multicast_worker(rank, nprocs, hosts, forced):

@@ -15,14 +15,13 @@ deadline, and then meet its peers in the next collective.
 
 import itertools
 import os
-import sys
 import time
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import capture_log, fake_cuda, model
+from helpers import capture_log, fake_cuda, fake_symmetric_memory, model
 from spawn import spawn
 from tables import TWO_RANKS as TABLE
 
@@ -75,11 +74,7 @@ def _phased_symmetric_memory(rank, phase, failing):
         fail("after")  # peers have returned and gone on
         return types.SimpleNamespace(world_size=world, buffer_ptrs=ptrs)
 
-    fake = types.ModuleType("torch.distributed._symmetric_memory")
-    fake.empty = lambda count, dtype, device: torch.empty(count, dtype=dtype, device=device)
-    fake.rendezvous = rendezvous
-    sys.modules[fake.__name__] = fake
-    dist._symmetric_memory = fake
+    fake_symmetric_memory(rendezvous)
 
 
 def _inject_ipc(rank, phase, failing):
