@@ -122,6 +122,38 @@ def fake_symmetric_memory(rendezvous, empty=None, **more):
     return fake
 
 
+# Our switches a vLLM test rank starts without, unless it sets them (the user's
+# environment must not reach the test), and vLLM's plugin filter with them.
+CLEARED_FOR_VLLM = ("VLLM_PLUGINS", "LAMPORT_HEAD_TABLE", "LAMPORT_HEAD_DISABLE",
+                    "LAMPORT_HEAD_FORCE")
+
+
+def as_vllm_rank(run, rank, **env):
+    """In a spawned real-vLLM rank: stdout and stderr to ``run/out.RANK`` (vLLM's handler
+    writes to sys.stdout), vLLM on CPU with plain INFO logging, ``env`` set, and the
+    rest of ``CLEARED_FOR_VLLM`` unset."""
+    import os
+
+    fd = os.open(f"{run}/out.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_COLOR="0", NO_COLOR="1",
+                      VLLM_LOGGING_LEVEL="INFO", **env)
+    for key in CLEARED_FOR_VLLM:
+        if key not in env:
+            os.environ.pop(key, None)
+
+
+def spawn_vllm_ranks(fn, nprocs, run, *args):
+    """``fn(rank, nprocs, *args)`` on ``nprocs`` ranks that make vLLM's group themselves
+    (``spawn(..., group=False)``); (their results, each rank's ``run/out.RANK`` text)."""
+    from spawn import spawn
+
+    results = spawn(fn, nprocs, run, *args, group=False)
+    return results, [(run / f"out.{r}").read_text() if (run / f"out.{r}").exists() else ""
+                     for r in range(nprocs)]
+
+
 def capture_log():
     """The lamport_head logger's messages (INFO and up) from now on, in a list."""
     import logging

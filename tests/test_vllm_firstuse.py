@@ -17,13 +17,12 @@ bitwise; the second start measures nothing, leaves the table as it was and serve
 """
 
 import json
-import os
 import re
 
 import pytest
 import yaml
-from helpers import FAKE_BYTE, CollectiveTarget, fake_cuda, require_vllm, same_bits
-from spawn import spawn
+from helpers import (FAKE_BYTE, CollectiveTarget, as_vllm_rank, fake_cuda, require_vllm, same_bits,
+                     spawn_vllm_ranks)
 
 MAX_NUM_SEQS = 6  # vLLM's config: rows 1..6, measured 1, 2, 4, 6
 MEASURED = [1, 2, 4, 6]
@@ -37,15 +36,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 
 
 def _rank(rank, world, run, cache, model_dir):
-    fd = os.open(f"{run}/out.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)  # vLLM's handler writes to sys.stdout: the file
-    os.dup2(fd, 2)
-    os.environ.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_COLOR="0", NO_COLOR="1",
-                      VLLM_LOGGING_LEVEL="INFO", LAMPORT_HEAD_CACHE=cache,
-                      LAMPORT_HEAD_AUTOTUNE="1")
-    for key in ("VLLM_PLUGINS", "LAMPORT_HEAD_TABLE", "LAMPORT_HEAD_DISABLE",
-                "LAMPORT_HEAD_FORCE"):
-        os.environ.pop(key, None)
+    as_vllm_rank(run, rank, LAMPORT_HEAD_CACHE=cache, LAMPORT_HEAD_AUTOTUNE="1")
     import contextlib
 
     import torch
@@ -132,12 +123,9 @@ def starts(tmp_path_factory):
     for start in range(2):
         run = tmp / f"start{start}"
         run.mkdir()
-        try:
-            results.append(spawn(_rank, 2, run, str(run), str(cache), str(model_dir),
-                                 group=False))
-        finally:
-            logs.append([(run / f"out.{r}").read_text() if (run / f"out.{r}").exists() else ""
-                         for r in range(2)])
+        result, log = spawn_vllm_ranks(_rank, 2, run, str(run), str(cache), str(model_dir))
+        results.append(result)
+        logs.append(log)
         path = cache / "head_gather.yaml"
         tables.append(yaml.safe_load(path.read_text()) if path.exists() else None)
     return results, logs, tables, cache / "head_gather.yaml"

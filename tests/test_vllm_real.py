@@ -18,8 +18,7 @@ import os
 import re
 
 import pytest
-from helpers import require_vllm, same_bits
-from spawn import spawn
+from helpers import as_vllm_rank, require_vllm, same_bits, spawn_vllm_ranks
 from tables import TWO_RANKS as TABLE
 
 SERVED = [1, 2, 4]
@@ -30,13 +29,7 @@ VOCAB, HIDDEN = 1000, 64  # padded to 1024: rank 1's shard ends in 24 padding ro
 # ---- what runs on each rank (a spawned process) ------------------------------------
 
 def _rank(rank, world, tmp, table):
-    fd = os.open(f"{tmp}/out.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)  # vLLM's handler writes to sys.stdout: the file
-    os.dup2(fd, 2)
-    os.environ.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_COLOR="0", NO_COLOR="1",
-                      VLLM_LOGGING_LEVEL="INFO", LAMPORT_HEAD_TABLE=table)
-    for key in ("VLLM_PLUGINS", "LAMPORT_HEAD_DISABLE", "LAMPORT_HEAD_FORCE"):
-        os.environ.pop(key, None)
+    as_vllm_rank(tmp, rank, LAMPORT_HEAD_TABLE=table)
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.config.logging import LoggingConfig
     from vllm.logger import configure_logging
@@ -234,12 +227,8 @@ def ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_real")
     table = tmp / "table.yaml"
     table.write_text(TABLE)
-    try:  # vLLM makes the group itself (init_distributed_environment, at tmp/init)
-        results = spawn(_rank, 2, tmp, str(tmp), str(table), group=False)
-    finally:
-        logs = [(tmp / f"out.{r}").read_text() if (tmp / f"out.{r}").exists() else ""
-                for r in range(2)]
-    return results, logs
+    # vLLM makes the group itself (init_distributed_environment, at tmp/init)
+    return spawn_vllm_ranks(_rank, 2, tmp, str(tmp), str(table))
 
 
 def _sections(log):
