@@ -8,6 +8,8 @@ outcome and either every rank goes on or every rank raises. gloo gets CPU tensor
 ``group=None`` is the default (world) group.
 """
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -73,3 +75,26 @@ def attempt(fn, *args, **kwargs):
         return fn(*args, **kwargs), None
     except Exception as exc:  # reported to every rank by ``agree``
         return None, exc
+
+
+def within(seconds, what, fn, *args, why=""):
+    """``fn(*args)`` if it returns or raises within ``seconds``; else ``TimeoutError``
+    naming ``what`` (and ``why``), while ``fn`` goes on in a daemon thread, its outcome
+    dropped: a local step that may block for ever (a peer gone inside torch's
+    rendezvous, a CUDA context that never answers) bounded in time."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"lamport-head: {what}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not return within {seconds:g} s{why}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

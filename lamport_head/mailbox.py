@@ -44,7 +44,6 @@ that process may then be out of step (torch numbers them per process), which is 
 more reason install leaves every rank stock.
 """
 
-import threading
 
 import os
 import pickle
@@ -52,7 +51,7 @@ import socket
 
 import torch
 
-from .collective import all_gather_objects, attempt, barrier
+from .collective import all_gather_objects, attempt, barrier, within
 from .kernels.protocol import (CONTROL_EPOCH, MAX_TP, PEER_CONTROL, PEER_ROWS, SENTINEL_I32,
                                box_words)
 
@@ -273,7 +272,8 @@ class SymmetricMailbox(_ProcessMailbox):
             return self._symm_mem.rendezvous(self.box, self._symm_group)
 
         self.handle, failed = attempt(within, RENDEZVOUS_WAIT_S,
-                                      "torch's symmetric-memory rendezvous", rendezvous)
+                                      "torch's symmetric-memory rendezvous", rendezvous,
+                                      why=" (a peer failed inside it?)")
 
         def derive():
             if failed is not None:
@@ -305,27 +305,6 @@ class SymmetricMailbox(_ProcessMailbox):
 
     def _release(self):
         self.handle = None
-
-
-def within(seconds, what, fn, *args):
-    """``fn(*args)`` if it returns or raises within ``seconds``; else ``TimeoutError``
-    (``fn`` goes on in a daemon thread, its outcome dropped)."""
-    outcome = {}
-
-    def run():
-        try:
-            outcome["value"] = fn(*args)
-        except BaseException as exc:  # handed to the caller's thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, name="lamport-head-rendezvous", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        raise TimeoutError(f"{what} did not return within {seconds:g} s (a peer failed inside it?)")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 # The real-rank backends by name: what ``choose_backend`` answers, what HeadGather builds.

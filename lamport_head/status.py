@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from .collective import within
 from .kernels.protocol import STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STATUS_SLOW, STATUS_WORDS
 
 logger = logging.getLogger("lamport_head")
@@ -97,19 +98,13 @@ def context_stopped(device, wait_s=PROBE_WAIT_S) -> bool:
     raises its sticky error). A sync that returns, is still blocked after ``wait_s``,
     or is refused because another thread is capturing a graph, means the context
     still runs (the sync goes on in a daemon thread, harmlessly)."""
-    outcome = []
-
-    def probe():
-        try:
-            torch.cuda.synchronize(device)
-            outcome.append(False)
-        except Exception as exc:  # the context's sticky error: it stopped
-            outcome.append("capturing" not in str(exc))
-
-    thread = threading.Thread(target=probe, name="lamport-head-probe", daemon=True)
-    thread.start()
-    thread.join(wait_s)
-    return bool(outcome and outcome[0])
+    try:
+        within(wait_s, "the CUDA context probe", torch.cuda.synchronize, device)
+    except TimeoutError:  # still blocked: the context runs
+        return False
+    except Exception as exc:  # the context's sticky error: it stopped
+        return "capturing" not in str(exc)
+    return False
 
 
 def end_process(code=STOP_EXIT_CODE):
