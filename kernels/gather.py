@@ -156,11 +156,12 @@ class Gather:
             while (pending != 0) & (cause == 0):
                 pending = repoll(own, held, where, pending, unroll)
                 if pending != 0:  # a batch that just completed is never a give-up
+                    waited = cute.arch.globaltimer() - start
                     if cutlass.const_expr(self.stop):
                         if slow == 0:
-                            if cute.arch.globaltimer() - start > (budget >> 1):
+                            if waited > (budget >> 1):
                                 slow = raise_slow(status, own_control, epoch)
-                    if cute.arch.globaltimer() - start > wait:
+                    if waited > wait:
                         cause = Int32(CAUSE_TIMEOUT)
                     elif mark_of(own_control) != 0:
                         cause = Int32(CAUSE_MARK)
