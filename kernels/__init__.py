@@ -7,7 +7,8 @@ Python; the compiler entry points load the DSL only when first asked for.
 from .arch import ARCHS, has_pdl
 from .protocol import SENTINEL, THREADS
 
-_LAZY = {"CompiledGather": "compile", "compile_gather": "compile", "Gather": "gather"}
+_LAZY = {"CompiledGather": "compile", "compile_gather": "compile", "Gather": "gather",
+         "DriverLaunch": "launch"}
 
 __all__ = ["ARCHS", "SENTINEL", "THREADS", "has_pdl", *_LAZY]
 

@@ -4,10 +4,12 @@ The key is everything the kernel specializes on: (tp, shard words, threads, unro
 pdl, stop, arch, timers); ``stop`` picks serving's give-up (trap) over the recoverable one. M, the CTA count, rank, budget and the status address are
 run-time arguments, so one compilation serves every row count.
 
-The callable goes through TVM-FFI: it takes torch tensors directly and launches on
-the caller's current torch stream (the TVM-FFI environment stream), so the stream is
-always explicit; a DSL launch with no stream would go to the legacy default stream,
-which serializes emulated ranks. Compiling needs no GPU (``arch`` names the target).
+The DSL's callable goes through TVM-FFI: it takes torch tensors directly and launches
+on the caller's current torch stream (the TVM-FFI environment stream), so the stream
+is always explicit; a DSL launch with no stream would go to the legacy default
+stream, which serializes emulated ranks. Serving launches the same kernel through
+the driver instead (``launch.DriverLaunch``: the cubin, no argument marshalling).
+Compiling needs no GPU (``arch`` names the target).
 """
 
 import os
@@ -30,13 +32,15 @@ _LOCK = threading.Lock()
 @dataclass(frozen=True)
 class CompiledGather:
     """``launch(shard, out_address, peers_address, rank, ctas, budget_ns, status_address)``
-    plus the artifacts a host needs to check the launch (cubin: occupancy) and a
-    test needs to audit it (ptx)."""
+    (the DSL's TVM-FFI callable) plus what a host needs to launch it itself and check
+    the launch (cubin, threads, pdl: ``launch.DriverLaunch``, occupancy) and a test
+    needs to audit it (ptx)."""
 
     launch: object
     threads: int
     ptx: str
     cubin: bytes
+    pdl: bool = False
 
 
 def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
@@ -88,4 +92,4 @@ def _compile(tp, shard_words, threads, unroll, pdl, stop, arch, timers):
             ptx = open(ptx).read()
         if isinstance(cubin, str) and os.path.exists(cubin):
             cubin = open(cubin, "rb").read()
-    return CompiledGather(launch, threads, ptx or "", cubin or b"")
+    return CompiledGather(launch, threads, ptx or "", cubin or b"", pdl)

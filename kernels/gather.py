@@ -45,7 +45,7 @@ from cutlass import Int32, Int64, Uint32
 
 from .primitives import load_address, store_word
 from .protocol import (GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1, TIMER_BASE,
-                       TIMER_PHASES, WORDS)
+                       TIMER_CALLS, TIMER_PHASES, WORDS)
 from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, advance, deliver, epoch_of, fetch, mark_of, mark_peers,
                     publish, push, raise_slow, repoll)
 
@@ -67,26 +67,41 @@ class Gather:
         self.unroll, self.pdl, self.stop, self.timers = unroll, pdl, stop, timers
 
     @cute.jit
-    def stamp(self, status: Int64, cta: Int32, tid: Int32, phase: cutlass.Constexpr):
-        """Diagnostics (``timers``): thread 0 of the CTA writes the global timer for
-        ``phase`` (``protocol.TIMER_PHASES``) after the status record."""
+    def stamp(self, stamps, phase: cutlass.Constexpr):
+        """Diagnostics (``timers``): the global timer at ``phase``
+        (``protocol.TIMER_PHASES``) into this thread's registers; ``write_stamps``
+        stores them once the call's epoch is known."""
+        if cutlass.const_expr(self.timers):
+            stamps[phase] = cute.arch.globaltimer()
+
+    @cute.jit
+    def write_stamps(self, status: Int64, stamps, epoch: Int32, cta: Int32, grid: Int32,
+                     tid: Int32):
+        """Diagnostics: thread 0 of the CTA stores its stamps after the status record,
+        in the slot of this call (``protocol.timer_index``), so calls launched back to
+        back without a sync each keep theirs."""
         if cutlass.const_expr(self.timers):
             if tid == 0:
-                now = cute.arch.globaltimer()
-                at = status + (Int64(TIMER_BASE) + Int64(cta) * len(TIMER_PHASES) + phase) * 8
-                store_word(at, Int32(now & Int64(0xFFFFFFFF)))
-                store_word(at + 4, Int32(now >> 32))
+                slot = (epoch % TIMER_CALLS) * grid + cta
+                for phase in cutlass.range_constexpr(len(TIMER_PHASES)):
+                    at = status + (Int64(TIMER_BASE) + Int64(slot) * len(TIMER_PHASES)
+                                   + phase) * 8
+                    store_word(at, Int32(stamps[phase] & Int64(0xFFFFFFFF)))
+                    store_word(at + 4, Int32(stamps[phase] >> 32))
 
     @cute.jit
     def __call__(self, shard: cute.Tensor, out: Int64, peers: Int64, rank: Int32, ctas: Int32,
                  budget: Int64, status: Int64, stream):
-        self.kernel(shard, out, peers, rank, budget, status).launch(
+        # The kernel takes only scalars (``launch.PARAMS``): a host can launch it
+        # straight through the driver with no tensor to convert.
+        self.kernel(Int64(shard.iterator.toint()), Int32(shard.shape[0]), out, peers, rank,
+                    budget, status).launch(
             grid=(ctas, 1, 1), block=(self.threads, 1, 1), stream=stream,
             use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, shard: cute.Tensor, out: Int64, peers: Int64, rank: Int32, budget: Int64,
-               status: Int64):
+    def kernel(self, shard: Int64, rows: Int32, out: Int64, peers: Int64, rank: Int32,
+               budget: Int64, status: Int64):
         tp: cutlass.Constexpr = self.tp
         unroll: cutlass.Constexpr = self.unroll
         frags: cutlass.Constexpr = self.shard_words // WORDS  # fragments of a shard row
@@ -97,8 +112,8 @@ class Gather:
         grid, _, _ = cute.arch.grid_dim()
         me = cta * self.threads + tid
         stride = grid * self.threads
-        rows = shard.shape[0]
-        self.stamp(status, cta, tid, 0)
+        stamps = cute.make_rmem_tensor((len(TIMER_PHASES),), Int64)  # diagnostics only
+        self.stamp(stamps, 0)
 
         # Prologue: nothing here depends on the previous kernel (the peer table is
         # written once, at construction), so with PDL it overlaps that kernel's tail
@@ -121,7 +136,7 @@ class Gather:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         start = cute.arch.globaltimer()
-        self.stamp(status, cta, tid, 1)
+        self.stamp(stamps, 1)
         wait = budget
         if cutlass.const_expr(self.stop):
             # Serving gives up at three quarters and traps an eighth later (in
@@ -137,9 +152,9 @@ class Gather:
         stopped = Int32(mark_of(own_control) != 0)  # a call before this one failed
         cause = CAUSE_MARK * stopped
 
-        push(Int64(shard.iterator.toint()), out, targets, Int64(rank * self.shard_words), rows,
+        push(shard, out, targets, Int64(rank * self.shard_words), rows,
              me, stride, cause, tp, frags, width, unroll)
-        self.stamp(status, cta, tid, 2)
+        self.stamp(stamps, 2)
 
         polls = rows * (tp - 1) * frags
         missing = Int32(0)
@@ -168,11 +183,12 @@ class Gather:
             missing = deliver(own, out, held, where, source, pending, missing, base, stride,
                               polls, unroll)
             base = base + stride * unroll
-        self.stamp(status, cta, tid, 3)
+        self.stamp(stamps, 3)
         if cause == CAUSE_TIMEOUT:
             mark_peers(controls, missing, epoch, tp)
         if cutlass.const_expr(not self.stop):
             if cause != 0:
                 publish(status, own_control, epoch, tp)
         advance(own_control, epoch, grid, tid, status, budget, tp, self.stop)
-        self.stamp(status, cta, tid, 4)
+        self.stamp(stamps, 4)
+        self.write_stamps(status, stamps, epoch, cta, grid, tid)

@@ -103,9 +103,15 @@ GIVE_UP_SHIFT, STOP_SHIFT = 2, 3
 
 # Diagnostics only (``compile_gather(..., timers=True)``): thread 0 of every CTA writes
 # the global timer (ns, int64) at each phase boundary into the status buffer after the
-# record, CTA c's phase k at int64 index TIMER_BASE + c * len(TIMER_PHASES) + k.
+# record, at ``timer_index``: one slot per call of the last TIMER_CALLS (by epoch).
 TIMER_PHASES = ("entry", "waited", "pushed", "delivered", "done")
 TIMER_BASE = (STATUS_WORDS + 1) // 2  # in int64: the record's int32 words, rounded up
+TIMER_CALLS = 64
+
+
+def timer_index(epoch: int, cta: int, ctas: int, phase: int) -> int:
+    """The int64 index of call ``epoch``'s stamp of ``phase`` by CTA ``cta`` of ``ctas``."""
+    return TIMER_BASE + ((epoch % TIMER_CALLS) * ctas + cta) * len(TIMER_PHASES) + phase
 
 THREADS = (64, 128, 256, 512, 1024)  # CTA sizes the kernel compiles for
 UNROLL_MAX = 16  # fragments in flight per thread, at most

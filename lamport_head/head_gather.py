@@ -96,6 +96,17 @@ class DeviceKernels:
         return compile_gather(tp, shard // 2, pdl=pdl, arch=arch, stop=stop,
                               **config.kernel_knobs())
 
+    def launcher(self, compiled, device):
+        """How a gather launches ``compiled`` on ``device``: through the driver
+        (``kernels.launch.DriverLaunch``: what the TVM-FFI callable costs the host per
+        call is most of an eager step's launch), loaded into torch's primary context.
+        Called as ``launcher(shard, out, peers, rank, ctas, budget, status, stream)``."""
+        from .kernels import DriverLaunch
+
+        with torch.cuda.device(device):
+            torch.cuda.current_stream()  # makes torch's primary context current
+            return DriverLaunch(compiled)
+
     def resident(self, compiled, device) -> int:
         """CTAs of ``compiled`` the whole device holds at once."""
         from .occupancy import resident_ctas
@@ -198,7 +209,8 @@ class HeadGather:
         self.rows = frozenset(self.configs)
         self.cap = max(self.rows)
         self.ctas = {m: c.ctas for m, c in self.configs.items()}
-        self._launch = {m: self._compiled(c).launch for m, c in self.configs.items()}
+        self._launch = {m: self._kernels.launcher(self._compiled(c), self.device)
+                        for m, c in self.configs.items()}
         self._open_status(budget_s)
 
     def _open_status(self, budget_s):
@@ -249,17 +261,17 @@ class HeadGather:
             # Where a tensor sits is the allocator's choice and may differ by rank: copy,
             # never take stock alone (every rank must run the same collective).
             logits = logits.clone(memory_format=torch.contiguous_format)
-        self._follow_stream()
+        stream = self._follow_stream()
         out = logits.new_empty((shape[0], self.width))  # under capture: the graph's own
         launch(logits, out.data_ptr(), self._peers, self.rank, self.ctas[shape[0]],
-               self.budget_ns, self._status_address)
+               self.budget_ns, self._status_address, stream)
         return out
 
     def _follow_stream(self):
         """Keep every call in one stream order: a call on a new stream waits first
-        for the calls issued on the previous one."""
-        now = (_raw_stream(self._index) if _raw_stream is not None
-               else torch.cuda.current_stream(self.device).cuda_stream)
+        for the calls issued on the previous one. Returns the current stream's raw
+        handle (what the launch goes to)."""
+        now = self._stream_handle()
         if now != self._stream_id:
             current = torch.cuda.current_stream(self.device)
             # A capture may not wait on work outside it; its replays are ordered by the
@@ -267,13 +279,19 @@ class HeadGather:
             if self._stream is not None and not torch.cuda.is_current_stream_capturing():
                 current.wait_stream(self._stream)
             self._stream_id, self._stream = now, current
+        return now
+
+    def _stream_handle(self):
+        """The raw handle of the current stream (no Stream object: this is per call)."""
+        return (_raw_stream(self._index) if _raw_stream is not None
+                else torch.cuda.current_stream(self.device).cuda_stream)
 
     def launch(self, logits, out, ctas):
         """The bare kernel launch into ``out`` on the current stream, with no checks:
         explicitly poisoned outputs in tests, CTA counts outside the plan in tuning."""
         launch = self._launch[logits.shape[0]]
         launch(logits, out.data_ptr(), self._peers, self.rank, ctas, self.budget_ns,
-               self._status_address)
+               self._status_address, self._stream_handle())
 
     def failure(self):
         """The ``GatherTimeout`` this rank's status record describes (host memory: it

@@ -72,10 +72,13 @@ def fake_cuda(monkeypatch_like, rank, case, launch=None):
             if step == "prepare" and rank == fail_rank:
                 raise RuntimeError("compile failed")
 
-            def fill(logits, out, peers, r, c, budget, status):
+            def fill(logits, out, peers, r, c, budget, status, stream):
                 ctypes.memset(out, FAKE_BYTE, logits.shape[0] * tp * shard * 2)
 
             return types.SimpleNamespace(launch=launch or fill)
+
+        def launcher(self, compiled, device):
+            return compiled.launch
 
         def resident(self, compiled, device):
             return 1 << 20  # every plan fits

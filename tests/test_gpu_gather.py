@@ -68,6 +68,67 @@ def test_explicitly_poisoned_outputs():
     assert gather.armed()
 
 
+def test_the_driver_launch_and_the_dsl_callable_agree_bitwise_from_any_thread():
+    """HeadGather launches through the driver (``kernels.launch.DriverLaunch``); the
+    DSL's own TVM-FFI callable of the same kernel, in alternate calls, must give the
+    same words and keep the same parity sequence. The last round launches every rank
+    from a fresh thread, where no CUDA context is current (the launcher pushes the
+    kernel's)."""
+    import threading
+
+    from lamport_head.kernels.launch import current_context
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    tp, shard = 4, 163840 // 4
+    gather = EmulatedGather(device, tp, shard, ROWS)
+    here = torch.cuda.current_stream(device)
+
+    def dsl(shards, outs):
+        for g, stream, x, out in zip(gather.ranks, gather.streams, shards, outs):
+            stream.wait_stream(here)
+            with torch.cuda.stream(stream):
+                g._compiled(g.configs[x.shape[0]]).launch(
+                    x, out.data_ptr(), g._peers, g.rank, g.ctas[x.shape[0]], g.budget_ns,
+                    g._status_address)
+        for stream in gather.streams:
+            here.wait_stream(stream)
+
+    def driver_from_a_fresh_thread(shards, outs):
+        seen = []
+
+        def run():
+            seen.append(current_context())
+            for g, stream, x, out in zip(gather.ranks, gather.streams, shards, outs):
+                g._launch[x.shape[0]](x, out.data_ptr(), g._peers, g.rank, g.ctas[x.shape[0]],
+                                      g.budget_ns, g._status_address, stream.cuda_stream)
+
+        for stream in gather.streams:
+            stream.wait_stream(here)
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+        for stream in gather.streams:
+            here.wait_stream(stream)
+        assert seen == [0], "the thread was meant to start with no current context"
+
+    for call, rows in enumerate((1, 64, 8, 33, 2, 16, 1, 7)):
+        shards = _shards(tp, rows, shard, device)
+        outs = [torch.full((rows, tp * shard // 2), POISON, dtype=torch.int32,
+                           device=device).view(torch.bfloat16) for _ in range(tp)]
+        how = "driver, fresh thread" if call >= 6 else ("driver", "dsl")[call % 2]
+        if how == "driver":
+            gather.launch(shards, outs, gather.ctas[rows])
+        elif how == "dsl":
+            dsl(shards, outs)
+        else:
+            driver_from_a_fresh_thread(shards, outs)
+        want = reference_gather(shards).view(torch.int32)
+        for r, out in enumerate(outs):
+            assert_same_words(out, want, f"call {call} ({how}), rank {r}, M={rows}")
+    gather.check()
+    assert gather.armed()
+
+
 def test_fallbacks_take_stock_bitwise():
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 4, 1024

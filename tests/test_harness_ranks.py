@@ -80,7 +80,7 @@ def _waiting_launch(rank, tp, current, wait_s=2.0):
 
     store = dist.distributed_c10d._get_default_store()
 
-    def launch(logits, out, peers, r, ctas, budget, status):
+    def launch(logits, out, peers, r, ctas, budget, status, stream):
         gather = current[0]
         n = next(gather.fake_calls)
         key = f"fake-kernel/{gather.fake_gather}/{n}"

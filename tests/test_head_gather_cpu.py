@@ -21,11 +21,11 @@ class Recorder:
     def __init__(self, fail=False):
         self.calls, self.fail = [], fail
 
-    def __call__(self, shard, out, peers, rank, ctas, budget, status):
+    def __call__(self, shard, out, peers, rank, ctas, budget, status, stream):
         assert isinstance(out, int) and isinstance(peers, int)  # addresses, not tensors
         if self.fail:
             raise RuntimeError("launch failed")
-        self.calls.append((tuple(shard.shape), rank, ctas))
+        self.calls.append((tuple(shard.shape), rank, ctas, stream))
 
 
 class FakeBox:
@@ -162,6 +162,7 @@ def test_graph_capture_records_the_launch(monkeypatch, streams):
     streams["now"] = 7  # torch.cuda.graph captures on a side stream
     out = g(x, no_stock("stock under capture"))
     assert out.shape == (2, TP * SHARD) and len(rec.calls) == 2
+    assert rec.calls[1][3] == 7  # launched into the capture stream
     assert streams["log"] == []
 def test_a_failed_launch_raises_and_is_not_counted():
     g, rec = fake_gather()
@@ -185,6 +186,7 @@ def test_a_new_stream_waits_for_the_previous_one(streams):
     streams["now"] = 1
     g(x, stock)
     assert streams["log"] == [(2, "waits for", 1), (1, "waits for", 2)]
+    assert [c[3] for c in rec.calls] == [1, 1, 2, 2, 1]  # each launch on the current stream
 
 
 def _flag(g, epoch, peers):

@@ -116,3 +116,28 @@ def test_the_phase_timers_are_a_diagnostic_variant_only():
     assert timed is not plain and timed is compile_gather(8, 163840 // 8 // 2, timers=True)
     extra = timed.ptx.count("%globaltimer") - plain.ptx.count("%globaltimer")
     assert extra == len(TIMER_PHASES)
+
+
+def test_the_driver_launchers_slots_are_the_kernels_parameters():
+    """``DriverLaunch`` writes its argument slots in ``launch.PARAMS`` order; the PTX
+    entry of every compiled variant must have exactly those widths, and a kernel whose
+    signature changed is refused when the launcher is built."""
+    import ctypes
+
+    from lamport_head.kernels.launch import PARAMS, _Attribute, _Config, kernel_entry
+
+    for arch in ARCHS:
+        for stop in (False, True):
+            assert kernel_entry(compile_gather(8, 10240, arch=arch, stop=stop).ptx)
+    ptx = compile_gather(2, 1024).ptx
+    assert kernel_entry(ptx) in ptx
+    dropped = ptx.replace(".param .u32", ".param .u64", 1)  # rows widened
+    with pytest.raises(ValueError, match="widths"):
+        kernel_entry(dropped)
+    with pytest.raises(ValueError, match="one .entry"):
+        kernel_entry(ptx + ptx)
+    assert [n for n, _ in PARAMS] == ["shard", "rows", "out", "peers", "rank", "budget", "status"]
+    # cuda.h's CUlaunchConfig and CUlaunchAttribute (x86-64): the driver reads these bytes
+    assert ctypes.sizeof(_Attribute) == 72 and _Attribute.value.offset == 8
+    assert (_Config.sharedMemBytes.offset, _Config.hStream.offset, _Config.attrs.offset,
+            _Config.numAttrs.offset, ctypes.sizeof(_Config)) == (24, 32, 40, 48, 56)

@@ -15,3 +15,30 @@ def test_phase_spans_from_stamps():
     assert got["entry -> waited"] == 1.0 and got["waited -> pushed"] == 2.0
     assert got["pushed -> delivered"] == 3.0 and got["delivered -> done"] == 1.0
     assert got["call (first entry -> last done)"] == 9.0
+
+
+def test_period_and_gap_between_consecutive_calls():
+    """Period: first entry to the next call's first entry; a rank's gap: its last CTA's
+    end to its next first entry (negative when PDL launched the next call early)."""
+    from lamport_head.tuning.diagnostics.phases import between
+
+    call = torch.tensor([[[0, 1, 2, 3, 4000], [100, 1, 2, 3, 5000]],
+                         [[50, 1, 2, 3, 4500], [60, 1, 2, 3, 4600]],
+                         [[70, 1, 2, 3, 4700], [80, 1, 2, 3, 4800]]])
+    then = torch.tensor([[[6000, 0, 0, 0, 0], [6500, 0, 0, 0, 0]],
+                         [[4000, 0, 0, 0, 0], [4100, 0, 0, 0, 0]],
+                         [[5000, 0, 0, 0, 0], [5100, 0, 0, 0, 0]]])
+    got = between(call, then)
+    assert got["period (entry -> next entry)"] == 4.0
+    # gaps per rank: 6000 - 5000, 4000 - 4600, 5000 - 4800 ns: the median rank's is 0.2 µs
+    assert abs(got["rank's gap (done -> next entry)"] - 0.2) < 1e-9
+
+
+def test_stamp_slots_do_not_overlap():
+    from lamport_head.kernels.protocol import TIMER_BASE, TIMER_CALLS, TIMER_PHASES, timer_index
+
+    ctas = 3
+    seen = {timer_index(e, c, ctas, k) for e in range(TIMER_CALLS) for c in range(ctas)
+            for k in range(len(TIMER_PHASES))}
+    assert len(seen) == TIMER_CALLS * ctas * len(TIMER_PHASES)
+    assert min(seen) == TIMER_BASE and timer_index(TIMER_CALLS, 0, ctas, 0) == TIMER_BASE

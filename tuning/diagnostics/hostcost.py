@@ -4,7 +4,9 @@ Each line is the median host µs of one piece of ``HeadGather.__call__`` done on
 own, beside ``torch.add_`` on a small tensor (the cost of one torch dispatch on this
 host) and the whole call. The two virtual ranks are called alternately, each on its
 own stream, so every launched gather finds its peer and completes; host time is
-taken around the piece only. Also says whether TVM-FFI has torch's fast DLPack
+taken around the piece only. The gather launches through the driver
+(``kernels.launch.DriverLaunch``); the DSL's TVM-FFI callable of the same kernel is
+timed beside it. Also says whether TVM-FFI has torch's fast DLPack
 exchange (``__dlpack_c_exchange_api__``): without it every tensor argument goes
 through ``to_dlpack``.
 Run: python -m lamport_head.tuning.diagnostics.hostcost [rows]
@@ -46,6 +48,9 @@ def main(rows=1, tp=2, vocab=163840):
         "new_empty [M, V]": alternate(lambda g, r: shards[r].new_empty((rows, g.width))),
         "_follow_stream": alternate(lambda g, r: g._follow_stream()),
         "launch (preallocated out)": alternate(lambda g, r: g.launch(shards[r], outs[r], g.ctas[rows])),
+        "same, the DSL's TVM-FFI callable": alternate(lambda g, r: g._compiled(g.configs[rows]).launch(
+            shards[r], outs[r].data_ptr(), g._peers, g.rank, g.ctas[rows], g.budget_ns,
+            g._status_address)),
         "to_dlpack (slow conversion)": lambda: torch.utils.dlpack.to_dlpack(shards[0]),
         "whole HeadGather call": alternate(lambda g, r: g(shards[r], stock)),
     }

@@ -2,12 +2,17 @@
 
 Builds the emulated gather with the diagnostic kernel (``compile_gather(...,
 timers=True)``: thread 0 of every CTA stamps the global timer at each boundary of
-``kernels.protocol.TIMER_PHASES``) and prints, per row count, the median over calls
-of: the launch skew (first to last CTA entry, over every virtual rank), each phase's
-span (the median CTA's), and the call from the first CTA's entry to the last CTA's
-end. The stamps land in a pinned buffer that stands in for each rank's status record
-(the record's words first, the stamps after), read after a device sync. The
-diagnostic kernel is never served; its stamps add a few stores per CTA.
+``kernels.protocol.TIMER_PHASES`` and stores the stamps in its call's slot,
+``protocol.timer_index``). The calls run as the bench times them: queued behind a
+spin (``harness.gated_gpu_us``), every rank on its own stream, back to back with no
+sync, so what the stamps show is the steady state, not the host issuing launches.
+Per row count it prints the medians over calls of: the skew of the CTAs' entries
+over every rank, each phase's span (the median CTA's), the call from the first
+entry to the last CTA's end, the period (first entry to the next call's first
+entry: the GPU time per step), and, per rank, the gap from its call's last CTA's
+end to its next call's first entry (negative: PDL launched the next one early).
+The stamps land in a pinned buffer that stands in for each rank's status record
+(the record's words first, the stamps after). Never served.
 
 Run: python -m lamport_head.tuning.diagnostics.phases [--tp 8] [--rows 1,8,64] [--calls 200]
 """
@@ -20,7 +25,10 @@ import torch
 from lamport_head import head_gather
 from lamport_head.emulate import EmulatedGather
 from lamport_head.kernels.compile import compile_gather
-from lamport_head.kernels.protocol import STATUS_WORDS, TIMER_BASE, TIMER_PHASES
+from lamport_head.kernels.protocol import (CONTROL_EPOCH, STATUS_WORDS, TIMER_CALLS,
+                                           TIMER_PHASES, timer_index)
+
+from ..harness import gated_gpu_us
 
 
 class _TimedKernels(head_gather.DeviceKernels):
@@ -43,6 +51,23 @@ def spans(stamps):
     return out
 
 
+def between(call, then):
+    """Two consecutive calls' stamps (``[ranks, ctas, phases]`` each) -> the period
+    (first entry to the next call's first entry) and the median rank's gap from its
+    last CTA's end to its next first entry (µs)."""
+    period = (then[..., 0].min() - call[..., 0].min()).item() / 1e3
+    gaps = (then[..., 0].min(dim=1).values - call[..., -1].max(dim=1).values).double()
+    return {"period (entry -> next entry)": period,
+            "rank's gap (done -> next entry)": gaps.median().item() / 1e3}
+
+
+def _stamps(buffers, epoch, ctas):
+    """Call ``epoch``'s stamps, int64 ``[ranks, ctas, phases]``."""
+    first = timer_index(epoch, 0, ctas, 0)
+    return torch.stack([b.view(torch.int64)[first:first + ctas * len(TIMER_PHASES)].view(
+        ctas, len(TIMER_PHASES)) for b in buffers])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=8, help="virtual ranks (default: 8)")
@@ -53,26 +78,30 @@ def main(argv=None):
     device = torch.device("cuda", torch.cuda.current_device())
     head_gather.KERNELS = _TimedKernels()
     shard = args.vocab // args.tp
+    batch = TIMER_CALLS // 2  # calls queued back to back, each in its own stamp slot
     for rows in (int(x) for x in args.rows.split(",")):
         emu = EmulatedGather(device, args.tp, shard, {rows})
         ctas = emu.ctas[rows]
-        words = 2 * (TIMER_BASE + ctas * len(TIMER_PHASES))
+        words = 2 * timer_index(TIMER_CALLS, 0, ctas, 0)
         buffers = [torch.zeros(words, dtype=torch.int32, pin_memory=True) for _ in emu.ranks]
         for gather, buf in zip(emu.ranks, buffers):
             gather._status_address = buf.data_ptr()  # the record's words, then the stamps
         shards = [torch.randn(rows, shard, device=device).to(torch.bfloat16)
                   for _ in range(args.tp)]
-        figures = []
-        for call in range(args.calls):
-            emu(shards)
+        emu.run_steps(shards, 4)  # warm-up
+        figures, per_step = [], []
+        for _ in range(max(1, args.calls // batch)):
             torch.cuda.synchronize(device)
-            if call >= 10:  # warm-up
-                stamps = torch.stack([b.view(torch.int64)[TIMER_BASE:].view(
-                    ctas, len(TIMER_PHASES)) for b in buffers])
-                figures.append(spans(stamps))
+            first = emu.ranks[0].box.control(0)[CONTROL_EPOCH].item()
+            per_step.append(gated_gpu_us(lambda n: emu.run_steps(shards, n), device, batch, 1))
+            torch.cuda.synchronize(device)
+            calls = [_stamps(buffers, first + k, ctas) for k in range(batch)]
+            for k in range(2, batch - 1):  # the first calls leave the gate
+                figures.append({**spans(calls[k]), **between(calls[k], calls[k + 1])})
         assert all(int(b[:STATUS_WORDS].abs().sum()) == 0 for b in buffers), "a gather gave up"
         print(f"tp {args.tp} (virtual), M = {rows}, {ctas} CTAs per rank, median of "
-              f"{len(figures)} calls (µs):")
+              f"{len(figures)} calls (µs); gated GPU time per step "
+              f"{statistics.median(per_step):.2f} µs:")
         for name in figures[0]:
             print(f"  {name:>34}: {statistics.median(f[name] for f in figures):8.2f}")
         emu.check()

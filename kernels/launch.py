@@ -1,0 +1,170 @@
+"""``DriverLaunch``: a compiled gather launched straight through the CUDA driver.
+
+An engine calls the gather eagerly every decode step, so the host time of one
+launch is what every step pays. The DSL's own callable (``CompiledGather.launch``,
+through TVM-FFI) converts the shard tensor and marshals every argument per call;
+this launcher loads the kernel from the compiled cubin once, keeps the launch
+configuration and the argument values in ctypes memory, and per call writes them
+and calls ``cuLaunchKernelEx`` with the caller's stream (always explicit).
+
+Invariants a change must keep:
+
+- The argument slots follow the kernel's parameter list exactly (``PARAMS``: name
+  and width, in order); ``kernel_entry`` checks them against the PTX ``.entry`` of
+  the compiled kernel when the launcher is built, so a signature change fails there,
+  never as a launch that reads its arguments wrong.
+- PDL: a kernel compiled with it is launched with programmatic stream serialization
+  (what the DSL's launch sets for ``use_pdl``), one compiled without it, plainly.
+- The kernel is loaded into the context that is current when the launcher is built
+  (the caller makes the device's primary context current, as torch uses it); a
+  launch from a thread where another context (or none) is current pushes that
+  context for the launch and pops it after. Any other refused launch raises.
+- One launcher serves one caller at a time (its slots are rewritten per call); the
+  driver copies the values at the launch, and under stream capture into the graph.
+"""
+
+import ctypes
+import functools
+import re
+
+# The kernel's parameters, in order (``Gather.kernel``): the shard's address, its
+# rows (M), the output's address, the peer table's, the rank, the spin budget (ns)
+# and the status record's address.
+PARAMS = (("shard", ctypes.c_uint64), ("rows", ctypes.c_int32), ("out", ctypes.c_uint64),
+          ("peers", ctypes.c_uint64), ("rank", ctypes.c_int32), ("budget", ctypes.c_int64),
+          ("status", ctypes.c_uint64))
+_PTX_WIDTH = {".u64": 8, ".s64": 8, ".b64": 8, ".u32": 4, ".s32": 4, ".b32": 4}
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class _Values(ctypes.Structure):
+    _fields_ = list(PARAMS)
+
+
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte union
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("value", ctypes.c_int32),
+                ("rest", ctypes.c_byte * 60)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint32), ("gridDimY", ctypes.c_uint32),
+                ("gridDimZ", ctypes.c_uint32), ("blockDimX", ctypes.c_uint32),
+                ("blockDimY", ctypes.c_uint32), ("blockDimZ", ctypes.c_uint32),
+                ("sharedMemBytes", ctypes.c_uint32), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint32)]
+
+
+def kernel_entry(ptx: str) -> str:
+    """The name of the PTX's one kernel, after checking that its parameters are
+    ``PARAMS`` (count and widths); ValueError otherwise."""
+    entries = _ENTRY.findall(ptx)
+    if len(entries) != 1:
+        raise ValueError(f"expected one .entry in the gather's PTX, found {len(entries)}")
+    name, params = entries[0]
+    widths = [_PTX_WIDTH.get(t) for t in re.findall(r"\.param\s+(\.\w+)", params)]
+    want = [ctypes.sizeof(c) for _, c in PARAMS]
+    if widths != want:
+        raise ValueError(f"the kernel's parameters have widths {widths}, the launcher's "
+                         f"slots {want} ({', '.join(n for n, _ in PARAMS)})")
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    for name, args in (("cuLaunchKernelEx", 4), ("cuCtxPushCurrent_v2", 1),
+                       ("cuCtxPopCurrent_v2", 1), ("cuCtxGetCurrent", 1)):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [ctypes.c_void_p] * args, ctypes.c_int
+    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    lib.cuGetErrorName.restype = ctypes.c_int
+    return lib
+
+
+def _error(code) -> str:
+    name = ctypes.c_char_p()
+    if _driver().cuGetErrorName(code, ctypes.byref(name)) == 0 and name.value:
+        return f"{name.value.decode()} ({code})"
+    return f"CUresult {code}"
+
+
+def _checked(result, what):
+    from cuda.bindings import driver as cu
+
+    status, *values = result
+    if status != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {status}")
+    return values[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _load(cubin: bytes, name: str, context: int) -> int:
+    """The CUfunction of kernel ``name`` of ``cubin`` in the current context
+    (``context``: its handle, the cache key), loaded once per process."""
+    from cuda.bindings import driver as cu
+
+    library = _checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
+    kernel = _checked(cu.cuLibraryGetKernel(library, name.encode()), "cuLibraryGetKernel")
+    return int(_checked(cu.cuKernelGetFunction(kernel), "cuKernelGetFunction"))
+
+
+def current_context() -> int:
+    """The calling thread's current CUDA context handle (0: none)."""
+    handle = ctypes.c_void_p()
+    code = _driver().cuCtxGetCurrent(ctypes.byref(handle))
+    if code:
+        raise RuntimeError(f"cuCtxGetCurrent failed: {_error(code)}")
+    return handle.value or 0
+
+
+class DriverLaunch:
+    """``launch(shard, out, peers, rank, ctas, budget, status, stream)``: the DSL
+    callable's arguments (``shard`` a contiguous, 16-byte aligned BF16 tensor; the rest
+    ints) plus ``stream``, the raw ``cudaStream_t`` to launch on. Build it with the
+    device's context current (``__init__`` loads the kernel there)."""
+
+    def __init__(self, compiled):
+        self.name = kernel_entry(compiled.ptx)
+        self.context = current_context()
+        if not self.context:
+            raise RuntimeError("DriverLaunch: no CUDA context is current (make the device's "
+                               "primary context current first)")
+        self.function = _load(bytes(compiled.cubin), self.name, self.context)
+        self.pdl = compiled.pdl
+        self._values = _Values()
+        base = ctypes.addressof(self._values)
+        self._params = (ctypes.c_void_p * len(PARAMS))(
+            *(base + getattr(_Values, n).offset for n, _ in PARAMS))
+        self._attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self._config = _Config(gridDimY=1, gridDimZ=1, blockDimX=compiled.threads, blockDimY=1,
+                               blockDimZ=1, sharedMemBytes=0,
+                               attrs=ctypes.addressof(self._attribute) if self.pdl else None,
+                               numAttrs=1 if self.pdl else 0)
+        self._args = (ctypes.addressof(self._config), self.function,
+                      ctypes.addressof(self._params), None)
+        self._launch = _driver().cuLaunchKernelEx
+
+    def __call__(self, shard, out, peers, rank, ctas, budget, status, stream):
+        v = self._values
+        v.shard, v.rows, v.out, v.peers = shard.data_ptr(), shard.shape[0], out, peers
+        v.rank, v.budget, v.status = rank, budget, status
+        self._config.gridDimX, self._config.hStream = ctas, stream
+        code = self._launch(*self._args)
+        if code:
+            self._failed(code)
+
+    def _failed(self, code):
+        """A launch the driver refused: once more with the kernel's context pushed
+        when the calling thread had another one (or none) current; else raise."""
+        lib = _driver()
+        if current_context() != self.context:
+            if lib.cuCtxPushCurrent_v2(self.context) == 0:
+                try:
+                    code = self._launch(*self._args)
+                finally:
+                    lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+                if not code:
+                    return
+        raise RuntimeError(f"lamport-head: launching the gather ({self._config.gridDimX} CTAs) "
+                           f"failed: {_error(code)}")
