@@ -45,4 +45,6 @@ if [ "${TORCHRUN:-1}" = 1 ]; then
   run bench-torchrun2 "${TR_T:-40}" torchrun --standalone --nproc-per-node 2 -m lamport_head.cli bench --tp 2 --rows 1
 fi
 # Where the GPU time goes, phase by phase (the diagnostic kernel: tuning/diagnostics/phases.py)
-timeout "${PH_T:-60}" python3 -m lamport_head.tuning.diagnostics.phases --tp 8 --rows 1,8,64 --calls 100 2>&1 | grep -v -i warn | tee "$OUT/phases.log" | tail -30
+if [ "${PHASES:-1}" = 1 ]; then
+  timeout "${PH_T:-60}" python3 -m lamport_head.tuning.diagnostics.phases --tp 8 --rows 1,8,64 --calls 100 2>&1 | grep -v -i warn | tee "$OUT/phases.log" | tail -30
+fi
