@@ -1,0 +1,96 @@
+"""GPU µs per step of a grid of plans, against the HBM floor (one GPU, TP virtual ranks).
+
+For each row count, every (threads, unroll) of the grid at a few CTA counts (the
+default heuristic's, half and all of the co-resident limit), timed as the bench
+times (``harness.gated_gpu_us``: queued behind a spin, each rank on its own stream,
+no join between steps) after a bitwise check. Prints the best plans and the
+default's, each as µs and as a multiple of the floor (``tuning.floor``: every
+rank's bytes over the copy bandwidth of the same run). What the sweep searches
+with Optuna, walked by hand in a minute: it says which knob moves a row count.
+
+Run: python -m lamport_head.tuning.diagnostics.grid [--tp 8] [--rows 1,8,64]
+     [--threads 128,256,512] [--unroll 2,4,8,16]
+"""
+
+import argparse
+
+import torch
+
+from lamport_head.config import GatherConfig, default_ctas
+from lamport_head.emulate import EmulatedGather
+from lamport_head.head_gather import GatherTimeout
+from lamport_head.kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
+from lamport_head.reference import planted, reference_gather
+
+from ..floor import copy_bandwidth_gbs, floor_us, step_bytes
+from ..harness import gated_gpu_us
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",")]
+
+
+def _time(device, tp, shard, rows, config, steps, reps):
+    """Gated GPU µs per step of ``config`` (NaN: not co-resident, wrong, or gave up)."""
+    try:
+        emu = EmulatedGather(device, tp, shard, {rows: config}, budget_s=0.5)
+    except ValueError:
+        return float("nan")
+    data = planted(tp, rows, shard, device=device)
+    shards = [data[r] for r in range(tp)]
+    try:
+        outs = emu(shards)
+        want = reference_gather(shards)
+        if not all(torch.equal(o.view(torch.int16), want.view(torch.int16)) for o in outs):
+            return float("nan")
+        emu.run_steps(shards, 2)
+        us = gated_gpu_us(lambda n: emu.run_steps(shards, n), device, steps, reps)
+        emu.check()
+        return us
+    except GatherTimeout:
+        return float("nan")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=163840)
+    p.add_argument("--rows", default="1,8,64")
+    p.add_argument("--threads", default="128,256,512")
+    p.add_argument("--unroll", default="2,4,8,16")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--top", type=int, default=5)
+    args = p.parse_args(argv)
+    device = torch.device("cuda", torch.cuda.current_device())
+    tp, shard = args.tp, args.vocab // args.tp
+    gbs = copy_bandwidth_gbs(device)
+    probe = EmulatedGather(device, tp, shard, {1})
+    print(f"tp {tp} (virtual), V {args.vocab}, copy bandwidth {gbs:.0f} GB/s")
+    for rows in _ints(args.rows):
+        floor = floor_us(step_bytes(rows, tp, args.vocab, tp), gbs)
+        results = []
+        for threads in _ints(args.threads):
+            for unroll in _ints(args.unroll):
+                limit = probe.ranks[0].resident(threads, unroll)
+                base = default_ctas(rows, tp, shard, threads, unroll, limit)
+                for ctas in sorted({base, max(1, limit // 2), limit}):
+                    config = GatherConfig(ctas, threads, unroll)
+                    results.append((_time(device, tp, shard, rows, config, args.steps,
+                                          args.reps), config))
+        default = GatherConfig(default_ctas(rows, tp, shard, DEFAULT_THREADS, DEFAULT_UNROLL,
+                                            probe.ranks[0].resident()),
+                               DEFAULT_THREADS, DEFAULT_UNROLL)
+        timed = sorted((r for r in results if r[0] == r[0]), key=lambda r: r[0])
+        mine = next((us for us, c in results if c == default), None)
+        if mine is None:
+            mine = _time(device, tp, shard, rows, default, args.steps, args.reps)
+        print(f"M = {rows}: floor {floor:.2f} µs; default {default.label()}: {mine:.2f} µs "
+              f"({mine / floor:.2f}x floor); {len(timed)} of {len(results)} plans timed")
+        for us, config in timed[:args.top]:
+            print(f"  {config.label():>28}: {us:8.2f} µs  {us / floor:5.2f}x floor  "
+                  f"{us / mine:5.2f}x default")
+
+
+if __name__ == "__main__":
+    main()
