@@ -122,16 +122,18 @@ class DriverLaunch:
     """``launch(shard, out, peers, rank, ctas, budget, status, stream)``: the DSL
     callable's arguments (``shard`` a contiguous, 16-byte aligned BF16 tensor; the rest
     ints) plus ``stream``, the raw ``cudaStream_t`` to launch on. Build it with the
-    device's context current (``__init__`` loads the kernel there)."""
+    device's context current (``__init__`` loads the kernel there). ``pdl=False``
+    launches a PDL kernel without the attribute (diagnostics: its wait is then a no-op,
+    the stream serializes it fully)."""
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, pdl=None):
         self.name = kernel_entry(compiled.ptx)
         self.context = current_context()
         if not self.context:
             raise RuntimeError("DriverLaunch: no CUDA context is current (make the device's "
                                "primary context current first)")
         self.function = _load(bytes(compiled.cubin), self.name, self.context)
-        self.pdl = compiled.pdl
+        self.pdl = compiled.pdl if pdl is None else bool(pdl) and compiled.pdl
         self._values = _Values()
         base = ctypes.addressof(self._values)
         self._params = (ctypes.c_void_p * len(PARAMS))(

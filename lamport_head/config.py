@@ -64,10 +64,18 @@ class GatherConfig:
         return knobs
 
 
+# Fragments each thread polls under the default plan (at most its ``unroll``): few rows
+# are latency-bound, so more CTAs with fewer fragments each win. Measured on one H200
+# (``tuning/diagnostics/grid.py``, emulated TP 2, M = 1): 10 CTAs of 256 threads at 4
+# fragments each 3.89 µs per step, 20 CTAs at 2 each 3.09 µs; many rows hit ``limit``.
+POLLS_PER_THREAD = 2
+
+
 def default_ctas(rows: int, tp: int, shard: int, threads: int, unroll: int, limit: int) -> int:
-    """Enough CTAs that each thread polls about ``unroll`` fragments, within ``limit``."""
+    """Enough CTAs that each thread polls about ``POLLS_PER_THREAD`` fragments (at most
+    ``unroll``: one batch), within ``limit``."""
     fragments = rows * (tp - 1) * (shard // FRAGMENT_BF16)
-    return max(1, min(limit, math.ceil(fragments / (threads * unroll))))
+    return max(1, min(limit, math.ceil(fragments / (threads * min(unroll, POLLS_PER_THREAD)))))
 
 
 def cta_choices(limit):

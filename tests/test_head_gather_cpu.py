@@ -244,7 +244,8 @@ def test_reset_order_and_recovery(monkeypatch):
 
 
 def test_default_ctas_scales_and_clamps():
-    assert default_ctas(1, 8, 20480, 256, 4, 100) == 18
+    assert default_ctas(1, 8, 20480, 256, 4, 100) == 35  # 7 x 2560 fragments, 2 per thread
+    assert default_ctas(1, 8, 20480, 256, 1, 100) == 70  # never more than unroll per thread
     assert default_ctas(64, 8, 20480, 256, 4, 100) == 100
     assert default_ctas(1, 2, 8, 256, 4, 100) == 1
 

@@ -69,6 +69,9 @@ class CpuKernels(head_gather.DeviceKernels):
     def compiled(self, tp, shard, config, pdl, arch, stop=False):
         return types.SimpleNamespace(launch=lambda *args: None)
 
+    def launcher(self, compiled, device):
+        return compiled.launch
+
     def resident(self, compiled, device):
         return self.per_device
 

@@ -42,6 +42,11 @@ def main(rows=1, tp=2, vocab=163840):
     def stock(x):
         raise AssertionError("the planned rows must not take stock")
 
+    from lamport_head.kernels.launch import DriverLaunch, current_context
+
+    handles = [s.cuda_stream for s in emu.streams]
+    with torch.cuda.device(device):
+        plain = [DriverLaunch(g._compiled(g.configs[rows]), pdl=False) for g in emu.ranks]
     pieces = {
         "torch.add_ (one dispatch)": lambda: small.add_(1),
         "stream context enter/exit": alternate(lambda g, r: None),
@@ -51,6 +56,10 @@ def main(rows=1, tp=2, vocab=163840):
         "same, the DSL's TVM-FFI callable": alternate(lambda g, r: g._compiled(g.configs[rows]).launch(
             shards[r], outs[r].data_ptr(), g._peers, g.rank, g.ctas[rows], g.budget_ns,
             g._status_address)),
+        "same, no PDL attribute": alternate(lambda g, r: plain[r](
+            shards[r], outs[r].data_ptr(), g._peers, g.rank, g.ctas[rows], g.budget_ns,
+            g._status_address, handles[r])),
+        "one ctypes driver call": current_context,
         "to_dlpack (slow conversion)": lambda: torch.utils.dlpack.to_dlpack(shards[0]),
         "whole HeadGather call": alternate(lambda g, r: g(shards[r], stock)),
     }
