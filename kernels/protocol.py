@@ -113,6 +113,11 @@ def timer_index(epoch: int, cta: int, ctas: int, phase: int) -> int:
     """The int64 index of call ``epoch``'s stamp of ``phase`` by CTA ``cta`` of ``ctas``."""
     return TIMER_BASE + ((epoch % TIMER_CALLS) * ctas + cta) * len(TIMER_PHASES) + phase
 
+
+def timer_words(ctas: int) -> int:
+    """int32 words of a diagnostic status buffer: the record, then every call's stamps."""
+    return 2 * (TIMER_BASE + TIMER_CALLS * ctas * len(TIMER_PHASES))
+
 THREADS = (64, 128, 256, 512, 1024)  # CTA sizes the kernel compiles for
 UNROLL_MAX = 16  # fragments in flight per thread, at most
 DEFAULT_THREADS, DEFAULT_UNROLL = 256, 4

@@ -35,10 +35,11 @@ def test_period_and_gap_between_consecutive_calls():
 
 
 def test_stamp_slots_do_not_overlap():
-    from lamport_head.kernels.protocol import TIMER_BASE, TIMER_CALLS, TIMER_PHASES, timer_index
+    from lamport_head.kernels.protocol import (TIMER_BASE, TIMER_CALLS, TIMER_PHASES, timer_index,
+                                               timer_words)
 
     ctas = 3
     seen = {timer_index(e, c, ctas, k) for e in range(TIMER_CALLS) for c in range(ctas)
             for k in range(len(TIMER_PHASES))}
     assert len(seen) == TIMER_CALLS * ctas * len(TIMER_PHASES)
-    assert min(seen) == TIMER_BASE and timer_index(TIMER_CALLS, 0, ctas, 0) == TIMER_BASE
+    assert min(seen) == TIMER_BASE and 2 * (max(seen) + 1) == timer_words(ctas)

@@ -26,7 +26,7 @@ from lamport_head import head_gather
 from lamport_head.emulate import EmulatedGather
 from lamport_head.kernels.compile import compile_gather
 from lamport_head.kernels.protocol import (CONTROL_EPOCH, STATUS_WORDS, TIMER_CALLS,
-                                           TIMER_PHASES, timer_index)
+                                           TIMER_PHASES, timer_index, timer_words)
 
 from ..harness import gated_gpu_us
 
@@ -82,7 +82,7 @@ def main(argv=None):
     for rows in (int(x) for x in args.rows.split(",")):
         emu = EmulatedGather(device, args.tp, shard, {rows})
         ctas = emu.ctas[rows]
-        words = 2 * timer_index(TIMER_CALLS, 0, ctas, 0)
+        words = timer_words(ctas)
         buffers = [torch.zeros(words, dtype=torch.int32, pin_memory=True) for _ in emu.ranks]
         for gather, buf in zip(emu.ranks, buffers):
             gather._status_address = buf.data_ptr()  # the record's words, then the stamps
