@@ -123,11 +123,8 @@ class Gather:
         # wait, costs no second round of loads.
         own_control = load_address(peers + Int64(PEER_CONTROL * tp + rank) * 8)
         firsts = cute.make_rmem_tensor((tp,), Int64)
-        controls = cute.make_rmem_tensor((tp,), Int64)
         for step in cutlass.range_constexpr(tp):
             firsts[step] = load_address(peers + Int64(PEER_PARITY0 * tp + (rank + step) % tp) * 8)
-        for q in cutlass.range_constexpr(tp):
-            controls[q] = load_address(peers + Int64(PEER_CONTROL * tp + q) * 8)
         span = load_address(peers + Int64(PEER_PARITY1 * tp + rank) * 8) - firsts[0]
 
         if cutlass.const_expr(self.pdl):
@@ -185,7 +182,7 @@ class Gather:
             base = base + stride * unroll
         self.stamp(stamps, 3)
         if cause == CAUSE_TIMEOUT:
-            mark_peers(controls, missing, epoch, tp)
+            mark_peers(peers, missing, epoch, tp)
         if cutlass.const_expr(not self.stop):
             if cause != 0:
                 publish(status, own_control, epoch, tp)

@@ -32,7 +32,7 @@ from .primitives import (armed, atomic_add_word, atomic_max_word_sys, fence_sys,
                          load_address, load_volatile, load_word_volatile, scrub, store, store_sys,
                          store_word, store_word_sys, trap)
 from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, CONTROL_SLOW,
-                       EPOCH_SPAN, MARK_TOP, NAN_PAIR, SENTINEL, STATUS_EPOCH, STATUS_FLAG,
+                       EPOCH_SPAN, MARK_TOP, NAN_PAIR, PEER_CONTROL, SENTINEL, STATUS_EPOCH, STATUS_FLAG,
                        STATUS_PEERS, STATUS_SLOW, STOP_SHIFT,
                        WORDS)
 
@@ -189,16 +189,20 @@ def deliver(own: Int64, dst: Int64, held: cute.Tensor, where: cute.Tensor, sourc
 
 
 @cute.jit
-def mark_peers(controls: cute.Tensor, missing: Int32, epoch: Int32, tp: cutlass.Constexpr):
+def mark_peers(peers: Int64, missing: Int32, epoch: Int32, tp: cutlass.Constexpr):
     """After this rank's own wait ran out in call ``epoch``: name the ``missing``
-    ranks in every rank's control block, fence, then raise every rank's mark."""
+    ranks in every rank's control block, fence, then raise every rank's mark. The
+    control blocks' addresses are read from the peer table here, on this rare path,
+    not held in registers through the poll loop (they cost a CTA per SM at TP 8)."""
     for q in cutlass.range_constexpr(tp):
+        control = load_address(peers + Int64(PEER_CONTROL * tp + q) * 8)
         for p in cutlass.range_constexpr(tp):
             if (missing >> p) & 1:
-                store_word_sys(controls[q] + (CONTROL_MISSING + p) * 4, 1)
+                store_word_sys(control + (CONTROL_MISSING + p) * 4, 1)
     fence_sys()
     for q in cutlass.range_constexpr(tp):
-        atomic_max_word_sys(controls[q] + CONTROL_MARK * 4, Int32(MARK_TOP) - epoch)
+        control = load_address(peers + Int64(PEER_CONTROL * tp + q) * 8)
+        atomic_max_word_sys(control + CONTROL_MARK * 4, Int32(MARK_TOP) - epoch)
 
 
 @cute.jit

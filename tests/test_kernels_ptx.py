@@ -95,13 +95,17 @@ def test_serving_variant_traps_after_its_record_and_only_it(tp):
 @pytest.mark.parametrize("tp", [2, 8])
 def test_the_prologue_before_the_pdl_wait_reads_only_the_peer_table(tp):
     """Issue 21 item 3: whatever does not depend on the previous kernel comes before
-    ``griddepcontrol.wait``: every peer-table load (own control block, each rank's
-    parity-0 box and control block, own parity-1 box: 2 tp + 2). Nothing that the
-    previous kernel or gather writes (shard, epoch, mark: plain and volatile 32-bit
-    or 128-bit loads) is read before it, and no table load is left after it."""
+    ``griddepcontrol.wait``: every peer-table load the call needs (own control block,
+    each rank's parity-0 box, own parity-1 box: tp + 2). Nothing that the previous
+    kernel or gather writes (shard, epoch, mark: plain and volatile 32-bit or 128-bit
+    loads) is read before it. After it, the table is read only on the give-up path
+    (``mark_peers``: every rank's control block, loaded where it is used; the
+    compiler may share the two loops' loads), never held in registers through the
+    poll loop."""
     k = compile_gather(tp, 163840 // tp // 2, arch="sm_90a")
     before, after = k.ptx.split("griddepcontrol.wait", 1)
-    assert before.count("ld.global.b64") == 2 * tp + 2 and "ld.global.b64" not in after
+    assert before.count("ld.global.b64") == tp + 2
+    assert tp <= after.count("ld.global.b64") <= 2 * tp
     assert not re.search(r"\bld\.(?:volatile\.)?global\.(?:v4\.)?u32", before)
 
 

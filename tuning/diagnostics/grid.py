@@ -30,25 +30,33 @@ def _ints(text):
     return [int(x) for x in text.split(",")]
 
 
-def _time(device, tp, shard, rows, config, steps, reps):
-    """Gated GPU µs per step of ``config`` (NaN: not co-resident, wrong, or gave up)."""
+def _time(device, tp, shard, rows, config, steps, reps, why):
+    """Gated GPU µs per step of ``config``; NaN when it is not co-resident, wrong, gave
+    up or host-bound, with the reason appended to ``why``."""
+    nan = float("nan")
     try:
         emu = EmulatedGather(device, tp, shard, {rows: config}, budget_s=0.5)
-    except ValueError:
-        return float("nan")
+    except ValueError as exc:
+        why.append(f"{config.label()}: not built ({exc})")
+        return nan
     data = planted(tp, rows, shard, device=device)
     shards = [data[r] for r in range(tp)]
     try:
         outs = emu(shards)
         want = reference_gather(shards)
         if not all(torch.equal(o.view(torch.int16), want.view(torch.int16)) for o in outs):
-            return float("nan")
+            emu.check()  # a give-up explains NaN words; otherwise the words are wrong
+            why.append(f"{config.label()}: WRONG WORDS (no give-up)")
+            return nan
         emu.run_steps(shards, 2)
         us = gated_gpu_us(lambda n: emu.run_steps(shards, n), device, steps, reps)
         emu.check()
+        if us != us:
+            why.append(f"{config.label()}: host-bound (the gate ran out before the queue)")
         return us
-    except GatherTimeout:
-        return float("nan")
+    except GatherTimeout as exc:
+        why.append(f"{config.label()}: gave up ({exc})")
+        return nan
 
 
 def main(argv=None):
@@ -69,7 +77,7 @@ def main(argv=None):
     print(f"tp {tp} (virtual), V {args.vocab}, copy bandwidth {gbs:.0f} GB/s")
     for rows in _ints(args.rows):
         floor = floor_us(step_bytes(rows, tp, args.vocab, tp), gbs)
-        results = []
+        results, why = [], []
         for threads in _ints(args.threads):
             for unroll in _ints(args.unroll):
                 limit = probe.ranks[0].resident(threads, unroll)
@@ -77,19 +85,21 @@ def main(argv=None):
                 for ctas in sorted({base, max(1, limit // 2), limit}):
                     config = GatherConfig(ctas, threads, unroll)
                     results.append((_time(device, tp, shard, rows, config, args.steps,
-                                          args.reps), config))
+                                          args.reps, why), config))
         default = GatherConfig(default_ctas(rows, tp, shard, DEFAULT_THREADS, DEFAULT_UNROLL,
                                             probe.ranks[0].resident()),
                                DEFAULT_THREADS, DEFAULT_UNROLL)
         timed = sorted((r for r in results if r[0] == r[0]), key=lambda r: r[0])
         mine = next((us for us, c in results if c == default), None)
         if mine is None:
-            mine = _time(device, tp, shard, rows, default, args.steps, args.reps)
+            mine = _time(device, tp, shard, rows, default, args.steps, args.reps, why)
         print(f"M = {rows}: floor {floor:.2f} µs; default {default.label()}: {mine:.2f} µs "
               f"({mine / floor:.2f}x floor); {len(timed)} of {len(results)} plans timed")
         for us, config in timed[:args.top]:
             print(f"  {config.label():>28}: {us:8.2f} µs  {us / floor:5.2f}x floor  "
                   f"{us / mine:5.2f}x default")
+        for line in why:
+            print(f"  no figure: {line}")
 
 
 if __name__ == "__main__":
