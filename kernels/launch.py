@@ -10,15 +10,20 @@ and calls ``cuLaunchKernelEx`` with the caller's stream (always explicit).
 Invariants a change must keep:
 
 - The argument slots follow the kernel's parameter list exactly (``PARAMS``: name
-  and width, in order); ``kernel_entry`` checks them against the PTX ``.entry`` of
-  the compiled kernel when the launcher is built, so a signature change fails there,
-  never as a launch that reads its arguments wrong.
+  and width, in order); ``kernel_entry`` checks the count and the widths against the
+  PTX ``.entry`` of the compiled kernel when the launcher is built, so a signature
+  change fails there. PTX names its parameters by position only: a swap of two of
+  the same width is caught by the bitwise GPU tests, not here.
 - PDL: a kernel compiled with it is launched with programmatic stream serialization
   (what the DSL's launch sets for ``use_pdl``), one compiled without it, plainly.
-- The kernel is loaded into the context that is current when the launcher is built
-  (the caller makes the device's primary context current, as torch uses it); a
-  launch from a thread where another context (or none) is current pushes that
-  context for the launch and pops it after. Any other refused launch raises.
+- The kernel is loaded into the device's primary context (the one torch uses),
+  retained for the launcher's life so its handle cannot be reused. A launch whose
+  stream names its context needs no current context (measured on the H200); one on
+  the null stream (handle 0) from a thread where another context is current is
+  refused with CUDA_ERROR_INVALID_HANDLE or INVALID_CONTEXT, and only those two codes
+  are retried, once, with the primary context pushed. Any other code raises with no
+  retry: the driver may report an earlier asynchronous error on a launch that was
+  queued, and launching a collective twice would put this rank a call ahead.
 - One launcher serves one caller at a time (its slots are rewritten per call); the
   driver copies the values at the launch, and under stream capture into the graph.
 """
@@ -36,15 +41,21 @@ PARAMS = (("shard", ctypes.c_uint64), ("rows", ctypes.c_int32), ("out", ctypes.c
 _PTX_WIDTH = {".u64": 8, ".s64": 8, ".b64": 8, ".u32": 4, ".s32": 4, ".b32": 4}
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+_RETRIED = (201, 400)  # CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE
 
 
 class _Values(ctypes.Structure):
     _fields_ = list(PARAMS)
 
 
-class _Attribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte union
-    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("value", ctypes.c_int32),
-                ("rest", ctypes.c_byte * 60)]
+class _AttributeValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes, 8-byte aligned
+    _fields_ = [("programmaticStreamSerializationAllowed", ctypes.c_int32),
+                ("align", ctypes.c_uint64), ("pad", ctypes.c_byte * 64)]
+
+
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, the value union
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_byte * 4),
+                ("value", _AttributeValue)]
 
 
 class _Config(ctypes.Structure):  # CUlaunchConfig
@@ -100,13 +111,26 @@ def _checked(result, what):
 
 @functools.lru_cache(maxsize=None)
 def _load(cubin: bytes, name: str, context: int) -> int:
-    """The CUfunction of kernel ``name`` of ``cubin`` in the current context
-    (``context``: its handle, the cache key), loaded once per process."""
+    """The CUfunction of kernel ``name`` of ``cubin`` in ``context`` (a retained
+    primary context, current while this runs), loaded once per process."""
     from cuda.bindings import driver as cu
 
     library = _checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
     kernel = _checked(cu.cuLibraryGetKernel(library, name.encode()), "cuLibraryGetKernel")
     return int(_checked(cu.cuKernelGetFunction(kernel), "cuKernelGetFunction"))
+
+
+@functools.lru_cache(maxsize=None)
+def primary_context(device_index: int) -> int:
+    """The device's primary context (torch's), retained once per process and never
+    released, so its handle stays valid for every launcher built on it."""
+    from cuda.bindings import driver as cu
+
+    status, = cu.cuInit(0)
+    if status != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuInit failed: {status}")
+    device = _checked(cu.cuDeviceGet(device_index), "cuDeviceGet")
+    return int(_checked(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain"))
 
 
 def current_context() -> int:
@@ -121,24 +145,29 @@ def current_context() -> int:
 class DriverLaunch:
     """``launch(shard, out, peers, rank, ctas, budget, status, stream)``: the DSL
     callable's arguments (``shard`` a contiguous, 16-byte aligned BF16 tensor; the rest
-    ints) plus ``stream``, the raw ``cudaStream_t`` to launch on. Build it with the
-    device's context current (``__init__`` loads the kernel there). ``pdl=False``
-    launches a PDL kernel without the attribute (diagnostics: its wait is then a no-op,
-    the stream serializes it fully)."""
+    ints) plus ``stream``, the raw ``cudaStream_t`` to launch on, a stream of device
+    ``device_index`` (whose primary context ``__init__`` loads the kernel into).
+    ``pdl=False`` launches a PDL kernel without the attribute (diagnostics: its wait
+    is then a no-op, the stream serializes it fully)."""
 
-    def __init__(self, compiled, pdl=None):
+    def __init__(self, compiled, device_index, pdl=None):
         self.name = kernel_entry(compiled.ptx)
-        self.context = current_context()
-        if not self.context:
-            raise RuntimeError("DriverLaunch: no CUDA context is current (make the device's "
-                               "primary context current first)")
-        self.function = _load(bytes(compiled.cubin), self.name, self.context)
+        self.context = primary_context(device_index)
+        lib = _driver()
+        code = lib.cuCtxPushCurrent_v2(self.context)
+        if code:
+            raise RuntimeError(f"cuCtxPushCurrent failed: {_error(code)}")
+        try:
+            self.function = _load(bytes(compiled.cubin), self.name, self.context)
+        finally:
+            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
         self.pdl = compiled.pdl if pdl is None else bool(pdl) and compiled.pdl
         self._values = _Values()
         base = ctypes.addressof(self._values)
         self._params = (ctypes.c_void_p * len(PARAMS))(
             *(base + getattr(_Values, n).offset for n, _ in PARAMS))
-        self._attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self._attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self._attribute.value.programmaticStreamSerializationAllowed = 1
         self._config = _Config(gridDimY=1, gridDimZ=1, blockDimX=compiled.threads, blockDimY=1,
                                blockDimZ=1, sharedMemBytes=0,
                                attrs=ctypes.addressof(self._attribute) if self.pdl else None,
@@ -146,6 +175,7 @@ class DriverLaunch:
         self._args = (ctypes.addressof(self._config), self.function,
                       ctypes.addressof(self._params), None)
         self._launch = _driver().cuLaunchKernelEx
+        self.refusals = 0  # launches the driver refused (tests: the retry path ran)
 
     def __call__(self, shard, out, peers, rank, ctas, budget, status, stream):
         v = self._values
@@ -157,10 +187,12 @@ class DriverLaunch:
             self._failed(code)
 
     def _failed(self, code):
-        """A launch the driver refused: once more with the kernel's context pushed
-        when the calling thread had another one (or none) current; else raise."""
+        """A launch the driver refused: once more with the kernel's context pushed when
+        the refusal names the context or handle and the calling thread has another
+        one (or none) current; else raise."""
         lib = _driver()
-        if current_context() != self.context:
+        self.refusals += 1
+        if code in _RETRIED and current_context() != self.context:
             if lib.cuCtxPushCurrent_v2(self.context) == 0:
                 try:
                     code = self._launch(*self._args)

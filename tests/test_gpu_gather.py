@@ -71,9 +71,10 @@ def test_explicitly_poisoned_outputs():
 def test_the_driver_launch_and_the_dsl_callable_agree_bitwise_from_any_thread():
     """HeadGather launches through the driver (``kernels.launch.DriverLaunch``); the
     DSL's own TVM-FFI callable of the same kernel, in alternate calls, must give the
-    same words and keep the same parity sequence. The last round launches every rank
-    from a fresh thread, where no CUDA context is current (the launcher pushes the
-    kernel's)."""
+    same words and keep the same parity sequence. The last rounds launch every rank
+    from a fresh thread, where no CUDA context is current: a launch on an explicit
+    stream takes its context from the stream (measured on the H200), so the driver
+    refuses none of them (the retry path: the next test)."""
     import threading
 
     from lamport_head.kernels.launch import current_context
@@ -125,6 +126,55 @@ def test_the_driver_launch_and_the_dsl_callable_agree_bitwise_from_any_thread():
         want = reference_gather(shards).view(torch.int32)
         for r, out in enumerate(outs):
             assert_same_words(out, want, f"call {call} ({how}), rank {r}, M={rows}")
+    gather.check()
+    assert gather.armed()
+    assert all(launch.refusals == 0 for g in gather.ranks for launch in g._launch.values())
+
+
+def test_a_null_stream_launch_under_another_context_is_retried_in_the_kernels():
+    """A launch on the null stream (handle 0) from a thread where another CUDA context
+    is current is refused (the stream cannot name the context); the launcher retries
+    that refusal once with the device's primary context pushed, and the gather is
+    bitwise right on every rank, with one refusal counted."""
+    import threading
+
+    from cuda.bindings import driver as cu
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    tp, shard, rows = 2, 163840 // 2, 8
+    gather = EmulatedGather(device, tp, shard, (1, rows))
+    shards = _shards(tp, rows, shard, device)
+    outs = [torch.full((rows, tp * shard // 2), POISON, dtype=torch.int32,
+                       device=device).view(torch.bfloat16) for _ in range(tp)]
+    torch.cuda.synchronize(device)
+    first = gather.ranks[0]._launch[rows]
+    errors = []
+
+    def other_context():
+        status, dev = cu.cuDeviceGet(device.index)
+        status, context = cu.cuCtxCreate(None, 0, dev)
+        assert status == cu.CUresult.CUDA_SUCCESS, status
+        try:
+            g = gather.ranks[0]
+            first(shards[0], outs[0].data_ptr(), g._peers, g.rank, g.ctas[rows], g.budget_ns,
+                  g._status_address, 0)
+        except Exception as exc:  # reported below, after the peers launched
+            errors.append(exc)
+        finally:
+            cu.cuCtxPopCurrent()
+            cu.cuCtxDestroy(context)
+
+    worker = threading.Thread(target=other_context)
+    worker.start()
+    worker.join()
+    for g, stream in zip(gather.ranks[1:], gather.streams[1:]):  # non-blocking streams
+        g._launch[rows](shards[g.rank], outs[g.rank].data_ptr(), g._peers, g.rank,
+                        g.ctas[rows], g.budget_ns, g._status_address, stream.cuda_stream)
+    torch.cuda.synchronize(device)
+    assert errors == [] and first.refusals == 1
+    want = reference_gather(shards).view(torch.int32)
+    for r, out in enumerate(outs):
+        assert_same_words(out, want, f"rank {r}")
     gather.check()
     assert gather.armed()
 

@@ -143,5 +143,6 @@ def test_the_driver_launchers_slots_are_the_kernels_parameters():
     assert [n for n, _ in PARAMS] == ["shard", "rows", "out", "peers", "rank", "budget", "status"]
     # cuda.h's CUlaunchConfig and CUlaunchAttribute (x86-64): the driver reads these bytes
     assert ctypes.sizeof(_Attribute) == 72 and _Attribute.value.offset == 8
+    assert ctypes.alignment(_Attribute) == 8  # the union holds 64-bit members
     assert (_Config.sharedMemBytes.offset, _Config.hStream.offset, _Config.attrs.offset,
             _Config.numAttrs.offset, ctypes.sizeof(_Config)) == (24, 32, 40, 48, 56)
