@@ -16,12 +16,12 @@ Invariants a change must keep:
   the same width is caught by the bitwise GPU tests, not here.
 - PDL: a kernel compiled with it is launched with programmatic stream serialization
   (what the DSL's launch sets for ``use_pdl``), one compiled without it, plainly.
-- The kernel is loaded into the device's primary context (the one torch uses),
-  retained for the launcher's life so its handle cannot be reused. A launch whose
-  stream names its context needs no current context (measured on the H200); one on
-  the null stream (handle 0) from a thread where another context is current is
-  refused with CUDA_ERROR_INVALID_HANDLE or INVALID_CONTEXT, and only those two codes
-  are retried, once, with the primary context pushed. Any other code raises with no
+- The kernel is loaded into the context that is current when the launcher is built
+  (the caller makes the device's primary context current, as torch uses it). A
+  launch whose stream names its context needs no current context (measured on the
+  H200); one on the null stream (handle 0) from a thread where another context is
+  current is refused with CUDA_ERROR_INVALID_HANDLE or INVALID_CONTEXT, and only those two codes
+  are retried, once, with the kernel's context pushed. Any other code raises with no
   retry: the driver may report an earlier asynchronous error on a launch that was
   queued, and launching a collective twice would put this rank a call ahead.
 - One launcher serves one caller at a time (its slots are rewritten per call); the
@@ -111,26 +111,13 @@ def _checked(result, what):
 
 @functools.lru_cache(maxsize=None)
 def _load(cubin: bytes, name: str, context: int) -> int:
-    """The CUfunction of kernel ``name`` of ``cubin`` in ``context`` (a retained
-    primary context, current while this runs), loaded once per process."""
+    """The CUfunction of kernel ``name`` of ``cubin`` in the current context
+    (``context``: its handle, the cache key), loaded once per process."""
     from cuda.bindings import driver as cu
 
     library = _checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
     kernel = _checked(cu.cuLibraryGetKernel(library, name.encode()), "cuLibraryGetKernel")
     return int(_checked(cu.cuKernelGetFunction(kernel), "cuKernelGetFunction"))
-
-
-@functools.lru_cache(maxsize=None)
-def primary_context(device_index: int) -> int:
-    """The device's primary context (torch's), retained once per process and never
-    released, so its handle stays valid for every launcher built on it."""
-    from cuda.bindings import driver as cu
-
-    status, = cu.cuInit(0)
-    if status != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuInit failed: {status}")
-    device = _checked(cu.cuDeviceGet(device_index), "cuDeviceGet")
-    return int(_checked(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain"))
 
 
 def current_context() -> int:
@@ -145,22 +132,18 @@ def current_context() -> int:
 class DriverLaunch:
     """``launch(shard, out, peers, rank, ctas, budget, status, stream)``: the DSL
     callable's arguments (``shard`` a contiguous, 16-byte aligned BF16 tensor; the rest
-    ints) plus ``stream``, the raw ``cudaStream_t`` to launch on, a stream of device
-    ``device_index`` (whose primary context ``__init__`` loads the kernel into).
-    ``pdl=False`` launches a PDL kernel without the attribute (diagnostics: its wait
-    is then a no-op, the stream serializes it fully)."""
+    ints) plus ``stream``, the raw ``cudaStream_t`` to launch on. Build it with the
+    device's context current (``__init__`` loads the kernel there). ``pdl=False``
+    launches a PDL kernel without the attribute (diagnostics: its wait is then a no-op,
+    the stream serializes it fully)."""
 
-    def __init__(self, compiled, device_index, pdl=None):
+    def __init__(self, compiled, pdl=None):
         self.name = kernel_entry(compiled.ptx)
-        self.context = primary_context(device_index)
-        lib = _driver()
-        code = lib.cuCtxPushCurrent_v2(self.context)
-        if code:
-            raise RuntimeError(f"cuCtxPushCurrent failed: {_error(code)}")
-        try:
-            self.function = _load(bytes(compiled.cubin), self.name, self.context)
-        finally:
-            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        self.context = current_context()
+        if not self.context:
+            raise RuntimeError("DriverLaunch: no CUDA context is current (make the device's "
+                               "primary context current first)")
+        self.function = _load(bytes(compiled.cubin), self.name, self.context)
         self.pdl = compiled.pdl if pdl is None else bool(pdl) and compiled.pdl
         self._values = _Values()
         base = ctypes.addressof(self._values)

@@ -104,7 +104,9 @@ class DeviceKernels:
         status, stream)``."""
         from .kernels import DriverLaunch
 
-        return DriverLaunch(compiled, device.index)
+        with torch.cuda.device(device):
+            torch.cuda.current_stream()  # makes torch's primary context current
+            return DriverLaunch(compiled)
 
     def resident(self, compiled, device) -> int:
         """CTAs of ``compiled`` the whole device holds at once."""

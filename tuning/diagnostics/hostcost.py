@@ -45,8 +45,8 @@ def main(rows=1, tp=2, vocab=163840):
     from lamport_head.kernels.launch import DriverLaunch, current_context
 
     handles = [s.cuda_stream for s in emu.streams]
-    plain = [DriverLaunch(g._compiled(g.configs[rows]), device.index, pdl=False)
-             for g in emu.ranks]
+    with torch.cuda.device(device):
+        plain = [DriverLaunch(g._compiled(g.configs[rows]), pdl=False) for g in emu.ranks]
     pieces = {
         "torch.add_ (one dispatch)": lambda: small.add_(1),
         "stream context enter/exit": alternate(lambda g, r: None),
