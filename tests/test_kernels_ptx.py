@@ -144,5 +144,8 @@ def test_the_driver_launchers_slots_are_the_kernels_parameters():
     # cuda.h's CUlaunchConfig and CUlaunchAttribute (x86-64): the driver reads these bytes
     assert ctypes.sizeof(_Attribute) == 72 and _Attribute.value.offset == 8
     assert ctypes.alignment(_Attribute) == 8  # the union holds 64-bit members
+    pdl = _Attribute(id=6)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    pdl.value.programmaticStreamSerializationAllowed = 1
+    assert bytes(pdl)[:12] == (6).to_bytes(4, "little") + bytes(4) + (1).to_bytes(4, "little")
     assert (_Config.sharedMemBytes.offset, _Config.hStream.offset, _Config.attrs.offset,
             _Config.numAttrs.offset, ctypes.sizeof(_Config)) == (24, 32, 40, 48, 56)
