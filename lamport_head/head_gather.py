@@ -131,6 +131,11 @@ class HeadGather:
     ``{rows: GatherConfig}``; ``ctas``: its CTA counts. ``pdl``: None takes it where
     the architecture has it (sm_90 on).
 
+    ``clamp``: a row whose CTAs cannot all be co-resident is cut to the limit (and
+    listed in ``clamped``, ``{rows: (asked, limit)}``) instead of refusing the whole
+    gather; the limit is a fact of the GPU model and the kernel, so every rank cuts
+    alike.
+
     ``mode``, one explicit choice (``kernels.protocol`` has the protocol of each):
     ``"recoverable"`` (tools, tuning, tests: a give-up hands out NaN for two calls,
     then every rank raises ``GatherTimeout`` until a collective ``reset()``) or
@@ -140,10 +145,11 @@ class HeadGather:
 
     def __init__(self, group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None,
                  threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL, pdl=None,
-                 budget_s=SPIN_BUDGET_S, backend=None, mode=RECOVERABLE):
+                 budget_s=SPIN_BUDGET_S, backend=None, mode=RECOVERABLE, clamp=False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
+        self.clamped = {} if clamp else None
         if isinstance(rows, Mapping):
             if ctas is not None:
                 raise ValueError("rows maps row counts to GatherConfigs: pass no ctas")
@@ -206,7 +212,7 @@ class HeadGather:
         self._pdl = self._kernels.pdl(self._arch) if pdl is None else bool(pdl)
         self.sharing = sharing
         self.configs = plan(rows, ctas, tp=tp, shard=shard, resident=self._resident,
-                            sharing=sharing, pdl=self._pdl, **knobs)
+                            sharing=sharing, pdl=self._pdl, clamped=self.clamped, **knobs)
         self.rows = frozenset(self.configs)
         self.cap = max(self.rows)
         self.ctas = {m: c.ctas for m, c in self.configs.items()}

@@ -70,8 +70,13 @@ def _build(group, device, tp, rank, shard, plan, budget_s):
     from .head_gather import HeadGather
     from .status import SERVING
 
-    return HeadGather(group, device, tp, rank, shard, {m: p.config for m, p in plan.items()},
-                      budget_s=budget_s, mode=SERVING)
+    gather = HeadGather(group, device, tp, rank, shard, {m: p.config for m, p in plan.items()},
+                        budget_s=budget_s, mode=SERVING, clamp=True)
+    for m, (asked, most) in sorted(gather.clamped.items()):
+        logger.warning("lamport-head: the table's %d CTAs for %d rows cannot all be co-resident "
+                       "with this version's kernel on this device: served with %d (re-tune with "
+                       "`lamport-head tune`)", asked, m, most)
+    return gather
 
 
 class _Vote(NamedTuple):

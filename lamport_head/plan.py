@@ -20,6 +20,7 @@ Invariants a change must keep:
   (and is tested) without a GPU.
 """
 
+import dataclasses
 from collections.abc import Mapping
 
 from .config import GatherConfig, default_ctas
@@ -41,7 +42,7 @@ def co_resident_limit(resident_per_device: int, sharing: int, pdl: bool) -> int:
 
 
 def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_THREADS,
-         unroll=DEFAULT_UNROLL) -> dict:
+         unroll=DEFAULT_UNROLL, clamped=None) -> dict:
     """``{rows: GatherConfig}`` for every row count of ``rows``.
 
     ``ctas``: None (``default_ctas`` with ``threads`` and ``unroll``), an int for every
@@ -49,7 +50,10 @@ def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_
     ``unroll``). ``resident(config)``: CTAs of ``config``'s kernel the device holds
     (its ``ctas`` is ignored: occupancy depends on the compiled kernel only).
     Raises ValueError when a row count has no configuration or one that cannot be
-    co-resident (``co_resident_limit`` with ``sharing`` and ``pdl``)."""
+    co-resident (``co_resident_limit`` with ``sharing`` and ``pdl``); with
+    ``clamped`` (a dict) such a row is cut to the limit instead and recorded there as
+    ``{rows: (asked, limit)}`` (a table tuned under another limit: an older version's,
+    or a GPU whose kernel needs more registers)."""
     rows = frozenset(int(r) for r in rows)
     if not rows or min(rows) < 1:
         raise ValueError(f"rows must be a non-empty set of positive row counts, got {sorted(rows)}")
@@ -75,6 +79,9 @@ def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_
         config = (entry if isinstance(entry, GatherConfig)
                   else GatherConfig(int(entry), threads, unroll))
         most = limit(config)
+        if config.ctas > most and clamped is not None and most >= 1:
+            clamped[m] = (config.ctas, most)
+            config = dataclasses.replace(config, ctas=most)
         if config.ctas > most:
             raise ValueError(
                 f"{config.ctas} CTAs for {m} rows cannot all be co-resident: this device holds "

@@ -53,6 +53,55 @@ def test_plan_refuses_what_it_cannot_serve(rows, ctas, what):
         plan(rows, ctas, tp=TP, shard=SHARD, resident=resident_by_threads, sharing=1, pdl=True)
 
 
+def test_a_row_over_the_limit_is_cut_to_it_only_when_asked():
+    kw = dict(tp=TP, shard=SHARD, resident=resident_by_threads, sharing=1, pdl=True)
+    cut = {}
+    got = plan({1, 2, 4}, {1: 13, 2: GatherConfig(30, 128, 2), 4: 5}, clamped=cut, **kw)
+    assert got == {1: GatherConfig(12), 2: GatherConfig(24, 128, 2), 4: GatherConfig(5)}
+    assert cut == {1: (13, 12), 2: (30, 24)}  # the row within the limit is untouched
+    with pytest.raises(ValueError, match="13 CTAs for 1 rows cannot all be co-resident"):
+        plan({1}, 13, **kw)
+
+
+def test_install_serves_a_table_row_over_the_limit_at_the_limit(monkeypatch, caplog):
+    """A table tuned under another limit (0.3.0's, before a quarter of the slots was
+    kept free) no longer refuses the whole gather: the row is served at the limit,
+    with one line that says so."""
+    import logging
+
+    from lamport_head import install
+    from lamport_head.table import RowPlan
+
+    monkeypatch.setattr(head_gather, "KERNELS", CpuKernels(1056))  # limit 792 per rank
+    monkeypatch.setattr(head_gather, "choose_backend", lambda group, device, backend: ("ipc", 1))
+    built = {}
+
+    class Box:
+        def __init__(self, group, device, tp, rank, cap, words):
+            self.tp, self.words, self.cap, self.sharing = tp, words, cap, 1
+            self.peers = torch.zeros(3, tp, dtype=torch.int64)
+
+        def connect(self):
+            pass
+
+        def arm(self):
+            built["armed"] = True
+
+    monkeypatch.setattr(head_gather, "MAILBOXES", {"ipc": Box})
+    monkeypatch.setattr(head_gather, "agree", lambda error, group, device, what: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    rows = {1: RowPlan(GatherConfig(900), True), 8: RowPlan(GatherConfig(64), True)}
+    with caplog.at_level(logging.WARNING, logger="lamport_head"):
+        gather = install._build(None, "cpu", TP, 0, SHARD, rows, 2.0)
+    assert gather.ctas == {1: 792, 8: 64} and gather.clamped == {1: (900, 792)}
+    assert built["armed"]
+    lines = [r.getMessage() for r in caplog.records if "co-resident" in r.getMessage()]
+    assert lines == ["lamport-head: the table's 900 CTAs for 1 rows cannot all be co-resident "
+                     "with this version's kernel on this device: served with 792 (re-tune with "
+                     "`lamport-head tune`)"]
+    gather._watcher.stop()
+
+
 class CpuKernels(head_gather.DeviceKernels):
     """The seam: kernels that 'compile' on CPU, and a device holding ``per_device``
     CTAs of any of them."""
