@@ -100,7 +100,9 @@ def _error(code) -> str:
     return f"CUresult {code}"
 
 
-def _checked(result, what):
+def checked(result, what):
+    """The value of a cuda.bindings driver call's ``(status, value)``; RuntimeError
+    naming ``what`` when the status is not success."""
     from cuda.bindings import driver as cu
 
     status, *values = result
@@ -115,9 +117,9 @@ def _load(cubin: bytes, name: str, context: int) -> int:
     (``context``: its handle, the cache key), loaded once per process."""
     from cuda.bindings import driver as cu
 
-    library = _checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
-    kernel = _checked(cu.cuLibraryGetKernel(library, name.encode()), "cuLibraryGetKernel")
-    return int(_checked(cu.cuKernelGetFunction(kernel), "cuKernelGetFunction"))
+    library = checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
+    kernel = checked(cu.cuLibraryGetKernel(library, name.encode()), "cuLibraryGetKernel")
+    return int(checked(cu.cuKernelGetFunction(kernel), "cuKernelGetFunction"))
 
 
 def current_context() -> int:

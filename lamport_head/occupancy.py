@@ -11,15 +11,6 @@ import functools
 import torch
 
 
-def _checked(result, what):
-    from cuda.bindings import driver as cu
-
-    status, *values = result
-    if status != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what} failed: {status}")
-    return values[0] if len(values) == 1 else tuple(values)
-
-
 def device_arch(device) -> str:
     """The compile target of ``device`` (``kernels.arch.target``: sm_90a on Hopper and
     later, plain sm_XY before)."""
@@ -33,14 +24,16 @@ def resident_ctas(cubin: bytes, threads: int, device_index: int) -> int:
     """CTAs of the cubin's single kernel (``threads`` per CTA) that fit on the device."""
     from cuda.bindings import driver as cu
 
+    from .kernels.launch import checked
+
     torch.cuda.init()
     with torch.cuda.device(device_index):
         torch.cuda.current_stream()  # makes torch's primary context current
-        library = _checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
-        count = _checked(cu.cuLibraryGetKernelCount(library), "cuLibraryGetKernelCount")
-        kernels = _checked(cu.cuLibraryEnumerateKernels(count, library), "cuLibraryEnumerateKernels")
-        function = _checked(cu.cuKernelGetFunction(kernels[0]), "cuKernelGetFunction")
-        per_sm = _checked(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, 0),
-                          "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        library = checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
+        count = checked(cu.cuLibraryGetKernelCount(library), "cuLibraryGetKernelCount")
+        kernels = checked(cu.cuLibraryEnumerateKernels(count, library), "cuLibraryEnumerateKernels")
+        function = checked(cu.cuKernelGetFunction(kernels[0]), "cuKernelGetFunction")
+        per_sm = checked(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, 0),
+                         "cuOccupancyMaxActiveBlocksPerMultiprocessor")
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     return int(per_sm) * sms
