@@ -16,40 +16,40 @@ import argparse
 
 import torch
 
-from lamport_head.config import GatherConfig, default_ctas
+from lamport_head.config import GatherConfig
 from lamport_head.emulate import EmulatedGather
 from lamport_head.head_gather import GatherTimeout
-from lamport_head.kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
-from lamport_head.reference import planted, reference_gather
+from lamport_head.reference import planted
 
+from ..bench import plan_for
 from ..floor import copy_bandwidth_gbs, floor_us, step_bytes
-from ..harness import gated_gpu_us
+from ..harness import EmulatedTarget, gated_gpu_us
 
 
 def _ints(text):
     return [int(x) for x in text.split(",")]
 
 
-def _time(device, tp, shard, rows, config, steps, reps, why):
-    """Gated GPU µs per step of ``config``; NaN when it is not co-resident, wrong, gave
-    up or host-bound, with the reason appended to ``why``."""
+def _time(target, rows, config, steps, reps, why):
+    """Gated GPU µs per step of ``config`` on ``target`` (an ``EmulatedTarget``: its
+    budget and its bitwise check); NaN when it is not co-resident, wrong, gave up or
+    host-bound, with the reason appended to ``why``."""
     nan = float("nan")
     try:
-        emu = EmulatedGather(device, tp, shard, {rows: config}, budget_s=0.5)
+        emu = EmulatedGather(target.device, target.tp, target.shard, {rows: config},
+                             budget_s=target.budget_s)
     except ValueError as exc:
         why.append(f"{config.label()}: not built ({exc})")
         return nan
-    data = planted(tp, rows, shard, device=device)
-    shards = [data[r] for r in range(tp)]
+    data = planted(target.tp, rows, target.shard, device=target.device)
+    shards = [data[r] for r in range(target.tp)]
     try:
-        outs = emu(shards)
-        want = reference_gather(shards)
-        if not all(torch.equal(o.view(torch.int16), want.view(torch.int16)) for o in outs):
+        if not target.verify(emu, rows, calls=1):
             emu.check()  # a give-up explains NaN words; otherwise the words are wrong
-            why.append(f"{config.label()}: WRONG WORDS (no give-up)")
+            why.append(f"{config.label()}: WRONG WORDS or an un-armed mailbox (no give-up)")
             return nan
         emu.run_steps(shards, 2)
-        us = gated_gpu_us(lambda n: emu.run_steps(shards, n), device, steps, reps)
+        us = gated_gpu_us(lambda n: emu.run_steps(shards, n), target.device, steps, reps)
         emu.check()
         if us != us:
             why.append(f"{config.label()}: host-bound (the gate ran out before the queue)")
@@ -71,28 +71,25 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=5)
     args = p.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device())
-    tp, shard = args.tp, args.vocab // args.tp
+    target = EmulatedTarget(device, args.tp, args.vocab, budget_s=0.5)
     gbs = copy_bandwidth_gbs(device)
-    probe = EmulatedGather(device, tp, shard, {1})
-    print(f"tp {tp} (virtual), V {args.vocab}, copy bandwidth {gbs:.0f} GB/s")
+    print(f"tp {args.tp} (virtual), V {args.vocab}, copy bandwidth {gbs:.0f} GB/s")
     for rows in _ints(args.rows):
-        floor = floor_us(step_bytes(rows, tp, args.vocab, tp), gbs)
+        floor = floor_us(step_bytes(rows, args.tp, args.vocab, args.tp), gbs)
         results, why = [], []
         for threads in _ints(args.threads):
             for unroll in _ints(args.unroll):
-                limit = probe.ranks[0].resident(threads, unroll)
-                base = default_ctas(rows, tp, shard, threads, unroll, limit)
+                limit = target.limit(threads, unroll)
+                base = plan_for(target, rows, {}, threads, unroll).ctas  # the heuristic's
                 for ctas in sorted({base, max(1, limit // 2), limit}):
                     config = GatherConfig(ctas, threads, unroll)
-                    results.append((_time(device, tp, shard, rows, config, args.steps,
-                                          args.reps, why), config))
-        default = GatherConfig(default_ctas(rows, tp, shard, DEFAULT_THREADS, DEFAULT_UNROLL,
-                                            probe.ranks[0].resident()),
-                               DEFAULT_THREADS, DEFAULT_UNROLL)
+                    results.append((_time(target, rows, config, args.steps, args.reps, why),
+                                    config))
+        default = plan_for(target, rows, {})
         timed = sorted((r for r in results if r[0] == r[0]), key=lambda r: r[0])
         mine = next((us for us, c in results if c == default), None)
         if mine is None:
-            mine = _time(device, tp, shard, rows, default, args.steps, args.reps, why)
+            mine = _time(target, rows, default, args.steps, args.reps, why)
         print(f"M = {rows}: floor {floor:.2f} µs; default {default.label()}: {mine:.2f} µs "
               f"({mine / floor:.2f}x floor); {len(timed)} of {len(results)} plans timed")
         for us, config in timed[:args.top]:
