@@ -30,6 +30,16 @@ def _finite(ys):
     return any(y is not None and isinstance(y, (int, float)) and math.isfinite(y) for y in ys)
 
 
+def _lines(ax, rows, records, series, positive=False):
+    """One line per ``(key, label, style)`` of ``series`` that has a finite value in
+    ``records``; ``positive``: values not above 0 are gaps (a log axis)."""
+    for key, label, style in series:
+        ys = [r.get(key, math.nan) for r in records]
+        if _finite(ys):
+            ax.plot(rows, [y if not positive or y > 0 else math.nan for y in ys], style,
+                    label=label)
+
+
 def plot_bench(records, path, title):
     """Left: µs per step against rows (gather, HBM floor, lm_head GEMM, the gather's
     visible cost behind it with PDL on and off, NCCL where measured). Right: the
@@ -41,15 +51,13 @@ def plot_bench(records, path, title):
     records = sorted(records, key=lambda r: r["rows"])
     rows = [r["rows"] for r in records]
     fig, (lat, rat) = plt.subplots(1, 2, figsize=(12, 4.6))
-    for key, label, style in (("gpu_us", "gather, GPU µs/step", "o-"),
-                              ("floor_us", "HBM floor", "k--"),
-                              ("lm_head_us", "lm_head GEMM", "s-"),
-                              ("visible_pdl_us", "gather visible behind lm_head, PDL on", "^-"),
-                              ("visible_nopdl_us", "gather visible, PDL off", "v:"),
-                              ("stock_gpu_us", "NCCL all-gather + reorder", "d-")):
-        ys = [r.get(key, math.nan) for r in records]
-        if _finite(ys):
-            lat.plot(rows, [y if y > 0 else math.nan for y in ys], style, label=label)
+    _lines(lat, rows, records, (("gpu_us", "gather, GPU µs/step", "o-"),
+                                ("floor_us", "HBM floor", "k--"),
+                                ("lm_head_us", "lm_head GEMM", "s-"),
+                                ("visible_pdl_us", "gather visible behind lm_head, PDL on", "^-"),
+                                ("visible_nopdl_us", "gather visible, PDL off", "v:"),
+                                ("stock_gpu_us", "NCCL all-gather + reorder", "d-")),
+           positive=True)
     lat.set_yscale("log")
     _rows_axis(lat, "µs per step", 8)
     for key, label, style, target in (
@@ -75,13 +83,10 @@ def plot_rows(records, path, title):
     records = sorted(records, key=lambda r: r["rows"])
     rows = [r["rows"] for r in records]
     fig, (lat, spd) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, label, style in (("lamport_us", "Lamport (eager)", "o-"),
-                              ("stock_us", "stock (eager)", "s-"),
-                              ("lamport_gpu_us", "Lamport (GPU)", "o--"),
-                              ("stock_gpu_us", "stock (GPU)", "s--")):
-        ys = [r.get(key) for r in records]
-        if _finite(ys):
-            lat.plot(rows, ys, style, label=label)
+    _lines(lat, rows, records, (("lamport_us", "Lamport (eager)", "o-"),
+                                ("stock_us", "stock (eager)", "s-"),
+                                ("lamport_gpu_us", "Lamport (GPU)", "o--"),
+                                ("stock_gpu_us", "stock (GPU)", "s--")))
     _rows_axis(lat, "µs per gather")
     spd.plot(rows, [r["stock_us"] / r["lamport_us"] for r in records], "o-", label="eager")
     if all(r.get("lamport_gpu_us") for r in records):
