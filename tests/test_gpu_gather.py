@@ -148,12 +148,13 @@ def test_a_null_stream_launch_under_another_context_is_retried_in_the_kernels():
                        device=device).view(torch.bfloat16) for _ in range(tp)]
     torch.cuda.synchronize(device)
     first = gather.ranks[0]._launch[rows]
-    errors = []
+    errors, contexts = [], []
 
     def other_context():
         status, dev = cu.cuDeviceGet(device.index)
         status, context = cu.cuCtxCreate(None, 0, dev)
         assert status == cu.CUresult.CUDA_SUCCESS, status
+        contexts.append(context)
         try:
             g = gather.ranks[0]
             first(shards[0], outs[0].data_ptr(), g._peers, g.rank, g.ctas[rows], g.budget_ns,
@@ -162,7 +163,6 @@ def test_a_null_stream_launch_under_another_context_is_retried_in_the_kernels():
             errors.append(exc)
         finally:
             cu.cuCtxPopCurrent()
-            cu.cuCtxDestroy(context)
 
     worker = threading.Thread(target=other_context)
     worker.start()
@@ -171,6 +171,10 @@ def test_a_null_stream_launch_under_another_context_is_retried_in_the_kernels():
         g._launch[rows](shards[g.rank], outs[g.rank].data_ptr(), g._peers, g.rank,
                         g.ctas[rows], g.budget_ns, g._status_address, stream.cuda_stream)
     torch.cuda.synchronize(device)
+    # Destroyed only now: destroying a context waits for the device (measured on the
+    # H200: before the peers launched, rank 0's wait for them ran out meanwhile).
+    for context in contexts:
+        cu.cuCtxDestroy(context)
     assert errors == [] and first.refusals == 1
     want = reference_gather(shards).view(torch.int32)
     for r, out in enumerate(outs):
