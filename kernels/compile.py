@@ -1,7 +1,7 @@
 """``compile_gather``: one compiled Gather per shape key, cached per process.
 
 The key is everything the kernel specializes on: (tp, shard words, threads, unroll,
-pdl, stop, arch, timers); ``stop`` picks serving's give-up (trap) over the recoverable one. M, the CTA count, rank, budget and the status address are
+pdl, stop, arch, timers, staged); ``stop`` picks serving's give-up (trap) over the recoverable one. M, the CTA count, rank, budget and the status address are
 run-time arguments, so one compilation serves every row count.
 
 The DSL's callable goes through TVM-FFI: it takes torch tensors directly and launches
@@ -23,7 +23,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .arch import has_pdl
 from .gather import Gather
-from .protocol import DEFAULT_THREADS, DEFAULT_UNROLL, MAX_TP, THREADS, UNROLL_MAX
+from . import protocol
+from .protocol import DEFAULT_THREADS, DEFAULT_UNROLL, MAX_TP, THREADS, UNROLL_MAX, staged_bytes
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
@@ -41,12 +42,14 @@ class CompiledGather:
     ptx: str
     cubin: bytes
     pdl: bool = False
+    smem: int = 0  # dynamic shared memory per CTA (bytes): the staged variant's slots
 
 
 def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
                    unroll: int = DEFAULT_UNROLL,
                    pdl: bool | None = None, stop: bool = False,
-                   arch: str = "sm_90a", timers: bool = False) -> CompiledGather:
+                   arch: str = "sm_90a", timers: bool = False,
+                   staged: bool | None = None) -> CompiledGather:
     """The compiled gather for this key, compiled at most once per process.
 
     ``pdl``: None takes it where ``arch`` has it (``arch.has_pdl``: sm_90 and later),
@@ -54,7 +57,9 @@ def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
     ValueError on a key the kernel cannot serve (PDL asked for before Hopper
     included). ``timers`` (diagnostics only, never served): each CTA's phase
     timestamps go after the status record (``protocol.TIMER_PHASES``), so the status
-    address must then point at a buffer that large."""
+    address must then point at a buffer that large. ``staged``: None stages the
+    batches through shared memory from ``protocol.STAGED_FROM`` fragments per thread
+    (``protocol.staged``); True or False forces it (diagnostics: an A/B of the two)."""
     if pdl is None:
         pdl = has_pdl(arch)
     elif pdl and not has_pdl(arch):
@@ -69,14 +74,17 @@ def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
         raise ValueError(f"threads must be one of {THREADS}, got {threads!r}")
     if not isinstance(unroll, int) or not 1 <= unroll <= UNROLL_MAX:
         raise ValueError(f"unroll must be an int in [1, {UNROLL_MAX}], got {unroll!r}")
-    key = (tp, shard_words, threads, unroll, bool(pdl), bool(stop), arch, bool(timers))
+    if staged is None:
+        staged = protocol.staged(unroll)
+    key = (tp, shard_words, threads, unroll, bool(pdl), bool(stop), arch, bool(timers),
+           bool(staged))
     with _LOCK:
         if key not in _CACHE:
             _CACHE[key] = _compile(*key)
         return _CACHE[key]
 
 
-def _compile(tp, shard_words, threads, unroll, pdl, stop, arch, timers):
+def _compile(tp, shard_words, threads, unroll, pdl, stop, arch, timers, staged):
     rows = cute.sym_int32()
     shard = make_fake_compact_tensor(cutlass.BFloat16, (rows, 2 * shard_words), stride_order=(1, 0), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -84,7 +92,7 @@ def _compile(tp, shard_words, threads, unroll, pdl, stop, arch, timers):
         options = (f"--gpu-arch={arch} --enable-tvm-ffi --keep-ptx --keep-cubin "
                    f"--dump-dir={dump}")
         launch = cute.compile(
-            Gather(tp, shard_words, threads, unroll, pdl, stop, timers), shard, cutlass.Int64(0), cutlass.Int64(0),
+            Gather(tp, shard_words, threads, unroll, pdl, stop, timers, staged), shard, cutlass.Int64(0), cutlass.Int64(0),
             cutlass.Int32(0), cutlass.Int32(1), cutlass.Int64(0), cutlass.Int64(0), stream,
             options=options)
         ptx, cubin = launch.__ptx__, launch.__cubin__
@@ -92,4 +100,5 @@ def _compile(tp, shard_words, threads, unroll, pdl, stop, arch, timers):
             ptx = open(ptx).read()
         if isinstance(cubin, str) and os.path.exists(cubin):
             cubin = open(cubin, "rb").read()
-    return CompiledGather(launch, threads, ptx or "", cubin or b"", pdl)
+    return CompiledGather(launch, threads, ptx or "", cubin or b"", pdl,
+                          staged_bytes(threads, unroll) if staged else 0)

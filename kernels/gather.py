@@ -30,6 +30,13 @@ One launch per call. ``Gather.kernel`` is the protocol, step by step
    (serving), that CTA instead records and traps when the mark is set
    (``record_and_stop``): no later kernel of the stream runs on this step's data.
 
+Batches of ``protocol.STAGED_FROM`` fragments or more per thread are *staged*
+(compile-time): ``push_staged``/``fetch_staged`` copy a batch into the thread's own
+shared-memory slots with ``cp.async`` (through L2, as the volatile poll reads) and
+deliver each fragment as it is read back, so the fragments in flight hold no
+registers and twice as many fit at the same CTAs per SM. Same steps, same order of
+stores, same give-up (``give_up_staged``).
+
 With PDL the kernel waits (``griddepcontrol.wait``) before reading the shard or
 its control words: the shard is the previous kernel's output, the epoch the previous
 gather's, and that gather must have finished re-arming before this one's pushes
@@ -42,29 +49,33 @@ from other CTAs); the host checks that, not this module.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
+from cutlass.memory.smem import SmemAllocator
 
 from .primitives import load_address, store_word
 from .protocol import (GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1, TIMER_BASE,
                        TIMER_CALLS, TIMER_PHASES, WORDS)
-from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, advance, deliver, epoch_of, fetch, mark_of, mark_peers,
-                    publish, push, raise_slow, repoll)
+from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, advance, batch_of, deliver, epoch_of, fetch,
+                    fetch_staged, give_up_staged, mark_of, mark_peers, publish, push, push_staged,
+                    raise_slow, repoll)
 
 
 class Gather:
     """One compiled gather for ``tp`` ranks of ``shard_words`` words per row.
 
     Compile-time: tp, shard width, threads per CTA, fragments in flight per thread
-    (``unroll``), PDL, ``stop`` (serving's give-up: trap; see ``protocol``) and
-    ``timers`` (diagnostics: per-CTA phase timestamps after the status record). Run-time: M (the shard's rows), the CTA count, the rank,
+    (``unroll``), PDL, ``stop`` (serving's give-up: trap; see ``protocol``),
+    ``timers`` (diagnostics: per-CTA phase timestamps after the status record) and
+    ``staged`` (batches through shared memory: ``protocol.staged``). Run-time: M (the shard's rows), the CTA count, the rank,
     the spin budget and the status record's address; the parity comes from the
     rank's epoch in device memory."""
 
     def __init__(self, tp: int, shard_words: int, threads: int, unroll: int, pdl: bool,
-                 stop: bool = False, timers: bool = False):
+                 stop: bool = False, timers: bool = False, staged: bool = False):
         if shard_words % WORDS:
             raise ValueError(f"shard of {shard_words} words is not whole 16-byte fragments")
         self.tp, self.shard_words, self.threads = tp, shard_words, threads
         self.unroll, self.pdl, self.stop, self.timers = unroll, pdl, stop, timers
+        self.staged = staged
 
     @cute.jit
     def stamp(self, stamps, phase: cutlass.Constexpr):
@@ -88,6 +99,25 @@ class Gather:
                                    + phase) * 8
                     store_word(at, Int32(stamps[phase] & Int64(0xFFFFFFFF)))
                     store_word(at + 4, Int32(stamps[phase] >> 32))
+
+    @cute.jit
+    def still_waiting(self, start: Int64, wait: Int64, budget: Int64, slow: Int32, status: Int64,
+                      own_control: Int64, epoch: Int32):
+        """After a poll that left fragments dirty: ``(cause, slow)``: why this thread
+        stops waiting (0: it waits on; ``CAUSE_TIMEOUT`` past ``wait``, ``CAUSE_MARK``
+        once a peer gave up) and whether it raised serving's slow heartbeat (at half
+        the budget, once)."""
+        waited = cute.arch.globaltimer() - start
+        if cutlass.const_expr(self.stop):
+            if slow == 0:
+                if waited > (budget >> 1):
+                    slow = raise_slow(status, own_control, epoch)
+        cause = Int32(0)
+        if waited > wait:
+            cause = Int32(CAUSE_TIMEOUT)
+        elif mark_of(own_control) != 0:
+            cause = Int32(CAUSE_MARK)
+        return cause, slow
 
     @cute.jit
     def __call__(self, shard: cute.Tensor, out: Int64, peers: Int64, rank: Int32, ctas: Int32,
@@ -114,6 +144,12 @@ class Gather:
         stride = grid * self.threads
         stamps = cute.make_rmem_tensor((len(TIMER_PHASES),), Int64)  # diagnostics only
         self.stamp(stamps, 0)
+        stage = Int32(0)
+        if cutlass.const_expr(self.staged):
+            # each thread's ``unroll`` slots of 16 bytes (``steps.slot``)
+            slots = SmemAllocator().allocate_tensor(
+                Uint32, cute.make_layout((unroll * self.threads * WORDS,)), byte_alignment=16)
+            stage = slots.iterator.toint()
 
         # Prologue: nothing here depends on the previous kernel (the peer table is
         # written once, at construction), so with PDL it overlaps that kernel's tail
@@ -149,8 +185,12 @@ class Gather:
         stopped = Int32(mark_of(own_control) != 0)  # a call before this one failed
         cause = CAUSE_MARK * stopped
 
-        push(shard, out, targets, Int64(rank * self.shard_words), rows,
-             me, stride, cause, tp, frags, width, unroll)
+        if cutlass.const_expr(self.staged):
+            push_staged(shard, out, targets, Int64(rank * self.shard_words), rows, me, stride,
+                        cause, stage, tid, self.threads, tp, frags, width, unroll)
+        else:
+            push(shard, out, targets, Int64(rank * self.shard_words), rows,
+                 me, stride, cause, tp, frags, width, unroll)
         self.stamp(stamps, 2)
 
         polls = rows * (tp - 1) * frags
@@ -158,27 +198,34 @@ class Gather:
         slow = Int32(0)  # serving: this thread raised STATUS_SLOW
         base = me
         while base < polls:
-            held = cute.make_rmem_tensor((unroll, WORDS), Uint32)
-            where = cute.make_rmem_tensor((unroll,), Int64)
-            source = cute.make_rmem_tensor((unroll,), Int32)
-            pending = fetch(own, held, where, source, base, stride, polls, rank, frags, width,
-                            unroll)
-            if stopped != 0:  # marked before this call began: its box may hold late
-                pending = Int32((1 << unroll) - 1)  # pushes of a void call; deliver none
-            while (pending != 0) & (cause == 0):
-                pending = repoll(own, held, where, pending, unroll)
-                if pending != 0:  # a batch that just completed is never a give-up
-                    waited = cute.arch.globaltimer() - start
-                    if cutlass.const_expr(self.stop):
-                        if slow == 0:
-                            if waited > (budget >> 1):
-                                slow = raise_slow(status, own_control, epoch)
-                    if waited > wait:
-                        cause = Int32(CAUSE_TIMEOUT)
-                    elif mark_of(own_control) != 0:
-                        cause = Int32(CAUSE_MARK)
-            missing = deliver(own, out, held, where, source, pending, missing, base, stride,
-                              polls, unroll)
+            if cutlass.const_expr(self.staged):
+                pending = batch_of(base, stride, polls, unroll)
+                if stopped == 0:  # marked before this call began: deliver none (below)
+                    pending = fetch_staged(own, out, pending, base, stride, polls, rank, stage,
+                                           tid, self.threads, frags, width, unroll)
+                while (pending != 0) & (cause == 0):
+                    pending = fetch_staged(own, out, pending, base, stride, polls, rank, stage,
+                                           tid, self.threads, frags, width, unroll)
+                    if pending != 0:  # a batch that just completed is never a give-up
+                        cause, slow = self.still_waiting(start, wait, budget, slow, status,
+                                                         own_control, epoch)
+                missing = give_up_staged(out, pending, missing, base, stride, rank, frags, width,
+                                         unroll)
+            else:
+                held = cute.make_rmem_tensor((unroll, WORDS), Uint32)
+                where = cute.make_rmem_tensor((unroll,), Int64)
+                source = cute.make_rmem_tensor((unroll,), Int32)
+                pending = fetch(own, held, where, source, base, stride, polls, rank, frags, width,
+                                unroll)
+                if stopped != 0:  # marked before this call began: its box may hold late
+                    pending = Int32((1 << unroll) - 1)  # pushes of a void call; deliver none
+                while (pending != 0) & (cause == 0):
+                    pending = repoll(own, held, where, pending, unroll)
+                    if pending != 0:  # a batch that just completed is never a give-up
+                        cause, slow = self.still_waiting(start, wait, budget, slow, status,
+                                                         own_control, epoch)
+                missing = deliver(own, out, held, where, source, pending, missing, base, stride,
+                                  polls, unroll)
             base = base + stride * unroll
         self.stamp(stamps, 3)
         if cause == CAUSE_TIMEOUT:

@@ -112,14 +112,24 @@ def checked(result, what):
 
 
 @functools.lru_cache(maxsize=None)
-def _load(cubin: bytes, name: str, context: int) -> int:
+def load_function(cubin: bytes, name: str, context: int, smem: int = 0) -> int:
     """The CUfunction of kernel ``name`` of ``cubin`` in the current context
-    (``context``: its handle, the cache key), loaded once per process."""
+    (``context``: its handle, a cache key), loaded once per process and shared by the
+    occupancy check and the launcher; allowed ``smem`` bytes of dynamic shared memory
+    (above the driver's 48 KiB default only when asked)."""
     from cuda.bindings import driver as cu
 
     library = checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
     kernel = checked(cu.cuLibraryGetKernel(library, name.encode()), "cuLibraryGetKernel")
-    return int(checked(cu.cuKernelGetFunction(kernel), "cuKernelGetFunction"))
+    function = checked(cu.cuKernelGetFunction(kernel), "cuKernelGetFunction")
+    if smem > 48 * 1024:
+        attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        (status,) = cu.cuFuncSetAttribute(function, attribute, smem)
+        if status != cu.CUresult.CUDA_SUCCESS:  # more than the device has per CTA
+            raise ValueError(f"the gather's kernel needs {smem} bytes of shared memory per CTA "
+                             f"(threads x unroll x 16: staged batches), more than this device "
+                             f"allows ({status}): use fewer threads or a smaller unroll")
+    return int(function)
 
 
 def current_context() -> int:
@@ -145,7 +155,8 @@ class DriverLaunch:
         if not self.context:
             raise RuntimeError("DriverLaunch: no CUDA context is current (make the device's "
                                "primary context current first)")
-        self.function = _load(bytes(compiled.cubin), self.name, self.context)
+        self.smem = getattr(compiled, "smem", 0)
+        self.function = load_function(bytes(compiled.cubin), self.name, self.context, self.smem)
         self.pdl = compiled.pdl if pdl is None else bool(pdl) and compiled.pdl
         self._values = _Values()
         base = ctypes.addressof(self._values)
@@ -154,7 +165,7 @@ class DriverLaunch:
         self._attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
         self._attribute.value.programmaticStreamSerializationAllowed = 1
         self._config = _Config(gridDimY=1, gridDimZ=1, blockDimX=compiled.threads, blockDimY=1,
-                               blockDimZ=1, sharedMemBytes=0,
+                               blockDimZ=1, sharedMemBytes=self.smem,
                                attrs=ctypes.addressof(self._attribute) if self.pdl else None,
                                numAttrs=1 if self.pdl else 0)
         self._args = (ctypes.addressof(self._config), self.function,

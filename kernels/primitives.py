@@ -16,6 +16,11 @@ fragment is published or armed as a whole:
   fail-stop mark in every mailbox and the host-visible status record): details are
   stored, then ``fence.sc.sys``, then the flag, so a reader that sees the flag sees
   the details.
+- ``copy_async``/``wait_async``/``load_shared``: the staged variant's fragments go
+  from global memory into the thread's own shared-memory slots with ``cp.async.cg``
+  (through L2, like the volatile poll: never a stale L1 line), so a batch in flight
+  holds no registers; ``wait_async`` (``cp.async.wait_all``) makes them readable by
+  the thread that issued them (each thread reads only its own slots: no barrier).
 - ``trap``: a gather that gives up in a serving process stops its context, after
   its record is out (``steps.record_and_stop``).
 
@@ -72,6 +77,27 @@ def load_volatile(address, *, loc=None, ip=None):
     """Four words at ``address``, read from memory on every call (a mailbox poll)."""
     return _asm("ld.volatile.global.v4.u32 {$0,$1,$2,$3}, [$4];",
                 "=r,=r,=r,=r,l,~{memory}", [Int64(address)], 4, True, loc, ip)
+
+
+@_op
+def copy_async(shared, address, *, loc=None, ip=None):
+    """Starts copying the 16 bytes at global ``address`` into shared ``shared`` (a
+    32-bit shared-memory address), through L2; visible after ``wait_async``."""
+    _asm("cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
+         [Int32(shared), Int64(address)], 0, True, loc, ip)
+
+
+@_op
+def wait_async(*, loc=None, ip=None):
+    """Waits for every ``copy_async`` this thread started."""
+    _asm("cp.async.wait_all;", "~{memory}", [], 0, True, loc, ip)
+
+
+@_op
+def load_shared(shared, *, loc=None, ip=None):
+    """Four words at the 32-bit shared-memory address ``shared``."""
+    return _asm("ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+                [Int32(shared)], 4, True, loc, ip)
 
 
 @_op
@@ -145,6 +171,14 @@ def scrub(word, *, loc=None, ip=None):
             "selp.u32 $0, 0, $1, s; }")
     (out,) = _asm(code, "=r,r", [Uint32(word)], 1, False, loc, ip)
     return out
+
+
+@_op
+def opaque(value, *, loc=None, ip=None):
+    """``value``, which the compiler may not trace back to how it was computed: what
+    is derived from it is computed again here instead of held in registers since."""
+    (out,) = _asm("mov.b32 $0, $1;", "=r,r,~{memory}", [Int32(value)], 1, True, loc, ip)
+    return Int32(out)
 
 
 def armed(words):

@@ -121,6 +121,21 @@ def timer_words(ctas: int) -> int:
 THREADS = (64, 128, 256, 512, 1024)  # CTA sizes the kernel compiles for
 UNROLL_MAX = 16  # fragments in flight per thread, at most
 DEFAULT_THREADS, DEFAULT_UNROLL = 256, 4
+# Batches of this many fragments or more go through shared memory (``cp.async``;
+# "staged") instead of registers, whose count would halve the CTAs per SM (measured:
+# TP 8 at unroll 8, 106 registers in registers, 64 staged). ``compile_gather``'s
+# default; its slots: ``staged_bytes``.
+STAGED_FROM = 8
+
+
+def staged(unroll: int) -> bool:
+    """Whether a kernel of ``unroll`` fragments in flight per thread stages them."""
+    return unroll >= STAGED_FROM
+
+
+def staged_bytes(threads: int, unroll: int) -> int:
+    """Dynamic shared memory of a staged kernel: one 16-byte slot per fragment in flight."""
+    return threads * unroll * 4 * WORDS
 
 
 def box_words(cap: int, words: int) -> int:

@@ -9,6 +9,10 @@ Invariants every step keeps:
 - ``push``: this rank's own fragments go, scrubbed, to the output and never through
   its own box; the peers' copies go with system-scope stores, and not at all once
   the fail-stop mark is seen (the call is void; ``reset`` re-arms every box).
+- staged variant (``push_staged``, ``fetch_staged``, ``repoll_staged``): the same
+  steps with every batch copied into the thread's own shared-memory slots
+  (``slot``) instead of registers; a slot is rewritten only after the thread read
+  it. Fragments are located again from their index (``locate``) rather than held.
 - ``fetch``/``repoll``: all of a batch's loads are issued before the first check;
   only dirty fragments are polled again.
 - ``deliver``: the reader re-arms what it copied; nobody else re-arms a box.
@@ -28,9 +32,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from .primitives import (armed, atomic_add_word, atomic_max_word_sys, fence_sys, load,
-                         load_address, load_volatile, load_word_volatile, scrub, store, store_sys,
-                         store_word, store_word_sys, trap)
+from .primitives import (armed, atomic_add_word, atomic_max_word_sys, copy_async, fence_sys, load,
+                         load_address, load_shared, load_volatile, load_word_volatile, opaque, scrub, store,
+                         store_sys, store_word, store_word_sys, trap, wait_async)
 from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, CONTROL_SLOW,
                        EPOCH_SPAN, MARK_TOP, NAN_PAIR, PEER_CONTROL, SENTINEL, STATUS_EPOCH, STATUS_FLAG,
                        STATUS_PEERS, STATUS_SLOW, STOP_SHIFT,
@@ -189,6 +193,102 @@ def deliver(own: Int64, dst: Int64, held: cute.Tensor, where: cute.Tensor, sourc
 
 
 @cute.jit
+def slot(stage: Int32, i: cutlass.Constexpr, tid: Int32, threads: cutlass.Constexpr) -> Int32:
+    """The shared address of this thread's slot ``i`` of a batch: ``[unroll][threads]``
+    fragments, so a warp's slots are consecutive (no bank conflicts)."""
+    return stage + (Int32(i * threads) + tid) * 16
+
+
+@cute.jit
+def locate(f: Int32, rank: Int32, frags: cutlass.Constexpr, width: cutlass.Constexpr):
+    """Peer fragment ``f`` of this rank's box: its byte offset (box and output alike)
+    and the rank that pushes it. Row-major over the row's peer fragments, our own
+    columns skipped."""
+    others: cutlass.Constexpr = width // WORDS - frags  # peer fragments per row
+    m = f // others
+    j = f - m * others
+    j = j + frags * Int32(j >= rank * frags)
+    return (Int64(m) * width + Int64(j) * WORDS) * 4, j // frags
+
+
+@cute.jit
+def push_staged(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int32,
+                first: Int32, stride: Int32, stop: Int32, stage: Int32, tid: Int32,
+                threads: cutlass.Constexpr, tp: cutlass.Constexpr, frags: cutlass.Constexpr,
+                width: cutlass.Constexpr, unroll: cutlass.Constexpr):
+    """``push``, the batch's shard fragments staged through shared memory."""
+    pushes = rows * frags
+    base = first
+    while base < pushes:
+        for i in cutlass.range_constexpr(unroll):  # every copy before any store
+            f = base + i * stride
+            if f < pushes:
+                copy_async(slot(stage, i, tid, threads), src + Int64(f) * 16)
+        wait_async()
+        again = opaque(base)  # the offsets again, not held across the wait
+        for i in cutlass.range_constexpr(unroll):
+            f = again + i * stride
+            if f < pushes:
+                m = f // frags
+                offset = (Int64(m) * width + column + Int64(f - m * frags) * WORDS) * 4
+                words = load_shared(slot(stage, i, tid, threads))
+                clean = tuple(scrub(words[k]) for k in range(WORDS))
+                if stop == 0:
+                    for step in cutlass.range_constexpr(1, tp):
+                        store_sys(targets[step] + offset, clean)
+                store(dst + offset, clean)
+        base = base + stride * unroll
+
+
+@cute.jit
+def fetch_staged(own: Int64, dst: Int64, pending: Int32, base: Int32, stride: Int32,
+                 polls: Int32, rank: Int32, stage: Int32, tid: Int32,
+                 threads: cutlass.Constexpr, frags: cutlass.Constexpr,
+                 width: cutlass.Constexpr, unroll: cutlass.Constexpr) -> Int32:
+    """Copy the ``pending`` fragments of a batch into their slots, then deliver each
+    that arrived (copy out, re-arm); the mask of those still dirty."""
+    for i in cutlass.range_constexpr(unroll):
+        if (pending >> i) & 1:
+            where, _ = locate(base + i * stride, rank, frags, width)
+            copy_async(slot(stage, i, tid, threads), own + where)
+    wait_async()
+    again = opaque(base)  # the offsets again, not held across the wait
+    for i in cutlass.range_constexpr(unroll):
+        if (pending >> i) & 1:
+            words = load_shared(slot(stage, i, tid, threads))
+            if armed(words) == 0:
+                where, _ = locate(again + i * stride, rank, frags, width)
+                store(dst + where, words)
+                store(own + where, (Uint32(SENTINEL),) * WORDS)
+                pending = pending & ~(1 << i)
+    return pending
+
+
+@cute.jit
+def batch_of(base: Int32, stride: Int32, polls: Int32, unroll: cutlass.Constexpr) -> Int32:
+    """The mask of a batch's fragments that exist (the last batch may be short)."""
+    mask = Int32(0)
+    for i in cutlass.range_constexpr(unroll):
+        if base + i * stride < polls:
+            mask = mask | (1 << i)
+    return mask
+
+
+@cute.jit
+def give_up_staged(dst: Int64, pending: Int32, missing: Int32, base: Int32, stride: Int32,
+                   rank: Int32, frags: cutlass.Constexpr, width: cutlass.Constexpr,
+                   unroll: cutlass.Constexpr) -> Int32:
+    """``give_up`` for a staged batch: NaN for every fragment still ``pending``;
+    ``missing`` with their ranks added."""
+    for i in cutlass.range_constexpr(unroll):
+        if (pending >> i) & 1:
+            where, source = locate(base + i * stride, rank, frags, width)
+            store(dst + where, (Uint32(NAN_PAIR),) * WORDS)
+            missing = missing | (1 << source)
+    return missing
+
+
+@cute.jit
 def mark_peers(peers: Int64, missing: Int32, epoch: Int32, tp: cutlass.Constexpr):
     """After this rank's own wait ran out in call ``epoch``: name the ``missing``
     ranks in every rank's control block, fence, then raise every rank's mark. The
@@ -233,5 +333,5 @@ def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.C
     store_word_sys(status + STATUS_FLAG * 4, 1)
 
 
-__all__ = ["epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
+__all__ = ["push_staged", "fetch_staged", "batch_of", "give_up_staged", "locate", "slot", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
            "publish", "raise_slow", "record_and_stop", "write_record", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]

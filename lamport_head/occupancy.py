@@ -20,20 +20,19 @@ def device_arch(device) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def resident_ctas(cubin: bytes, threads: int, device_index: int) -> int:
-    """CTAs of the cubin's single kernel (``threads`` per CTA) that fit on the device."""
+def resident_ctas(cubin: bytes, name: str, threads: int, device_index: int, smem: int = 0) -> int:
+    """CTAs of the cubin's kernel ``name`` (``threads`` per CTA, ``smem`` bytes of
+    dynamic shared memory each) that fit on the device. The kernel is loaded as the
+    launcher loads it (``kernels.launch.load_function``): once per context."""
     from cuda.bindings import driver as cu
 
-    from .kernels.launch import checked
+    from .kernels.launch import checked, current_context, load_function
 
     torch.cuda.init()
     with torch.cuda.device(device_index):
         torch.cuda.current_stream()  # makes torch's primary context current
-        library = checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
-        count = checked(cu.cuLibraryGetKernelCount(library), "cuLibraryGetKernelCount")
-        kernels = checked(cu.cuLibraryEnumerateKernels(count, library), "cuLibraryEnumerateKernels")
-        function = checked(cu.cuKernelGetFunction(kernels[0]), "cuKernelGetFunction")
-        per_sm = checked(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, 0),
+        function = load_function(cubin, name, current_context(), smem)
+        per_sm = checked(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, smem),
                          "cuOccupancyMaxActiveBlocksPerMultiprocessor")
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     return int(per_sm) * sms

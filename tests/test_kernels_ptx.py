@@ -8,19 +8,26 @@ import re
 import pytest
 
 from lamport_head.kernels import ARCHS, compile_gather, has_pdl
-from lamport_head.kernels.protocol import NAN_PAIR
+from lamport_head.kernels.protocol import NAN_PAIR, staged
 
 
 def _ops(ptx):
     return set(re.findall(r"\b(?:st|ld|multimem)\.[a-z0-9.:]+", ptx))
 
 
-def _audit(k, tp, unroll, arch):
+def _audit(k, tp, unroll, arch, staged=False):
     """What every compiled variant's PTX must show."""
     ops = _ops(k.ptx)
     assert f".target {arch}" in k.ptx
     assert "st.relaxed.sys.global.v4.u32" in ops  # peer pushes
-    assert "ld.volatile.global.v4.u32" in ops  # own-box polls
+    if staged:  # own-box polls and shard loads through L2 into shared memory, 16 bytes each
+        assert "ld.volatile.global.v4.u32" not in ops and "ld.global.v4.u32" not in ops
+        assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16;", k.ptx)
+        assert "cp.async.wait_all" in k.ptx and "ld.shared.v4.u32" in ops
+        assert k.smem == 16 * unroll * k.threads
+    else:
+        assert "ld.volatile.global.v4.u32" in ops  # own-box polls
+        assert k.smem == 0
     assert "st.global.v4.u32" in ops  # output and re-arm
     assert not any("multimem" in op for op in ops) and "multimem" not in k.ptx
     assert "%globaltimer" in k.ptx  # bounded spin
@@ -38,7 +45,21 @@ def _audit(k, tp, unroll, arch):
 @pytest.mark.parametrize("threads,unroll", [(128, 2), (256, 4), (512, 8)])
 def test_variant_ptx(tp, threads, unroll):
     _audit(compile_gather(tp, 163840 // tp // 2, threads=threads, unroll=unroll), tp, unroll,
-           "sm_90a")
+           "sm_90a", staged(unroll))
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize("threads,unroll", [(256, 4), (256, 8), (512, 8)])
+def test_staged_variant_ptx(tp, threads, unroll):
+    """The staged variant (batches through shared memory) keeps every mailbox access
+    of the audit; only the loads into a batch change (``cp.async``), and its launch
+    asks one 16-byte slot of shared memory per fragment in flight. It is what unroll
+    8 and more compile to by default, never 4 and less."""
+    assert staged(unroll) == (unroll >= 8) and not staged(4) and staged(16)
+    k = compile_gather(tp, 163840 // tp // 2, threads=threads, unroll=unroll, staged=True)
+    assert k is not compile_gather(tp, 163840 // tp // 2, threads=threads, unroll=unroll,
+                                   staged=False)
+    _audit(k, tp, unroll, "sm_90a", staged=True)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -48,7 +69,7 @@ def test_every_architecture_compiles_with_the_defaults_and_passes_the_audit(arch
     default: A100 (sm_80, no PDL) to B300 (sm_103a); both give-up variants."""
     for stop in (False, True):
         k = compile_gather(tp, 163840 // tp // 2, arch=arch, stop=stop)
-        _audit(k, tp, 4, arch)
+        _audit(k, tp, 4, arch, staged(4))
         assert bool(re.search(r"\btrap;", k.ptx)) == stop
 
 

@@ -9,7 +9,11 @@ rank's bytes over the copy bandwidth of the same run). What the sweep searches
 with Optuna, walked by hand in a minute: it says which knob moves a row count.
 
 Run: python -m lamport_head.tuning.diagnostics.grid [--tp 8] [--rows 1,8,64]
-     [--threads 128,256,512] [--unroll 2,4,8,16]
+     [--threads 128,256,512] [--unroll 2,4,8,16] [--staged 0|1]
+
+``--staged 1`` compiles every kernel of the run with its batches staged through shared
+memory, ``--staged 0`` every one with them in registers; by default each unroll
+compiles as the runtime's does (``kernels.protocol.staged``).
 """
 
 import argparse
@@ -69,11 +73,20 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--top", type=int, default=5)
+    p.add_argument("--staged", type=int, choices=(0, 1), default=None)
     args = p.parse_args(argv)
+    if args.staged is not None:
+        from lamport_head.kernels import protocol
+
+        # before the first kernel is compiled: every unroll staged, or none
+        protocol.STAGED_FROM = 1 if args.staged else protocol.UNROLL_MAX + 1
     device = torch.device("cuda", torch.cuda.current_device())
     target = EmulatedTarget(device, args.tp, args.vocab, budget_s=0.5)
     gbs = copy_bandwidth_gbs(device)
-    print(f"tp {args.tp} (virtual), V {args.vocab}, copy bandwidth {gbs:.0f} GB/s")
+    from lamport_head.kernels import protocol
+
+    print(f"tp {args.tp} (virtual), V {args.vocab}, copy bandwidth {gbs:.0f} GB/s, "
+          f"batches staged from unroll {protocol.STAGED_FROM}")
     for rows in _ints(args.rows):
         floor = floor_us(step_bytes(rows, args.tp, args.vocab, args.tp), gbs)
         results, why = [], []
