@@ -20,7 +20,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL, FRAGMENT_BF16, THREADS, UNROLL_MAX
+from .kernels.protocol import (DEFAULT_THREADS, DEFAULT_UNROLL, FRAGMENT_BF16, STAGED_FROM, THREADS,
+                               UNROLL_MAX)
 
 SWEEP_THREADS = (128, 256, 512)  # the CTA sizes a sweep tries (a subset of the kernel's THREADS)
 SWEEP_UNROLL = (2, 4, 8)
@@ -76,6 +77,27 @@ def default_ctas(rows: int, tp: int, shard: int, threads: int, unroll: int, limi
     ``unroll``: one batch), within ``limit``."""
     fragments = rows * (tp - 1) * (shard // FRAGMENT_BF16)
     return max(1, min(limit, math.ceil(fragments / (threads * min(unroll, POLLS_PER_THREAD)))))
+
+
+# Rounds of a rank's co-resident CTAs (register batches of DEFAULT_UNROLL fragments) its
+# peer fragments take, above which the default plan stages STAGED_FROM fragments per
+# thread instead: bandwidth-bound rows gain the loads in flight, latency-bound rows
+# lose the hop through shared memory. Measured on one H200 (``diagnostics/grid.py``).
+STAGE_ABOVE_ROUNDS = 6
+
+
+def default_config(rows: int, tp: int, shard: int, threads: int, unroll, limit) -> GatherConfig:
+    """The default plan of ``rows``: ``default_ctas`` at ``unroll`` fragments per thread,
+    or, with ``unroll`` None, at DEFAULT_UNROLL while the rows take at most
+    ``STAGE_ABOVE_ROUNDS`` rounds of the co-resident CTAs and at STAGED_FROM (staged)
+    beyond. ``limit(config)``: the co-resident CTAs of ``config``'s kernel."""
+    if unroll is None:
+        fragments = rows * (tp - 1) * (shard // FRAGMENT_BF16)
+        rounds = fragments / (limit(GatherConfig(1, threads, DEFAULT_UNROLL)) * threads
+                              * DEFAULT_UNROLL)
+        unroll = STAGED_FROM if rounds > STAGE_ABOVE_ROUNDS else DEFAULT_UNROLL
+    most = limit(GatherConfig(1, threads, unroll))
+    return GatherConfig(default_ctas(rows, tp, shard, threads, unroll, most), threads, unroll)
 
 
 def cta_choices(limit):

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from .head_gather import SPIN_BUDGET_S, HeadGather
-from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
+from .kernels.protocol import DEFAULT_THREADS
 from .mailbox import LocalMailbox
 
 
@@ -21,7 +21,7 @@ class EmulatedGather:
     """``gather(shards) -> outs``: one emulated step of ``tp`` ranks on ``device``."""
 
     def __init__(self, device, tp, shard, rows, ctas=None, *, threads=DEFAULT_THREADS,
-                 unroll=DEFAULT_UNROLL, pdl=None, budget_s=SPIN_BUDGET_S):
+                 unroll=None, pdl=None, budget_s=SPIN_BUDGET_S):
         """``rows`` and ``ctas`` as ``HeadGather`` takes them (``rows`` may map each
         row count to its ``GatherConfig``)."""
         self.device = torch.device(device)

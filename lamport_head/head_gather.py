@@ -110,9 +110,11 @@ class DeviceKernels:
 
     def resident(self, compiled, device) -> int:
         """CTAs of ``compiled`` the whole device holds at once."""
+        from .kernels.launch import kernel_entry
         from .occupancy import resident_ctas
 
-        return resident_ctas(compiled.cubin, compiled.threads, device.index)
+        return resident_ctas(bytes(compiled.cubin), kernel_entry(compiled.ptx), compiled.threads,
+                             device.index, getattr(compiled, "smem", 0))
 
 
 KERNELS = DeviceKernels()
@@ -144,7 +146,7 @@ class HeadGather:
     logs the missing ranks from the status record)."""
 
     def __init__(self, group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None,
-                 threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL, pdl=None,
+                 threads=DEFAULT_THREADS, unroll=None, pdl=None,
                  budget_s=SPIN_BUDGET_S, backend=None, mode=RECOVERABLE, clamp=False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

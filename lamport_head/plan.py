@@ -23,7 +23,7 @@ Invariants a change must keep:
 import dataclasses
 from collections.abc import Mapping
 
-from .config import GatherConfig, default_ctas
+from .config import GatherConfig, default_config
 from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 
 
@@ -42,12 +42,13 @@ def co_resident_limit(resident_per_device: int, sharing: int, pdl: bool) -> int:
 
 
 def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_THREADS,
-         unroll=DEFAULT_UNROLL, clamped=None) -> dict:
+         unroll=None, clamped=None) -> dict:
     """``{rows: GatherConfig}`` for every row count of ``rows``.
 
-    ``ctas``: None (``default_ctas`` with ``threads`` and ``unroll``), an int for every
-    row count, or ``{rows: int or GatherConfig}`` (an int takes ``threads`` and
-    ``unroll``). ``resident(config)``: CTAs of ``config``'s kernel the device holds
+    ``ctas``: None (``config.default_config`` with ``threads`` and ``unroll``; unroll
+    None: its choice per row count), an int for every row count, or ``{rows: int or
+    GatherConfig}`` (an int takes ``threads`` and ``unroll``, DEFAULT_UNROLL if None).
+    ``resident(config)``: CTAs of ``config``'s kernel the device holds
     (its ``ctas`` is ignored: occupancy depends on the compiled kernel only).
     Raises ValueError when a row count has no configuration or one that cannot be
     co-resident (``co_resident_limit`` with ``sharing`` and ``pdl``); with
@@ -57,7 +58,6 @@ def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_
     rows = frozenset(int(r) for r in rows)
     if not rows or min(rows) < 1:
         raise ValueError(f"rows must be a non-empty set of positive row counts, got {sorted(rows)}")
-    base = GatherConfig(1, threads, unroll)
     limits = {}
 
     def limit(config):
@@ -67,7 +67,7 @@ def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_
         return limits[key]
 
     if ctas is None:
-        ctas = {m: default_ctas(m, tp, shard, threads, unroll, limit(base)) for m in rows}
+        ctas = {m: default_config(m, tp, shard, threads, unroll, limit) for m in rows}
     elif not isinstance(ctas, Mapping):
         ctas = dict.fromkeys(rows, ctas)
     missing = rows - set(ctas)
@@ -77,7 +77,8 @@ def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_
     for m in sorted(rows):
         entry = ctas[m]
         config = (entry if isinstance(entry, GatherConfig)
-                  else GatherConfig(int(entry), threads, unroll))
+                  else GatherConfig(int(entry), threads,
+                                    DEFAULT_UNROLL if unroll is None else unroll))
         most = limit(config)
         if config.ctas > most and clamped is not None and most >= 1:
             clamped[m] = (config.ctas, most)

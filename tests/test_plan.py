@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lamport_head import head_gather
-from lamport_head.config import GatherConfig, default_ctas
+from lamport_head.config import STAGE_ABOVE_ROUNDS, GatherConfig, default_config, default_ctas
 from lamport_head.head_gather import HeadGather
 from lamport_head.plan import co_resident_limit, plan
 
@@ -37,6 +37,29 @@ def test_plan_from_none_int_and_mappings():
         (2, 3), GatherConfig(5, 128, 2))
     mixed = plan({1, 2}, {1: 3, 2: GatherConfig(24, 128, 8)}, **kw)
     assert mixed == {1: GatherConfig(3), 2: GatherConfig(24, 128, 8)}
+
+
+def test_the_default_plan_stages_the_rows_that_take_many_rounds():
+    """``default_config`` with unroll None: register batches of 4 while a row count's
+    peer fragments take at most STAGE_ABOVE_ROUNDS rounds of the co-resident CTAs,
+    staged batches of 8 (at their own kernel's limit) beyond; an unroll given is kept."""
+    shard = 8 * 2560  # 2560 fragments per shard row
+    per_round = 10 * 256 * 4  # 10 co-resident CTAs of 256 threads, 4 fragments each
+
+    def limit(config):
+        return {4: 10, 8: 7}[config.unroll]  # the staged kernel's own limit
+
+    tp = 5  # 4 peers: 10240 peer fragments per row
+    edge = STAGE_ABOVE_ROUNDS * per_round // (4 * 2560)  # the most rows still in registers
+    assert default_config(edge, tp, shard, 256, None, limit) == GatherConfig(10, 256, 4)
+    staged = default_config(edge + 1, tp, shard, 256, None, limit)
+    assert staged == GatherConfig(7, 256, 8)
+    assert default_config(1, tp, shard, 256, None, limit) == GatherConfig(
+        default_ctas(1, tp, shard, 256, 4, 10), 256, 4)
+    assert default_config(edge + 1, tp, shard, 256, 4, limit) == GatherConfig(10, 256, 4)
+    planned = plan({1, edge + 1}, tp=tp, shard=shard, sharing=1, pdl=False,
+                   resident=lambda c: {4: 13, 8: 9}[c.unroll])  # limits 10 and 7
+    assert planned[1].unroll == 4 and planned[edge + 1] == GatherConfig(7, 256, 8)
 
 
 @pytest.mark.parametrize("rows, ctas, what", [

@@ -31,14 +31,13 @@ from . import goals, report
 from .targets import make_target
 
 
-def plan_for(target, rows, table_plan, threads=config.DEFAULT_THREADS,
-             unroll=config.DEFAULT_UNROLL):
-    """The GatherConfig to time ``rows`` with: the table's, else the default heuristic's."""
+def plan_for(target, rows, table_plan, threads=config.DEFAULT_THREADS, unroll=None):
+    """The GatherConfig to time ``rows`` with: the table's, else the default heuristic's
+    (``config.default_config``: unroll None chooses it per row count, as serving does)."""
     if rows in table_plan:
         return table_plan[rows].config
-    limit = target.limit(threads, unroll)
-    ctas = config.default_ctas(rows, target.tp, target.shard, threads, unroll, limit)
-    return config.GatherConfig(ctas, threads, unroll)
+    return config.default_config(rows, target.tp, target.shard, threads, unroll,
+                                 lambda c: target.limit(c.threads, c.unroll))
 
 
 def make_runner(chosen, args):
