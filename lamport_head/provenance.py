@@ -30,12 +30,35 @@ def digest(*parts, size=12):
     return h.hexdigest()[:size]
 
 
-def _run(*cmd):
+def _run(*cmd, cwd=None):
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
+                              cwd=cwd or Path(__file__).resolve().parent).stdout.strip()
     except Exception:
         return ""
+
+
+# The source directories whose files make a timing: a tree that differs from its commit
+# there is not that commit's code.
+CODE_DIRS = ("lamport_head", "kernels", "tuning")
+
+
+def source_commit(package=None):
+    """The commit of the lamport-head checkout this package is imported from (12 hex
+    digits, ``+dirty`` when its code differs from that commit: ``CODE_DIRS``), or None
+    when the package is not a checkout's own ``lamport_head`` directory (an installed
+    wheel; a virtual environment inside another project's repository, whose commit
+    says nothing about this code)."""
+    package = Path(package or Path(__file__).resolve().parent).resolve()
+    top = _run("git", "rev-parse", "--show-toplevel", cwd=package)
+    if not top or (Path(top) / "lamport_head").resolve() != package:
+        return None
+    head = _run("git", "rev-parse", "--short=12", "HEAD", cwd=top)
+    if not head:
+        return None
+    dirty = _run("git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_DIRS,
+                 cwd=top)
+    return head + ("+dirty" if dirty else "")
 
 
 def _version(name):
@@ -93,8 +116,7 @@ def provenance(device, command, *, name=None, facts=None):
         "gpu": name or torch.cuda.get_device_name(device),
         **(facts if facts is not None else runtime_facts()),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": (_run("git", "rev-parse", "--short=12", "HEAD")
-                   or os.environ.get("LAMPORT_HEAD_COMMIT", "unknown")),
+        "commit": source_commit() or os.environ.get("LAMPORT_HEAD_COMMIT", "unknown"),
         "command": command,
     }
 

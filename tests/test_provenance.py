@@ -50,3 +50,38 @@ def test_only_the_user_tables_sections_go_stale(changed, state, monkeypatch):
     assert provenance.section_status(types.SimpleNamespace(source="/packaged.yaml",
                                                            provenance={})) == "current"
     assert provenance.section_status(None) == "missing"
+
+
+def test_the_commit_is_this_checkouts_and_says_when_its_code_differs(tmp_path):
+    """``source_commit``: the checkout's HEAD when ``lamport_head`` is its own package
+    directory, ``+dirty`` once a tracked code file differs (a copied tree whose git is
+    older than its files), a table edit alone is not; None for a package directory
+    inside another project's repository or outside any."""
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("no git")
+
+    def run(*args, cwd):
+        subprocess.run([git, *args], cwd=cwd, check=True, capture_output=True)
+
+    repo = tmp_path / "checkout"
+    (repo / "lamport_head").mkdir(parents=True)
+    (repo / "tables").mkdir()
+    (repo / "lamport_head" / "provenance.py").write_text("x = 1\n")
+    (repo / "tables" / "head_gather.yaml").write_text("devices: []\n")
+    run("init", "-q", cwd=repo)
+    run("add", ".", cwd=repo)
+    run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c", cwd=repo)
+    head = subprocess.run([git, "rev-parse", "--short=12", "HEAD"], cwd=repo,
+                          capture_output=True, text=True).stdout.strip()
+    assert provenance.source_commit(repo / "lamport_head") == head
+    (repo / "tables" / "head_gather.yaml").write_text("devices: [1]\n")
+    assert provenance.source_commit(repo / "lamport_head") == head
+    (repo / "lamport_head" / "provenance.py").write_text("x = 2\n")
+    assert provenance.source_commit(repo / "lamport_head") == head + "+dirty"
+    nested = repo / "venv" / "site-packages" / "lamport_head"  # another project's tree
+    nested.mkdir(parents=True)
+    assert provenance.source_commit(nested) is None
+    outside = tmp_path / "wheel" / "lamport_head"
+    outside.mkdir(parents=True)
+    assert provenance.source_commit(outside) is None
