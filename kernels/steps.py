@@ -126,14 +126,44 @@ def push(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int3
         for i in cutlass.range_constexpr(unroll):
             f = base + i * stride
             if f < pushes:
-                m = f // frags
-                offset = (Int64(m) * width + column + Int64(f - m * frags) * WORDS) * 4
-                clean = tuple(scrub(held[i, k]) for k in range(WORDS))
-                if stop == 0:
-                    for step in cutlass.range_constexpr(1, tp):
-                        store_sys(targets[step] + offset, clean)
-                store(dst + offset, clean)  # every rank's output holds the same bits
+                offset = push_offset(f, column, frags, width)
+                push_fragment(tuple(held[i, k] for k in range(WORDS)), offset, dst, targets,
+                              stop, tp)
         base = base + stride * unroll
+
+
+@cute.jit
+def push_offset(f: Int32, column: Int64, frags: cutlass.Constexpr,
+                width: cutlass.Constexpr) -> Int64:
+    """The byte offset of this rank's fragment ``f`` in a box row (and the output's):
+    row m, this rank's ``column`` (in words) onwards."""
+    m = f // frags
+    return (Int64(m) * width + column + Int64(f - m * frags) * WORDS) * 4
+
+
+@cute.jit
+def push_fragment(words, offset: Int64, dst: Int64, targets: cute.Tensor, stop: Int32,
+                  tp: cutlass.Constexpr):
+    """A fragment of this rank's (``words``), scrubbed, at ``offset`` of every peer's
+    box (unless ``stop``) and of the output: ``push``'s stores, staged or not."""
+    clean = tuple(scrub(words[k]) for k in range(WORDS))
+    if stop == 0:
+        for step in cutlass.range_constexpr(1, tp):
+            store_sys(targets[step] + offset, clean)
+    store(dst + offset, clean)  # every rank's output holds the same bits
+
+
+@cute.jit
+def locate(f: Int32, rank: Int32, frags: cutlass.Constexpr, width: cutlass.Constexpr):
+    """Peer fragment ``f`` of this rank's box: its byte offset (box and output alike)
+    and the rank that pushes it. Row-major over the row's peer fragments, our own
+    columns skipped."""
+    others: cutlass.Constexpr = width // WORDS - frags  # peer fragments per row
+    m = f // others
+    j = f - m * others
+    j = j + frags * Int32(j >= rank * frags)
+    source = j // frags
+    return (Int64(m) * width + Int64(j) * WORDS) * 4, source
 
 
 @cute.jit
@@ -141,18 +171,13 @@ def fetch(own: Int64, held: cute.Tensor, where: cute.Tensor, source: cute.Tensor
           base: Int32, stride: Int32, polls: Int32, rank: Int32, frags: cutlass.Constexpr,
           width: cutlass.Constexpr, unroll: cutlass.Constexpr) -> Int32:
     """Load a batch of peer fragments from this rank's box; the dirty ones' mask."""
-    others: cutlass.Constexpr = width // WORDS - frags  # peer fragments per row
     pending = Int32(0)
     for i in cutlass.range_constexpr(unroll):
         f = base + i * stride
         where[i] = Int64(0)
         source[i] = Int32(0)
         if f < polls:
-            m = f // others
-            j = f - m * others
-            j = j + frags * Int32(j >= rank * frags)  # skip our own columns
-            source[i] = j // frags
-            where[i] = (Int64(m) * width + Int64(j) * WORDS) * 4
+            where[i], source[i] = locate(f, rank, frags, width)
             words = load_volatile(own + where[i])
             for k in cutlass.range_constexpr(WORDS):
                 held[i, k] = words[k]
@@ -200,18 +225,6 @@ def slot(stage: Int32, i: cutlass.Constexpr, tid: Int32, threads: cutlass.Conste
 
 
 @cute.jit
-def locate(f: Int32, rank: Int32, frags: cutlass.Constexpr, width: cutlass.Constexpr):
-    """Peer fragment ``f`` of this rank's box: its byte offset (box and output alike)
-    and the rank that pushes it. Row-major over the row's peer fragments, our own
-    columns skipped."""
-    others: cutlass.Constexpr = width // WORDS - frags  # peer fragments per row
-    m = f // others
-    j = f - m * others
-    j = j + frags * Int32(j >= rank * frags)
-    return (Int64(m) * width + Int64(j) * WORDS) * 4, j // frags
-
-
-@cute.jit
 def push_staged(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int32,
                 first: Int32, stride: Int32, stop: Int32, stage: Int32, tid: Int32,
                 threads: cutlass.Constexpr, tp: cutlass.Constexpr, frags: cutlass.Constexpr,
@@ -229,14 +242,9 @@ def push_staged(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, row
         for i in cutlass.range_constexpr(unroll):
             f = again + i * stride
             if f < pushes:
-                m = f // frags
-                offset = (Int64(m) * width + column + Int64(f - m * frags) * WORDS) * 4
-                words = load_shared(slot(stage, i, tid, threads))
-                clean = tuple(scrub(words[k]) for k in range(WORDS))
-                if stop == 0:
-                    for step in cutlass.range_constexpr(1, tp):
-                        store_sys(targets[step] + offset, clean)
-                store(dst + offset, clean)
+                offset = push_offset(f, column, frags, width)
+                push_fragment(load_shared(slot(stage, i, tid, threads)), offset, dst, targets,
+                              stop, tp)
         base = base + stride * unroll
 
 
