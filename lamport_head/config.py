@@ -72,11 +72,16 @@ class GatherConfig:
 POLLS_PER_THREAD = 2
 
 
+def peer_fragments(rows: int, tp: int, shard: int) -> int:
+    """Fragments a rank polls in one call of ``rows``: every peer's shard row of each."""
+    return rows * (tp - 1) * (shard // FRAGMENT_BF16)
+
+
 def default_ctas(rows: int, tp: int, shard: int, threads: int, unroll: int, limit: int) -> int:
     """Enough CTAs that each thread polls about ``POLLS_PER_THREAD`` fragments (at most
     ``unroll``: one batch), within ``limit``."""
-    fragments = rows * (tp - 1) * (shard // FRAGMENT_BF16)
-    return max(1, min(limit, math.ceil(fragments / (threads * min(unroll, POLLS_PER_THREAD)))))
+    return max(1, min(limit, math.ceil(peer_fragments(rows, tp, shard)
+                                       / (threads * min(unroll, POLLS_PER_THREAD)))))
 
 
 # Rounds of a rank's co-resident CTAs (register batches of DEFAULT_UNROLL fragments) its
@@ -92,9 +97,8 @@ def default_config(rows: int, tp: int, shard: int, threads: int, unroll, limit) 
     ``STAGE_ABOVE_ROUNDS`` rounds of the co-resident CTAs and at STAGED_FROM (staged)
     beyond. ``limit(config)``: the co-resident CTAs of ``config``'s kernel."""
     if unroll is None:
-        fragments = rows * (tp - 1) * (shard // FRAGMENT_BF16)
-        rounds = fragments / (limit(GatherConfig(1, threads, DEFAULT_UNROLL)) * threads
-                              * DEFAULT_UNROLL)
+        rounds = peer_fragments(rows, tp, shard) / (
+            limit(GatherConfig(1, threads, DEFAULT_UNROLL)) * threads * DEFAULT_UNROLL)
         unroll = STAGED_FROM if rounds > STAGE_ABOVE_ROUNDS else DEFAULT_UNROLL
     most = limit(GatherConfig(1, threads, unroll))
     return GatherConfig(default_ctas(rows, tp, shard, threads, unroll, most), threads, unroll)
