@@ -155,7 +155,7 @@ class DriverLaunch:
         if not self.context:
             raise RuntimeError("DriverLaunch: no CUDA context is current (make the device's "
                                "primary context current first)")
-        self.smem = getattr(compiled, "smem", 0)
+        self.smem = compiled.smem
         self.function = load_function(bytes(compiled.cubin), self.name, self.context, self.smem)
         self.pdl = compiled.pdl if pdl is None else bool(pdl) and compiled.pdl
         self._values = _Values()

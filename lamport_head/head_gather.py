@@ -114,7 +114,7 @@ class DeviceKernels:
         from .occupancy import resident_ctas
 
         return resident_ctas(bytes(compiled.cubin), kernel_entry(compiled.ptx), compiled.threads,
-                             device.index, getattr(compiled, "smem", 0))
+                             device.index, compiled.smem)
 
 
 KERNELS = DeviceKernels()
