@@ -9,7 +9,7 @@ Invariants every step keeps:
 - ``push``: this rank's own fragments go, scrubbed, to the output and never through
   its own box; the peers' copies go with system-scope stores, and not at all once
   the fail-stop mark is seen (the call is void; ``reset`` re-arms every box).
-- staged variant (``push_staged``, ``fetch_staged``, ``repoll_staged``): the same
+- staged variant (``push_staged``, ``fetch_staged``, ``give_up_staged``): the same
   steps with every batch copied into the thread's own shared-memory slots
   (``slot``) instead of registers; a slot is rewritten only after the thread read
   it. Fragments are located again from their index (``locate``) rather than held.
