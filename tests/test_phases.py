@@ -43,3 +43,19 @@ def test_stamp_slots_do_not_overlap():
             for k in range(len(TIMER_PHASES))}
     assert len(seen) == TIMER_CALLS * ctas * len(TIMER_PHASES)
     assert min(seen) == TIMER_BASE and 2 * (max(seen) + 1) == timer_words(ctas)
+
+
+def test_where_the_visible_cost_goes_behind_the_gemms():
+    """Behind the lm_head: a rank's wait releases at its own GEMM's end (its CTAs'
+    latest "waited"); the spread of those, the median rank's wait to its own last
+    end, and the last wait to the last end (ns in, µs out)."""
+    from lamport_head.tuning.diagnostics.phases import behind
+
+    # 3 ranks x 2 CTAs: waits end at 1000, 3000, 6000 ns; last ends 5000, 7000, 8000
+    stamps = torch.tensor([[[0, 900, 0, 0, 4000], [0, 1000, 0, 0, 5000]],
+                           [[0, 3000, 0, 0, 7000], [0, 2500, 0, 0, 6000]],
+                           [[0, 6000, 0, 0, 8000], [0, 5900, 0, 0, 7900]]])
+    got = behind(stamps)
+    assert got["ranks' waits' spread (GEMM ends)"] == 5.0
+    assert got["rank's wait -> its done (median)"] == 4.0  # of 4.0, 4.0, 2.0
+    assert got["last rank's wait -> last done"] == 2.0

@@ -14,7 +14,15 @@ end to its next call's first entry (negative: PDL launched the next one early).
 The stamps land in a pinned buffer that stands in for each rank's status record
 (the record's words first, the stamps after). Never served.
 
+``--lmhead``: every rank's step is its lm_head shard GEMM (``tuning.lmhead``, the
+bench's) then the gather of that GEMM's output, as in a decode step; it adds where
+the gather's visible cost goes: the spread of the ranks' waits (each releases when
+its own GEMM ends: one GPU runs the ranks' GEMMs one after another), each rank's
+own wait to its last CTA's end, and the last rank's wait to the last end (what no
+overlap can hide), beside a step of the GEMMs alone.
+
 Run: python -m lamport_head.tuning.diagnostics.phases [--tp 8] [--rows 1,8,64] [--calls 200]
+     [--lmhead]
 """
 
 import argparse
@@ -29,6 +37,28 @@ from lamport_head.kernels.protocol import (CONTROL_EPOCH, STATUS_WORDS, TIMER_CA
                                            TIMER_PHASES, timer_index, timer_words)
 
 from ..harness import gated_gpu_us
+from ..lmhead import KIMI_K2_HIDDEN, LmHead
+
+
+def _steps(emu, heads, n, device, streams=None):
+    """``n`` steps, each rank on its own stream (``emu``'s, or ``streams``): its lm_head
+    GEMM, then (with ``emu``) the gather of the GEMM's output."""
+    streams = streams or emu.streams
+    here = torch.cuda.current_stream(device)
+    for s in streams:
+        s.wait_stream(here)
+    for _ in range(n):
+        for r, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                x = heads[r]()
+                if emu is not None:
+                    emu.ranks[r](x, _never_stock)
+    for s in streams:
+        here.wait_stream(s)
+
+
+def _never_stock(x):
+    raise AssertionError("the planned rows must not take stock")
 
 
 class _TimedKernels(head_gather.DeviceKernels):
@@ -61,6 +91,17 @@ def between(call, then):
             "rank's gap (done -> next entry)": gaps.median().item() / 1e3}
 
 
+def behind(stamps):
+    """``stamps`` of one call behind the GEMMs -> where its visible cost goes (µs): the
+    spread of the ranks' waits (a rank's wait releases at its own GEMM's end), the
+    median rank's wait to its own last CTA's end, and the last wait to the last end."""
+    waited = stamps[..., 1].max(dim=1).values.double()  # per rank: its GEMM's end
+    done = stamps[..., -1].max(dim=1).values.double()
+    return {"ranks' waits' spread (GEMM ends)": (waited.max() - waited.min()).item() / 1e3,
+            "rank's wait -> its done (median)": (done - waited).median().item() / 1e3,
+            "last rank's wait -> last done": (done.max() - waited.max()).item() / 1e3}
+
+
 def _stamps(buffers, epoch, ctas):
     """Call ``epoch``'s stamps, int64 ``[ranks, ctas, phases]``."""
     first = timer_index(epoch, 0, ctas, 0)
@@ -74,6 +115,8 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=163840, help="V (default: 163840)")
     p.add_argument("--rows", default="1,8,64", help="row counts M (default: 1,8,64)")
     p.add_argument("--calls", type=int, default=200, help="calls per row count (default: 200)")
+    p.add_argument("--lmhead", action="store_true",
+                   help="each step: the rank's lm_head shard GEMM, then the gather of its output")
     args = p.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device())
     head_gather.KERNELS = _TimedKernels()
@@ -88,20 +131,33 @@ def main(argv=None):
             gather._status_address = buf.data_ptr()  # the record's words, then the stamps
         shards = [torch.randn(rows, shard, device=device).to(torch.bfloat16)
                   for _ in range(args.tp)]
+        heads = ([LmHead(rows, KIMI_K2_HIDDEN, shard, device, seed=r) for r in range(args.tp)]
+                 if args.lmhead else None)
         emu.run_steps(shards, 4)  # warm-up
-        figures, per_step = [], []
+        if heads:
+            _steps(emu, heads, 2, device)  # cuBLAS takes its workspace per stream once
+        figures, per_step, gemms = [], [], []
         for _ in range(max(1, args.calls // batch)):
             torch.cuda.synchronize(device)
             first = emu.ranks[0].box.control(0)[CONTROL_EPOCH].item()
-            per_step.append(gated_gpu_us(lambda n: emu.run_steps(shards, n), device, batch, 1))
+            if heads:
+                gemms.append(gated_gpu_us(lambda n: _steps(None, heads, n, device, emu.streams),
+                                          device, batch, 1))
+                per_step.append(gated_gpu_us(lambda n: _steps(emu, heads, n, device), device,
+                                             batch, 1))
+            else:
+                per_step.append(gated_gpu_us(lambda n: emu.run_steps(shards, n), device, batch, 1))
             torch.cuda.synchronize(device)
             calls = [_stamps(buffers, first + k, ctas) for k in range(batch)]
             for k in range(2, batch - 1):  # the first calls leave the gate
-                figures.append({**spans(calls[k]), **between(calls[k], calls[k + 1])})
+                figures.append({**spans(calls[k]), **between(calls[k], calls[k + 1]),
+                                **(behind(calls[k]) if heads else {})})
         assert all(int(b[:STATUS_WORDS].abs().sum()) == 0 for b in buffers), "a gather gave up"
+        what = "lm_head then gather" if heads else "gather"
         print(f"tp {args.tp} (virtual), M = {rows}, {ctas} CTAs per rank, median of "
-              f"{len(figures)} calls (µs); gated GPU time per step "
-              f"{statistics.median(per_step):.2f} µs:")
+              f"{len(figures)} calls (µs); gated GPU time per step ({what}) "
+              f"{statistics.median(per_step):.2f} µs"
+              + (f", lm_head alone {statistics.median(gemms):.2f} µs" if heads else "") + ":")
         for name in figures[0]:
             print(f"  {name:>34}: {statistics.median(f[name] for f in figures):8.2f}")
         emu.check()
