@@ -116,13 +116,16 @@ def load_function(cubin: bytes, name: str, context: int, smem: int = 0) -> int:
     """The CUfunction of kernel ``name`` of ``cubin`` in the current context
     (``context``: its handle, a cache key), loaded once per process and shared by the
     occupancy check and the launcher; allowed ``smem`` bytes of dynamic shared memory
-    (above the driver's 48 KiB default only when asked)."""
+    (ValueError when the device has fewer per CTA)."""
     from cuda.bindings import driver as cu
 
     library = checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
     kernel = checked(cu.cuLibraryGetKernel(library, name.encode()), "cuLibraryGetKernel")
     function = checked(cu.cuKernelGetFunction(kernel), "cuKernelGetFunction")
-    if smem > 48 * 1024:
+    if smem:
+        # Always for a staged kernel, not only above the 48 KiB default: the static
+        # shared memory the compiler adds (1 KiB on sm_90a) counts against that
+        # default too, so 47-48 KiB of slots would fail to launch without it.
         attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         (status,) = cu.cuFuncSetAttribute(function, attribute, smem)
         if status != cu.CUresult.CUDA_SUCCESS:  # more than the device has per CTA

@@ -18,9 +18,14 @@ fragment is published or armed as a whole:
   the details.
 - ``copy_async``/``wait_async``/``load_shared``: the staged variant's fragments go
   from global memory into the thread's own shared-memory slots with ``cp.async.cg``
-  (through L2, like the volatile poll: never a stale L1 line), so a batch in flight
+  (through L2), so a batch in flight
   holds no registers; ``wait_async`` (``cp.async.wait_all``) makes them readable by
   the thread that issued them (each thread reads only its own slots: no barrier).
+  ``.cg`` bypasses L1 (SASS: ``LDGSTS.E.BYPASS``), so every re-poll reads L2, where
+  the peers' pushes land. The PTX memory model calls ``cp.async`` a weak operation:
+  unlike the volatile poll, its progress rests on that hardware path, not on the
+  model. A read older than a peer's store can only see the sentinel (the fragment is
+  taken only when no word is), which costs time, never bits.
 - ``trap``: a gather that gives up in a serving process stops its context, after
   its record is out (``steps.record_and_stop``).
 

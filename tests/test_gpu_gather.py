@@ -53,6 +53,30 @@ def test_emulated_bitwise_2000_calls(tp, vocab):
     assert gather.armed(), "mailbox words left un-armed after the run"
 
 
+@pytest.mark.parametrize("threads, unroll", [(256, 12), (512, 8)])
+def test_staged_kernels_over_47_kib_of_slots_launch_and_are_bitwise(threads, unroll):
+    """Staged kernels of 48 KiB (256 x 12) and 64 KiB (512 x 8) of slots. The compiler
+    adds 1 KiB of static shared memory (sm_90a), which counts against the driver's
+    default 48 KiB per CTA too: the launcher opts in for every staged kernel. Fresh
+    planted data, outputs poisoned first, M changing every call."""
+    from lamport_head.config import GatherConfig
+    from lamport_head.kernels.protocol import staged
+
+    assert staged(unroll)
+    device = torch.device("cuda", torch.cuda.current_device())
+    tp, shard = 2, 163840 // 2
+    gather = EmulatedGather(device, tp, shard, {m: GatherConfig(8, threads, unroll)
+                                                for m in (1, 8, 33)})
+    for call, rows in enumerate((8, 1, 33, 8, 33, 1) * 5):
+        shards = _shards(tp, rows, shard, device)
+        _poison_allocator(rows, tp * shard, device)
+        want = reference_gather(shards)
+        for r, out in enumerate(gather(shards)):
+            assert_same_words(out, want, f"call {call}, rank {r}, M={rows}")
+    gather.check()
+    assert gather.armed()
+
+
 def test_explicitly_poisoned_outputs():
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 8, 163840 // 8
