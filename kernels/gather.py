@@ -57,7 +57,7 @@ from .protocol import (GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1, 
                        TIMER_CALLS, TIMER_PHASES, WORDS)
 from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, advance, batch_of, deliver, epoch_of, fetch,
                     fetch_staged, give_up_staged, mark_of, mark_peers, publish, push, push_staged,
-                    raise_slow, repoll)
+                    raise_slow, repoll, repoll_staged)
 
 
 class Gather:
@@ -205,8 +205,8 @@ class Gather:
                     pending = fetch_staged(own, out, pending, base, stride, polls, rank, stage,
                                            tid, self.threads, frags, width, unroll)
                 while (pending != 0) & (cause == 0):
-                    pending = fetch_staged(own, out, pending, base, stride, polls, rank, stage,
-                                           tid, self.threads, frags, width, unroll)
+                    pending = repoll_staged(own, out, pending, base, stride, rank, frags, width,
+                                            unroll)
                     if pending != 0:  # a batch that just completed is never a give-up
                         cause, slow = self.still_waiting(start, wait, budget, slow, status,
                                                          own_control, epoch)

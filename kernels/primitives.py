@@ -21,11 +21,12 @@ fragment is published or armed as a whole:
   (through L2), so a batch in flight
   holds no registers; ``wait_async`` (``cp.async.wait_all``) makes them readable by
   the thread that issued them (each thread reads only its own slots: no barrier).
-  ``.cg`` bypasses L1 (SASS: ``LDGSTS.E.BYPASS``), so every re-poll reads L2, where
-  the peers' pushes land. The PTX memory model calls ``cp.async`` a weak operation:
-  unlike the volatile poll, its progress rests on that hardware path, not on the
-  model. A read older than a peer's store can only see the sentinel (the fragment is
-  taken only when no word is), which costs time, never bits.
+  ``.cg`` bypasses L1 (SASS: ``LDGSTS.E.BYPASS``) and reads L2, where the peers'
+  pushes land. The PTX memory model calls ``cp.async`` a weak operation, so only a
+  batch's first read is staged: a fragment still armed is polled again with the
+  volatile load, whose progress the model gives. A read older than a peer's store
+  can only see the sentinel (a fragment is taken only when no word is): time, never
+  bits.
 - ``trap``: a gather that gives up in a serving process stops its context, after
   its record is out (``steps.record_and_stop``).
 

@@ -9,7 +9,8 @@ Invariants every step keeps:
 - ``push``: this rank's own fragments go, scrubbed, to the output and never through
   its own box; the peers' copies go with system-scope stores, and not at all once
   the fail-stop mark is seen (the call is void; ``reset`` re-arms every box).
-- staged variant (``push_staged``, ``fetch_staged``, ``give_up_staged``): the same
+- staged variant (``push_staged``, ``fetch_staged``, ``repoll_staged``,
+  ``give_up_staged``): the same
   steps with every batch copied into the thread's own shared-memory slots
   (``slot``) instead of registers; a slot is rewritten only after the thread read
   it. Fragments are located again from their index (``locate``) rather than held.
@@ -273,6 +274,26 @@ def fetch_staged(own: Int64, dst: Int64, pending: Int32, base: Int32, stride: In
 
 
 @cute.jit
+def repoll_staged(own: Int64, dst: Int64, pending: Int32, base: Int32, stride: Int32,
+                  rank: Int32, frags: cutlass.Constexpr, width: cutlass.Constexpr,
+                  unroll: cutlass.Constexpr) -> Int32:
+    """Poll a staged batch's dirty fragments once more, one at a time with the volatile
+    load (its progress is the memory model's, unlike ``cp.async``'s), delivering each
+    that arrived; the mask still dirty. One fragment's registers at a time: re-polls
+    are the rare case of a bandwidth-bound batch."""
+    again = opaque(base)  # the offsets computed here, not held through the wait loop
+    for i in cutlass.range_constexpr(unroll):
+        if (pending >> i) & 1:
+            where, _ = locate(again + i * stride, rank, frags, width)
+            words = load_volatile(own + where)
+            if armed(words) == 0:
+                store(dst + where, words)
+                store(own + where, (Uint32(SENTINEL),) * WORDS)
+                pending = pending & ~(1 << i)
+    return pending
+
+
+@cute.jit
 def batch_of(base: Int32, stride: Int32, polls: Int32, unroll: cutlass.Constexpr) -> Int32:
     """The mask of a batch's fragments that exist (the last batch may be short)."""
     mask = Int32(0)
@@ -341,5 +362,5 @@ def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.C
     store_word_sys(status + STATUS_FLAG * 4, 1)
 
 
-__all__ = ["push_staged", "fetch_staged", "batch_of", "give_up_staged", "locate", "slot", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
+__all__ = ["push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
            "publish", "raise_slow", "record_and_stop", "write_record", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]

@@ -20,8 +20,9 @@ def _audit(k, tp, unroll, arch, staged=False):
     ops = _ops(k.ptx)
     assert f".target {arch}" in k.ptx
     assert "st.relaxed.sys.global.v4.u32" in ops  # peer pushes
-    if staged:  # own-box polls and shard loads through L2 into shared memory, 16 bytes each
-        assert "ld.volatile.global.v4.u32" not in ops and "ld.global.v4.u32" not in ops
+    if staged:  # first reads of a batch through L2 into shared memory, 16 bytes each;
+        # the fragments still armed are polled again with the volatile load
+        assert "ld.volatile.global.v4.u32" in ops and "ld.global.v4.u32" not in ops
         assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16;", k.ptx)
         assert "cp.async.wait_all" in k.ptx and "ld.shared.v4.u32" in ops
         assert k.smem == 16 * unroll * k.threads
