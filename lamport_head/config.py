@@ -95,12 +95,15 @@ def default_config(rows: int, tp: int, shard: int, threads: int, unroll, limit) 
     """The default plan of ``rows``: ``default_ctas`` at ``unroll`` fragments per thread,
     or, with ``unroll`` None, at DEFAULT_UNROLL while the rows take at most
     ``STAGE_ABOVE_ROUNDS`` rounds of the co-resident CTAs and at STAGED_FROM (staged)
-    beyond. ``limit(config)``: the co-resident CTAs of ``config``'s kernel."""
+    beyond, within the register kernel's CTA count: staging doubles the fragments in
+    flight at that count, and more CTAs than that were measured slower (one H200,
+    emulated TP 2: 148 staged CTAs against 74-99). ``limit(config)``: the co-resident
+    CTAs of ``config``'s kernel."""
+    most = limit(GatherConfig(1, threads, DEFAULT_UNROLL if unroll is None else unroll))
     if unroll is None:
-        rounds = peer_fragments(rows, tp, shard) / (
-            limit(GatherConfig(1, threads, DEFAULT_UNROLL)) * threads * DEFAULT_UNROLL)
+        rounds = peer_fragments(rows, tp, shard) / (most * threads * DEFAULT_UNROLL)
         unroll = STAGED_FROM if rounds > STAGE_ABOVE_ROUNDS else DEFAULT_UNROLL
-    most = limit(GatherConfig(1, threads, unroll))
+        most = min(most, limit(GatherConfig(1, threads, unroll)))
     return GatherConfig(default_ctas(rows, tp, shard, threads, unroll, most), threads, unroll)
 
 

@@ -42,7 +42,8 @@ def test_plan_from_none_int_and_mappings():
 def test_the_default_plan_stages_the_rows_that_take_many_rounds():
     """``default_config`` with unroll None: register batches of 4 while a row count's
     peer fragments take at most STAGE_ABOVE_ROUNDS rounds of the co-resident CTAs,
-    staged batches of 8 (at their own kernel's limit) beyond; an unroll given is kept."""
+    staged batches of 8 beyond, within both kernels' limits (the staged kernel's own,
+    and never more CTAs than the register kernel's); an unroll given is kept."""
     shard = 8 * 2560  # 2560 fragments per shard row
     per_round = 10 * 256 * 4  # 10 co-resident CTAs of 256 threads, 4 fragments each
 
@@ -60,6 +61,14 @@ def test_the_default_plan_stages_the_rows_that_take_many_rounds():
     planned = plan({1, edge + 1}, tp=tp, shard=shard, sharing=1, pdl=False,
                    resident=lambda c: {4: 13, 8: 9}[c.unroll])  # limits 10 and 7
     assert planned[1].unroll == 4 and planned[edge + 1] == GatherConfig(7, 256, 8)
+
+    def fewer_registers(config):  # the staged kernel fits more CTAs than the register one
+        return {4: 10, 8: 15}[config.unroll]
+
+    assert default_config(edge + 1, tp, shard, 256, None, fewer_registers) == GatherConfig(
+        10, 256, 8)
+    assert default_config(edge + 1, tp, shard, 256, 8, fewer_registers) == GatherConfig(
+        15, 256, 8)  # an unroll given: its own kernel's limit
 
 
 @pytest.mark.parametrize("rows, ctas, what", [
