@@ -31,12 +31,13 @@ One launch per call. ``Gather.kernel`` is the protocol, step by step
    (``record_and_stop``): no later kernel of the stream runs on this step's data.
 
 Batches of ``protocol.STAGED_FROM`` fragments or more per thread are *staged*
-(compile-time): ``push_staged``/``fetch_staged`` copy a batch into the thread's own
-shared-memory slots with ``cp.async`` (through L2, as the volatile poll reads) and
-deliver each fragment as soon as it is read back arrived, so the fragments in flight
-hold no registers and twice as many fit at the same CTAs per SM. Same steps, same
-give-up (``give_up_staged``); only the order in which a batch's arrived fragments are
-copied out and re-armed differs.
+(compile-time): ``push_staged``/``fetch_staged`` copy a batch's first read into the
+thread's own shared-memory slots with ``cp.async.cg`` (through L2) and deliver each
+fragment as soon as it is read back arrived, so the fragments in flight hold no
+registers and twice as many fit at the same CTAs per SM; ``repoll_staged`` polls the
+dirty ones again one at a time with the volatile load. Same steps, same give-up
+(``give_up_staged``); only the order in which a batch's arrived fragments are copied
+out and re-armed differs.
 
 With PDL the kernel waits (``griddepcontrol.wait``) before reading the shard or
 its control words: the shard is the previous kernel's output, the epoch the previous

@@ -124,8 +124,9 @@ def load_function(cubin: bytes, name: str, context: int, smem: int = 0) -> int:
     function = checked(cu.cuKernelGetFunction(kernel), "cuKernelGetFunction")
     if smem:
         # Always for a staged kernel, not only above the 48 KiB default: the static
-        # shared memory the compiler adds (1 KiB on sm_90a) counts against that
-        # default too, so 47-48 KiB of slots would fail to launch without it.
+        # shared memory the cubin declares (1 KiB on sm_90a, ``cuobjdump -res-usage``:
+        # SHARED:1024) counts against that default too, so 47-48 KiB of slots would
+        # fail to launch without it.
         attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         (status,) = cu.cuFuncSetAttribute(function, attribute, smem)
         if status != cu.CUresult.CUDA_SUCCESS:  # more than the device has per CTA

@@ -10,12 +10,13 @@ Invariants every step keeps:
   its own box; the peers' copies go with system-scope stores, and not at all once
   the fail-stop mark is seen (the call is void; ``reset`` re-arms every box).
 - staged variant (``push_staged``, ``fetch_staged``, ``repoll_staged``,
-  ``give_up_staged``): the same
-  steps with every batch copied into the thread's own shared-memory slots
-  (``slot``) instead of registers; a slot is rewritten only after the thread read
-  it. Fragments are located again from their index (``locate``) rather than held.
-- ``fetch``/``repoll``: all of a batch's loads are issued before the first check;
-  only dirty fragments are polled again.
+  ``give_up_staged``): the same steps, with a batch's first read copied into the
+  thread's own shared-memory slots (``slot``) instead of registers; a slot is
+  rewritten only after the thread read it. Its dirty fragments are then polled one
+  at a time with the volatile load (``repoll_staged``: one fragment's registers, no
+  slot). Fragments are located again from their index (``locate``) rather than held.
+- ``fetch``/``repoll``/``fetch_staged``: all of a batch's loads are issued before the
+  first check; only dirty fragments are polled again.
 - ``deliver``: the reader re-arms what it copied; nobody else re-arms a box.
 - ``give_up``: a fragment that never arrived is written as NaN, never left as what
   the allocator had; its rank joins the thread's ``missing`` mask.
@@ -279,8 +280,10 @@ def repoll_staged(own: Int64, dst: Int64, pending: Int32, base: Int32, stride: I
                   unroll: cutlass.Constexpr) -> Int32:
     """Poll a staged batch's dirty fragments once more, one at a time with the volatile
     load (its progress is the memory model's, unlike ``cp.async``'s), delivering each
-    that arrived; the mask still dirty. One fragment's registers at a time: re-polls
-    are the rare case of a bandwidth-bound batch."""
+    that arrived; the mask still dirty. One fragment's registers at a time, so a pass
+    is up to ``unroll`` dependent loads: measured on one H200 (emulated TP 8, M = 16
+    and 64; TP 2, M = 64) within the run-to-run spread of re-polling with
+    ``cp.async`` (NOTES v0.3.4)."""
     again = opaque(base)  # the offsets computed here, not held through the wait loop
     for i in cutlass.range_constexpr(unroll):
         if (pending >> i) & 1:
