@@ -195,6 +195,27 @@ def test_rows_to_measure_are_powers_of_two_and_the_cap():
     assert firstuse.rows_to_measure([3]) == [3]
 
 
+def test_first_use_measures_the_batches_each_rows_default_plan_takes():
+    """``row_unroll``: the unroll of each row count's default plan (register 4 while
+    its peer fragments take few rounds of the co-resident CTAs, staged 8 beyond), so
+    first use measures the kernel serving would build without a table; the limits are
+    asked of the target (collective on real ranks), register kernel first."""
+    asked = []
+
+    class Target:
+        def limit(self, threads, unroll):
+            asked.append((threads, unroll))
+            return {4: 10, 8: 7}[unroll]
+
+    tp, shard = 5, 8 * 2560  # 4 peers x 2560 fragments per row; 10 CTAs x 256 x 4 a round
+    few, many = 1, 64  # 0.25 and 16 rounds
+    assert firstuse.row_unroll(Target(), few, tp, shard, (256,)) == (4,)
+    assert asked == [(256, 4), (256, 4)]
+    assert firstuse.row_unroll(Target(), many, tp, shard, (256,)) == (8,)
+    assert firstuse.row_unroll(Target(), many, tp, shard, (256, 512)) == (8,)
+    assert firstuse.FIRST_USE_LIMITS.unroll is None  # the per-row choice is the default
+
+
 def test_rows_from_the_vllm_config():
     from lamport_head.engines.vllm import rows_from_vllm
     from lamport_head.table import MAX_ROWS

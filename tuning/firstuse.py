@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 from lamport_head import provenance
 from lamport_head.collective import agree, attempt
-from lamport_head.kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
+from lamport_head.config import default_config
+from lamport_head.kernels.protocol import DEFAULT_THREADS
 from lamport_head.table import fill, normalize, user_path
 
 logger = logging.getLogger("lamport_head")
@@ -43,14 +44,16 @@ COMMAND = "first-use tuning at install (lamport_head.tuning.firstuse)"
 @dataclass(frozen=True)
 class FirstUseLimits:
     """How much first-use tuning measures (its time allowance, not the kernel's spin
-    budget). One kernel build per (threads, unroll), so the kernel's defaults only; a
-    few CTA counts, each a trial (walked, not sampled); short timing loops; and a
+    budget). One kernel build per (threads, unroll): the default threads, and per row
+    count the batches its default plan takes (``unroll`` None: register batches of 4
+    or staged batches of 8, ``config.default_config``; a tuple: those for every row);
+    a few CTA counts, each a trial (walked, not sampled); short timing loops; and a
     wall-clock stop between row counts (rows past it stay unmeasured, hence stock)."""
 
     seconds: float = 15.0
     ctas: tuple = (8, 16, 32, 64, 128)
     threads: tuple = (DEFAULT_THREADS,)
-    unroll: tuple = (DEFAULT_UNROLL,)
+    unroll: tuple | None = None
     calls: int = 10
     reps: int = 3
     replays: int = 5
@@ -67,6 +70,18 @@ def rows_to_measure(rows):
     lo, hi = rows[0], rows[-1]
     picks = {lo, hi} | {1 << k for k in range(hi.bit_length()) if lo <= 1 << k <= hi}
     return sorted(m for m in picks if m in rows)
+
+
+def row_unroll(target, rows, tp, shard, threads):
+    """The unrolls the default plans of ``rows`` take at ``threads`` (a tuple, in
+    order): what serving would build without a table, so first use measures that
+    kernel. Collective on real ranks (``target.limit`` is): every rank asks the same
+    limits in the same order."""
+    def limit(config):
+        return target.limit(config.threads, config.unroll)
+
+    picks = [default_config(rows, tp, shard, t, None, limit).unroll for t in threads]
+    return tuple(dict.fromkeys(picks))
 
 
 def make_target(ranks, vocab, limits=FIRST_USE_LIMITS):
@@ -118,10 +133,11 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
         # Rank 0's clock decides for everyone.
         if comm.broadcast(time.monotonic() - start > limits.seconds and bool(results)):
             break
+        unroll = limits.unroll or row_unroll(target, m, tp, shard, limits.threads)
         results.append(tune_rows(
             target, m, device=normalize(name), tp=tp, dcp=dcp, vocab=vocab,
-            trials=len(limits.ctas) * len(limits.threads) * len(limits.unroll), storage=None,
-            comm=comm, margin=limits.margin, threads=limits.threads, unroll=limits.unroll,
+            trials=len(limits.ctas) * len(limits.threads) * len(unroll), storage=None,
+            comm=comm, margin=limits.margin, threads=limits.threads, unroll=unroll,
             ctas=limits.ctas, kernel=kernel))
     emulated = bool(shared or target.emulated)
     seconds = time.monotonic() - start
