@@ -17,9 +17,9 @@ The stamps land in a pinned buffer that stands in for each rank's status record
 ``--lmhead``: every rank's step is its lm_head shard GEMM (``tuning.lmhead``, the
 bench's) then the gather of that GEMM's output, as in a decode step; it adds where
 the gather's visible cost goes: the spread of the ranks' waits (each releases when
-its own GEMM ends: one GPU runs the ranks' GEMMs one after another), each rank's
-own wait to its last CTA's end, and the last rank's wait to the last end (what no
-overlap can hide), beside a step of the GEMMs alone.
+its own GEMM ends; here every rank's GEMM shares the one GPU), each rank's own wait
+to its last CTA's end, and the last rank's wait to the last end (what no overlap can
+hide), beside a step of the GEMMs alone.
 
 Run: python -m lamport_head.tuning.diagnostics.phases [--tp 8] [--rows 1,8,64] [--calls 200]
      [--lmhead]
