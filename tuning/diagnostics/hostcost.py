@@ -2,26 +2,31 @@
 
 Each line is the median host µs of one piece of ``HeadGather.__call__`` done on its
 own, beside ``torch.add_`` on a small tensor (the cost of one torch dispatch on this
-host) and the whole call. The two virtual ranks are called alternately, each on its
-own stream, so every launched gather finds its peer and completes; host time is
-taken around the piece only. The gather launches through the driver
+host) and the whole call. Every figure is the median of single calls, each timed
+around the piece alone: the two virtual ranks are called alternately, each on its
+own stream (so every launched gather finds its peer and completes), and the stream
+switch stays outside the clock (an engine calls on one stream; switching costs more
+than a piece here). The gather launches through the driver
 (``kernels.launch.DriverLaunch``); the DSL's TVM-FFI callable of the same kernel is
-timed beside it. Also says whether TVM-FFI has torch's fast DLPack
-exchange (``__dlpack_c_exchange_api__``): without it every tensor argument goes
-through ``to_dlpack``.
+timed beside it.
 Run: python -m lamport_head.tuning.diagnostics.hostcost [rows]
 """
 
+import statistics
 import sys
+import time
 
 import torch
 
 from lamport_head.emulate import EmulatedGather
 
-from ..harness import SOLO, median_eager
+
+def _median_us(step, calls):
+    """Median µs of ``calls`` calls of ``step`` (each returns its own seconds)."""
+    return statistics.median(step() for _ in range(calls)) * 1e6
 
 
-def main(rows=1, tp=2, vocab=163840):
+def main(rows=1, tp=2, vocab=163840, calls=2000):
     device = torch.device("cuda", torch.cuda.current_device())
     shard = vocab // tp
     emu = EmulatedGather(device, tp, shard, {rows})
@@ -31,12 +36,22 @@ def main(rows=1, tp=2, vocab=163840):
     turn = [0]
 
     def alternate(piece):
-        """piece(gather, rank) on that rank's stream, ranks in turn."""
+        """piece(gather, rank) on that rank's stream, ranks in turn; returns the host
+        seconds of the piece alone (the stream switch outside the clock)."""
         def step():
             r = turn[0]
             turn[0] = (r + 1) % tp
             with torch.cuda.stream(emu.streams[r]):
+                t0 = time.perf_counter()
                 piece(emu.ranks[r], r)
+                return time.perf_counter() - t0
+        return step
+
+    def alone(fn):
+        def step():
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
         return step
 
     def stock(x):
@@ -48,8 +63,7 @@ def main(rows=1, tp=2, vocab=163840):
     with torch.cuda.device(device):
         plain = [DriverLaunch(g._compiled(g.configs[rows]), pdl=False) for g in emu.ranks]
     pieces = {
-        "torch.add_ (one dispatch)": lambda: small.add_(1),
-        "stream context enter/exit": alternate(lambda g, r: None),
+        "torch.add_ (one dispatch)": alone(lambda: small.add_(1)),
         "new_empty [M, V]": alternate(lambda g, r: shards[r].new_empty((rows, g.width))),
         "_follow_stream": alternate(lambda g, r: g._follow_stream()),
         "launch (preallocated out)": alternate(lambda g, r: g.launch(shards[r], outs[r], g.ctas[rows])),
@@ -59,8 +73,7 @@ def main(rows=1, tp=2, vocab=163840):
         "same, no PDL attribute": alternate(lambda g, r: plain[r](
             shards[r], outs[r].data_ptr(), g._peers, g.rank, g.ctas[rows], g.budget_ns,
             g._status_address, handles[r])),
-        "one ctypes driver call": current_context,
-        "to_dlpack (slow conversion)": lambda: torch.utils.dlpack.to_dlpack(shards[0]),
+        "one ctypes driver call": alone(current_context),
         "whole HeadGather call": alternate(lambda g, r: g(shards[r], stock)),
     }
     for fn in pieces.values():  # warm-up: compile, lazy loads
@@ -69,14 +82,14 @@ def main(rows=1, tp=2, vocab=163840):
     torch.cuda.synchronize(device)
     import tvm_ffi
 
-    fast = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
-    print(f"torch {torch.__version__}, tvm_ffi {tvm_ffi.__version__}, "
-          f"torch fast DLPack exchange: {fast}; rows {rows}, tp {tp} (virtual), V {vocab}")
+    print(f"torch {torch.__version__}, tvm_ffi {tvm_ffi.__version__}; rows {rows}, tp {tp} "
+          f"(virtual), V {vocab}; median of {calls} single calls each (host µs)")
     base = None
     for name, fn in pieces.items():
-        _, us = median_eager(fn, device, 400, 7, SOLO)  # host µs per call
+        us = _median_us(fn, calls)
         base = base or us
-        print(f"{name:>28}: {us:7.2f} µs  ({us / base:4.2f}x add_)")
+        print(f"{name:>34}: {us:7.2f} µs  ({us / base:4.2f}x add_)")
+        torch.cuda.synchronize(device)
     for g in emu.ranks:
         g.check()
 
