@@ -17,7 +17,8 @@ Invariants every step keeps:
   slot). Fragments are located again from their index (``locate``) rather than held.
 - ``fetch``/``repoll``/``fetch_staged``: all of a batch's loads are issued before the
   first check; only dirty fragments are polled again.
-- ``deliver``: the reader re-arms what it copied; nobody else re-arms a box.
+- ``deliver`` (and the staged steps, all through ``take``): the reader re-arms what
+  it copied; nobody else re-arms a box.
 - ``give_up``: a fragment that never arrived is written as NaN, never left as what
   the allocator had; its rank joins the thread's ``missing`` mask.
 - ``mark_peers``: a rank whose own wait ran out names the missing ranks in every
@@ -214,9 +215,17 @@ def deliver(own: Int64, dst: Int64, held: cute.Tensor, where: cute.Tensor, sourc
                 store(dst + where[i], (Uint32(NAN_PAIR),) * WORDS)  # give_up
                 missing = missing | (1 << source[i])
             else:
-                store(dst + where[i], tuple(held[i, k] for k in range(WORDS)))
-                store(own + where[i], (Uint32(SENTINEL),) * WORDS)
+                take(own, dst, where[i], tuple(held[i, k] for k in range(WORDS)))
     return missing
+
+
+@cute.jit
+def take(own: Int64, dst: Int64, where: Int64, words):
+    """An arrived fragment (``words``, at byte ``where`` of the box and the output):
+    copied out, then its box slot re-armed. Every path that delivers goes through
+    here: the reader re-arms what it copied, and nobody else re-arms a box."""
+    store(dst + where, words)
+    store(own + where, (Uint32(SENTINEL),) * WORDS)
 
 
 @cute.jit
@@ -268,8 +277,7 @@ def fetch_staged(own: Int64, dst: Int64, pending: Int32, base: Int32, stride: In
             words = load_shared(slot(stage, i, tid, threads))
             if armed(words) == 0:
                 where, _ = locate(again + i * stride, rank, frags, width)
-                store(dst + where, words)
-                store(own + where, (Uint32(SENTINEL),) * WORDS)
+                take(own, dst, where, words)
                 pending = pending & ~(1 << i)
     return pending
 
@@ -290,8 +298,7 @@ def repoll_staged(own: Int64, dst: Int64, pending: Int32, base: Int32, stride: I
             where, _ = locate(again + i * stride, rank, frags, width)
             words = load_volatile(own + where)
             if armed(words) == 0:
-                store(dst + where, words)
-                store(own + where, (Uint32(SENTINEL),) * WORDS)
+                take(own, dst, where, words)
                 pending = pending & ~(1 << i)
     return pending
 
@@ -365,5 +372,5 @@ def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.C
     store_word_sys(status + STATUS_FLAG * 4, 1)
 
 
-__all__ = ["push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
+__all__ = ["push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
            "publish", "raise_slow", "record_and_stop", "write_record", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]
