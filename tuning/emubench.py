@@ -37,7 +37,7 @@ from lamport_head.head_gather import KERNELS, GatherTimeout
 from lamport_head.reference import planted
 
 from .floor import copy_bandwidth_gbs
-from .harness import gated_gpu_us
+from .harness import gated_gpu_us, never_stock
 from .lmhead import LmHead
 from .report import EMULATED
 
@@ -46,8 +46,21 @@ MEASURED = ("gpu_us", "gpu_nopdl_us", "default_gpu_us", "captured_gpu_us", "lm_h
             "captured_host_us")
 
 
-def never_stock(x):
-    raise AssertionError("the timed row count is served: stock must not run")
+def rank_steps(n, streams, device, emu=None, shards=None, heads=None):
+    """``n`` steps, each rank on its own stream (forked from the caller's once, joined
+    once): the rank's lm_head GEMM (``heads``) and/or its gather (``emu``) of the GEMM's
+    output or of ``shards``."""
+    here = torch.cuda.current_stream(device)
+    for s in streams:
+        s.wait_stream(here)
+    for _ in range(n):
+        for r, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                x = heads[r]() if heads is not None else shards[r]
+                if emu is not None:
+                    emu.ranks[r](x, never_stock)
+    for s in streams:
+        here.wait_stream(s)
 
 
 class _Broken(Exception):
@@ -79,22 +92,22 @@ class EmulatedRunner:
         data = planted(self.tp, rows, self.shard, device=self.device)
         shards = [data[r] for r in range(self.tp)]
         heads = [LmHead(rows, self.hidden, self.shard, self.device, seed=r) for r in range(self.tp)]
-        out["lm_head_us"] = self._gated(None, lambda n: self._steps(n, self.streams, heads=heads))
+        out["lm_head_us"] = self._gated(None, lambda n: rank_steps(n, self.streams, self.device, heads=heads))
 
         def main(emu, got):
-            got["gpu_us"] = self._gated(emu, lambda n: self._steps(n, emu.streams, emu, shards))
+            got["gpu_us"] = self._gated(emu, lambda n: rank_steps(n, emu.streams, self.device, emu, shards))
             got["lm_head_gather_pdl_us"] = self._gated(
-                emu, lambda n: self._steps(n, emu.streams, emu, heads=heads))
+                emu, lambda n: rank_steps(n, emu.streams, self.device, emu, heads=heads))
             got["host_us"], got["add_us"] = self._host(emu, shards)
             got["captured_gpu_us"], got["captured_host_us"] = self._captured(emu, shards)
 
         def nopdl(emu, got):
-            got["gpu_nopdl_us"] = self._gated(emu, lambda n: self._steps(n, emu.streams, emu, shards))
+            got["gpu_nopdl_us"] = self._gated(emu, lambda n: rank_steps(n, emu.streams, self.device, emu, shards))
             got["lm_head_gather_nopdl_us"] = self._gated(
-                emu, lambda n: self._steps(n, emu.streams, emu, heads=heads))
+                emu, lambda n: rank_steps(n, emu.streams, self.device, emu, heads=heads))
 
         def plain(emu, got):
-            got["default_gpu_us"] = self._gated(emu, lambda n: self._steps(n, emu.streams, emu, shards))
+            got["default_gpu_us"] = self._gated(emu, lambda n: rank_steps(n, emu.streams, self.device, emu, shards))
 
         out.update(self._measure(rows, config, None, main))
         out.update(self._measure(rows, config, False, nopdl))
@@ -129,22 +142,6 @@ class EmulatedRunner:
         return got
 
     # -- pieces --------------------------------------------------------------------
-
-    def _steps(self, n, streams, emu=None, shards=None, heads=None):
-        """``n`` steps, each rank on its own stream (forked from the caller's once,
-        joined once): the rank's lm_head GEMM (``heads``) and/or its gather (``emu``)
-        of the GEMM's output or of ``shards``."""
-        here = torch.cuda.current_stream(self.device)
-        for s in streams:
-            s.wait_stream(here)
-        for _ in range(n):
-            for r, s in enumerate(streams):
-                with torch.cuda.stream(s):
-                    x = heads[r]() if heads is not None else shards[r]
-                    if emu is not None:
-                        emu.ranks[r](x, never_stock)
-        for s in streams:
-            here.wait_stream(s)
 
     def _gated(self, emu, run):
         """GPU µs per step of ``run(n)`` (gated), after one warm-up step (cuBLAS takes

@@ -286,7 +286,7 @@ class EmulatedTarget:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 for _ in range(steps):
-                    g(shards[r], _never_stock)
+                    g(shards[r], never_stock)
             graphs.append(graph)
         here = torch.cuda.current_stream(self.device)
 
@@ -391,7 +391,7 @@ class DistributedTarget:
     def _call(self, gather, x, failed):
         """One gather call; a failure is recorded in ``failed``, the caller's loop goes
         on (the trial's outcome is agreed at its end)."""
-        return _trial_step(failed, gather, x, _never_stock)
+        return _trial_step(failed, gather, x, never_stock)
 
     def _reference(self, gathered):
         return reference_gather(gathered.split(self.shard, 1))
@@ -529,5 +529,6 @@ def _same_bits(got, want):
     return got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-def _never_stock(x):
+def never_stock(x):
+    """The stock path of a row count the gather serves: must never run (timing)."""
     raise AssertionError("the timed row count is served: stock must not run")

@@ -20,6 +20,8 @@ import torch
 
 from lamport_head.emulate import EmulatedGather
 
+from ..harness import never_stock
+
 
 def _median_us(step, calls):
     """Median µs of ``calls`` calls of ``step`` (each returns its own seconds)."""
@@ -54,9 +56,6 @@ def main(rows=1, tp=2, vocab=163840, calls=2000):
             return time.perf_counter() - t0
         return step
 
-    def stock(x):
-        raise AssertionError("the planned rows must not take stock")
-
     from lamport_head.kernels.launch import DriverLaunch, current_context
 
     handles = [s.cuda_stream for s in emu.streams]
@@ -74,7 +73,7 @@ def main(rows=1, tp=2, vocab=163840, calls=2000):
             shards[r], outs[r].data_ptr(), g._peers, g.rank, g.ctas[rows], g.budget_ns,
             g._status_address, handles[r])),
         "one ctypes driver call": alone(current_context),
-        "whole HeadGather call": alternate(lambda g, r: g(shards[r], stock)),
+        "whole HeadGather call": alternate(lambda g, r: g(shards[r], never_stock)),
     }
     for fn in pieces.values():  # warm-up: compile, lazy loads
         for _ in range(2 * tp):

@@ -37,29 +37,9 @@ from lamport_head.kernels.compile import compile_gather
 from lamport_head.kernels.protocol import (CONTROL_EPOCH, STATUS_WORDS, TIMER_CALLS,
                                            TIMER_PHASES, timer_index, timer_words)
 
+from ..emubench import rank_steps
 from ..harness import gated_gpu_us
 from ..lmhead import KIMI_K2_HIDDEN, LmHead
-
-
-def _steps(emu, heads, n, device, streams=None):
-    """``n`` steps, each rank on its own stream (``emu``'s, or ``streams``): its lm_head
-    GEMM, then (with ``emu``) the gather of the GEMM's output."""
-    streams = streams or emu.streams
-    here = torch.cuda.current_stream(device)
-    for s in streams:
-        s.wait_stream(here)
-    for _ in range(n):
-        for r, s in enumerate(streams):
-            with torch.cuda.stream(s):
-                x = heads[r]()
-                if emu is not None:
-                    emu.ranks[r](x, _never_stock)
-    for s in streams:
-        here.wait_stream(s)
-
-
-def _never_stock(x):
-    raise AssertionError("the planned rows must not take stock")
 
 
 class _TimedKernels(head_gather.DeviceKernels):
@@ -136,16 +116,18 @@ def main(argv=None):
                  if args.lmhead else None)
         emu.run_steps(shards, 4)  # warm-up
         if heads:
-            _steps(emu, heads, 2, device)  # cuBLAS takes its workspace per stream once
+            # cuBLAS takes its workspace per stream once
+            rank_steps(2, emu.streams, device, emu, heads=heads)
         figures, per_step, gemms = [], [], []
         for _ in range(max(1, args.calls // batch)):
             torch.cuda.synchronize(device)
             first = emu.ranks[0].box.control(0)[CONTROL_EPOCH].item()
             if heads:
-                gemms.append(gated_gpu_us(lambda n: _steps(None, heads, n, device, emu.streams),
+                gemms.append(gated_gpu_us(lambda n: rank_steps(n, emu.streams, device, heads=heads),
                                           device, batch, 1))
-                per_step.append(gated_gpu_us(lambda n: _steps(emu, heads, n, device), device,
-                                             batch, 1))
+                per_step.append(gated_gpu_us(
+                    lambda n: rank_steps(n, emu.streams, device, emu, heads=heads), device, batch,
+                    1))
             else:
                 per_step.append(gated_gpu_us(lambda n: emu.run_steps(shards, n), device, batch, 1))
             torch.cuda.synchronize(device)
