@@ -9,6 +9,11 @@ device: the same bytes, at gloo's speed, so only correctness can be read from it
 import torch
 import torch.distributed as dist
 
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every call) in favour
+# of all_gather_single, the same collective under its new name (the deprecated one
+# forwards to it); older torch (2.9-2.12, in our range) has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class StockGather:
     """The stock gather for one row count with every buffer allocated up front.
@@ -43,7 +48,7 @@ class StockGather:
             for r, part in enumerate(self.parts):
                 self.out[:, r * self.shard:(r + 1) * self.shard].copy_(part)
         else:
-            dist.all_gather_into_tensor(self.gathered, logits, group=self.group)
+            _all_gather_single(self.gathered, logits, group=self.group)
             self.out.view(self.rows, self.tp, self.shard).copy_(
                 self.gathered.view(self.tp, self.rows, self.shard).movedim(0, 1))
         return self.out
