@@ -16,13 +16,24 @@ the driver to surface it) the watcher asks the
 context whether it stopped. If it did not (measured on one H200, 4 processes, a
 killed peer: in every run one of the three survivors' traps never surfaced and its
 token copy waited for ever), the watcher ends the process (``STOP_EXIT_CODE``) after
-logging why: a step with missing data can never finish, and a process that neither
+saying why: a step with missing data can never finish, and a process that neither
 raises nor exits would hang the engine.
+
+Once the watcher has decided, nothing another thread holds can keep the process
+alive (``end_process``): the exit is armed first, on a timer of its own (a POSIX
+timer whose expiry runs libc's ``_exit`` on a thread of libc's, which needs no GIL,
+and a Python thread beside it), the line goes out in one non-blocking write to
+stderr, and only then is it logged, best-effort, from a thread the exit does not
+wait for beyond ``EXIT_LOG_WAIT_S``. The watcher itself never waits on ``logging``:
+a handler blocked on a pipe nobody drains (a stalled log driver, an engine's handler
+held by another thread) would otherwise hold the very line that ends the hang.
 """
 
 import ctypes
+import ctypes.util
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -40,6 +51,11 @@ WATCH_PERIOD_S = 0.05  # how soon after a serving give-up its log line appears
 # the context may block before the watcher takes the context for stuck.
 STOP_GRACE_S, PROBE_WAIT_S = 0.6, 0.3
 STOP_EXIT_CODE = 70  # a serving process whose GPU context did not stop (EX_SOFTWARE)
+# Once the watchdog decided to end the process: how long the best-effort log (through
+# ``logging``, whose handlers another thread may hold) may take before the exit goes on
+# without it, and the latest the armed exit fires whatever the process does meanwhile.
+EXIT_LOG_WAIT_S, EXIT_BOUND_S = 0.2, 1.0
+_LINE_MAX = 4096  # PIPE_BUF on Linux: a pipe write of at most this many bytes is never torn
 # What a gather does when it gives up (HeadGather's ``mode``; kernels.protocol):
 RECOVERABLE = "recoverable"  # NaN for the missing fragments, raise, a collective reset()
 SERVING = "serving"  # stop the GPU context (trap): no later kernel uses the step
@@ -83,11 +99,16 @@ class StatusRecord:
         """The flag, read from host memory (no device sync, works with the context dead)."""
         return bool(self._flag.value)
 
+    def missing(self) -> list:
+        """The ranks the record names as missing (``STATUS_PEERS``), flag or not: the
+        kernel copies them there before it raises the flag; empty when no rank could
+        tell (host memory, no sync)."""
+        record = self.words.tolist()
+        return [r for r in range(self.tp) if record[STATUS_PEERS + r]]
+
     def failure(self, stopped=False):
         """The ``GatherTimeout`` the record describes (call it once ``raised``)."""
-        record = self.words.tolist()
-        missing = [r for r in range(self.tp) if record[STATUS_PEERS + r]]
-        return GatherTimeout(self.rank, missing, record[STATUS_EPOCH], stopped)
+        return GatherTimeout(self.rank, self.missing(), int(self.words[STATUS_EPOCH]), stopped)
 
     def clear(self):
         self.words.zero_()
@@ -107,16 +128,130 @@ def context_stopped(device, wait_s=PROBE_WAIT_S) -> bool:
     return False
 
 
-def end_process(code=STOP_EXIT_CODE):
-    """The watchdog's last resort: flush what was logged, then leave at once (no
-    teardown: a CUDA call could wait on the stuck context)."""
-    for handler in logging.getLogger("lamport_head").handlers + logging.getLogger().handlers:
+class _SigEvent(ctypes.Structure):
+    """``struct sigevent`` of Linux (glibc and musl, 64-bit): 64 bytes."""
+
+    _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("function", ctypes.c_void_p), ("attributes", ctypes.c_void_p),
+                ("pad", ctypes.c_int * 8)]
+
+
+class _TimeSpec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
+_SIGEV_THREAD, _CLOCK_MONOTONIC = 2, 1
+
+
+def _arm_native_exit(code, after_s) -> bool:
+    """A POSIX timer that runs libc's ``_exit(code)`` ``after_s`` from now on a thread
+    libc starts (``SIGEV_THREAD``; the notify function gets the timer's value, here
+    ``code``, as its one integer argument): it needs no GIL and no Python thread, so a
+    thread holding the GIL for ever cannot stop it. False where it cannot be armed
+    (not Linux, no ``timer_create``)."""
+    if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return False
+    for name in (None, ctypes.util.find_library("rt")):
         try:
-            handler.flush()
-        except Exception:
-            pass
-    sys.stderr.flush()
+            libc = ctypes.CDLL(name, use_errno=True)
+            create, settime, exit_now = libc.timer_create, libc.timer_settime, libc._exit
+            break
+        except (OSError, AttributeError, TypeError):
+            continue
+    else:
+        return False
+    event = _SigEvent(value=code, notify=_SIGEV_THREAD,
+                      function=ctypes.cast(exit_now, ctypes.c_void_p).value)
+    timer = ctypes.c_void_p()
+    if create(_CLOCK_MONOTONIC, ctypes.byref(event), ctypes.byref(timer)) != 0:
+        return False
+    whole = int(after_s)
+    when = (_TimeSpec * 2)(_TimeSpec(0, 0), _TimeSpec(whole, int((after_s - whole) * 1e9) or 1))
+    return settime(timer, 0, ctypes.byref(when), None) == 0
+
+
+def arm_exit(code=STOP_EXIT_CODE, after_s=EXIT_BOUND_S) -> bool:
+    """Arm this process's end: ``after_s`` from now it leaves with ``code``, whatever
+    its threads hold by then (handler locks, the GIL, a blocked write). Two clocks,
+    whichever fires first: a POSIX timer run by libc (``_arm_native_exit``; its
+    answer is returned) and a daemon thread (where the former cannot be armed)."""
+    def later():
+        time.sleep(after_s)
+        os._exit(code)
+
+    threading.Thread(target=later, name="lamport-head-exit", daemon=True).start()
+    return _arm_native_exit(code, after_s)
+
+
+def write_line(text) -> bool:
+    """``text`` as one line on stderr in one write that never blocks: True if it went
+    out whole. The write goes through a descriptor of its own where the system gives
+    one (``/proc/self/fd/2`` reopened: a pipe, a terminal, a file, in append mode), so
+    switching it to non-blocking changes nothing for the other processes sharing the
+    stream; a socket (journald) is sent to with ``MSG_DONTWAIT``. Elsewhere a plain
+    write, which the armed exit bounds. At most ``_LINE_MAX`` bytes: a pipe takes
+    that all at once or not at all, never a torn line."""
+    data = (text.rstrip("\n")[:_LINE_MAX - 1] + "\n").encode("utf-8", "replace")[:_LINE_MAX]
+    try:
+        fd = os.open("/proc/self/fd/2", os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK
+                     | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            return os.write(fd, data) == len(data)
+        try:
+            out = socket.socket(fileno=os.dup(2))
+        except OSError:  # not a socket
+            return os.write(2, data) == len(data)
+        with out:
+            return out.send(data, socket.MSG_DONTWAIT) == len(data)
+    except OSError:  # full (EAGAIN), closed, gone: the exit goes on without it
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _log_aside(level, message, *args):
+    """``logger.log(level, ...)`` from a daemon thread, so that a handler another thread
+    holds blocks that thread, never the caller; the thread, to wait for it."""
+    thread = threading.Thread(target=logger.log, args=(level, message, *args),
+                              name="lamport-head-log", daemon=True)
+    thread.start()
+    return thread
+
+
+def end_process(line, code=STOP_EXIT_CODE):
+    """The watchdog's last resort, in an order no other thread can hold up: arm the
+    exit (``arm_exit``: ``EXIT_BOUND_S`` at most from here), write ``line`` to stderr
+    (``write_line``), log it at CRITICAL and flush the handlers from a thread of its
+    own, wait for that at most ``EXIT_LOG_WAIT_S``, and leave at once (no teardown: a
+    CUDA call could wait on the stuck context)."""
+    arm_exit(code, EXIT_BOUND_S)
+    write_line(f"CRITICAL lamport_head: {line}")
+
+    def log():
+        logger.critical("%s", line)
+        for handler in logger.handlers + logging.getLogger().handlers:
+            try:
+                handler.flush()
+            except Exception:
+                pass
+        sys.stderr.flush()
+
+    thread = threading.Thread(target=log, name="lamport-head-log", daemon=True)
+    thread.start()
+    thread.join(EXIT_LOG_WAIT_S)
     os._exit(code)
+
+
+def _missing(ranks) -> str:
+    """What the watchdog's line says of the missing ranks: their numbers where the
+    record holds them, else that no rank could tell."""
+    if ranks:
+        return f"rank(s) {', '.join(map(str, ranks))} never published"
+    return "the missing rank(s) unknown: no rank could tell"
 
 
 class Watcher:
@@ -124,13 +259,17 @@ class Watcher:
     failure once at ERROR (the give-up stopped the context, so the engine's own error,
     "CUDA error: unspecified launch failure", cannot name the rank; this line does),
     then, ``stop_after_s`` later (when the kernel's trap is due, plus
-    ``STOP_GRACE_S``), checks that the context stopped; if not, logs that at CRITICAL
-    and ends the process (``end_process``). Before any flag, a slow heartbeat
+    ``STOP_GRACE_S``), checks that the context stopped; if not, ends the process with a
+    CRITICAL line (``end_process``). Before any flag, a slow heartbeat
     (``StatusRecord.slow``: a launch still waiting at half the budget) that stays up
     ``stuck_after_s`` with no flag and the context still running means the launch is
-    stuck before its record: the same CRITICAL line and end. Until the flag it touches no CUDA state;
+    stuck before its record: the same end, its line naming the missing ranks the
+    record holds (``StatusRecord.missing``), "unknown" when it holds none. Its log
+    lines go out from threads of their own (``_log_aside``): a logging handler held by
+    another thread never holds the watcher. Until the flag it touches no CUDA state;
     ``stop()`` ends it. ``stopped`` and ``end`` are the context probe and the exit
-    (``context_stopped`` and ``end_process``; tests pass their own)."""
+    (``context_stopped`` and ``end_process``, called with the CRITICAL line; tests
+    pass their own)."""
 
     def __init__(self, record, period_s=WATCH_PERIOD_S, *, device=None, stop_after_s=None,
                  stuck_after_s=None, stopped=None, end=end_process):
@@ -148,8 +287,8 @@ class Watcher:
         while not self._done.wait(self.period_s):
             if self.record.raised:
                 failure = self.record.failure(stopped=True)
-                logger.error("%s (read from the pinned status record after the GPU context "
-                             "stopped)", failure)
+                _log_aside(logging.ERROR, "%s (read from the pinned status record after the "
+                           "GPU context stopped)", failure)
                 if self.stop_after_s is not None:
                     self._watchdog(failure)
                 return
@@ -163,24 +302,21 @@ class Watcher:
                     continue  # the give-up's record came: the flag's path, next round
                 if self._stopped():
                     return  # the context stopped without a record: the engine's error says so
-                logger.critical("lamport-head gather on rank %d: call %d has waited past its "
-                                "spin budget and neither finished nor gave up (its GPU context "
-                                "is still running %.1f s after it passed half the budget: a "
-                                "store into a peer whose context died?); ending this process "
-                                "(exit code %d)", self.record.rank, slow - 1,
-                                self.stuck_after_s, STOP_EXIT_CODE)
-                self._end()
+                self._end(f"lamport-head gather on rank {self.record.rank}: call {slow - 1} has "
+                          f"waited past its spin budget and neither finished nor gave up (its "
+                          f"GPU context is still running {self.stuck_after_s:.1f} s after it "
+                          f"passed half the budget: a store into a peer whose context died?); "
+                          f"{_missing(self.record.missing())}; ending this process "
+                          f"(exit code {STOP_EXIT_CODE})")
                 return
 
     def _watchdog(self, failure):
         if self._done.wait(self.stop_after_s) or self._stopped():
             return  # closed meanwhile, or the trap stopped the context as designed
-        logger.critical("lamport-head gather on rank %d: the GPU context did not stop %.1f s "
-                        "after call %d gave up (rank(s) %s never published); ending this "
-                        "process (exit code %d) so that no step with missing data can finish",
-                        self.record.rank, self.stop_after_s, failure.epoch,
-                        ", ".join(map(str, failure.peers)) or "unknown", STOP_EXIT_CODE)
-        self._end()
+        self._end(f"lamport-head gather on rank {self.record.rank}: the GPU context did not stop "
+                  f"{self.stop_after_s:.1f} s after call {failure.epoch} gave up "
+                  f"({_missing(failure.peers)}); ending this process (exit code "
+                  f"{STOP_EXIT_CODE}) so that no step with missing data can finish")
 
     def stop(self):
         self._done.set()

@@ -59,11 +59,17 @@ def test_a_stopped_watcher_says_nothing(caplog):
     assert not caplog.records
 
 
-def _watch(record, stopped, stop_after_s=0.05):
-    """A watcher with a stand-in context probe (``stopped``) and exit (recorded)."""
+def _watch(record, stopped, stop_after_s=0.05, lines=None):
+    """A watcher with a stand-in context probe (``stopped``) and exit (recorded; the
+    CRITICAL line it was handed goes to ``lines``)."""
     ended = []
-    watcher = Watcher(record, period_s=0.01, stop_after_s=stop_after_s, stopped=stopped,
-                      end=lambda: ended.append(time.monotonic()))
+
+    def end(line):
+        ended.append(time.monotonic())
+        if lines is not None:
+            lines.append(line)
+
+    watcher = Watcher(record, period_s=0.01, stop_after_s=stop_after_s, stopped=stopped, end=end)
     return watcher, ended
 
 
@@ -78,15 +84,15 @@ def test_the_watchdog_ends_a_process_whose_context_did_not_stop(caplog):
     the process ends, after a CRITICAL line naming the missing rank, and not before
     ``stop_after_s`` after the flag."""
     record = StatusRecord(rank=1, tp=4)
-    watcher, ended = _watch(record, stopped=lambda: False, stop_after_s=0.2)
+    critical = []
+    watcher, ended = _watch(record, stopped=lambda: False, stop_after_s=0.2, lines=critical)
     with caplog.at_level(logging.ERROR, logger="lamport_head"):
         _give_up(record, 60, [3])
         flagged = time.monotonic()
         _until(lambda: ended)
     watcher.stop()
     assert len(ended) == 1 and ended[0] - flagged >= 0.2
-    critical = [r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL]
-    assert len(critical) == 1, caplog.records
+    assert len(critical) == 1, critical
     assert "rank 1: the GPU context did not stop" in critical[0]
     assert "rank(s) 3 never published" in critical[0] and "exit code 70" in critical[0]
 
@@ -151,10 +157,16 @@ def _slow(record, epoch):
     record.words[STATUS_SLOW] = 0 if epoch is None else epoch + 1
 
 
-def _stuck_watch(record, stopped, stuck_after_s=0.2):
+def _stuck_watch(record, stopped, stuck_after_s=0.2, lines=None):
     ended = []
+
+    def end(line):
+        ended.append(time.monotonic())
+        if lines is not None:
+            lines.append(line)
+
     watcher = Watcher(record, period_s=0.01, stop_after_s=5.0, stuck_after_s=stuck_after_s,
-                      stopped=stopped, end=lambda: ended.append(time.monotonic()))
+                      stopped=stopped, end=end)
     return watcher, ended
 
 
@@ -163,15 +175,34 @@ def test_a_launch_stuck_before_its_record_ends_the_process(caplog):
     kernel stuck in a store to a dead peer): CRITICAL naming the call, then the end,
     not before ``stuck_after_s``."""
     record = StatusRecord(rank=2, tp=4)
-    watcher, ended = _stuck_watch(record, stopped=lambda: False)
+    lines = []
+    watcher, ended = _stuck_watch(record, stopped=lambda: False, lines=lines)
     with caplog.at_level(logging.ERROR, logger="lamport_head"):
         _slow(record, 41)
         up = time.monotonic()
         _until(lambda: ended)
     watcher.stop()
     assert len(ended) == 1 and ended[0] - up >= 0.2
-    (line,) = [r.getMessage() for r in caplog.records]
+    (line,) = lines
     assert "rank 2: call 41 has waited past its spin budget and neither finished" in line
+    assert "the missing rank(s) unknown: no rank could tell" in line  # the record names none
+    assert caplog.records == []  # the line is the end's to write (end_process)
+
+
+def test_a_stuck_launch_names_the_missing_ranks_the_record_holds():
+    """Item 2 (host side): the record's missing ranks (written by the kernel with no
+    flag yet) are named on the stuck path; "unknown" only when it holds none."""
+    record = StatusRecord(rank=0, tp=4)
+    for r in (1, 3):
+        record.words[STATUS_PEERS + r] = 1
+    lines = []
+    watcher, ended = _stuck_watch(record, stopped=lambda: False, lines=lines)
+    _slow(record, 8)
+    _until(lambda: ended)
+    watcher.stop()
+    (line,) = lines
+    assert "rank 0: call 8 has waited past its spin budget" in line
+    assert "rank(s) 1, 3 never published" in line and "unknown" not in line
 
 
 def test_a_slow_launch_that_finishes_ends_nothing(caplog):
