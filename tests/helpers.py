@@ -5,6 +5,7 @@ first-use tuning's timing target replaced by a collective cost model
 (``CollectiveTarget``).
 Test modules import these from here (never from one another)."""
 
+import os
 import types
 
 import torch
@@ -145,14 +146,28 @@ def as_vllm_rank(run, rank, **env):
     for key in CLEARED_FOR_VLLM:
         if key not in env:
             os.environ.pop(key, None)
+    from engine_cpu import prepare_process
+
+    prepare_process()  # the engines' CPU ISA choices: tests/engine_cpu.py says why
 
 
-def spawn_vllm_ranks(fn, nprocs, run, *args):
+def spawn_vllm_ranks(fn, nprocs, run, *args, host_isa=None):
     """``fn(rank, nprocs, *args)`` on ``nprocs`` ranks that make vLLM's group themselves
-    (``spawn(..., group=False)``); (their results, each rank's ``run/out.RANK`` text)."""
+    (``spawn(..., group=False)``); (their results, each rank's ``run/out.RANK`` text).
+    ``host_isa``: the host CPU the ranks' torch reports (``engine_cpu.HOST_ISAS``; None:
+    this machine's)."""
+    from engine_cpu import HOST_ISA_ENV
     from spawn import spawn
 
-    results = spawn(fn, nprocs, run, *args, group=False)
+    before = os.environ.pop(HOST_ISA_ENV, None)
+    if host_isa:
+        os.environ[HOST_ISA_ENV] = host_isa  # the spawned ranks inherit it
+    try:
+        results = spawn(fn, nprocs, run, *args, group=False)
+    finally:
+        os.environ.pop(HOST_ISA_ENV, None)
+        if before is not None:
+            os.environ[HOST_ISA_ENV] = before
     return results, [(run / f"out.{r}").read_text() if (run / f"out.{r}").exists() else ""
                      for r in range(nprocs)]
 

@@ -21,6 +21,7 @@ import re
 
 import pytest
 import yaml
+from engine_cpu import HOST_ISAS
 from helpers import (FAKE_BYTE, CollectiveTarget, as_vllm_rank, fake_cuda, require_vllm, same_bits,
                      spawn_vllm_ranks)
 
@@ -110,9 +111,10 @@ def _rank(rank, world, run, cache, model_dir):
     return out
 
 
-@pytest.fixture(scope="module")
-def starts(tmp_path_factory):
-    """Two server starts on one user table (the second: fresh processes)."""
+@pytest.fixture(scope="module", params=HOST_ISAS)
+def starts(request, tmp_path_factory):
+    """Two server starts on one user table (the second: fresh processes), on a host whose
+    CPU has AMX and on one without (tests/engine_cpu.py)."""
     require_vllm()
     tmp = tmp_path_factory.mktemp("vllm_firstuse")
     model_dir = tmp / "llama"
@@ -123,7 +125,8 @@ def starts(tmp_path_factory):
     for start in range(2):
         run = tmp / f"start{start}"
         run.mkdir()
-        result, log = spawn_vllm_ranks(_rank, 2, run, str(run), str(cache), str(model_dir))
+        result, log = spawn_vllm_ranks(_rank, 2, run, str(run), str(cache), str(model_dir),
+                                       host_isa=request.param)
         results.append(result)
         logs.append(log)
         path = cache / "head_gather.yaml"

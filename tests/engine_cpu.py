@@ -1,0 +1,79 @@
+"""The engines' CPU instruction-set choices, in one place (the test bed only; the product's
+own code never asks what the host CPU has).
+
+Why: the test bed installs vLLM's (and SGLang's) wheels beside a CPU build of torch. The
+engines' Python runs, but their compiled CPU ops do not exist there (vLLM's
+``torch.ops._C`` of its CPU build, SGLang's ``sgl_kernel``). The engines pick a CPU code
+path by asking torch what the host has: vLLM 0.33's ``check_cpu_sgl_kernel`` answers yes
+for every unquantized linear and the lm_head when ``torch.cpu._is_amx_tile_supported()``
+does, and the layer then calls ``torch.ops._C.convert_weight_packed``, absent here. On an
+Intel AMX host (Sapphire/Emerald/Granite Rapids: the host CPU of DGX H100/H200 nodes)
+every real-engine test errored; on other hosts they passed. So whatever the host says,
+the classes the tests build take the engines' portable torch path: ``portable_paths()``
+answers "no packed-weight kernel" at the engines' own decision points, once per process,
+before any model is built.
+
+The pin (tests/test_engine_cpu_isa.py and the real-engine modules' ``host_isa`` fixture
+parameter) runs each real-engine test twice on any machine: once with torch answering
+that the host has every optional x86 extension (AMX tiles, AMX-FP16, AVX-512, BF16,
+VNNI: what an AMX host reports), once with it answering none (an AVX2-only or Arm host).
+``HOST_ISA_ENV`` carries that choice into the spawned ranks; unset, torch answers what
+the machine has.
+"""
+
+import os
+
+HOST_ISA_ENV = "LAMPORT_HEAD_TEST_HOST_ISA"
+HOST_ISAS = ("amx-seen", "amx-hidden")
+
+def simulate_host(isa):
+    """Make torch answer as a host with every optional x86 extension (``amx-seen``: AMX
+    tiles, AMX-BF16/INT8/FP16, AVX-512 with BF16 and VNNI) or none of them (``amx-hidden``:
+    an AVX2-only host) would. Torch 2.13's ``torch.cpu._is_*`` queries, which the engines
+    call, read ``torch.cpu.get_capabilities()``: that is replaced, and so are the ``_is_*``
+    wrappers themselves (other torch versions ask ``torch._C`` directly)."""
+    if isa not in HOST_ISAS:
+        raise ValueError(f"{HOST_ISA_ENV}={isa!r}: expected one of {HOST_ISAS}")
+    from types import MappingProxyType
+
+    import torch
+
+    answer = isa == "amx-seen"
+    caps = dict(torch.cpu.get_capabilities())
+    optional = {name for name in caps if name.startswith(("amx_", "avx512"))}
+    optional |= {"amx_tile", "amx_bf16", "amx_int8", "amx_fp16", "avx512_f", "avx512_bf16",
+                 "avx512_vnni", "avx512_bw", "avx512_vl"}
+    caps.update({name: answer for name in optional})
+    frozen = MappingProxyType(caps)
+    torch.cpu.get_capabilities = lambda: frozen
+    for name in dir(torch.cpu):
+        if name.startswith("_is_") and name.endswith("_supported") and (
+                "amx" in name or "avx512" in name or "vnni" in name):
+            setattr(torch.cpu, name, lambda answer=answer: answer)
+
+
+def portable_paths():
+    """The engines' ISA-gated CPU choices routed to their portable torch path (see the
+    module docstring). Raises when an engine that is installed no longer has the decision
+    point patched here: the test bed must follow the engine, not silently stop covering
+    it."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        import vllm.model_executor.layers.utils as vllm_utils
+
+        if not hasattr(vllm_utils, "check_cpu_sgl_kernel"):
+            raise AssertionError("vLLM moved check_cpu_sgl_kernel (its packed-weight CPU GEMM "
+                                 "choice): update tests/engine_cpu.py")
+        # Every caller looks it up in this module at call time (dispatch_cpu_unquantized_gemm)
+        # or imports it after this runs (the quantized linear kernels).
+        vllm_utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
+
+
+def prepare_process():
+    """In a spawned engine rank, first thing: the simulated host (if the pin asked for
+    one), then the portable paths."""
+    isa = os.environ.get(HOST_ISA_ENV)
+    if isa:
+        simulate_host(isa)
+    portable_paths()
