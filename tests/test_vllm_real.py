@@ -18,6 +18,7 @@ import os
 import re
 
 import pytest
+from engine_cpu import HOST_ISAS
 from helpers import as_vllm_rank, require_vllm, same_bits, spawn_vllm_ranks
 from tables import TWO_RANKS as TABLE
 
@@ -244,14 +245,16 @@ def _scenarios(rank, tmp):
 
 # ---- the tests ----------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+@pytest.fixture(scope="module", params=HOST_ISAS)
+def ranks(request, tmp_path_factory):
+    """Every test below, on a host whose CPU has AMX and on one without (the pin of
+    tests/engine_cpu.py: the engines' ISA choice never decides whether the bed builds)."""
     require_vllm()
     tmp = tmp_path_factory.mktemp("vllm_real")
     table = tmp / "table.yaml"
     table.write_text(TABLE)
     # vLLM makes the group itself (init_distributed_environment, at tmp/init)
-    return spawn_vllm_ranks(_rank, 2, tmp, str(tmp), str(table))
+    return spawn_vllm_ranks(_rank, 2, tmp, str(tmp), str(table), host_isa=request.param)
 
 
 def _sections(log):
