@@ -5,7 +5,10 @@ them into the rank's vote and decides only on what every rank said (fail-stop: n
 rank switches to stock alone). Nothing here decides; readers only.
 """
 
+import math
 import os
+
+from .kernels.protocol import STOP_SHIFT
 
 DISABLE_ENV = "LAMPORT_HEAD_DISABLE"  # stock logits gather, whatever the tables say
 FORCE_ENV = "LAMPORT_HEAD_FORCE"  # route a processor whose class has its own gather
@@ -19,6 +22,26 @@ DEFAULT_ROWS = tuple(range(1, 65))  # decode batches when the engine does not sa
 # minutes). Tools and tests keep head_gather.SPIN_BUDGET_S (2 s).
 SERVING_BUDGET_S = 10.0
 MAX_BUDGET_S = 3600.0  # the timer is read every poll: a longer wait is a typo
+# The floor. A gather gives up at 3/4 of the budget, so the budget must dwarf the
+# ordinary skew between the ranks' launches of one step, or healthy steps give up. The
+# worst skew measured so far (NOTES.md): 0.45 ms between 8 emulated ranks' waits on one
+# H200 (GEMMs run one after another), 0.38 ms of host launches, and 19-30 ms per call
+# with 8 processes time-slicing one GPU; a host stall of a rank (a GC pause) adds to
+# it. 0.5 s is over 15x the worst of those, and its give-up (0.375 s) over 12x.
+MIN_BUDGET_S = 0.5
+# The grace between a serving give-up's status flag and its trap (budget >> STOP_SHIFT,
+# an eighth; ``kernels.protocol``) has a floor of its own: peers giving up in the same
+# step mark this rank's mailbox in it, and a mark into a context that has already
+# trapped hung the marking rank (measured on one H200, 4 processes). It must cover the
+# skew between the ranks' give-ups (their launches' skew, above) with room for the
+# marking stores: 50 ms is 1.7x the worst launch skew measured. The budget's floor
+# gives 62.5 ms; a change of either floor or of STOP_SHIFT is checked here.
+MIN_GRACE_S = 0.05
+
+
+def trap_grace_s(budget_s: float) -> float:
+    """The grace a serving gather of ``budget_s`` leaves between its flag and its trap."""
+    return budget_s / (1 << STOP_SHIFT)
 
 
 def _set(name):
@@ -47,7 +70,9 @@ def serve_emulated() -> bool:
 
 def spin_budget_s() -> float:
     """``LAMPORT_HEAD_BUDGET_S`` (default ``SERVING_BUDGET_S``); ValueError naming the
-    variable for anything but a number of seconds in (0, ``MAX_BUDGET_S``]."""
+    variable for anything but a finite number of seconds in [``MIN_BUDGET_S``,
+    ``MAX_BUDGET_S``] whose trap grace is at least ``MIN_GRACE_S`` (install carries
+    the error in the rank's vote: every rank stock, one line each)."""
     text = os.environ.get(BUDGET_ENV, "").strip()
     if not text:
         return SERVING_BUDGET_S
@@ -55,6 +80,15 @@ def spin_budget_s() -> float:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value <= MAX_BUDGET_S:  # NaN fails too
+    if not (math.isfinite(value) and 0 < value <= MAX_BUDGET_S):
         raise ValueError(f"{BUDGET_ENV}={text!r}: expected seconds in (0, {MAX_BUDGET_S:g}]")
+    if value < MIN_BUDGET_S:
+        raise ValueError(f"{BUDGET_ENV}={text!r}: below the floor of {MIN_BUDGET_S:g} s (a "
+                         f"gather gives up at 3/4 of it: a shorter budget gives up on the "
+                         f"ordinary skew between ranks)")
+    if trap_grace_s(value) < MIN_GRACE_S:
+        raise ValueError(f"{BUDGET_ENV}={text!r}: its trap grace ({trap_grace_s(value):g} s, "
+                         f"1/{1 << STOP_SHIFT} of it) is below the floor of {MIN_GRACE_S:g} s "
+                         f"(peers giving up in the same step must mark this rank before it "
+                         f"traps)")
     return value
