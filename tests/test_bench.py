@@ -39,6 +39,7 @@ class FakeRunner:
         self.mode, self.fail_at, self.pdl, self.notes = mode, fail_at, True, []
         self.interrupt_at = interrupt_at
         self.stock_asked = 0
+        self.captured_host_us = {}  # rows -> the figure measured (default 0.5)
 
     def bandwidth_gbs(self):
         return BANDWIDTH
@@ -53,7 +54,8 @@ class FakeRunner:
                "captured_gpu_us": gpu * 0.9, "lm_head_us": 50.0 + rows,
                "lm_head_gather_pdl_us": 50.0 + rows + 0.4 * gpu,
                "lm_head_gather_nopdl_us": 50.0 + rows + 0.9 * (gpu + 1),
-               "host_us": 8.0, "add_us": 10.0, "captured_host_us": 0.5}
+               "host_us": 8.0, "add_us": 10.0,
+               "captured_host_us": self.captured_host_us.get(rows, 0.5)}
         if self.mode != report.EMULATED:
             self.stock_asked += 1
             out.update(eager_us=gpu + 5, stock_eager_us=30.0, stock_gpu_us=20.0)
@@ -124,6 +126,25 @@ def test_emulated_tables_csv_and_json(tmp_path, monkeypatch, capsys):
     assert meta["mode"] == "emulated" and meta["copy_gbs"] == BANDWIDTH
     assert titles == ["NVIDIA H200, TP 8, V = 163840: emulated, TP virtual ranks on one GPU (no NVLink)"]
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_negative_captured_host_time_is_clamped_at_the_timers_resolution(
+        tmp_path, monkeypatch, capsys):
+    """TP 2 M = 2 measured -0.78 µs (a difference of two medians, noise): the bench
+    writes and prints the host timer's resolution instead, and its caption says so."""
+    runner, _ = _fake(monkeypatch)
+    runner.captured_host_us = {1: -0.7812, 8: math.nan}
+    assert _bench(tmp_path) == 0
+    printed = capsys.readouterr().out
+    rows = _csv(tmp_path / "b.csv")
+    got = [float(r["captured_host_us"]) for r in rows]
+    assert got[0] == pytest.approx(report.HOST_RESOLUTION_US) and 0 < got[0] < 0.01
+    assert math.isnan(got[1]) and got[2] == 0.5  # n/a stays n/a; a real figure stays
+    assert all(not (float(v) < 0) for r in rows for k, v in r.items()
+               if k.endswith("_us"))  # no negative time anywhere in the CSV
+    assert f"clamped at the host timer's resolution, {report.HOST_RESOLUTION_US:g} µs" in printed
+    meta = json.loads((tmp_path / "b.json").read_text())
+    assert meta["records"][0]["captured_host_us"] == report.HOST_RESOLUTION_US
 
 
 def test_emulated_has_no_baseline_figure(tmp_path, monkeypatch, capsys):

@@ -5,11 +5,14 @@ the CSV. Pure Python: it runs, and is tested, without a GPU.
 Invariants: every figure a table shows is a CSV column of the same key; the
 emulated mode has no stock column at all (its only stand-in for the all-gather would
 be a local ``torch.cat``, which says nothing about an interconnect); the stock
-columns, on real ranks, are NCCL's all-gather + reorder (vLLM's path).
+columns, on real ranks, are NCCL's all-gather + reorder (vLLM's path). No time is
+negative: the captured host figure, a difference of two medians, is clamped at the host
+timer's resolution (``HOST_RESOLUTION_US``), and the table's caption says so.
 """
 
 import csv
 import math
+import time
 from dataclasses import dataclass
 
 from .floor import floor_us, step_bytes
@@ -21,6 +24,11 @@ MODE_LABEL = {
     RANKS: "real ranks: one GPU per rank (torchrun); stock = NCCL all-gather + reorder",
     SHARED: "processes sharing one GPU (time-sliced): correctness only, not performance",
 }
+
+
+# time.perf_counter times every host figure; a difference of two of its medians below
+# its resolution (1 ns on Linux) says only "no more than the timer can tell apart"
+HOST_RESOLUTION_US = time.get_clock_info("perf_counter").resolution * 1e6
 
 
 def mode_of(emulated: bool, world: int) -> str:
@@ -73,7 +81,8 @@ def tables(mode):
     overlap = ("Overlap with the lm_head shard GEMM (the kernel before the gather on its "
                "stream); visible = (lm_head + gather) - lm_head")
     host = ("Host time: one eager call as vLLM makes it (measured inside the call); captured: "
-            "what a gather adds to a graph replay")
+            "what a gather adds to a graph replay (a difference of two medians, clamped at the "
+            f"host timer's resolution, {HOST_RESOLUTION_US:g} µs: never negative)")
     out = [("GPU time per step (every rank on this GPU) against the HBM floor", PLAN + GPU),
            (overlap, KEY + OVERLAP), (host, KEY + HOST)]
     if mode != EMULATED:
@@ -100,7 +109,7 @@ def derive(record, *, tp, vocab, ranks_here, bandwidth_gbs):
     """Add the derived figures to a row's measured ``record`` (in place; returned):
     the floor and ratios; visible = (lm_head + gather) - lm_head, over the standalone
     gather of the same launch kind; host over ``torch.add_`` (the record's own, timed
-    in the same loop)."""
+    in the same loop); the captured host figure clamped at the timer's resolution."""
     r = record
     nbytes = step_bytes(r["rows"], tp, vocab, ranks_here)
     r["step_bytes"], r["copy_gbs"] = nbytes, bandwidth_gbs
@@ -113,9 +122,18 @@ def derive(record, *, tp, vocab, ranks_here, bandwidth_gbs):
         # over the standalone time of the same launch kind (PDL on or off)
         r[f"visible_{pdl}_share"] = _ratio(visible, r["gpu_us" if pdl == "pdl" else "gpu_nopdl_us"])
     r["host_vs_add"] = _ratio(r["host_us"], r["add_us"])
+    if "captured_host_us" in r:
+        r["captured_host_us"] = clamp_host_us(r["captured_host_us"])
     if "stock_gpu_us" in r:
         r["nccl_vs_gather"] = _ratio(r["stock_gpu_us"], r["gpu_us"])
     return r
+
+
+def clamp_host_us(value):
+    """A host-time difference, at least the host timer's resolution (NaN stays NaN): a
+    captured gather's cost measured below it (noise: the difference of two medians
+    can come out negative) reads as the resolution, never as a negative time."""
+    return value if not math.isfinite(value) or value >= HOST_RESOLUTION_US else HOST_RESOLUTION_US
 
 
 def _cell(value, digits):
