@@ -228,6 +228,29 @@ class Table:
         return fill(s.rows) if s else {}
 
 
+def _syntax_error(path, text, exc):
+    """PyYAML's error (several lines: the message, the offending line quoted, a caret)
+    as one line: ``FILE:LINE:COLUMN: YAML syntax error: WHAT (CONTEXT at line N)``."""
+    def flat(words):
+        return " ".join(str(words).split())
+
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML refuses: a position
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        char = exc.character if isinstance(exc.character, int) else ord(exc.character[:1] or "\0")
+        return (f"{path}:{line}:{column}: YAML syntax error: unacceptable character "
+                f"#x{char:04x}: {flat(exc.reason)}")
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None or getattr(exc, "problem", None) is None:
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        return f"{where}: YAML syntax error: {flat(exc)}"
+    what = flat(exc.problem)
+    context, at = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context:
+        what += f" ({flat(context)}" + (f" at line {at.line + 1}" if at is not None else "") + ")"
+    return f"{path}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {what}"
+
+
 def parse(text, path="<string>"):
     """Validate YAML ``text``; ``path`` names it in errors."""
     try:
@@ -235,7 +258,7 @@ def parse(text, path="<string>"):
     except TableError as exc:
         raise TableError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise TableError(f"{path}: YAML syntax error: {exc}") from None
+        raise TableError(_syntax_error(path, text, exc)) from None
     if not isinstance(data, dict) or set(data) != {"schema", "devices"}:
         keys = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
         raise TableError(f"{path}: the top level must be a mapping of exactly 'schema' and "

@@ -252,3 +252,22 @@ def test_a_table_that_is_not_utf8_is_one_table_error(tmp_path):
     with pytest.raises(TableError, match=r"latin1\.yaml: not a UTF-8 text file \(byte 0xe9 at "
                                          r"offset 27\); a table is YAML text"):
         load_table(path)
+
+
+@pytest.mark.parametrize("text,where,what", [
+    ("schema: 1\ndevices:\n  H200:\n    - tp: 8\n      rows: {1: [ctas: 8}\n", "5:25",
+     "YAML syntax error: expected ',' or ']', but got '}' (while parsing a flow sequence at line 5)"),
+    ("schema: 1\ndevices:\n  H200:\n  - tp: 8\n   dcp: 1\n", "5:4",
+     "YAML syntax error: expected <block end>, but found '<block mapping start>' (while parsing "
+     "a block mapping at line 3)"),
+    ("schema: 1\n\tdevices: {}\n", "2:1", "YAML syntax error: found character '\\t' that cannot "
+     "start any token (while scanning for the next token)"),
+    ("schema: 1\ndevices: {}\n# \x01\n", "3:3", "YAML syntax error: unacceptable character "
+     "#x0001: special characters are not allowed"),
+])
+def test_a_yaml_syntax_error_is_one_line_naming_file_line_and_column(tmp_path, text, where, what):
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(TableError) as err:
+        load_table(path)
+    assert str(err.value) == f"{path}:{where}: {what}"  # one line: no quoted text, no caret
