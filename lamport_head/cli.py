@@ -103,8 +103,11 @@ def parser():
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("tune", help="Optuna sweep that fills the HEAD_GATHER table",
-                       description="Measure the gather against the stock all-gather per row "
-                       "count and write the winning plan into a table.", formatter_class=fmt)
+                       description="Measure the gather per row count and write the fastest "
+                       "plan into a table; on real ranks (torchrun) against the stock all-gather, "
+                       "which decides each row's enabled flag. Emulated (--emulate, one GPU): the "
+                       "gather alone, no stock figure (a one-GPU cat is no all-gather), written "
+                       "emulated: true, never served.", formatter_class=fmt)
     t.add_argument("--tp", type=_positive, default=8, help="tensor-parallel ranks (TP)")
     t.add_argument("--dcp", type=_positive, default=1,
                    help="decode context-parallel size (DCP); must divide --tp")
@@ -124,7 +127,8 @@ def parser():
                    help="comma-separated fragments in flight per thread to try")
     t.add_argument("--out", help="table to merge into (default: the user table, "
                    "$LAMPORT_HEAD_CACHE/head_gather.yaml or ~/.cache/lamport-head/head_gather.yaml)")
-    t.add_argument("--plot", help="write a PNG of latency and speedup against rows")
+    t.add_argument("--plot", help="write a PNG of latency against rows (on real ranks also "
+                   "the speedup over stock; emulated: the gather's latency alone)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
 
     s = sub.add_parser("show", help="print the resolved plan", formatter_class=fmt,
@@ -139,7 +143,11 @@ def parser():
 
     v = sub.add_parser("verify", help="bitwise check of the gather on this GPU (emulated ranks; "
                                       "under torchrun: real ranks, free-running)",
-                       formatter_class=fmt)
+                       description="Check the gather bitwise against the reference on this GPU: "
+                       "--calls gathers of planted data at random row counts of --rows, on TP "
+                       "virtual ranks (one process), or under torchrun on real ranks (one per "
+                       "process, free-running; torchrun's ranks are the TP), then that every "
+                       "mailbox word is re-armed.", formatter_class=fmt)
     v.add_argument("--tp", type=_positive, default=8, help="tensor-parallel ranks (TP)")
     v.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB, help="vocabulary size V")
     v.add_argument("--rows", type=_rows, default=_rows("1,2,3,7,8,16,33,64"), help=_ROWS_HELP)
@@ -198,7 +206,6 @@ def main(argv=None):
 def _main(argv=None):
     args = parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])  # for provenance
-    from lamport_head.kernels.protocol import THREADS
     from lamport_head.table import TableError
 
     tp, dcp = getattr(args, "tp", None), getattr(args, "dcp", None)
@@ -207,11 +214,9 @@ def _main(argv=None):
     try:
         if args.command == "show":
             return show(args)
-        if args.command == "bench":  # arguments first: a wrong one is wrong on any machine
-            if args.tp < 2:
-                return _fail("bench: --tp must be at least 2 (one rank has nothing to gather)")
-            if args.vocab % args.tp or (args.vocab // args.tp) % 8:
-                return _fail(f"bench: vocab {args.vocab} / tp {args.tp} is not a multiple of 8")
+        problem = check_arguments(args)  # a wrong argument is wrong on any machine
+        if problem:
+            return _fail(f"{args.command}: {problem}")
         code = _need_cuda(args.command)
         if code:
             return code
@@ -220,11 +225,6 @@ def _main(argv=None):
                 return auto_tune(args, argv)
             from lamport_head.tuning.tune import run
 
-            for t in args.threads:
-                if t not in THREADS:
-                    return _fail(f"tune: --threads {t} is not one of {', '.join(map(str, THREADS))}")
-            if args.vocab % args.tp or (args.vocab // args.tp) % 8:
-                return _fail(f"tune: vocab {args.vocab} / tp {args.tp} is not a multiple of 8")
             return run(args)
         if args.command == "bench":
             from lamport_head.tuning.bench import run
@@ -237,6 +237,31 @@ def _main(argv=None):
     except KeyboardInterrupt:
         return _fail("interrupted (finished trials are kept in the study storage)", 130)
     return 0
+
+
+def check_arguments(args):
+    """What is wrong with a GPU command's arguments, in one line (None: nothing), checked
+    before anything looks for a GPU. ``tune --auto`` without ``--tp`` takes the GPUs'
+    count as TP later (checked then); ``verify`` under torchrun takes torchrun's."""
+    from lamport_head.kernels.protocol import THREADS, UNROLL_MAX
+
+    command = args.command
+    if command == "tune":
+        for t in args.threads:
+            if t not in THREADS:
+                return f"--threads {t} is not one of {', '.join(map(str, THREADS))}"
+        for u in args.unroll:
+            if not 1 <= u <= UNROLL_MAX:
+                return f"--unroll {u} is not in 1-{UNROLL_MAX}"
+    tp_given = not (command == "tune" and args.auto and "--tp" not in args.argv
+                    and not any(a.startswith("--tp=") for a in args.argv))
+    if command == "verify" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        tp_given = False
+    if command == "bench" and args.tp < 2:
+        return "--tp must be at least 2 (one rank has nothing to gather)"
+    if tp_given and (args.vocab % args.tp or (args.vocab // args.tp) % 8):
+        return f"vocab {args.vocab} / tp {args.tp} is not a multiple of 8"
+    return None
 
 
 def auto_tune(args, argv):
@@ -273,10 +298,25 @@ def show(args):
         parts = [k for k in known if normalize(device) in normalize(k)]
         if len(parts) > 1:
             return _fail(f"show: more than one GPU model matches {device!r}: {', '.join(parts)}")
-        device = parts[0] if parts else device
-    sections = [s for s in table.sections
-                if (device is None or normalize(s.device) == normalize(device))
-                and (args.tp is None or s.tp == args.tp) and s.dcp == args.dcp
+        if not parts:
+            return _fail(f"show: no GPU model in these tables matches --device {device!r}; "
+                         f"{_what_exists(table.sections)}")
+        device = parts[0]
+    on_device = [s for s in table.sections
+                 if device is None or normalize(s.device) == normalize(device)]
+    dcp_given = any(a == "--dcp" or a.startswith("--dcp=") for a in getattr(args, "argv", []))
+    for flag, value, pick in (
+            ("--tp", args.tp, lambda s: s.tp == args.tp),
+            ("--dcp", args.dcp if dcp_given else None,
+             lambda s: s.dcp == args.dcp and args.tp in (None, s.tp))):
+        if value is not None and not any(pick(s) for s in on_device):
+            if flag == "--dcp" and args.tp is not None:
+                flag, value = "--tp", f"{args.tp} and --dcp {args.dcp}"
+            where = f" for {on_device[0].device}" if args.device and on_device else ""
+            return _fail(f"show: no section{where} has {flag} {value}; "
+                         f"{_what_exists(on_device if args.device else table.sections)}")
+    sections = [s for s in on_device
+                if (args.tp is None or s.tp == args.tp) and s.dcp == args.dcp
                 and (args.emulated or not s.emulated)]
     print("table: " + " < ".join(table.layers))
     if not sections:
@@ -292,14 +332,34 @@ def show(args):
         if prov:
             print(f"  measured {prov.get('date', '?')} on {prov.get('gpu', '?')}, "
                   f"commit {prov.get('commit', '?')}")
-        print(f"  {'rows':>9} {'ctas':>5} {'threads':>7} {'unroll':>6} {'enabled':>7} "
-              f"{'lamport µs':>10} {'stock µs':>9}")
+        # an emulated section: TP virtual ranks on one GPU, never served; its only
+        # stand-in for the all-gather was a local cat, so no stock figure and no flag
+        head = f"  {'rows':>9} {'ctas':>5} {'threads':>7} {'unroll':>6}"
+        print(head + (f" {'gather µs':>10}" if s.emulated
+                      else f" {'enabled':>7} {'lamport µs':>10} {'stock µs':>9}"))
         for key, plan, entry, note in _show_rows(s):
             lam = entry.get("lamport_us", "")
-            st = entry.get("stock_us", "")
-            print(f"  {key:>9} {plan.ctas:>5} {plan.threads:>7} {plan.unroll:>6} "
-                  f"{('yes' if plan.enabled else 'no'):>7} {lam!s:>10} {st!s:>9}{note}")
+            cells = f"  {key:>9} {plan.ctas:>5} {plan.threads:>7} {plan.unroll:>6}"
+            if s.emulated:
+                print(f"{cells} {lam!s:>10}{note}")
+            else:
+                print(f"{cells} {('yes' if plan.enabled else 'no'):>7} {lam!s:>10} "
+                      f"{entry.get('stock_us', '')!s:>9}{note}")
+        if not s.emulated:
+            print(f"  rows above {max(s.rows)}: the stock gather (past the largest measured row)"
+                  + (f"; rows below {min(s.rows)} too" if min(s.rows) > 1 else ""))
     return 0
+
+
+def _what_exists(sections):
+    """The sections there are, in one clause: 'sections: NVIDIA H200 tp=8 dcp=1 (emulated)'."""
+    from lamport_head.table import normalize
+
+    if not sections:
+        return "these tables have no sections"
+    names = sorted(sections, key=lambda s: (normalize(s.device), s.tp, s.dcp, s.emulated))
+    return "sections: " + ", ".join(f"{s.device} tp={s.tp} dcp={s.dcp}"
+                                    + (" (emulated)" if s.emulated else "") for s in names)
 
 
 def _show_rows(section):

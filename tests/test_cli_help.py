@@ -47,12 +47,98 @@ def test_device_matches_a_part_of_a_name_case_insensitively():
     assert code == 0 and "NVIDIA H200  tp=8 dcp=1" in out, err
 
 
-def test_an_unknown_device_lists_the_known_ones():
-    code, out, err = _run("show", "--device", "a100")
+@pytest.mark.parametrize("argv,message", [
+    (("--device", "a100"), "lamport-head: show: no GPU model in these tables matches --device "
+                           "'a100'; sections: NVIDIA H200 tp=8 dcp=1 (emulated)"),
+    (("--device", "nonsense", "--emulated"), "lamport-head: show: no GPU model in these tables "
+                                             "matches --device 'nonsense'; sections: NVIDIA H200 "
+                                             "tp=8 dcp=1 (emulated)"),
+    (("--tp", "3"), "lamport-head: show: no section has --tp 3; sections: NVIDIA H200 tp=8 dcp=1 "
+                    "(emulated)"),
+    (("--device", "h200", "--tp", "4", "--emulated"), "lamport-head: show: no section for NVIDIA "
+                                                      "H200 has --tp 4; sections: NVIDIA H200 tp=8 "
+                                                      "dcp=1 (emulated)"),
+    (("--tp", "8", "--dcp", "2"), "lamport-head: show: no section has --tp 8 and --dcp 2; "
+                                  "sections: NVIDIA H200 tp=8 dcp=1 (emulated)"),
+])
+def test_a_device_or_tp_that_matches_nothing_is_exit_2_listing_what_exists(argv, message):
+    code, out, err = _run("show", *argv)  # the packaged table: one emulated H200 TP-8 section
+    assert (code, out, err) == (2, "", message + "\n")
+
+
+def test_a_matching_device_without_serving_sections_says_stock():
+    """H200 TP 8 exists, emulated only: not an argument error, the answer is stock."""
+    code, out, err = _run("show", "--device", "h200", "--tp", "8")
     assert code == 0 and err == ""
-    assert "no serving entries for a100, tp=any, dcp=1: the stock gather is used" in out
+    assert "no serving entries for NVIDIA H200, tp=8, dcp=1: the stock gather is used" in out
     assert ("GPU models in these tables: NVIDIA H200 (--emulated also shows emulated sections)"
             in out)
+
+
+def test_an_emulated_section_shows_no_stock_speedup_or_enabled():
+    """One GPU's TP virtual ranks are never served, and a local cat is no all-gather."""
+    code, out, err = _run("show", "--device", "h200", "--emulated")
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(x for x in lines if x.split()[:1] == ["rows"])
+    assert header.split() == ["rows", "ctas", "threads", "unroll", "gather", "µs"]
+    row1 = next(x for x in lines if x.split()[:1] == ["1"])
+    assert row1.split() == ["1", "16", "256", "4", "6.97"]  # the packaged table's row 1
+    for word in ("stock", "speedup", "enabled", "yes", " no "):
+        assert word not in out.replace("(emulated: never served)", ""), word
+
+
+def test_a_served_section_shows_stock_and_what_serves_above_it(tmp_path):
+    table = tmp_path / "t.yaml"
+    table.write_text("schema: 1\ndevices:\n  NVIDIA H200:\n  - tp: 8\n    dcp: 1\n    rows:\n"
+                     "      2: {ctas: 8, enabled: true, lamport_us: 4.5, stock_us: 20.1}\n"
+                     "      16: {ctas: 32, enabled: false, lamport_us: 30.0, stock_us: 25.0}\n")
+    code, out, err = _run("show", "--table", str(table), "--device", "h200")
+    assert code == 0, err
+    lines = [x.split() for x in out.splitlines()]
+    assert ["rows", "ctas", "threads", "unroll", "enabled", "lamport", "µs", "stock", "µs"] in lines
+    assert ["2", "8", "256", "4", "yes", "4.5", "20.1"] in lines
+    assert ("  rows above 16: the stock gather (past the largest measured row); rows below 2 "
+            "too") in out.splitlines()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("tune", "--tp", "3"), "lamport-head: tune: vocab 163840 / tp 3 is not a multiple of 8"),
+    (("tune", "--threads", "100"), "lamport-head: tune: --threads 100 is not one of 64, 128, 256, "
+                                   "512, 1024"),
+    (("tune", "--unroll", "32"), "lamport-head: tune: --unroll 32 is not in 1-16"),
+    (("tune", "--auto", "--tp", "3"), "lamport-head: tune: vocab 163840 / tp 3 is not a "
+                                      "multiple of 8"),
+    (("verify", "--tp", "3"), "lamport-head: verify: vocab 163840 / tp 3 is not a multiple of 8"),
+    (("verify", "--vocab", "1000"), "lamport-head: verify: vocab 1000 / tp 8 is not a multiple "
+                                    "of 8"),
+])
+def test_gpu_commands_check_their_arguments_before_looking_for_a_gpu(argv, message):
+    """The argument's error on any machine (with or without CUDA), like bench's: never
+    'no CUDA GPU' for an argument that could not work anywhere."""
+    code, out, err = _run(*argv)
+    assert (code, out, err) == (2, "", message + "\n")
+
+
+def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("schema: 1\ndevices:\n  H200:\n    - tp: 8\n      rows: {1: [ctas: 8}\n")
+    code, out, err = _run("show", "--table", str(bad))
+    assert (code, out) == (2, "")
+    assert err == (f"lamport-head: {bad}:5:25: YAML syntax error: expected ',' or ']', but got "
+                   "'}' (while parsing a flow sequence at line 5)\n")
+
+
+@pytest.mark.parametrize("command", ["tune", "show", "verify", "bench"])
+def test_every_command_has_a_description_line(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    # usage (possibly wrapped), a blank line, then the description before the options
+    blank = lines.index("")
+    description = lines[blank + 1]
+    assert description and not description.startswith(("options:", "optional arguments:",
+                                                        "positional arguments:")), lines[:6]
 
 
 @pytest.mark.parametrize("argv,message", [
