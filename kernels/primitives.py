@@ -16,6 +16,10 @@ fragment is published or armed as a whole:
   fail-stop mark in every mailbox and the host-visible status record): details are
   stored, then ``fence.sc.sys``, then the flag, so a reader that sees the flag sees
   the details.
+- ``fence_acq_rel_sys``/``fence_acq_rel_gpu``: the acquire/release fences of the
+  protocol's other orderings (``steps``: which fence protects which invariant): the
+  re-arm before the same parity's next push, the last-CTA count, a mark before what
+  it announces.
 - ``copy_async``/``wait_async``/``load_shared``: the staged variant's fragments go
   from global memory into the thread's own shared-memory slots with ``cp.async.cg``
   (through L2), so a batch in flight
@@ -161,6 +165,21 @@ def atomic_max_word_sys(address, value, *, loc=None, ip=None):
 def fence_sys(*, loc=None, ip=None):
     """Orders this thread's earlier stores before its later ones at system scope."""
     _asm("fence.sc.sys;", "~{memory}", [], 0, True, loc, ip)
+
+
+@_op
+def fence_acq_rel_sys(*, loc=None, ip=None):
+    """``fence.acq_rel.sys``: a release for this thread's later strong stores (of what
+    it did or observed before) and an acquire for its earlier strong loads (of what
+    their writers released), towards every thread of the system (peer GPUs, host)."""
+    _asm("fence.acq_rel.sys;", "~{memory}", [], 0, True, loc, ip)
+
+
+@_op
+def fence_acq_rel_gpu(*, loc=None, ip=None):
+    """``fence.acq_rel.gpu``: the same towards the threads of this GPU only (the
+    launch's other CTAs: the last-CTA pattern of ``steps.advance``)."""
+    _asm("fence.acq_rel.gpu;", "~{memory}", [], 0, True, loc, ip)
 
 
 @_op

@@ -29,15 +29,36 @@ Invariants every step keeps:
 - ``record_and_stop`` (serving only): the record, a fence, the flag, a fence, an
   eighth of the budget, then ``trap``; only the launch's last CTA, after every CTA
   delivered and marked.
+
+The memory model's orderings, each by one fence (the PTX audit asserts each's place):
+
+- re-arm before the next push (``rearm_fence``, ``fence.acq_rel.sys`` right after
+  PDL's wait, in every thread, before its first push): a rank's
+  re-arms of parity p (call s, weak stores) happen before any peer's push into p in
+  call s + 2. The chain: call s ends (stream order; PDL's wait) -> this fence (a
+  release) -> the push of call s + 1 into a peer (relaxed, system scope) -> the
+  peer's poll reads it -> the peer's call s + 1 ends -> the peer's fence at the start
+  of its call s + 2 (the acquire, the same instruction) -> its push into p. Without
+  it only PDL's wait orders them, which the PTX model does not count across GPUs.
+- the last-CTA count (``advance``): ``bar.sync``, then thread 0's
+  ``fence.acq_rel.gpu`` (release: every thread of the CTA's marks, missing ranks,
+  slow word, and its epoch read, before the count), ``atom.add``, and in the CTA
+  that completes the count a second ``fence.acq_rel.gpu`` (acquire) before it reads
+  anything: the last CTA sees every other CTA's mark (a launch that gave up is never
+  taken for a clean one) and no CTA's epoch read can see the advanced epoch.
+- a mark before what it announces (``write_record``, ``fence.acq_rel.sys`` first):
+  the mark was read (by the caller) before the missing-rank words; the marking rank
+  stored those, ``fence.sc.sys``, then raised the mark (``mark_peers``).
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from .primitives import (armed, atomic_add_word, atomic_max_word_sys, copy_async, fence_sys, load,
-                         load_address, load_shared, load_volatile, load_word_volatile, opaque, scrub, store,
-                         store_sys, store_word, store_word_sys, trap, wait_async)
+from .primitives import (armed, atomic_add_word, atomic_max_word_sys, copy_async, fence_acq_rel_gpu,
+                         fence_acq_rel_sys, fence_sys, load, load_address, load_shared, load_volatile,
+                         load_word_volatile, opaque, scrub, store, store_sys, store_word, store_word_sys,
+                         trap, wait_async)
 from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, CONTROL_SLOW,
                        EPOCH_SPAN, MARK_TOP, NAN_PAIR, PEER_CONTROL, SENTINEL, STATUS_EPOCH, STATUS_FLAG,
                        STATUS_PEERS, STATUS_SLOW, STOP_SHIFT,
@@ -66,12 +87,23 @@ def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64
     the new value. With ``stop`` (serving), the last CTA of a launch that finds the
     mark set (it gave up, began marked, or a peer gave up meanwhile) stops the
     context instead (``record_and_stop``): every CTA has delivered by then, so every
-    thread's missing ranks are in the control block."""
+    thread's missing ranks are in the control block.
+
+    The textbook last-block pattern (invariant: whatever a CTA wrote or read before
+    its arrival happens before whatever the last CTA reads or writes after the
+    count): ``bar.sync`` gathers the CTA's threads' writes into thread 0's view (CTA
+    scope, cumulative), thread 0 releases them at GPU scope (``fence.acq_rel.gpu``)
+    before its ``atom.add``, and the CTA whose add completes the count acquires with
+    a second ``fence.acq_rel.gpu`` before its first read. Without the pair the model
+    lets the last CTA read "no mark" after another CTA of the launch gave up (a
+    serving step with NaN columns would finish normally), and lets an epoch read of
+    some CTA see the advanced epoch (load buffering)."""
     cute.arch.sync_threads()
     if tid == 0:
+        fence_acq_rel_gpu()  # release: this CTA's marks, missing ranks, slow word, epoch read
         if atomic_add_word(control + CONTROL_DONE * 4, 1) == Uint32(grid - 1):
+            fence_acq_rel_gpu()  # acquire: every other CTA's, before any read here
             if cutlass.const_expr(stop):
-                fence_sys()  # the other CTAs' marks and missing ranks before the read
                 if mark_of(control) != 0:
                     record_and_stop(status, control, budget, tp)
                 if load_word_volatile(control + CONTROL_SLOW * 4) != Uint32(0):
@@ -90,7 +122,8 @@ def raise_slow(status: Int64, own_control: Int64, epoch: Int32) -> Int32:
     thread's "raised" flag, so it writes once."""
     store_word(own_control + CONTROL_SLOW * 4, 1)
     store_word_sys(status + STATUS_SLOW * 4, epoch + 1)
-    fence_sys()  # both before this CTA's arrival at the launch's CTA count
+    # No fence: ``advance``'s release before the CTA count orders both before the last
+    # CTA's read and clear (a fence here would be one more place to stall).
     return Int32(1)
 
 
@@ -111,11 +144,25 @@ def record_and_stop(status: Int64, own_control: Int64, budget: Int64, tp: cutlas
 
 
 @cute.jit
+def rearm_fence():
+    """Every thread, right after PDL's wait (where it would be without PDL), before
+    anything else it does in the call: ``fence.acq_rel.sys``. Invariant: every rank's
+    re-arm of a parity happens before any peer's push into it two calls later (the
+    chain: module docstring). The previous call's re-arms and polls are this thread's
+    past through the stream order (PDL's wait); the fence releases them to this
+    call's pushes and acquires what those polls saw. Unconditional: skipping it in
+    threads with nothing to push cost TP 2 unroll 8 four registers (40 -> 44, a CTA
+    per SM fewer), the fence itself none."""
+    fence_acq_rel_sys()
+
+
+@cute.jit
 def push(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int32,
          first: Int32, stride: Int32, stop: Int32, tp: cutlass.Constexpr,
          frags: cutlass.Constexpr, width: cutlass.Constexpr, unroll: cutlass.Constexpr):
     """This rank's fragments (``first``, ``first + stride``, ...) to the output and,
-    unless ``stop``, into row m of every peer's box (``targets[1:]``)."""
+    unless ``stop``, into row m of every peer's box (``targets[1:]``); the kernel
+    fenced before (``rearm_fence``)."""
     pushes = rows * frags
     base = first
     while base < pushes:
@@ -355,15 +402,22 @@ def publish(status: Int64, own_control: Int64, epoch: Int32, tp: cutlass.Constex
         behind = (epoch - failed) & Int32(EPOCH_SPAN - 1)  # calls since the failed one
         if behind != 0:
             if behind < Int32(EPOCH_SPAN // 2):
-                fence_sys()  # read what the mark announces only after the mark
-                write_record(status, own_control, failed, tp)
+                write_record(status, own_control, failed, tp)  # fences after the mark's read
 
 
 @cute.jit
 def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.Constexpr):
     """The host-visible record of a give-up: the missing ranks (copied from the
     mark's control block) and the failed epoch, a system-scope fence, then the flag,
-    so a host that reads the flag reads the details."""
+    so a host that reads the flag reads the details.
+
+    Every caller read the mark first (``failed`` comes from it). Invariant: the
+    missing-rank words read here are at least those the mark announces: the marking
+    rank stored them, fenced (``fence.sc.sys``) and then raised the mark
+    (``mark_peers``), so this side's acquire, ``fence.acq_rel.sys`` between the
+    mark's read and theirs, is the first thing here (one place for both callers,
+    ``publish`` and ``record_and_stop``)."""
+    fence_acq_rel_sys()  # acquire: the mark read before, what it announces after
     for p in cutlass.range_constexpr(tp):
         if load_word_volatile(own_control + (CONTROL_MISSING + p) * 4) != Uint32(0):
             store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
@@ -372,5 +426,5 @@ def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.C
     store_word_sys(status + STATUS_FLAG * 4, 1)
 
 
-__all__ = ["push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
+__all__ = ["rearm_fence", "push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
            "publish", "raise_slow", "record_and_stop", "write_record", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]

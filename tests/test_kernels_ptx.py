@@ -4,6 +4,7 @@ system-scope stores and volatile polls, bounds its spin with the global timer, a
 never uses multicast; PDL exactly where the architecture has it."""
 
 import re
+import struct
 
 import pytest
 
@@ -171,3 +172,126 @@ def test_the_driver_launchers_slots_are_the_kernels_parameters():
     assert bytes(pdl)[:12] == (6).to_bytes(4, "little") + bytes(4) + (1).to_bytes(4, "little")
     assert (_Config.sharedMemBytes.offset, _Config.hStream.offset, _Config.attrs.offset,
             _Config.numAttrs.offset, ctypes.sizeof(_Config)) == (24, 32, 40, 48, 56)
+
+
+def _instructions(ptx):
+    """The PTX's instructions in order (labels kept as ``NAME:``), comments and
+    directives dropped: what the order assertions walk."""
+    out = []
+    for line in ptx.splitlines():
+        line = line.split("//", 1)[0].strip()
+        if not line or line.startswith((".", "{", "}")):
+            continue
+        out.append(line)
+    return out
+
+
+_MEMORY = re.compile(r"^(?:@!?%p\d+\s+)?(?:ld(?!\.param)|st|atom|red|fence|cp\.async|bar|trap)\b")
+
+
+def _memory_ops(ins):
+    """Indices and text of the memory instructions (and fences, barriers, trap); the
+    kernel's parameters (``ld.param``) are not memory the protocol orders."""
+    return [(i, t) for i, t in enumerate(ins) if _MEMORY.match(t)]
+
+
+def registers(cubin: bytes) -> int:
+    """Registers per thread of the cubin's one kernel: ``EIATTR_REGCOUNT`` (0x2f) of
+    its ``.nv.info`` section (what ``cuobjdump -res-usage`` prints as REG)."""
+    assert cubin[:4] == b"\x7fELF" and cubin[4] == 2  # ELF64
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
+    table = headers[names][4]
+    for header in headers:
+        start = table + header[0]
+        if cubin[start:cubin.index(b"\0", start)].startswith(b".nv.info"):
+            data, i = cubin[header[4]:header[4] + header[5]], 0
+            while i + 2 <= len(data):
+                form, attribute = data[i], data[i + 1]
+                if form == 4:  # EIFMT_SVAL: a 16-bit size, then the value
+                    (size,) = struct.unpack_from("<H", data, i + 2)
+                    if attribute == 0x2F:  # EIATTR_REGCOUNT: symbol, count
+                        return struct.unpack_from("<II", data, i + 4)[1]
+                    i += 4 + size
+                else:
+                    i += 2 if form == 1 else 4
+    raise AssertionError("no EIATTR_REGCOUNT in the cubin")
+
+
+_FENCE_VARIANTS = [(tp, unroll, stop, arch) for arch in ("sm_90a", "sm_80") for tp in (2, 8)
+                   for unroll in (4, 8) for stop in (False, True)]
+
+
+@pytest.mark.parametrize("tp,unroll,stop,arch", _FENCE_VARIANTS)
+def test_the_rearm_fence_comes_right_after_the_pdl_wait_before_any_push(tp, unroll, stop, arch):
+    """Issue 28 item 4, the re-arm: every thread's ``fence.acq_rel.sys`` after PDL's
+    wait (no branch between: every thread runs it) and before anything of the call's
+    protocol (the epoch and mark reads, the first push): a rank's re-arms of a parity
+    happen before a peer's push into it two calls later (``steps`` docstring). Without
+    PDL (sm_80) at the same place: the first fence, before every mailbox access."""
+    k = compile_gather(tp, 163840 // tp // 2, unroll=unroll, stop=stop, arch=arch)
+    ins = _instructions(k.ptx)
+    fence = ins.index("fence.acq_rel.sys;")
+    if has_pdl(arch):
+        wait = ins.index("griddepcontrol.wait;")
+        between = ins[wait + 1:fence]
+        assert between and all(not t.endswith(":") and "bra" not in t for t in between), between
+        assert all(t.startswith(("griddepcontrol.launch_dependents", "mov", "add", "cvt", "mul",
+                                 "shl", "and", "ld.global.b64")) for t in between), between
+    first_push = next(i for i, t in enumerate(ins) if t.startswith("st.relaxed.sys.global.v4"))
+    before = [t for _, t in _memory_ops(ins[:fence])]
+    assert all(t.startswith("ld.global.b64") for t in before), before  # the peer table only
+    assert fence < first_push
+    assert not any(t.startswith(("ld.volatile", "st.", "atom")) for t in ins[:fence])
+
+
+@pytest.mark.parametrize("tp,unroll,stop,arch", _FENCE_VARIANTS)
+def test_the_last_cta_count_is_released_and_acquired(tp, unroll, stop, arch):
+    """Issue 28 item 4, the last-CTA pattern: ``bar.sync``, ``fence.acq_rel.gpu``, the
+    done counter's ``atom.add`` (nothing of memory between them), and in the CTA that
+    completes the count a second ``fence.acq_rel.gpu`` before its first read or write
+    (the mark, the slow word, the counter's reset, the epoch's advance)."""
+    k = compile_gather(tp, 163840 // tp // 2, unroll=unroll, stop=stop, arch=arch)
+    ops = _memory_ops(_instructions(k.ptx))
+    adds = [n for n, (_, t) in enumerate(ops) if t.startswith("atom.global.add.u32")]
+    assert len(adds) == 1
+    n = adds[0]
+    assert ops[n - 1][1] == "fence.acq_rel.gpu;" and ops[n - 2][1].startswith("bar.sync")
+    assert ops[n + 1][1] == "fence.acq_rel.gpu;"  # the last CTA's acquire, first of all
+    assert [t for _, t in ops].count("fence.acq_rel.gpu;") == 2
+
+
+@pytest.mark.parametrize("tp,unroll,stop,arch", _FENCE_VARIANTS)
+def test_the_record_reads_the_missing_ranks_only_after_an_acquire(tp, unroll, stop, arch):
+    """Issue 28 item 4, ``write_record``: the status record (missing ranks, epoch,
+    ``fence.sc.sys``, flag) reads the tp missing-rank words of the control block only
+    after a ``fence.acq_rel.sys`` that follows the mark's read: the record is in every
+    variant once (recoverable: ``publish``; serving: ``record_and_stop``)."""
+    k = compile_gather(tp, 163840 // tp // 2, unroll=unroll, stop=stop, arch=arch)
+    ops = [t for _, t in _memory_ops(_instructions(k.ptx))]
+    flags = [n for n in range(1, len(ops) - 1) if ops[n] == "fence.sc.sys;"
+             and ops[n + 1].startswith("st.relaxed.sys.global.u32")
+             and ops[n - 1].startswith("st.relaxed.sys.global.u32")]
+    assert len(flags) == 1  # the record's fence before its flag, once
+    start = max(n for n in range(flags[0]) if ops[n].startswith("fence"))
+    assert ops[start] == "fence.acq_rel.sys;"
+    record = ops[start + 1:flags[0]]
+    assert sum(t.startswith("ld.volatile.global.u32") for t in record) == tp
+    assert all(t.startswith(("ld.volatile.global.u32", "st.relaxed.sys.global.u32"))
+               for t in record), record
+    assert ops[start - 1].startswith("ld.volatile.global.u32")  # the mark, read before
+
+
+# Registers per thread (sm_90a, 256 threads): the audit's ceiling, so a change that
+# costs a CTA per SM fails here (64 registers x 256 threads: 4 CTAs per SM; 72: 3).
+# Measured on 0a45b23: TP 8 unroll 4: 64 (recoverable), 66 (serving); unroll 8
+# (staged): 58, 58; TP 2 unroll 4: 54, 56; unroll 8: 40, 46.
+REGISTER_CEILING = {(8, 4, False): 64, (8, 4, True): 66, (8, 8, False): 58, (8, 8, True): 58,
+                    (2, 4, False): 54, (2, 4, True): 56, (2, 8, False): 40, (2, 8, True): 46}
+
+
+@pytest.mark.parametrize("tp,unroll,stop", sorted(REGISTER_CEILING))
+def test_registers_stay_within_the_ceiling(tp, unroll, stop):
+    k = compile_gather(tp, 163840 // tp // 2, unroll=unroll, stop=stop, arch="sm_90a")
+    assert registers(k.cubin) <= REGISTER_CEILING[tp, unroll, stop]
