@@ -174,3 +174,68 @@ def test_one_version_from_package_metadata():
     run = subprocess.run([sys.executable, "-m", "lamport_head.cli", "--version"],
                          capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip() == f"lamport-head {version}"
+
+
+# ---- tune's output for an emulated run: no stock, speedup or enabled figure --------
+
+def _results():
+    import math
+
+    from lamport_head.config import GatherConfig
+    from lamport_head.table import RowPlan
+    from lamport_head.tuning.sweep import RowResult
+
+    return [RowResult(1, RowPlan(GatherConfig(16, 256, 4), False), 6.97, 2.15, 6.97, math.nan),
+            RowResult(8, RowPlan(GatherConfig(48, 128, 2), True), 25.52, 30.0, 25.52, math.nan)]
+
+
+def _plot_texts(monkeypatch, records, emulated, tmp_path):
+    """Every text the tune plot draws (title, axis labels, legends, ticks), lowercased."""
+    import matplotlib.pyplot as plt
+
+    from lamport_head.tuning import plot
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig) or close(fig))
+    path = tmp_path / "tune.png"
+    plot.plot_rows(records, str(path), "NVIDIA H200 tp=8" + (" (emulated)" if emulated else ""),
+                   emulated=emulated)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    (fig,) = figures
+    texts = [fig._suptitle.get_text()]
+    for ax in fig.axes:
+        texts += [ax.get_xlabel(), ax.get_ylabel(), ax.get_title()]
+        legend = ax.get_legend()
+        texts += [t.get_text() for t in legend.get_texts()] if legend else []
+    return " | ".join(texts).lower()
+
+
+def test_tune_emulated_summary_table_and_plot_have_no_stock_or_speedup(monkeypatch, tmp_path):
+    from lamport_head.tuning import tune
+
+    results = _results()
+    printed = tune.summary(results, emulated=True).lower()
+    assert printed.splitlines()[0].split() == ["rows", "ctas", "thr", "unr", "gather", "µs"]
+    assert printed.splitlines()[1].split() == ["1", "16", "256", "4", "6.97"]
+    for word in ("stock", "speedup", "enabled", "cat"):
+        assert word not in printed, word
+    rows = tune.section_rows(results, emulated=True)
+    assert rows[1] == {"ctas": 16, "enabled": False, "threads": 256, "unroll": 4,
+                       "lamport_us": 6.97}  # every knob of the plan, no stock_us
+    assert rows[8]["enabled"] is False and "stock_us" not in rows[8]  # never served
+    texts = _plot_texts(monkeypatch, tune.plot_records(results, True), True, tmp_path)
+    assert "gather" in texts and "(emulated)" in texts
+    assert "stock" not in texts and "speedup" not in texts, texts
+
+
+def test_tune_on_real_ranks_keeps_stock_speedup_and_enabled(monkeypatch, tmp_path):
+    from lamport_head.tuning import tune
+
+    results = _results()
+    printed = tune.summary(results, emulated=False)
+    assert printed.splitlines()[0].split()[4:] == ["lamport", "µs", "stock", "µs", "speedup",
+                                                   "enabled"]
+    rows = tune.section_rows(results, emulated=False)
+    assert rows[8]["stock_us"] == 30.0 and rows[8]["enabled"] is True
+    texts = _plot_texts(monkeypatch, tune.plot_records(results, False), False, tmp_path)
+    assert "speedup over stock" in texts and "stock (eager)" in texts

@@ -1,6 +1,7 @@
-"""PNG plots: tune's latency and speedup against rows (``plot_rows``); bench's GPU
-time against the HBM floor and the lm_head, and its ratios to the targets
-(``plot_bench``). Every plot's title is the caller's (bench's names the mode)."""
+"""PNG plots: tune's latency (and, on real ranks, its speedup over stock) against rows
+(``plot_rows``); bench's GPU time against the HBM floor and the lm_head, and its ratios
+to the targets (``plot_bench``). Every plot's title is the caller's (bench's names the
+mode)."""
 
 import math
 
@@ -77,11 +78,26 @@ def plot_bench(records, path, title):
     return drawn
 
 
-def plot_rows(records, path, title):
-    """``records``: dicts with rows, lamport_us, stock_us (and optionally *_gpu_us)."""
+def plot_rows(records, path, title, emulated=False):
+    """``records``: dicts with rows, lamport_us, stock_us (and optionally *_gpu_us).
+    Real ranks: latency of both, and the speedup over stock. ``emulated``: one panel, the
+    gather's latency alone (a one-GPU cat is no all-gather: no stock line, no speedup)."""
     plt = _pyplot()
     records = sorted(records, key=lambda r: r["rows"])
     rows = [r["rows"] for r in records]
+    if emulated:
+        fig, lat = plt.subplots(1, 1, figsize=(6.5, 4.2))
+        series = [("lamport_us", "gather", "o-")]
+        if any(r.get("lamport_gpu_us") != r["lamport_us"] for r in records):
+            series.append(("lamport_gpu_us", "gather, GPU time", "o--"))
+        _lines(lat, rows, records, series)
+        lat.set_yscale("log")
+        _rows_axis(lat, "µs per step")
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
     fig, (lat, spd) = plt.subplots(1, 2, figsize=(11, 4.2))
     _lines(lat, rows, records, (("lamport_us", "Lamport (eager)", "o-"),
                                 ("stock_us", "stock (eager)", "s-"),

@@ -1,7 +1,8 @@
 """``lamport-head tune``: sweep each row count, print a summary, merge the table.
 
 One GPU with ``--emulate``: TP virtual ranks (entries written ``emulated: true``,
-never served). Under torchrun: one rank per GPU, NCCL for the stock path, the
+never served, with the gather's time only: no stock figure, as in the printed table
+and the plot). Under torchrun: one rank per GPU, NCCL for the stock path, the
 mailbox on symmetric memory; rank 0 owns the studies and writes the table: the
 user's table by default (``lamport_head.table.user_path``, a serving layer above the
 packaged one), its Optuna studies beside it.
@@ -45,16 +46,43 @@ class Progress:
 
 
 def summary(results, emulated):
+    """The table tune prints. Emulated (TP virtual ranks on one GPU, or processes sharing
+    one): the gather's time alone; its only stand-in for the all-gather is a local cat
+    or a time-sliced one, no all-gather, so no stock, speedup or enabled column."""
+    if emulated:
+        lines = [f"{'rows':>5} {'ctas':>5} {'thr':>5} {'unr':>4} {'gather µs':>10}"]
+        for r in sorted(results, key=lambda r: r.rows):
+            lines.append(f"{r.rows:>5} {r.plan.ctas:>5} {r.plan.threads:>5} {r.plan.unroll:>4} "
+                         f"{r.lamport_us:>10.2f}")
+        lines.append("emulated: one GPU standing in for the TP ranks, no all-gather to compare "
+                     "with. Written with emulated: true, never used for serving.")
+        return "\n".join(lines)
     lines = [f"{'rows':>5} {'ctas':>5} {'thr':>5} {'unr':>4} {'lamport µs':>11} {'stock µs':>9} "
              f"{'speedup':>8} {'enabled':>8}"]
     for r in sorted(results, key=lambda r: r.rows):
         lines.append(f"{r.rows:>5} {r.plan.ctas:>5} {r.plan.threads:>5} {r.plan.unroll:>4} "
                      f"{r.lamport_us:>11.2f} {r.stock_us:>9.2f} {r.speedup:>7.2f}x "
                      f"{str(r.plan.enabled).lower():>8}")
-    if emulated:
-        lines.append("emulated: TP virtual ranks on one GPU; stock = a cat of the shards. "
-                     "Written with emulated: true, never used for serving.")
     return "\n".join(lines)
+
+
+def section_rows(results, emulated):
+    """The rows tune writes: ``writer.measured_rows``; for an emulated section without
+    the stand-in's figure (``stock_us``) and with every row disabled (never served:
+    ``enabled`` there would only say whether the gather beat a local cat)."""
+    rows = measured_rows(results)
+    if emulated:
+        for entry in rows.values():
+            entry.pop("stock_us", None)
+            entry["enabled"] = False
+    return rows
+
+
+def plot_records(results, emulated):
+    """What ``plot.plot_rows`` draws: each finished row's figures, stock's only on real
+    ranks."""
+    keep = ("rows", "lamport_us", "lamport_gpu_us") + (() if emulated else ("stock_us", "stock_gpu_us"))
+    return [{k: getattr(r, k) for k in keep} for r in results if math.isfinite(r.lamport_us)]
 
 
 def run(args):
@@ -89,15 +117,13 @@ def run(args):
     command = "lamport-head " + shlex.join(getattr(args, "argv", sys.argv[1:]))
     if world > 1:
         command = f"torchrun --nproc-per-node {world} " + command
-    path = merge_section(out, name, args.tp, args.dcp, measured_rows(results),
+    path = merge_section(out, name, args.tp, args.dcp, section_rows(results, emulated),
                          provenance(device, command), emulated=emulated)
     print(f"wrote {path} ({name}, tp={args.tp}, dcp={args.dcp}{', emulated' if emulated else ''})")
     if args.plot:
         from .plot import plot_rows
 
-        records = [dict(rows=r.rows, lamport_us=r.lamport_us, stock_us=r.stock_us,
-                        lamport_gpu_us=r.lamport_gpu_us, stock_gpu_us=r.stock_gpu_us)
-                   for r in results if math.isfinite(r.lamport_us)]
-        plot_rows(records, args.plot, f"{name} tp={args.tp}" + (" (emulated)" if emulated else ""))
+        plot_rows(plot_records(results, emulated), args.plot,
+                  f"{name} tp={args.tp}" + (" (emulated)" if emulated else ""), emulated=emulated)
         print(f"plot: {args.plot}")
     return 0
