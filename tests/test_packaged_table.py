@@ -14,3 +14,12 @@ def test_one_entry_per_measured_row_count():
         latencies = [s.raw["rows"][k]["lamport_us"] for k in keys]
         assert len(set(latencies)) == len(latencies)  # each row its own measurement
         assert s.emulated and not any(p.enabled for p in s.rows.values())
+
+
+def test_emulated_sections_carry_no_stock_figure():
+    """One GPU standing in for the TP ranks has no all-gather to compare with (its only
+    stand-in was a local cat): an emulated section's rows hold the gather's time only."""
+    for s in load_table(packaged_path()).sections:
+        if s.emulated:
+            for key, entry in s.raw["rows"].items():
+                assert "stock_us" not in entry and entry["enabled"] is False, (key, entry)
