@@ -22,7 +22,9 @@ One launch per call. ``Gather.kernel`` is the protocol, step by step
    before any late push of a void call could land in this box, so what the box
    holds now may be such a push (NaN instead, until ``reset`` re-arms);
    Serving only: a thread still waiting at half the budget raises the slow
-   heartbeat (``raise_slow``; ``protocol``), once;
+   heartbeat (``raise_slow``; ``protocol``), once; so does one past half the budget
+   before a push batch, before its CTA's count, before the give-up's stores
+   (``steps.heartbeat``; every place: ``protocol``);
 4. on its own time-out, ``mark_peers``: the missing ranks and the mark in every
    rank's control block; on any give-up, ``publish`` the host flag when the failed
    call was an earlier one (the protocol's "flag waits one call"; recoverable only);
@@ -118,7 +120,7 @@ class Gather:
             if slow == 0:
                 if waited > (budget >> 1):
                     slow = raise_slow(status, own_control, epoch)
-        cause = Int32(0)
+        cause = Int32(0)  # CAUSE_TIMEOUT implies the heartbeat is up: wait > budget / 2
         if waited > wait:
             cause = Int32(CAUSE_TIMEOUT)
         elif mark_of(own_control) != 0:
@@ -192,17 +194,19 @@ class Gather:
         stopped = Int32(mark_of(own_control) != 0)  # a call before this one failed
         cause = CAUSE_MARK * stopped
 
+        slow = Int32(0)  # serving: this thread raised STATUS_SLOW
+        watch = (start, budget, slow, status, own_control, epoch)  # serving's heartbeat
         if cutlass.const_expr(self.staged):
-            push_staged(shard, out, targets, Int64(rank * self.shard_words), rows, me, stride,
-                        cause, stage, tid, self.threads, tp, frags, width, unroll)
+            slow = push_staged(shard, out, targets, Int64(rank * self.shard_words), rows, me,
+                               stride, cause, watch, stage, tid, self.threads, tp, frags, width,
+                               unroll, self.stop)
         else:
-            push(shard, out, targets, Int64(rank * self.shard_words), rows,
-                 me, stride, cause, tp, frags, width, unroll)
+            slow = push(shard, out, targets, Int64(rank * self.shard_words), rows,
+                        me, stride, cause, watch, tp, frags, width, unroll, self.stop)
         self.stamp(stamps, 2)
 
         polls = rows * (tp - 1) * frags
         missing = Int32(0)
-        slow = Int32(0)  # serving: this thread raised STATUS_SLOW
         base = me
         while base < polls:
             if cutlass.const_expr(self.staged):
@@ -236,10 +240,10 @@ class Gather:
             base = base + stride * unroll
         self.stamp(stamps, 3)
         if cause == CAUSE_TIMEOUT:
-            mark_peers(peers, missing, epoch, tp)
+            mark_peers(peers, missing, epoch, status, tp, self.stop)
         if cutlass.const_expr(not self.stop):
             if cause != 0:
                 publish(status, own_control, epoch, tp)
-        advance(own_control, epoch, grid, tid, status, budget, tp, self.stop)
+        advance(own_control, epoch, grid, tid, status, budget, start, slow, tp, self.stop)
         self.stamp(stamps, 4)
         self.write_stamps(status, stamps, epoch, cta, grid, tid)

@@ -64,13 +64,28 @@ without a device sync): ``STATUS_EPOCH`` is the call ``s`` that failed and
 control block), then a system-scope fence, then ``STATUS_FLAG``. Every writer of a
 word writes the same value, so no update can be lost.
 
-Serving's heartbeat of a slow launch: a thread of the stop variant still waiting at
-half the budget writes ``STATUS_SLOW`` = its epoch + 1 (host memory) and
-``CONTROL_SLOW`` = 1 (its own control block), once per thread; healthy launches write
-neither. The launch's last CTA clears both when the launch finishes without a give-up
-(the wait ended in time); a give-up leaves them and raises the flag. So a host that
-sees ``STATUS_SLOW`` stay up, with no flag, past the moment the trap was due knows
-the launch is stuck before its record (a store into a peer whose context died, say).
+Serving's heartbeat of a slow launch: a thread of the stop variant past half the
+budget writes ``STATUS_SLOW`` = its epoch + 1 (host memory) and ``CONTROL_SLOW`` = 1
+(its own control block), once per thread; healthy launches write neither. The
+launch's last CTA clears both when the launch finishes without a give-up (the wait
+ended in time); a give-up leaves them and raises the flag. So a host that sees
+``STATUS_SLOW`` stay up, with no flag, past the moment the trap was due knows the
+launch is stuck before its record (a store into a peer whose context died, say).
+
+Where a thread checks (``steps.heartbeat``; the PTX audit asserts each place): after
+each poll that left fragments dirty; before each push batch after the first (a
+batch's system-scope stores can stall); in thread 0 of every CTA before the release
+fence of the CTA count (a fence waits for the CTA's stores); the give-up's marks come
+only after a wait past three quarters of the budget (raised by then) and write the
+missing ranks into ``STATUS_PEERS`` (no flag) before any store into a peer; the last
+CTA's give-up raises the heartbeat, whatever the time, before the record's fences.
+What no check can see: a thread stuck in one store or fence that it began before half
+the budget, while every other thread of the launch is stuck too or waits at a
+barrier (``bar.sync`` cannot be left on a clock). A watcher that only polls the clock
+would share the SM's memory pipeline with the stuck stores (its own store to host
+memory could wait behind them) and would cost every launch the poll of a progress
+word at its end; that case is the host's to see (a launch not complete past the
+budget and the grace, with neither heartbeat nor flag), not the kernel's.
 """
 
 SENTINEL = 0x80000000  # the BF16 pair (+0, -0): "not yet published"

@@ -81,7 +81,8 @@ def epoch_of(control: Int64) -> Int32:
 
 @cute.jit
 def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64,
-            budget: Int64, tp: cutlass.Constexpr, stop: cutlass.Constexpr):
+            budget: Int64, start: Int64, slow: Int32, tp: cutlass.Constexpr,
+            stop: cutlass.Constexpr):
     """The last CTA to finish moves the epoch on (modulo ``EPOCH_SPAN``). Every thread
     read ``epoch`` before its CTA reached the barrier, so no CTA of this launch can see
     the new value. With ``stop`` (serving), the last CTA of a launch that finds the
@@ -97,21 +98,40 @@ def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64
     a second ``fence.acq_rel.gpu`` before its first read. Without the pair the model
     lets the last CTA read "no mark" after another CTA of the launch gave up (a
     serving step with NaN columns would finish normally), and lets an epoch read of
-    some CTA see the advanced epoch (load buffering)."""
+    some CTA see the advanced epoch (load buffering).
+
+    Serving: thread 0 raises the slow heartbeat (``heartbeat``) before the release
+    fence when the launch is already past half the budget (the fence waits for the
+    CTA's stores, a push into a dead peer's memory among them)."""
     cute.arch.sync_threads()
     if tid == 0:
+        if cutlass.const_expr(stop):
+            heartbeat(start, budget, slow, status, control, epoch)  # before the fence
         fence_acq_rel_gpu()  # release: this CTA's marks, missing ranks, slow word, epoch read
         if atomic_add_word(control + CONTROL_DONE * 4, 1) == Uint32(grid - 1):
             fence_acq_rel_gpu()  # acquire: every other CTA's, before any read here
             if cutlass.const_expr(stop):
                 if mark_of(control) != 0:
-                    record_and_stop(status, control, budget, tp)
+                    record_and_stop(status, control, budget, epoch, tp)
                 if load_word_volatile(control + CONTROL_SLOW * 4) != Uint32(0):
                     # slow but finished in time: the host's heartbeat goes down
                     store_word_sys(status + STATUS_SLOW * 4, 0)
                     store_word(control + CONTROL_SLOW * 4, 0)
             store_word(control + CONTROL_DONE * 4, 0)
             store_word(control + CONTROL_EPOCH * 4, (epoch + 1) & Int32(EPOCH_SPAN - 1))
+
+
+@cute.jit
+def heartbeat(start: Int64, budget: Int64, slow: Int32, status: Int64, own_control: Int64,
+              epoch: Int32) -> Int32:
+    """Serving: ``raise_slow`` once this thread is past half the budget (``start``: the
+    launch's clock, taken after PDL's wait), unless it already did (``slow``); the
+    new ``slow``. Called before each step that can stall (a push batch, the give-up's
+    stores, the last-CTA fences) and after each poll that left fragments dirty."""
+    if slow == 0:
+        if cute.arch.globaltimer() - start > (budget >> 1):
+            slow = raise_slow(status, own_control, epoch)
+    return slow
 
 
 @cute.jit
@@ -128,13 +148,21 @@ def raise_slow(status: Int64, own_control: Int64, epoch: Int32) -> Int32:
 
 
 @cute.jit
-def record_and_stop(status: Int64, own_control: Int64, budget: Int64, tp: cutlass.Constexpr):
+def record_and_stop(status: Int64, own_control: Int64, budget: Int64, epoch: Int32,
+                    tp: cutlass.Constexpr):
     """Serving's give-up: the failed epoch and the missing ranks (from the mark's
     control block) into the status record, a fence, the flag, then ``trap``
     ``budget >> STOP_SHIFT`` later: peers giving up at the same moment finish marking
     this rank's mailbox before its context dies. The record is out before the
     context dies, so the host can name the ranks (and its watcher knows when the
-    trap is due)."""
+    trap is due).
+
+    First, whatever the time, the slow heartbeat of this call (``STATUS_SLOW`` =
+    ``epoch`` + 1; no fence): the record's fences can stall (a peer's memory that no
+    longer answers), and then the heartbeat, with no flag, is what the host's
+    watchdog sees; when they do not, the flag follows and wins (the host reads it
+    first)."""
+    store_word_sys(status + STATUS_SLOW * 4, epoch + 1)
     write_record(status, own_control, Int32(MARK_TOP) - mark_of(own_control), tp)
     fence_sys()
     due = cute.arch.globaltimer() + (budget >> STOP_SHIFT)
@@ -158,14 +186,20 @@ def rearm_fence():
 
 @cute.jit
 def push(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int32,
-         first: Int32, stride: Int32, stop: Int32, tp: cutlass.Constexpr,
-         frags: cutlass.Constexpr, width: cutlass.Constexpr, unroll: cutlass.Constexpr):
+         first: Int32, stride: Int32, stop: Int32, watch, tp: cutlass.Constexpr,
+         frags: cutlass.Constexpr, width: cutlass.Constexpr, unroll: cutlass.Constexpr,
+         serving: cutlass.Constexpr) -> Int32:
     """This rank's fragments (``first``, ``first + stride``, ...) to the output and,
     unless ``stop``, into row m of every peer's box (``targets[1:]``); the kernel
-    fenced before (``rearm_fence``)."""
+    fenced before (``rearm_fence``). ``serving``: before each batch after the first,
+    ``heartbeat`` (``watch``: its arguments but the flag); returns the flag."""
     pushes = rows * frags
     base = first
+    slow = watch[2]
     while base < pushes:
+        if cutlass.const_expr(serving):
+            if base != first:  # before this batch's stores: a store can stall
+                slow = heartbeat(watch[0], watch[1], slow, watch[3], watch[4], watch[5])
         held = cute.make_rmem_tensor((unroll, WORDS), Uint32)
         for i in cutlass.range_constexpr(unroll):  # every load before any store
             f = base + i * stride
@@ -180,6 +214,7 @@ def push(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int3
                 push_fragment(tuple(held[i, k] for k in range(WORDS)), offset, dst, targets,
                               stop, tp)
         base = base + stride * unroll
+    return slow
 
 
 @cute.jit
@@ -284,13 +319,18 @@ def slot(stage: Int32, i: cutlass.Constexpr, tid: Int32, threads: cutlass.Conste
 
 @cute.jit
 def push_staged(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int32,
-                first: Int32, stride: Int32, stop: Int32, stage: Int32, tid: Int32,
+                first: Int32, stride: Int32, stop: Int32, watch, stage: Int32, tid: Int32,
                 threads: cutlass.Constexpr, tp: cutlass.Constexpr, frags: cutlass.Constexpr,
-                width: cutlass.Constexpr, unroll: cutlass.Constexpr):
+                width: cutlass.Constexpr, unroll: cutlass.Constexpr,
+                serving: cutlass.Constexpr) -> Int32:
     """``push``, the batch's shard fragments staged through shared memory."""
     pushes = rows * frags
     base = first
+    slow = watch[2]
     while base < pushes:
+        if cutlass.const_expr(serving):
+            if base != first:  # before this batch's stores: a store can stall
+                slow = heartbeat(watch[0], watch[1], slow, watch[3], watch[4], watch[5])
         for i in cutlass.range_constexpr(unroll):  # every copy before any store
             f = base + i * stride
             if f < pushes:
@@ -304,6 +344,7 @@ def push_staged(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, row
                 push_fragment(load_shared(slot(stage, i, tid, threads)), offset, dst, targets,
                               stop, tp)
         base = base + stride * unroll
+    return slow
 
 
 @cute.jit
@@ -375,11 +416,22 @@ def give_up_staged(dst: Int64, pending: Int32, missing: Int32, base: Int32, stri
 
 
 @cute.jit
-def mark_peers(peers: Int64, missing: Int32, epoch: Int32, tp: cutlass.Constexpr):
+def mark_peers(peers: Int64, missing: Int32, epoch: Int32, status: Int64,
+               tp: cutlass.Constexpr, serving: cutlass.Constexpr):
     """After this rank's own wait ran out in call ``epoch``: name the ``missing``
     ranks in every rank's control block, fence, then raise every rank's mark. The
     control blocks' addresses are read from the peer table here, on this rare path,
-    not held in registers through the poll loop (they cost a CTA per SM at TP 8)."""
+    not held in registers through the poll loop (they cost a CTA per SM at TP 8).
+
+    Serving: first the same ranks into this rank's host record (``STATUS_PEERS``,
+    no flag, no fence: every writer writes 1, as the record does), so a launch that
+    stalls in the stores below (into a peer whose memory no longer answers) has told
+    the host which ranks it found missing. The thread raised the heartbeat already:
+    its wait ran past three quarters of the budget (``Gather.still_waiting``)."""
+    if cutlass.const_expr(serving):
+        for p in cutlass.range_constexpr(tp):
+            if (missing >> p) & 1:
+                store_word_sys(status + (STATUS_PEERS + p) * 4, 1)
     for q in cutlass.range_constexpr(tp):
         control = load_address(peers + Int64(PEER_CONTROL * tp + q) * 8)
         for p in cutlass.range_constexpr(tp):
@@ -426,5 +478,5 @@ def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.C
     store_word_sys(status + STATUS_FLAG * 4, 1)
 
 
-__all__ = ["rearm_fence", "push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
+__all__ = ["heartbeat", "rearm_fence", "push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
            "publish", "raise_slow", "record_and_stop", "write_record", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]
