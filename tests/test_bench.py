@@ -249,3 +249,43 @@ def test_bench_refuses_bad_arguments_on_any_machine(argv, message):
                        check=False, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith(message), p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def _docs_csv(name):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return _csv(root / "docs" / name), " ".join((root / "README.md").read_text().split())
+
+
+@pytest.mark.parametrize("name", ["bench-emulated-tp8.csv", "bench-emulated-tp2.csv"])
+def test_docs_bench_csvs_hold_no_negative_time(name):
+    rows, _ = _docs_csv(name)
+    for r in rows:
+        for key, value in r.items():
+            if key.endswith("_us"):
+                assert not float(value) < 0, (name, r["rows"], key, value)
+
+
+def test_readme_states_the_figures_of_the_plotted_bench_runs():
+    """'Where it stands' reads its figures from the CSVs the plots draw, naming the plan."""
+    tp8, readme = _docs_csv("bench-emulated-tp8.csv")
+    tp2, _ = _docs_csv("bench-emulated-tp2.csv")
+    m1 = tp8[0]
+    assert m1["plan"] == "table"
+    assert ("emulated TP 8 on the packaged table's plan" in readme
+            and f"{float(m1['gpu_us']):.2f} µs per step at M = 1 (the default plan, timed in the "
+                f"same run: {float(m1['default_gpu_us']):.2f})" in readme)
+    ratios = [float(r["floor_ratio"]) for r in tp8 if int(r["rows"]) >= 4]
+    assert f"{min(ratios):.2f}-{max(ratios):.2f}x the floor from M = 4" in readme
+    assert {r["plan"] for r in tp2} == {"default"}
+    ratios = [float(r["floor_ratio"]) for r in tp2 if int(r["rows"]) >= 16]
+    assert (f"TP 2 on the default plan (no table section; staged at M = 64): "
+            f"{float(tp2[0]['gpu_us']):.2f} µs at M = 1, {min(ratios):.2f}-{max(ratios):.2f}x the "
+            f"floor from M = 16 ({float(tp2[3]['floor_ratio']):.2f}x at M = 8)") in readme
+    host = [float(r["host_us"]) for r in tp8 + tp2]
+    vs_add = [float(r["host_vs_add"]) for r in tp8 + tp2]
+    captured = max(float(r["captured_host_us"]) for r in tp8 + tp2)
+    assert f"host {min(host):.1f}-{max(host):.1f} µs per eager call" in readme
+    assert f"{min(vs_add):.2f}-{max(vs_add):.2f}x `torch.add_`" in readme
+    assert f"at most {captured:.2f} µs per captured gather" in readme
