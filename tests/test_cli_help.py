@@ -84,8 +84,11 @@ def test_an_emulated_section_shows_no_stock_speedup_or_enabled():
     assert header.split() == ["rows", "ctas", "threads", "unroll", "gather", "µs"]
     row1 = next(x for x in lines if x.split()[:1] == ["1"])
     assert row1.split() == ["1", "16", "256", "4", "6.97"]  # the packaged table's row 1
+    from lamport_head.table import packaged_path
+
+    text = out.replace(str(packaged_path()), "<table>")  # a clone's path may hold any word
     for word in ("stock", "speedup", "enabled", "yes", " no "):
-        assert word not in out.replace("(emulated: never served)", ""), word
+        assert word not in text.replace("(emulated: never served)", ""), word
 
 
 def test_a_served_section_shows_stock_and_what_serves_above_it(tmp_path):
