@@ -54,9 +54,9 @@ def summary(results, emulated):
         for r in sorted(results, key=lambda r: r.rows):
             lines.append(f"{r.rows:>5} {r.plan.ctas:>5} {r.plan.threads:>5} {r.plan.unroll:>4} "
                          f"{r.lamport_us:>10.2f}")
-        lines.append("emulated: TP virtual ranks on one GPU (or processes sharing one): no "
-                     "all-gather to compare with, so no stock figure. Written with emulated: "
-                     "true, never used for serving.")
+        lines.append("emulated: TP virtual ranks on one GPU (or processes sharing one), no "
+                     "all-gather to compare with. Written with emulated: true, never used for "
+                     "serving.")
         return "\n".join(lines)
     lines = [f"{'rows':>5} {'ctas':>5} {'thr':>5} {'unr':>4} {'lamport µs':>11} {'stock µs':>9} "
              f"{'speedup':>8} {'enabled':>8}"]
