@@ -19,11 +19,27 @@ def device_arch(device) -> str:
     return target(*torch.cuda.get_device_capability(device))
 
 
+class Resident(int):
+    """CTAs of a kernel the whole device holds (the int: ``per_sm * sms``), with how:
+    ``per_sm`` (the occupancy calculator's CTAs per SM) and ``sms`` (the device's
+    SMs), so the plan's headroom can be whole SMs (``plan.co_resident_limit``)."""
+
+    def __new__(cls, per_sm: int, sms: int):
+        value = super().__new__(cls, per_sm * sms)
+        value.per_sm, value.sms = per_sm, sms
+        return value
+
+    def __repr__(self):
+        return f"Resident({self.per_sm} per SM x {self.sms} SMs = {int(self)})"
+
+
 @functools.lru_cache(maxsize=None)
-def resident_ctas(cubin: bytes, name: str, threads: int, device_index: int, smem: int = 0) -> int:
+def resident_ctas(cubin: bytes, name: str, threads: int, device_index: int,
+                  smem: int = 0) -> Resident:
     """CTAs of the cubin's kernel ``name`` (``threads`` per CTA, ``smem`` bytes of
-    dynamic shared memory each) that fit on the device. The kernel is loaded as the
-    launcher loads it (``kernels.launch.load_function``): once per context."""
+    dynamic shared memory each) that fit on the device (an int that also carries
+    ``per_sm`` and ``sms``: ``Resident``). The kernel is loaded as the launcher
+    loads it (``kernels.launch.load_function``): once per context."""
     from cuda.bindings import driver as cu
 
     from .kernels.launch import checked, current_context, load_function
@@ -35,4 +51,4 @@ def resident_ctas(cubin: bytes, name: str, threads: int, device_index: int, smem
         per_sm = checked(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, smem),
                          "cuOccupancyMaxActiveBlocksPerMultiprocessor")
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return int(per_sm) * sms
+    return Resident(int(per_sm), int(sms))

@@ -17,11 +17,46 @@ TP, SHARD = 4, 64
 
 
 def test_co_resident_limit_halves_for_pdl_only_when_ranks_share_the_device():
-    # a quarter of the device's 1056 slots stays free for other streams: 792 usable
+    # a plain count (a CPU stand-in) is one CTA per SM: a quarter of 1056 stays free
     assert co_resident_limit(1056, 1, True) == 792  # a GPU of its own: no halving
     assert co_resident_limit(1056, 1, False) == 792
     assert co_resident_limit(1056, 8, False) == 99
     assert co_resident_limit(1056, 8, True) == 49  # PDL's early launch holds slots too
+
+
+@pytest.mark.parametrize("per_sm, sms", [(3, 132), (8, 132), (4, 148), (6, 108), (3, 130),
+                                         (5, 7), (1, 1), (0, 132)])
+def test_the_headroom_is_whole_sms(per_sm, sms):
+    """Issue 28 item 5: the plan leaves a quarter of the device's SMs (rounded up) to
+    other streams, whole: every rank's CTAs together fit on the other SMs at the
+    kernel's CTAs per SM, for any sharing, and never one CTA more than that."""
+    from lamport_head.occupancy import Resident
+    from lamport_head.plan import headroom_sms
+
+    resident = Resident(per_sm, sms)
+    assert resident == per_sm * sms and (resident.per_sm, resident.sms) == (per_sm, sms)
+    free = headroom_sms(sms)
+    assert free >= sms / 4 and free - 1 < sms / 4  # a quarter, rounded up
+    for sharing in (1, 2, 4, 8):
+        for pdl in (False, True):
+            limit = co_resident_limit(resident, sharing, pdl)
+            early = 2 if pdl and sharing > 1 else 1
+            assert limit * sharing * early <= (sms - free) * per_sm  # fits beside the headroom
+            assert (limit + 1) * sharing * early > (sms - free) * per_sm  # and is the most
+    # on the GPUs we serve the SM count is a multiple of 4: the 0.3.4 numbers (a quarter
+    # of the slots) are unchanged; where it is not, whole SMs stay free, not slots
+    assert co_resident_limit(Resident(3, 132), 1, False) == 297 == 396 - 396 // 4
+    assert co_resident_limit(Resident(3, 130), 1, False) == 291  # 97 SMs; slots gave 293
+
+
+def test_the_occupancy_count_carries_its_sms_through_the_lru_cache():
+    """``occupancy.resident_ctas`` answers a ``Resident``; ``HeadGather`` and the tuning
+    targets hand it to ``co_resident_limit`` unchanged (an int everywhere else)."""
+    from lamport_head.occupancy import Resident
+
+    r = Resident(4, 132)
+    assert isinstance(r, int) and int(r) == 528 and r + 0 == 528 and "4 per SM" in repr(r)
+    assert {r: 1}[528] == 1  # hashes as the int
 
 
 def resident_by_threads(config):
@@ -59,7 +94,7 @@ def test_the_default_plan_stages_the_rows_that_take_many_rounds():
         default_ctas(1, tp, shard, 256, 4, 10), 256, 4)
     assert default_config(edge + 1, tp, shard, 256, 4, limit) == GatherConfig(10, 256, 4)
     planned = plan({1, edge + 1}, tp=tp, shard=shard, sharing=1, pdl=False,
-                   resident=lambda c: {4: 13, 8: 9}[c.unroll])  # limits 10 and 7
+                   resident=lambda c: {4: 14, 8: 10}[c.unroll])  # limits 10 and 7
     assert planned[1].unroll == 4 and planned[edge + 1] == GatherConfig(7, 256, 8)
 
     def fewer_registers(config):  # the staged kernel fits more CTAs than the register one
