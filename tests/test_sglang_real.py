@@ -1,0 +1,453 @@
+"""Against the real SGLang 0.5.23 classes on CPU (``SGLANG_USE_CPU_ENGINE=1``), on 2 gloo
+ranks that SGLang's own ``init_parallel_runtime(device="cpu")`` groups (after
+``publish(server_args, role="scheduler", ranks=SpawnRanks(...))``, as its scheduler
+process does). Each rank runs SGLang's ``load_plugins()`` (our entry point
+``sglang.srt.plugins`` -> ``lamport_head`` registers the AFTER hooks), then builds a real
+``ModelRunner`` of a tiny ``LlamaForCausalLM`` with dummy weights: its real
+``load_model`` fires our hook, which installs on the model's real ``ParallelLMHead`` and
+``LogitsProcessor``. HeadGather's CUDA pieces are faked as in helpers (``fake_cuda``);
+its kernel is a CPU stand-in that moves the shards as the protocol does (over gloo,
+every word unchanged but the sentinel, sent as (+0, +0)).
+
+Checked per rank: the plugin route (the hook through ``ModelRunner.load_model``) and the
+explicit call (``install_sglang_logits_gather`` on a model with SGLang's defaults); on
+fresh data with planted -0.0/NaN/Inf words (``reference.planted``), the routed rows
+bitwise SGLang's own ``_logits_gatherer`` output (sentinel words scrubbed, the protocol's
+one change) and every other row SGLang's own result, bitwise, through the gatherer, an
+explicit launch into a poisoned output, and SGLang's real ``LogitsProcessor._get_logits``;
+``ModelRunner.update_model_fields`` with the same model and with a new model object; the
+EAGLE draft worker's runner (``is_draft_worker=True``: stays stock, as today); every
+SGLang name lamport_head/engines/sglang.py relies on, resolved in the real modules.
+Every rank runs twice: on a simulated host CPU with AMX and one without
+(tests/engine_cpu.py).
+
+SGLang is installed by ``scripts/install-sglang-cpu.sh`` into its own venv (the README's
+test command runs it); the ranks run under that interpreter (tests/sglang_cpu.py).
+Without it these tests skip, unless ``LAMPORT_HEAD_REQUIRE_SGLANG=1`` (CI).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from engine_cpu import HOST_ISA_ENV, HOST_ISAS
+from sglang_cpu import prepare_rank, require_sglang
+from tables import TWO_RANKS as TABLE
+
+SERVED = [1, 2, 4]
+ROWS = [1, 2, 3, 4, 5]
+VOCAB, HIDDEN = 1000, 64  # SGLang pads the vocab to 1024: 512 rows a rank, rank 1's last 24 padding
+DEADLINE_S = 240
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+         "hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+         "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+         "bos_token_id": 1, "eos_token_id": 2}
+EAGLE = dict(LLAMA, architectures=["LlamaForCausalLMEagle"])
+
+
+# ---- what runs on each rank (a spawned process, under SGLang's interpreter) ----------
+
+def _rank(rank, tp, run, table):
+    told = prepare_rank(rank, tp, run)
+    os.environ.update(LAMPORT_HEAD_TABLE=table, LAMPORT_HEAD_CACHE=f"{run}/cache",
+                      LAMPORT_HEAD_AUTOTUNE="0",
+                      SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE=f"file://{run}/init")
+    out = _scenarios(rank, tp, run)
+    out["amx_told"] = told
+    return out
+
+
+def _names(runner, lp, engine):
+    """Every SGLang name engine relies on, looked up in the real modules: {name: found}."""
+    import importlib
+    import inspect
+    from importlib.metadata import entry_points
+
+    def attr_path(dotted):  # "package.module.Class.method"
+        module, cls, method = dotted.rsplit(".", 2)
+        return getattr(getattr(importlib.import_module(module), cls), method)
+
+    found = {}
+
+    def check(name, test):
+        try:
+            found[name] = bool(test())
+        except Exception as exc:  # a moved name: its test fails naming it
+            found[name] = f"{type(exc).__name__}: {exc}"
+
+    check(engine.LOAD_MODEL, lambda: callable(attr_path(engine.LOAD_MODEL)))
+    check(engine.UPDATE_MODEL, lambda: list(inspect.signature(
+        inspect.unwrap(attr_path(engine.UPDATE_MODEL))).parameters)[:5]
+        == ["self", "new_model", "model_path", "load_format", "load_config"])
+    context = importlib.import_module(engine.CONTEXT)
+    check(f"{engine.CONTEXT}.get_schedule().{engine.REQUESTS}",
+          lambda: hasattr(context.get_schedule(), engine.REQUESTS))
+    check(f"{engine.CONTEXT}.{engine.DRAFT_TOKENS}()",
+          lambda: getattr(context, engine.DRAFT_TOKENS)() is None)  # no speculative decoding
+    check(f"{engine.CONTEXT}.get_parallel().attn_dcp_size",
+          lambda: context.get_parallel().attn_dcp_size == 1)
+    check(f"ModelRunner.{engine.PER_REQUEST}(num_draft_tokens=)",
+          lambda: getattr(runner, engine.PER_REQUEST)(num_draft_tokens=None) == 1)
+    check("ModelRunner.is_draft_worker", lambda: runner.is_draft_worker is False)
+    check("ModelRunner.forward", lambda: callable(type(runner).forward))
+    for attr in engine._REQUIRED + tuple(a for a, _ in engine._VARIANTS):
+        check(f"LogitsProcessor.{attr}", lambda attr=attr: hasattr(lp, attr))
+    check("LlamaForCausalLM.lm_head.tp_size", lambda: runner.model.lm_head.tp_size == 2)
+    check("LlamaForCausalLM.lm_head.weight", lambda: runner.model.lm_head.weight.dim() == 2)
+
+    def tp_group():
+        from sglang.srt.distributed.parallel_state import get_tp_group
+
+        g = get_tp_group()
+        return (g.cpu_group is not None and g.device_group is not None and g.world_size == 2
+                and g.rank_in_group in (0, 1))
+
+    check("sglang.srt.distributed.parallel_state.get_tp_group()", tp_group)
+
+    def hooks():
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        return callable(HookRegistry.register) and HookType.AFTER is not None
+
+    check("sglang.srt.plugins.hook_registry.HookRegistry/HookType.AFTER", hooks)
+
+    def group():
+        from sglang.srt.plugins import GENERAL_PLUGINS_GROUP
+
+        return GENERAL_PLUGINS_GROUP == "sglang.srt.plugins" and any(
+            ep.value == "lamport_head.engines.sglang:register"
+            for ep in entry_points(group=GENERAL_PLUGINS_GROUP) if ep.name == "lamport_head")
+
+    check("entry point sglang.srt.plugins: lamport_head", group)
+    return found
+
+
+def _scenarios(rank, tp, run):
+    import ctypes
+    import functools
+
+    import torch
+    import torch.distributed as dist
+    from helpers import fake_cuda, same_bits
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import bootstrap
+    from sglang.srt.distributed.device_communicators.triton_symm_mem_ag import (
+        MultimemAllGatherer,
+    )
+    from sglang.srt.distributed.parallel_state import get_tp_group
+    from sglang.srt.layers.logits_processor import LogitsMetadata
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_executor.model_runner_components.load_model_utils import (
+        load_model_with_memory_saver,
+    )
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.common import configure_logger
+
+    from lamport_head import reference
+    from lamport_head.engines import sglang as engine
+    from lamport_head.kernels.protocol import SENTINEL_I32
+
+    out = {"rank": rank}
+
+    def mark(name):
+        print(f"=== {name}", flush=True)
+
+    # SGLang's plugin loader (twice: idempotent) and our entry point called again
+    original = {"load": ModelRunner.load_model, "update": ModelRunner.update_model_fields}
+    load_plugins()
+    load_plugins()
+    engine.register()
+    out["hooked"] = {name: (getattr(ModelRunner, attr) is not original[name]
+                            and getattr(ModelRunner, attr).__wrapped__ is original[name])
+                     for name, attr in (("load", "load_model"), ("update", "update_model_fields"))}
+
+    # the scheduler process's order: publish, logging, the parallel runtime, the runner
+    args = ServerArgs(model_path=f"{run}/llama", device="cpu", tp_size=tp, load_format="dummy",
+                      skip_tokenizer_init=True, dtype="bfloat16", disable_cuda_graph=True,
+                      mem_fraction_static=0.5)
+    args.resolve_once()
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=None, gpu_id=rank))
+    configure_logger(args, prefix=f" TP{rank}")
+    bootstrap.init_parallel_runtime(server_args=args, device="cpu", dist_port=0)
+    config = ModelConfig.from_server_args(args)
+    bootstrap.init_layer_runtime(model_config=config)
+    cpu_group = get_tp_group().cpu_group
+
+    # HeadGather on CPU (helpers.fake_cuda), its kernel a stand-in that moves the bytes as
+    # the protocol does: every word unchanged but the sentinel, sent as (+0, +0)
+    launches = []
+
+    def kernel(logits, dst, peers, r, ctas, budget_ns, status, stream):
+        words = logits.contiguous().view(torch.int32)
+        sent = torch.where(words == SENTINEL_I32, torch.zeros_like(words), words)
+        parts = [torch.empty_like(sent) for _ in range(tp)]
+        dist.all_gather(parts, sent, group=cpu_group)
+        full = torch.cat(parts, dim=1).contiguous()  # rank r's shard at columns r * V/TP
+        ctypes.memmove(dst, full.data_ptr(), full.numel() * full.element_size())
+        launches.append(logits.shape[0])
+
+    fake_cuda(setattr, rank, "ok", launch=kernel)
+
+    mark("plugin")
+    runner = ModelRunner(model_config=config, mem_fraction_static=0.5, gpu_id=rank,
+                         nccl_port=0, server_args=args)
+    model, lp = runner.model, runner.model.logits_processor
+    g = getattr(lp, "head_gather", None)
+    stock = getattr(lp._logits_gatherer, "keywords", {}).get("stock")
+    out["plugin"] = {
+        "model": type(model).__name__, "served": None if g is None else sorted(g.rows),
+        "routed": (isinstance(lp._logits_gatherer, functools.partial)
+                   and lp._logits_gatherer.func is g and isinstance(stock, MultimemAllGatherer)),
+        "polled": [x is g for x in runner.__dict__.get(engine.POLLED, [])],
+        "shard": list(model.lm_head.weight.shape)}
+    if g is None:  # nothing more can be checked: the tests fail on "served"
+        dist.barrier(group=cpu_group)
+        return out
+
+    def planted(m, salt):
+        gen = torch.Generator().manual_seed(10007 * salt + 101 * m + rank)
+        return reference.planted(m, g.shard, generator=gen)
+
+    def gathers(proc, salt):
+        """Per row count: the routed gatherer, an explicit launch into a poisoned output
+        (served rows), an FP32 call, each against SGLang's own gatherer on the same data."""
+        kept = proc._logits_gatherer.keywords["stock"]
+        result = {}
+        for m in ROWS:
+            x = planted(m, salt)
+            want = kept(x)  # SGLang's own _logits_gatherer (its gloo all-gather here)
+            before = len(launches)
+            got = proc._logits_gatherer(x)
+            row = {"kernel": len(launches) - before,
+                   "sentinels": int((x.view(torch.int32) == SENTINEL_I32).sum()),
+                   "stock": same_bits(got, want),
+                   "scrubbed": same_bits(got, reference.scrub(want))}
+            if m in g.rows:
+                poisoned = torch.full((m, g.width), 0x7FBF, dtype=torch.int16).view(torch.bfloat16)
+                g.launch(x, poisoned, g.ctas[m])
+                row["poisoned_launch"] = same_bits(poisoned, reference.scrub(want))
+            row["fp32_stock"] = same_bits(proc._logits_gatherer(x.float()), kept(x.float()))
+            result[str(m)] = row
+        return result
+
+    def processor(mdl, salt):
+        """SGLang's real _get_logits (lm_head matmul, gather, vocab slice, FP32 cast) per
+        row count, against the same with SGLang's own gatherer."""
+        proc = mdl.logits_processor
+        routed, kept = proc._logits_gatherer, proc._logits_gatherer.keywords["stock"]
+        meta = LogitsMetadata(forward_mode=ForwardMode.DECODE)
+        result = {}
+        for m in ROWS:
+            gen = torch.Generator().manual_seed(7919 * salt + m)
+            hidden = torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16)
+            before = len(launches)
+            got = proc._get_logits(hidden, mdl.lm_head, meta, use_logits_buffer=False)
+            ran = len(launches) - before
+            proc._logits_gatherer = kept
+            try:
+                want = proc._get_logits(hidden, mdl.lm_head, meta, use_logits_buffer=False)
+            finally:
+                proc._logits_gatherer = routed
+            result[str(m)] = {"kernel": ran, "equal": same_bits(got, want),
+                              "shape": list(got.shape), "dtype": str(got.dtype)}
+        return result
+
+    out["plugin"]["gather"] = gathers(lp, 1)
+    out["plugin"]["processor"] = processor(model, 1)
+    out["names"] = _names(runner, lp, engine)
+
+    mark("again")  # the explicit call on a runner already served: nothing rebuilt
+    out["again"] = {"served": list(engine.install_sglang_logits_gather(runner)),
+                    "same": lp.head_gather is g,
+                    "polled": len(runner.__dict__.get(engine.POLLED, []))}
+
+    mark("update_same")  # SGLang 0.5.23's weight update hands back the same model
+    runner.update_model_fields(model, model_path=f"{run}/llama", load_format="dummy",
+                               load_config=runner.load_config)
+    out["update_same"] = {"same": lp.head_gather is g, "stock_kept": (
+        lp._logits_gatherer.keywords.get("stock") is stock)}
+
+    def load():
+        return load_model_with_memory_saver(
+            model_config=runner.model_config, load_config=runner.load_config, device="cpu",
+            gpu_id=rank, memory_saver_adapter=runner.memory_saver_adapter,
+            is_draft_worker=False).model
+
+    mark("update_new")  # a new model object: routed through the gather built at load
+    new = load()
+    runner.update_model_fields(new, model_path=f"{run}/llama", load_format="dummy",
+                               load_config=runner.load_config)
+    new_lp = new.logits_processor
+    out["update_new"] = {"new_object": runner.model is new and new is not model,
+                         "same_gather": getattr(new_lp, "head_gather", None) is g}
+    if out["update_new"]["same_gather"]:
+        out["update_new"].update(gather=gathers(new_lp, 2), processor=processor(new, 2))
+
+    mark("explicit")  # the explicit call on a bare model, SGLang's TP group by default
+    bare = load()
+    served = engine.install_sglang_logits_gather(bare)
+    bare_lp = bare.logits_processor
+    eg = getattr(bare_lp, "head_gather", None)
+    out["explicit"] = {"served": list(served), "own_gather": eg is not None and eg is not g}
+    if eg is not None:
+        g_saved, g = g, eg
+        out["explicit"]["gather"] = gathers(bare_lp, 3)
+        out["explicit"]["processor"] = processor(bare, 3)
+        g = g_saved
+
+    mark("draft")  # the EAGLE draft worker's runner: stays stock (until the drafter issue)
+    draft_config = ModelConfig.from_server_args(args, model_path=f"{run}/eagle",
+                                                is_draft_model=True)
+    draft = ModelRunner(model_config=draft_config, mem_fraction_static=0.5, gpu_id=rank,
+                        nccl_port=0, server_args=args, is_draft_worker=True)
+    dlp = draft.model.logits_processor
+    out["draft"] = {"model": type(draft.model).__name__,
+                    "stock": isinstance(dlp._logits_gatherer, MultimemAllGatherer),
+                    "head_gather": hasattr(dlp, "head_gather"),
+                    "polled": engine.POLLED in draft.__dict__}
+    mark("end")
+    dist.barrier(group=cpu_group)
+    return out
+
+
+def _launch(run, table):
+    """In SGLang's interpreter: the 2 ranks, with the deadline of tests/spawn.py."""
+    from pathlib import Path
+
+    from spawn import spawn
+
+    spawn(_rank, 2, Path(run), run, table, group=False, deadline_s=DEADLINE_S)
+
+
+# ---- the tests (in the suite's interpreter) ------------------------------------------
+
+@pytest.fixture(scope="module", params=HOST_ISAS)
+def ranks(request, tmp_path_factory):
+    """Every test below, on a host whose CPU has AMX and on one without
+    (tests/engine_cpu.py): SGLang's ISA choice never decides whether the bed builds."""
+    python = require_sglang()
+    run = tmp_path_factory.mktemp("sglang_real")
+    for name, config in (("llama", LLAMA), ("eagle", EAGLE)):
+        (run / name).mkdir()
+        (run / name / "config.json").write_text(json.dumps(config))
+    table = run / "table.yaml"
+    table.write_text(TABLE)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, **{HOST_ISA_ENV: request.param})
+    code = (f"import sys; sys.path.insert(0, {tests!r}); import test_sglang_real as t; "
+            f"t._launch({str(run)!r}, {str(table)!r})")
+    done = subprocess.run([python, "-c", code], env=env, cwd=tests, capture_output=True,
+                          text=True, timeout=DEADLINE_S + 60)
+    logs = [(run / f"out.{r}").read_text() if (run / f"out.{r}").exists() else ""
+            for r in range(2)]
+    if done.returncode != 0:
+        pytest.fail(f"SGLang ranks failed (rc {done.returncode}):\n{done.stderr[-4000:]}\n"
+                    + "\n".join(f"--- rank {r}:\n{log[-4000:]}" for r, log in enumerate(logs)))
+    results = [json.loads((run / f"result.{r}").read_text()) for r in range(2)]
+    return request.param, results, logs
+
+
+def _sections(log):
+    import re
+
+    parts = re.split(r"^=== (\w+)\n", log, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def _assert_rows(gather, what):
+    """Served rows: the stand-in kernel ran once and gave SGLang's bytes, sentinels
+    scrubbed (and sentinels were planted, so that differs from SGLang's own); the other
+    rows: SGLang's own bytes, no kernel. FP32: SGLang's own, always."""
+    assert sorted(gather) == [str(m) for m in ROWS], what
+    for m, row in gather.items():
+        assert row["sentinels"] > 0, (what, m)  # planted: scrubbed != stock
+        assert row["fp32_stock"], (what, m)
+        if int(m) in SERVED:
+            assert row["kernel"] == 1 and row["scrubbed"] and not row["stock"], (what, m, row)
+            assert row["poisoned_launch"], (what, m)
+        else:
+            assert row["kernel"] == 0 and row["stock"] and not row["scrubbed"], (what, m, row)
+
+
+def _assert_processor(processor, what):
+    for m, row in processor.items():
+        assert row["equal"], (what, m)
+        assert row["shape"] == [int(m), VOCAB] and row["dtype"] == "torch.float32", (what, m)
+        assert row["kernel"] == (1 if int(m) in SERVED else 0), (what, m, row)
+
+
+def test_plugin_hooks_sglangs_model_runner_once(ranks):
+    isa, results, _ = ranks
+    for r in results:
+        assert r["hooked"] == {"load": True, "update": True}
+        assert r["amx_told"] is (isa == "amx-seen")  # the simulated host reached SGLang
+
+
+def test_plugin_route_through_a_real_load_model(ranks):
+    for r in ranks[1]:
+        p = r["plugin"]
+        assert p["model"] == "LlamaForCausalLM" and p["served"] == SERVED
+        assert p["routed"] and p["polled"] == [True]
+        assert p["shard"] == [512, HIDDEN]  # V=1000 padded to 1024, 512 rows a rank
+        _assert_rows(p["gather"], "plugin")
+        _assert_processor(p["processor"], "plugin")
+
+
+def test_explicit_call(ranks):
+    for r in ranks[1]:
+        assert r["again"] == {"served": SERVED, "same": True, "polled": 1}
+        e = r["explicit"]
+        assert e["served"] == SERVED and e["own_gather"]
+        _assert_rows(e["gather"], "explicit")
+        _assert_processor(e["processor"], "explicit")
+
+
+def test_update_model_fields(ranks):
+    for r in ranks[1]:
+        assert r["update_same"] == {"same": True, "stock_kept": True}
+        u = r["update_new"]
+        assert u["new_object"] and u["same_gather"]
+        _assert_rows(u["gather"], "update_new")
+        _assert_processor(u["processor"], "update_new")
+
+
+def test_eagle_draft_runner_stays_stock(ranks):
+    for r in ranks[1]:
+        assert r["draft"] == {"model": "LlamaForCausalLMEagle", "stock": True,
+                              "head_gather": False, "polled": False}
+
+
+def test_sglang_names_the_integration_relies_on(ranks):
+    for r in ranks[1]:
+        moved = {name: found for name, found in r["names"].items() if found is not True}
+        assert not moved, moved
+        assert len(r["names"]) >= 20
+
+
+def test_log_lines_reach_sglangs_handler(ranks):
+    """Our lines through SGLang's configured logging: the registration line once, at the
+    first hook call; each install once; the draft's line."""
+    _, _, logs = ranks
+    for rank, log in enumerate(logs):
+        sections = _sections(log)
+        mine = [line for line in log.splitlines() if "lamport-head" in line]
+        registered = [x for x in mine if "logits gather hooks registered" in x]
+        assert len(registered) == 1 and f"TP{rank}" in registered[0], mine
+        routed = r"Lamport logits gather on NVIDIA H200 (tp=2, dcp=1) for rows (1, 2, 4)"
+        assert sum(routed in x for x in sections["plugin"].splitlines()) == 1, sections["plugin"]
+        assert sum(routed in x for x in sections["explicit"].splitlines()) == 1
+        assert "the new model's gather routed again" in sections["update_new"]
+        assert "SGLang draft model: stock logits gather" in sections["draft"]
+
+
+def test_sglang_interpreter_is_found():
+    """The suite finds SGLang's interpreter (its own venv, or this one)."""
+    python = require_sglang()
+    assert os.path.exists(python) or python == sys.executable
