@@ -9,11 +9,12 @@ in this process: the table the kernel pushes through.
 Backends, one interface (``peers``, ``tp``, ``cap``, ``words``, ``sharing``,
 ``emulated``, ``arm()``, ``armed()``, ``barrier()``, ``close()``):
 
-- ``ipc``: a plain allocation whose CUDA IPC handle goes to every peer over the
-  process group (torch's CUDA tensor sharing): every rank of one host, on distinct
-  GPUs (torch opens the handles with peer access enabled) or sharing one (NCCL and
-  symmetric memory both refuse that). Creates no multicast object, whatever the
-  environment says.
+- ``ipc``: every rank of one host, on distinct GPUs or sharing one (NCCL and symmetric
+  memory both refuse sharing): a cuMem allocation of the rank's own GPU exported as a
+  POSIX file descriptor, which every peer imports and maps in its own context for its
+  own device (``lamport_head.peermem``: why, and which CUDA guarantee keeps a dead
+  peer's pages out of other processes' hands). GPUs are named by UUID. Creates no
+  multicast object, whatever the environment says.
 - ``symmetric``: torch symmetric memory (``empty`` + ``rendezvous``, peer pointers
   only), only where ranks span hosts of one multi-node NVLink domain (forced). Its
   rendezvous binds an NVLink multicast object unless told not to, so multicast is
@@ -46,7 +47,6 @@ more reason install leaves every rank stock.
 
 
 import os
-import pickle
 import socket
 
 import torch
@@ -200,34 +200,66 @@ class _ProcessMailbox(_Mailbox):
 
 
 class IpcMailbox(_ProcessMailbox):
-    """A plain device allocation shared with every peer through CUDA IPC."""
+    """A cuMem allocation of this rank's GPU, shared with every peer of the host as a
+    POSIX file descriptor and mapped by each peer in its own context
+    (``lamport_head.peermem`` says why; on the CPU device, memfd shared memory)."""
 
     name = "ipc"
 
     def _allocate(self, count):
-        return torch.empty(count, dtype=torch.int32, device=self.device)
+        """Local: this rank's box (mapped here, exported) and its descriptor inbox."""
+        from .peermem import FdChannel, segments_for
+
+        self._segments = segments_for(self.device)
+        self._own = self._segments.create(count * 4)
+        self._mapped = {}
+        self._channel = FdChannel()
+        return self._segments.tensor(self._own, count)
 
     def connect(self):
         """Collective: every rank maps every peer's box; ``peers`` holds the mappings.
-        Its one collective is ``exchange``'s, which every rank reaches even when its
-        own export fails; the mapping after it is local (the caller agrees on it)."""
-        blobs = exchange(self._export, self.group, self.tp, "export its mailbox's CUDA IPC handle")
-        self._mapped = [None if r == self.rank else pickle.loads(b) for r, b in enumerate(blobs)]
-        self._set_bases([self.box.data_ptr() if m is None else m.data_ptr() for m in self._mapped])
+        Two collectives (``exchange``), each reached by every rank whatever failed
+        before it on one: the inboxes' names and the boxes' sizes, then whether every
+        rank sent its descriptor to every peer. What follows (receiving and mapping)
+        is local; the caller agrees on it."""
+        from .peermem import RECEIVE_WAIT_S
 
-    def _export(self):
-        """This box's CUDA IPC handle, pickled (local; may fail on this rank alone)."""
-        import torch.multiprocessing  # noqa: F401  registers torch's CUDA IPC reductions
-        from multiprocessing.reduction import ForkingPickler
+        facts = exchange(lambda: (self._channel.name, self._own.size), self.group, self.tp,
+                         "describe its mailbox")
+        peers = [r for r in range(self.tp) if r != self.rank]
 
-        return bytes(ForkingPickler.dumps(self.box))
+        def send():
+            for r in peers:
+                self._channel.send(facts[r][0], self.rank, self._own.fd)
+
+        exchange(send, self.group, self.tp, "send its mailbox's file descriptor to its peers")
+        fds = self._channel.receive(peers, RECEIVE_WAIT_S)
+        try:
+            for r in peers:
+                self._mapped[r] = self._segments.open(fds[r], facts[r][1])
+        finally:
+            for fd in fds.values():  # an import holds its own reference
+                os.close(fd)
+        self._set_bases([self._own.ptr if r == self.rank else self._mapped[r].ptr
+                         for r in range(self.tp)])
 
     def peer_view(self, peer):
         """``peer``'s whole box as a tensor of this process (tests of late pushes)."""
-        return self.box if peer == self.rank else self._mapped[peer]
+        if peer == self.rank:
+            return self.box
+        return self._segments.tensor(self._mapped[peer], self.box.numel())
 
     def _release(self):
-        self._mapped = None  # closes the peers' mappings (torch's IPC cache drops them)
+        """This process's mappings and references (after ``close``'s barrier, or at a
+        failed build's end); a dead peer's pages go with the last one."""
+        self.box = self.peers = None  # no tensor of ours over the mappings
+        channel, self._channel = getattr(self, "_channel", None), None
+        if channel is not None:
+            channel.close()
+        for segment in list(getattr(self, "_mapped", {}).values()) + [getattr(self, "_own", None)]:
+            if segment is not None:
+                self._segments.close(segment)
+        self._mapped, self._own = {}, None
 
 
 def symmetric_bases(buffer_ptrs, own_ptr: int, rank: int):
@@ -312,9 +344,15 @@ MAILBOXES = {"ipc": IpcMailbox, "symmetric": SymmetricMailbox}
 
 
 def device_key(device):
-    props = torch.cuda.get_device_properties(device)
-    uuid = getattr(props, "uuid", None)
-    return socket.gethostname(), str(uuid) if uuid is not None else str(torch.device(device))
+    """``(host, GPU UUID)``: what names this rank's GPU to every other process (a local
+    index names another GPU, or none, where each process sees its own devices)."""
+    from .peermem import nvml_uuid
+
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    if uuid is None:
+        raise RuntimeError(f"torch reports no UUID for {device}: cannot name this GPU to "
+                           "the other ranks")
+    return socket.gethostname(), nvml_uuid(uuid)
 
 
 def _symmetric_available():
@@ -361,34 +399,42 @@ def choose_backend(group, device, backend=None):
     (``decide`` raises). A rank whose own facts fail still takes part, and then every
     rank raises."""
     forced = backend or os.environ.get(BACKEND_ENV) or None
-    facts = exchange(lambda: (device_key(device), _symmetric_available(), forced,
-                              torch.device(device).index), group, what="describe its GPU")
-    asked = {f for _, _, f, _ in facts}
+    facts = exchange(lambda: (device_key(device), _symmetric_available(), forced), group,
+                     what="describe its GPU")
+    asked = {f for _, _, f in facts}
     if len(asked) > 1:
         raise ValueError(f"ranks disagree on the mailbox backend: {sorted(map(str, asked))}")
-    keys = [k for k, _, _, _ in facts]
+    keys = [k for k, _, _ in facts]
     me = torch.distributed.get_rank(group)  # facts come in the group's rank order
-    kind = decide(keys, [s for _, s, _, _ in facts], forced)
+    kind = decide(keys, [s for _, s, _ in facts], forced)
     if kind == "ipc" and torch.device(device).type == "cuda":
-        # Every rank checks its own access to its host's other GPUs; the verdicts travel
-        # together, so a GPU without peer access (PCIe without P2P) makes every rank raise
-        # the same error, naming it, and install leaves every rank stock.
-        indices = [i for _, _, _, i in facts]
-        exchange(lambda: _check_peer_access(keys, indices, me), group,
+        # Every rank checks that its GPU reaches each other GPU its host's ranks use, by
+        # UUID (a process's local indices name other GPUs, or none, in another process);
+        # the verdicts travel together, so a pair without peer access makes every rank
+        # raise the same error, naming it, and install leaves every rank stock.
+        exchange(lambda: check_peer_reach(keys, me), group,
                  what="reach its TP peers' GPUs (CUDA peer access)")
     return kind, keys.count(keys[me])
 
 
-def _check_peer_access(keys, indices, me):
-    """Raise unless this rank's GPU can access the memory of every other GPU its host's
-    ranks use (ranks sharing this GPU need nothing)."""
+def check_peer_reach(keys, me, probe=None):
+    """Raise unless this rank's GPU can store into (and do atomics on) the memory of
+    every other GPU its host's ranks use, asked by UUID (``peermem.p2p_status``: NVML,
+    which sees every GPU whatever this process sees). Ranks sharing this GPU need
+    nothing; a pair NVML cannot tell about is left to the mapping, whose failure the
+    ranks agree on, naming it."""
+    from .peermem import p2p_status
+
+    probe = probe or p2p_status
     host, gpu = keys[me]
     for r, (h, g) in enumerate(keys):
-        if h == host and g != gpu and not torch.cuda.can_device_access_peer(indices[me],
-                                                                            indices[r]):
-            raise RuntimeError(f"GPU {indices[me]} cannot access GPU {indices[r]}'s memory "
-                               f"(rank {r}): no CUDA peer access (PCIe without P2P?)")
+        if h == host and g != gpu:
+            ok, why = probe(gpu, g)
+            if ok is False:
+                raise RuntimeError(f"GPU {gpu} (rank {me}) cannot reach GPU {g}'s memory "
+                                   f"(rank {r}): {why}")
 
 
 __all__ = ["LocalMailbox", "IpcMailbox", "SymmetricMailbox", "MAILBOXES", "choose_backend",
-           "decide", "device_key", "exchange", "peer_table", "symmetric_bases"]
+           "check_peer_reach", "decide", "device_key", "exchange", "peer_table",
+           "symmetric_bases"]

@@ -1,7 +1,7 @@
 """The real-rank mailboxes' connect() and the backend choice on gloo processes (CPU):
 every rank issues the same collectives in the same order, whatever fails on one
-rank. The IPC box is the real ``IpcMailbox`` (torch's tensor sharing works on CPU
-tensors too); symmetric memory is a stand-in module whose rendezvous is a gloo
+rank. The IPC box is the real ``IpcMailbox`` (on the CPU device its boxes are memfd
+shared memory, whose descriptors travel as a GPU box's do); symmetric memory is a stand-in module whose rendezvous is a gloo
 collective, driving the real ``SymmetricMailbox.connect``. A rank stranded in a
 collective fails the test at spawn's deadline."""
 
@@ -40,14 +40,13 @@ def _connect_agreed(box):
 # ---- ipc ----------------------------------------------------------------------------
 
 def _ipc_worker(rank, nprocs, failing):
-    import multiprocessing.reduction as reduction
+    from lamport_head import peermem
 
-    torch.multiprocessing.set_sharing_strategy("file_system")  # no fd passing between ranks
     if rank == failing:
         def refuse(*args, **kwargs):
-            raise RuntimeError("injected: cannot export an IPC handle")
+            raise RuntimeError("injected: cannot send a descriptor")
 
-        reduction.ForkingPickler.dumps = refuse
+        peermem.FdChannel.send = refuse
     box = mailbox.IpcMailbox(None, "cpu", nprocs, rank, CAP, WORDS)
     box.box.fill_(100 + rank)
     agreed, error = _connect_agreed(box)
@@ -61,13 +60,14 @@ def test_ipc_connect_maps_every_peers_box(tmp_path):
         assert r["agreed"] is None and r["seen"] == [100, 101, 102] and r["in_step"] == 3
 
 
-def test_ipc_export_failing_on_one_rank_raises_on_every_rank(tmp_path):
-    """Rank 1 cannot export its handle: it used to leave for the agreement's
-    all-reduce while its peers sat in the handles' all-gather (a hang)."""
+def test_ipc_send_failing_on_one_rank_raises_on_every_rank(tmp_path):
+    """Rank 1 cannot send its box's descriptor: every rank learns it in the same
+    collective (no peer waits for a descriptor that will not come) and raises."""
     for r in spawn(_ipc_worker, 3, tmp_path, 1, deadline_s=60):
         assert r["in_step"] == 3 and r["seen"] is None
-        assert r["own"] == ("lamport-head: 1 rank(s) failed to export its mailbox's CUDA IPC "
-                            "handle: rank 1: RuntimeError: injected: cannot export an IPC handle")
+        assert r["own"] == ("lamport-head: 1 rank(s) failed to send its mailbox's file "
+                            "descriptor to its peers: rank 1: RuntimeError: injected: cannot "
+                            "send a descriptor")
         assert r["agreed"] == f"RuntimeError: {r['own']}"  # connect raised on every rank
 
 
@@ -237,11 +237,29 @@ def test_a_torch_that_keeps_multicast_on_is_refused(monkeypatch):
     assert calls == []  # neither empty nor rendezvous ran
 
 
-def _peer_access_worker(rank, nprocs, blocked):
-    """Distinct GPUs of one host; ``blocked``: (a, b) pairs with no peer access."""
-    mailbox.device_key = lambda device: ("host", f"gpu{rank}")
-    torch.cuda.can_device_access_peer = lambda a, b: (a, b) not in {tuple(p) for p in blocked}
-    device = types.SimpleNamespace(type="cuda", index=rank)
+def _peer_access_worker(rank, nprocs, index, blocked, unknown=()):
+    """Distinct GPUs of one host, each rank's GPU ``GPU-uuid-RANK``; this process sees
+    its GPU at local index ``index[rank]`` (0 on every rank: one visible GPU per
+    process). The host's topology (NVML's answer, by UUID): every pair reaches except
+    ``blocked``; NVML cannot tell about ``unknown``. torch's local-index query answers
+    as a process that sees one GPU would: no index reaches another."""
+    from lamport_head import peermem
+
+    uuid = [f"GPU-uuid-{r}" for r in range(nprocs)]
+    mailbox.device_key = lambda device: ("host", uuid[rank])
+    asked = []
+
+    def nvml(a, b):
+        asked.append([a, b])
+        if [a, b] in [[uuid[x], uuid[y]] for x, y in unknown]:
+            return None, "NVML could not tell"
+        if [a, b] in [[uuid[x], uuid[y]] for x, y in blocked]:
+            return False, "no peer stores: not supported"
+        return True, ""
+
+    peermem.p2p_status = nvml
+    torch.cuda.can_device_access_peer = lambda a, b: False
+    device = types.SimpleNamespace(type="cuda", index=index[rank])
     real = torch.device
     torch.device = lambda d, *a: d if isinstance(d, types.SimpleNamespace) else real(d, *a)
     try:
@@ -250,18 +268,32 @@ def _peer_access_worker(rank, nprocs, blocked):
         outcome = f"{type(exc).__name__}: {exc}"
     finally:
         torch.device = real
-    return {"outcome": outcome, "in_step": _in_step()}
+    return {"outcome": outcome, "asked": asked, "in_step": _in_step()}
+
+
+def test_one_visible_gpu_per_process_reaches_its_peers_by_uuid(tmp_path):
+    """Issue 28 item 2: launched with one GPU visible per process (Ray, SLURM,
+    Kubernetes), every rank's GPU is its local index 0. The check asks about the right
+    pairs, by UUID, and every rank takes ipc (0a45b23 asked about (0, 0), got no, and
+    every rank went stock naming GPU 0 and GPU 0)."""
+    results = spawn(_peer_access_worker, 3, tmp_path, [0, 0, 0], [], deadline_s=60)
+    for rank, r in enumerate(results):
+        assert r["outcome"] == ["ipc", 1] and r["in_step"] == 3
+        assert r["asked"] == [[f"GPU-uuid-{rank}", f"GPU-uuid-{p}"] for p in range(3) if p != rank]
 
 
 def test_gpus_without_peer_access_give_every_rank_one_reason(tmp_path):
-    """Issue 20 item 1: a GPU that cannot reach a TP peer's memory (PCIe without P2P):
-    every rank raises the same error naming it (install: every rank stock, one line)."""
-    results = spawn(_peer_access_worker, 3, tmp_path, [(2, 0)], deadline_s=60)
+    """Issue 20 item 1, by UUID (issue 28 item 2): a GPU that cannot reach a TP peer's
+    memory (PCIe without P2P), whatever each process's numbering (here a permuted
+    visible list): every rank raises the same error naming the pair (install: every
+    rank stock, one line). A pair NVML cannot tell about is left to the mapping."""
+    results = spawn(_peer_access_worker, 3, tmp_path, [2, 0, 1], [(2, 0)], deadline_s=60)
     assert len({r["outcome"] for r in results}) == 1 and all(r["in_step"] == 3 for r in results)
     assert results[0]["outcome"] == (
         "RuntimeError: lamport-head: 1 rank(s) failed to reach its TP peers' GPUs (CUDA peer "
-        "access): rank 2: RuntimeError: GPU 2 cannot access GPU 0's memory (rank 0): no CUDA "
-        "peer access (PCIe without P2P?)")
-    (tmp_path / "ok").mkdir()
-    for r in spawn(_peer_access_worker, 3, tmp_path / "ok", [], deadline_s=60):
+        "access): rank 2: RuntimeError: GPU GPU-uuid-2 (rank 2) cannot reach GPU GPU-uuid-0's "
+        "memory (rank 0): no peer stores: not supported")
+    (tmp_path / "unknown").mkdir()
+    for r in spawn(_peer_access_worker, 3, tmp_path / "unknown", [2, 0, 1], [], [(2, 0)],
+                   deadline_s=60):
         assert r["outcome"] == ["ipc", 1]

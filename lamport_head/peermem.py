@@ -1,0 +1,331 @@
+"""Peer memory for the ``ipc`` mailbox: each rank's box is a CUDA virtual-memory (cuMem)
+allocation of its own GPU, exported as a POSIX file descriptor; every peer imports that
+descriptor and maps it in ITS OWN context, granting access to ITS OWN device only.
+
+Why this mechanism (it is NCCL's and torch symmetric memory's on one host):
+
+- The mapping lives in the importer's context. The old path (torch's CUDA tensor
+  sharing, ``cudaIpcOpenMemHandle`` under the EXPORTER's device) made each peer's box
+  memory of a context on the peer's GPU in this process, with no peer access from this
+  GPU, and created a context on every peer GPU. Here every driver call runs with this
+  rank's device current, ``cuMemSetAccess`` names this rank's device only, and no call
+  names another device: no process touches a GPU other than its own.
+- A dead peer's pages can never become another process's memory while we may store into
+  them. CUDA's guarantee (``cuMemRelease``): "the memory allocation will be freed when
+  all outstanding mappings to the memory are unmapped and when all outstanding references
+  to the handle (including its shareable counterparts) are also released". A survivor's
+  import holds a handle reference and a mapping until its ``close()``, whatever the
+  exporter's process does, so pushes and give-up marks into a dead peer's box land in
+  pages nobody else can be given.
+- GPUs are named by UUID, never by a process's local index (each process may see other
+  devices, or only its own). The reachability check (``p2p_status``) asks NVML, which
+  sees every GPU of the host whatever ``CUDA_VISIBLE_DEVICES`` says; the driver needs no
+  visibility of the exporter's GPU to map its memory.
+
+Descriptors travel between the host's ranks over abstract-namespace Unix datagram
+sockets (``FdChannel``, SCM_RIGHTS): each rank binds one before the ranks exchange
+names, so a send never waits for a peer to be ready.
+
+``CudaSegments`` talks to the driver through ``cuda.bindings.driver`` (installed with the
+CuTe DSL); tests hand it a stand-in module (tests/fake_driver.py) whose memory is shared
+host memory, so the code path that names devices is the real one. ``HostSegments`` is
+the same contract over memfd shared memory, for mailboxes on the CPU device (the CPU test
+bed's ranks).
+"""
+
+import contextlib
+import ctypes
+import mmap
+import os
+import secrets
+import socket
+import struct
+from dataclasses import dataclass
+
+import torch
+
+RECEIVE_WAIT_S = 30.0  # a peer that said it sent its descriptor: how long to wait for it
+
+
+@dataclass
+class Segment:
+    """One mapped box in this process: its address, its size in bytes, the driver's
+    handle and (exported boxes only) the descriptor peers import."""
+
+    ptr: int
+    size: int
+    handle: object = None
+    fd: int = -1
+    keep: object = None  # what keeps a host mapping alive (HostSegments)
+
+
+def _ok(result, what):
+    """The value of a ``cuda.bindings`` call's ``(status, value...)``; RuntimeError
+    naming the call otherwise."""
+    status, *values = result if isinstance(result, tuple) else (result,)
+    if int(status) != 0:
+        raise RuntimeError(f"{what} failed: CUDA error {int(status)} ({getattr(status, 'name', status)})")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class CudaSegments:
+    """cuMem boxes of this process's device. Invariant: every call runs with this
+    device's primary context current (torch's), and every location named is
+    ``self.ordinal``, this process's own device as its driver numbers it."""
+
+    def __init__(self, device, driver=None):
+        self.device = torch.device(device)
+        if driver is None:
+            from cuda.bindings import driver
+        self.cu = driver
+        with self._current():
+            self.ordinal = int(_ok(self.cu.cuCtxGetDevice(), "cuCtxGetDevice"))
+            for attr in ("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
+                         "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"):
+                code = getattr(self.cu.CUdevice_attribute, attr)
+                if not _ok(self.cu.cuDeviceGetAttribute(code, self.ordinal), attr):
+                    raise RuntimeError(f"{self.device}: the driver reports no {attr[20:].lower()}"
+                                       " (a mailbox is a cuMem allocation shared as a file "
+                                       "descriptor)")
+
+    @contextlib.contextmanager
+    def _current(self):
+        """This device's primary context current on this thread (torch makes it so)."""
+        if self.device.type != "cuda":  # a stand-in driver on the CPU
+            yield
+            return
+        with torch.cuda.device(self.device):
+            torch.cuda.init()
+            torch.empty(0, device=self.device)  # the runtime binds the primary context
+            yield
+
+    def _location(self, holder):
+        holder.type = self.cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        holder.id = self.ordinal
+
+    def _map(self, handle, size):
+        """Reserve, map and grant read/write to THIS device; undone on any failure."""
+        cu = self.cu
+        ptr = int(_ok(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
+        try:
+            _ok(cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+            try:
+                access = cu.CUmemAccessDesc()
+                self._location(access.location)
+                access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                _ok(cu.cuMemSetAccess(ptr, size, [access], 1), "cuMemSetAccess")
+            except Exception:
+                cu.cuMemUnmap(ptr, size)
+                raise
+        except Exception:
+            cu.cuMemAddressFree(ptr, size)
+            raise
+        return ptr
+
+    def create(self, nbytes):
+        """A new box of at least ``nbytes`` on this device, mapped here, exported."""
+        cu = self.cu
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        self._location(prop.location)
+        posix = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        prop.requestedHandleTypes = posix
+        with self._current():
+            grain = int(_ok(cu.cuMemGetAllocationGranularity(
+                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                "cuMemGetAllocationGranularity"))
+            size = -(-nbytes // grain) * grain
+            handle = _ok(cu.cuMemCreate(size, prop, 0), "cuMemCreate")
+            try:
+                ptr = self._map(handle, size)
+                try:
+                    fd = int(_ok(cu.cuMemExportToShareableHandle(handle, posix, 0),
+                                 "cuMemExportToShareableHandle"))
+                except Exception:
+                    cu.cuMemUnmap(ptr, size)
+                    cu.cuMemAddressFree(ptr, size)
+                    raise
+            except Exception:
+                cu.cuMemRelease(handle)
+                raise
+        return Segment(ptr, size, handle, fd)
+
+    def open(self, fd, size):
+        """A peer's exported box, mapped in this process for this device."""
+        cu = self.cu
+        with self._current():
+            handle = _ok(cu.cuMemImportFromShareableHandle(
+                fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                "cuMemImportFromShareableHandle")
+            try:
+                return Segment(self._map(handle, size), size, handle)
+            except Exception:
+                cu.cuMemRelease(handle)
+                raise
+
+    def close(self, segment):
+        """Unmap and drop this process's references (the pages go when no process
+        maps or holds them any more)."""
+        cu = self.cu
+        with self._current():
+            cu.cuMemUnmap(segment.ptr, segment.size)
+            cu.cuMemAddressFree(segment.ptr, segment.size)
+            cu.cuMemRelease(segment.handle)
+        if segment.fd >= 0:
+            os.close(segment.fd)
+            segment.fd = -1
+
+    def tensor(self, segment, count):
+        """``count`` int32 words at the segment, as a tensor of this device (it does
+        not own the memory: ``close`` does)."""
+        if hasattr(self.cu, "tensor"):  # a stand-in driver's host memory
+            return self.cu.tensor(segment.ptr, count)
+        return torch.as_tensor(_CudaArray(segment.ptr, count), device=self.device)
+
+
+class _CudaArray:
+    """``__cuda_array_interface__`` of int32 words at a device address (torch.as_tensor)."""
+
+    def __init__(self, ptr, count):
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<i4",
+                                         "data": (int(ptr), False), "version": 2,
+                                         "strides": None}
+
+
+class HostSegments:
+    """The same contract over memfd shared memory: boxes of CPU-device mailboxes (the
+    CPU test bed's ranks). An import maps the exporter's pages, which stay while mapped,
+    as a cuMem import does."""
+
+    ordinal = -1
+
+    def create(self, nbytes):
+        fd = os.memfd_create("lamport-head-box")
+        os.ftruncate(fd, nbytes)
+        return self._mapped(fd, nbytes, exported=True)
+
+    def open(self, fd, size):
+        return self._mapped(fd, size, exported=False)
+
+    @staticmethod
+    def _mapped(fd, size, exported):
+        view = mmap.mmap(fd, size)
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        return Segment(ptr, size, fd=fd if exported else -1, keep=view)
+
+    def close(self, segment):
+        segment.keep = None  # the mapping goes with the last tensor over it
+        if segment.fd >= 0:
+            os.close(segment.fd)
+            segment.fd = -1
+
+    def tensor(self, segment, count):
+        return torch.frombuffer(segment.keep, dtype=torch.int32, count=count)
+
+
+def segments_for(device):
+    """The peer-memory implementation for a mailbox on ``device``."""
+    return CudaSegments(device) if torch.device(device).type == "cuda" else HostSegments()
+
+
+class FdChannel:
+    """This process's inbox for its peers' descriptors: an abstract-namespace Unix
+    datagram socket, bound at construction (before the ranks exchange names)."""
+
+    def __init__(self):
+        self.name = f"\0lamport-head-{os.getpid()}-{secrets.token_hex(8)}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.name)
+
+    def send(self, to, rank, fd):
+        """``fd`` to the channel named ``to``, from ``rank`` (the message says who)."""
+        import array
+
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+        self.sock.sendmsg([struct.pack("<i", rank)], rights, 0, to)
+
+    def receive(self, ranks, wait_s=RECEIVE_WAIT_S):
+        """``{rank: fd}`` from each of ``ranks``; RuntimeError naming the ranks whose
+        descriptor did not come within ``wait_s``."""
+        import time
+
+        got, end = {}, time.monotonic() + wait_s
+        want = set(ranks)
+        try:
+            while not want <= got.keys():
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"no mailbox descriptor from rank(s) "
+                                       f"{sorted(want - got.keys())} within {wait_s:g} s")
+                self.sock.settimeout(left)
+                try:
+                    msg, fds, _, _ = socket.recv_fds(self.sock, 4, 1)
+                except socket.timeout:
+                    continue
+                if len(msg) != 4 or len(fds) != 1:
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                (rank,) = struct.unpack("<i", msg)
+                if rank in got or rank not in want:
+                    os.close(fds[0])
+                    continue
+                got[rank] = fds[0]
+        except Exception:
+            for fd in got.values():
+                os.close(fd)
+            raise
+        return got
+
+    def close(self):
+        self.sock.close()
+
+
+# ---- which GPUs reach which: by UUID, through NVML ---------------------------------
+
+_P2P_WRITE, _P2P_ATOMICS = 1, 3  # nvmlGpuP2PCapsIndex_t
+_P2P_STATUS = {0: "ok", 1: "chipset not supported", 2: "GPU not supported",
+               3: "IOH topology not supported", 4: "disabled by regkey", 5: "not supported",
+               6: "unknown"}
+
+
+def _nvml():
+    lib = ctypes.CDLL("libnvidia-ml.so.1")
+    if lib.nvmlInit_v2() != 0:
+        raise RuntimeError("nvmlInit failed")
+    return lib
+
+
+def nvml_uuid(uuid):
+    """NVML's spelling of a GPU UUID (``GPU-`` and the dashed hex)."""
+    text = str(uuid)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+def p2p_status(a, b, nvml=None):
+    """Whether GPU ``a`` can store into and do atomics on GPU ``b``'s memory, asked of
+    NVML by UUID (it sees every GPU of the host, whatever this process may see):
+    ``(True, "")``, ``(False, why)``, or ``(None, why)`` when NVML cannot tell."""
+    try:
+        lib = nvml or _nvml()
+        handles = []
+        for uuid in (a, b):
+            handle = ctypes.c_void_p()
+            code = lib.nvmlDeviceGetHandleByUUID(nvml_uuid(uuid).encode(), ctypes.byref(handle))
+            if code != 0:
+                return None, f"NVML knows no GPU {nvml_uuid(uuid)} (error {code})"
+            handles.append(handle)
+        for index, what in ((_P2P_WRITE, "peer stores"), (_P2P_ATOMICS, "peer atomics")):
+            status = ctypes.c_int()
+            code = lib.nvmlDeviceGetP2PStatus(handles[0], handles[1], index, ctypes.byref(status))
+            if code != 0:
+                return None, f"NVML could not tell (error {code})"
+            if status.value != 0:
+                return False, f"no {what}: {_P2P_STATUS.get(status.value, status.value)}"
+        return True, ""
+    except OSError as exc:
+        return None, f"NVML unavailable ({exc})"
+
+
+__all__ = ["CudaSegments", "HostSegments", "FdChannel", "Segment", "segments_for",
+           "p2p_status", "nvml_uuid", "RECEIVE_WAIT_S"]
