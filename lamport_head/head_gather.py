@@ -44,7 +44,11 @@ Invariants a change must keep:
   runs no ``__call__``: its caller ``poll()``s first.
 - Construction is collective on real ranks, and never strands a peer: the local
   part (checks, compile, occupancy, allocation) runs first, the ranks agree, then the
-  mailboxes are mapped, the ranks agree again, arm, and meet at a barrier.
+  mailboxes are mapped, the ranks agree again, arm, and meet at a barrier. Every step
+  (the backend's facts, compile, allocation, mapping, arm + sync) runs under the
+  start-up deadline (``mailbox.RENDEZVOUS_WAIT_S``) with its collectives kept on the
+  constructing thread (``collective.step``): a rank blocking in one fails it at the
+  deadline and every rank raises, within it.
 - What each row count launches is ``plan.plan``'s answer, checked against
   ``plan.co_resident_limit`` (every CTA of every rank sharing the device resident at
   once); the compiler and the driver are reached only through ``KERNELS``.
@@ -54,7 +58,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .collective import agree, attempt
+from .collective import agree, attempt, step
 from .config import GatherConfig
 from .kernels.arch import has_pdl
 from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, DEFAULT_UNROLL,
@@ -169,23 +173,34 @@ class HeadGather:
                 raise ValueError(f"the shared mailbox holds {mailbox.cap} rows, not {self.cap}")
             self.box = mailbox
         else:
+            # Each step below can fail or block on one rank alone: it runs under the
+            # start-up deadline (``_start_up``: the rendezvous', ``mailbox.RENDEZVOUS_WAIT_S``)
+            # and the ranks agree after it, so a rank blocking in one takes every rank to
+            # the same error within that deadline instead of holding them in the next
+            # collective (gloo's own timeout: 30 min).
+            def bounded(what, fn, *args):
+                return attempt(self._start_up, what, fn, *args)
+
             # the backend and how many ranks share this GPU: gathered facts, the same
             # on every rank (a rank whose facts failed makes every rank raise)
-            kind, sharing = choose_backend(group, self.device, backend)
-            _, error = attempt(self._prepare, tp, rank, shard, rows, ctas, knobs, pdl, sharing,
-                               budget_s)
+            backend_of, error = bounded("describing the ranks' GPUs", choose_backend, group,
+                                        self.device, backend)
+            agree(error, group, self.device, "to describe its GPU")
+            kind, sharing = backend_of
+            _, error = bounded("building the gather (checks, compile, occupancy)", self._prepare,
+                               tp, rank, shard, rows, ctas, knobs, pdl, sharing, budget_s)
             agree(error, group, self.device, "to build the gather (checks, compile, occupancy)")
-            box, error = attempt(MAILBOXES[kind], group, self.device, tp, rank, self.cap,
-                                 self.width // 2)
+            box, error = bounded(f"allocating its {kind} mailbox", MAILBOXES[kind], group,
+                                 self.device, tp, rank, self.cap, self.width // 2)
             agree(error, group, self.device, f"to allocate its {kind} mailbox")
-            _, error = attempt(box.connect)
+            _, error = bounded(f"mapping the peers' {kind} mailboxes", box.connect)
             agree(error, group, self.device, f"to map the peers' {kind} mailboxes")
 
             def arm():
                 box.arm()
                 torch.cuda.synchronize(self.device)
 
-            _, error = attempt(arm)
+            _, error = bounded("arming its mailbox", arm)
             agree(error, group, self.device, "to arm its mailbox")  # also: every rank armed
             self.box = box
         self._peers = self.box.peers.data_ptr()  # the kernel reads the table by address
@@ -198,6 +213,16 @@ class HeadGather:
                                 stop_after_s=budget_s / (1 << STOP_SHIFT) + STOP_GRACE_S,
                                 stuck_after_s=budget_s / 2 + STOP_GRACE_S) \
             if mode == SERVING else None
+
+    def _start_up(self, what, fn, *args):
+        """``fn(*args)``, one start-up step of this rank, under the start-up deadline
+        (``mailbox.RENDEZVOUS_WAIT_S``, read now): ``collective.step`` (its collectives
+        stay on this thread; a step given up on never enters one later), with this
+        gather's CUDA device current in its threads."""
+        from .mailbox import RENDEZVOUS_WAIT_S
+
+        scope = (lambda: torch.cuda.device(self.device)) if self.device.type == "cuda" else None
+        return step(RENDEZVOUS_WAIT_S, f"lamport-head start-up: {what}", fn, *args, scope=scope)
 
     def _prepare(self, tp, rank, shard, rows, ctas, knobs, pdl, sharing, budget_s):
         """Everything that can fail on this rank alone: checks, the plan (compile,

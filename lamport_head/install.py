@@ -123,7 +123,7 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
         logger.info("lamport-head: stock logits gather: %s", why)
         return ()
     shard = site.weight.shape[0]
-    name, view, vote = _local_vote(tp, dcp, device, rows)
+    name, view, vote = _bounded_vote(tp, dcp, device, rows)
     # Collective 1: agree on the plan and on whether to measure first. Every rank gets
     # here, whatever it read or failed at: a rank deciding alone would be missing from
     # the mailbox's (or the sweep's) collectives its peers enter next.
@@ -250,6 +250,21 @@ def decode_rows(requests, per_request):
 
     top = MAX_ROWS if requests is None else min(int(requests) * int(per_request), MAX_ROWS)
     return tuple(range(1, top + 1))
+
+
+def _bounded_vote(tp, dcp, device, rows):
+    """``_local_vote`` under the start-up deadline (``mailbox.RENDEZVOUS_WAIT_S``): a
+    rank whose reading blocks (a table on a hung file system, a device query) still
+    reaches the agreement in time, its vote's reason saying so, and every rank stays
+    stock; the reading left behind touches nothing its peers see."""
+    from .collective import within
+    from .mailbox import RENDEZVOUS_WAIT_S
+
+    try:
+        return within(RENDEZVOUS_WAIT_S, "reading the tables and settings (install's vote)",
+                      _local_vote, tp, dcp, device, rows)
+    except TimeoutError as exc:
+        return None, None, _Vote(None, None, f"TimeoutError: {exc}", settings.forced())
 
 
 def _local_vote(tp, dcp, device, rows):
