@@ -11,6 +11,11 @@ phase; a failure inside the rendezvous leaves its peers waiting in a later phase
 caller can set, which only the rendezvous' deadline ends. Every rank
 must come out stock, with one warning naming the failing rank, before the spawn
 deadline, and then meet its peers in the next collective.
+
+Issue 29 item 4: a rank that blocks (not raises) in any start-up step (install's
+vote, the backend's facts, compile/prepare, allocation, the descriptor's send, the
+peer's mapping, arm, the sync after it) holds no peer past the start-up deadline,
+and the thread left blocked never enters a collective once it unblocks.
 """
 
 import itertools
@@ -78,21 +83,20 @@ def _phased_symmetric_memory(rank, phase, failing):
 
 
 def _inject_ipc(rank, phase, failing):
-    import multiprocessing.reduction as reduction
+    from lamport_head import peermem
 
-    torch.multiprocessing.set_sharing_strategy("file_system")  # no fd passing between ranks
     if rank != failing:
         return
-    if phase == "export":
+    if phase == "export":  # sending this box's descriptor to the peers
         def refuse(*args, **kwargs):
-            raise RuntimeError("injected: cannot export an IPC handle")
+            raise RuntimeError("injected: cannot send the mailbox's descriptor")
 
-        reduction.ForkingPickler.dumps = refuse
-    elif phase == "map":
-        def cannot_open(blob):
-            raise RuntimeError("injected: cannot open a peer's IPC handle")
+        peermem.FdChannel.send = refuse
+    elif phase == "map":  # mapping a peer's box from its descriptor
+        def cannot_open(*args, **kwargs):
+            raise RuntimeError("injected: cannot map a peer's mailbox")
 
-        mailbox.pickle = types.SimpleNamespace(loads=cannot_open)
+        peermem.HostSegments.open = cannot_open
     elif phase == "arm":
         def cannot_arm(self):
             raise RuntimeError("injected: cannot arm the mailbox")
@@ -100,14 +104,62 @@ def _inject_ipc(rank, phase, failing):
         mailbox.IpcMailbox.arm = cannot_arm
 
 
-def _worker(rank, nprocs, table, backend, phase, failing):
+BLOCK_S = 8.0  # how long a blocking step blocks: far past the deadline (WAIT_S + 3 s)
+BLOCKING_STEPS = ("vote", "describe", "prepare", "alloc", "export", "map", "arm", "sync")
+
+
+def _block_ipc(rank, phase, blocking):
+    """Rank ``blocking`` blocks ``BLOCK_S`` (never raises) in one start-up step:
+    "vote" reading its device for install's vote, "describe" its GPU's facts for the
+    backend, "prepare" the compile, "alloc" the mailbox's allocation, "export"
+    sending its box's descriptor (between the two exchanges), "map" mapping a peer's
+    (after them), "arm" the box, "sync" the device sync after arming."""
+    from lamport_head import peermem
+
+    if rank != blocking:
+        return
+
+    def blocked(fn):
+        def call(*args, **kwargs):
+            time.sleep(BLOCK_S)
+            return fn(*args, **kwargs)
+
+        return call
+
+    if phase in ("vote", "describe"):
+        key, calls = mailbox.device_key, itertools.count()
+        first = phase == "vote"  # install's vote reads it first, the backend's facts next
+
+        def device_key(device):
+            if (next(calls) == 0) == first:
+                time.sleep(BLOCK_S)
+            return key(device)
+
+        mailbox.device_key = device_key
+    elif phase == "prepare":
+        head_gather.KERNELS.compiled = blocked(head_gather.KERNELS.compiled)
+    elif phase == "alloc":
+        mailbox.IpcMailbox._allocate = blocked(mailbox.IpcMailbox._allocate)
+    elif phase == "export":
+        peermem.FdChannel.send = blocked(peermem.FdChannel.send)
+    elif phase == "map":
+        peermem.HostSegments.open = blocked(peermem.HostSegments.open)
+    elif phase == "arm":
+        mailbox.IpcMailbox.arm = blocked(mailbox.IpcMailbox.arm)
+    elif phase == "sync":
+        torch.cuda.synchronize = blocked(torch.cuda.synchronize)
+
+
+def _worker(rank, nprocs, table, backend, phase, failing, blocking=None):
     os.environ["LAMPORT_HEAD_TABLE"] = table
     os.environ[mailbox.BACKEND_ENV] = backend
     fake_cuda(setattr, rank, "ok")
     head_gather.MAILBOXES = {"ipc": mailbox.IpcMailbox, "symmetric": mailbox.SymmetricMailbox}
     mailbox.RENDEZVOUS_WAIT_S = WAIT_S
     mailbox._symmetric_available = lambda: True
-    if backend == "symmetric":
+    if blocking is not None:
+        _block_ipc(rank, phase, blocking)
+    elif backend == "symmetric":
         _phased_symmetric_memory(rank, phase, failing)
     else:
         _inject_ipc(rank, phase, failing)
@@ -120,14 +172,27 @@ def _worker(rank, nprocs, table, backend, phase, failing):
     took = time.monotonic() - started
     t = torch.tensor([1])
     dist.all_reduce(t)  # the program's next collective: every rank gets here
-    return {"served": list(served), "took_s": took, "met": int(t.item()),
+    met = int(t.item())
+    if blocking is not None:
+        # the blocked step's thread left behind: once it unblocks it must enter no
+        # collective; the program's later collectives keep meeting (a stray one
+        # would pair with one of them and corrupt it, or hang)
+        time.sleep(max(0.0, BLOCK_S + 2 - (time.monotonic() - started)))
+        later = []
+        for value in (rank + 1, 10 * (rank + 1)):
+            t = torch.tensor([value])
+            dist.all_reduce(t)
+            later.append(int(t.item()))
+    return {"served": list(served), "took_s": took, "met": met,
+            "later": later if blocking is not None else None,
             "warnings": [x for x in seen if "stays stock" in x]}
 
 
-def _run(tmp_path, backend, phase, failing=1, nprocs=3):
+def _run(tmp_path, backend, phase, failing=1, nprocs=3, blocking=None):
     table = tmp_path / "t.yaml"
     table.write_text(TABLE.replace("tp: 2", f"tp: {nprocs}"))
-    return spawn(_worker, nprocs, tmp_path, str(table), backend, phase, failing, deadline_s=90)
+    return spawn(_worker, nprocs, tmp_path, str(table), backend, phase, failing, blocking,
+                 deadline_s=90)
 
 
 @pytest.mark.parametrize("backend,phase", [("symmetric", p) for p in SYMMETRIC_PHASES]
@@ -151,3 +216,23 @@ def test_with_no_failure_every_rank_serves(tmp_path, backend):
     cases above fail for the injected reason, not for the stand-ins)."""
     for r in _run(tmp_path, backend, phase="none"):
         assert r["served"] == [1, 2, 4] and r["met"] == 3 and r["warnings"] == [], r
+
+
+@pytest.mark.parametrize("phase", BLOCKING_STEPS)
+def test_one_rank_blocking_in_any_start_up_step_leaves_every_rank_stock_in_time(tmp_path, phase):
+    """Issue 29 item 4: a rank that blocks (never raises) in a start-up step holds no
+    peer past the start-up deadline: every rank comes out stock within it, with one
+    warning each, meets the others in the program's next collective, and the thread
+    left blocked, once it unblocks, enters no collective (the later sums are right).
+    On 0a45b23 the block held every rank for its whole length."""
+    results = _run(tmp_path, "ipc", phase, blocking=1)
+    for rank, r in enumerate(results):
+        assert r["served"] == [] and r["met"] == 3, r
+        assert len(r["warnings"]) == 1, r["warnings"]  # one line per rank
+        if rank == 1:  # the blocked rank names the step that did not return
+            assert "TimeoutError" in r["warnings"][0], r
+        else:  # its peers name it, or say another rank failed
+            assert "rank 1" in r["warnings"][0] or "another rank failed" in r["warnings"][0], r
+        # within the deadline (one step's; scheduling slack), far under the block
+        assert r["took_s"] < WAIT_S + 3, r
+        assert r["later"] == [6, 60], r
