@@ -9,8 +9,10 @@ process does). Each rank runs SGLang's ``load_plugins()`` (our entry point
 its kernel is a CPU stand-in that moves the shards as the protocol does (over gloo,
 every word unchanged but the sentinel, sent as (+0, +0)).
 
-Checked per rank: the plugin route (the hook through ``ModelRunner.load_model``) and the
-explicit call (``install_sglang_logits_gather`` on a model with SGLang's defaults); on
+Checked per rank: the plugin route (the hook through ``ModelRunner.load_model``; its rows
+from SGLang's ``--max-running-requests`` 2: rows 1-2 of the table's 1, 2, 4) and the
+explicit call (``install_sglang_logits_gather`` on a model with SGLang's defaults: the
+table's rows); on
 fresh data with planted -0.0/NaN/Inf words (``reference.planted``), the routed rows
 bitwise SGLang's own ``_logits_gatherer`` output (sentinel words scrubbed, the protocol's
 one change) and every other row SGLang's own result, bitwise, through the gatherer, an
@@ -36,7 +38,9 @@ from engine_cpu import HOST_ISA_ENV, HOST_ISAS
 from sglang_cpu import prepare_rank, require_sglang
 from tables import TWO_RANKS as TABLE
 
-SERVED = [1, 2, 4]
+SERVED = [1, 2, 4]  # the table's enabled rows: the explicit call's, which passes no rows
+REQUESTS = 2  # --max-running-requests: the plugin serves rows 1 .. 2 x 1 row a request
+PLUGIN_SERVED = [1, 2]
 ROWS = [1, 2, 3, 4, 5]
 VOCAB, HIDDEN = 1000, 64  # SGLang pads the vocab to 1024: 512 rows a rank, rank 1's last 24 padding
 DEADLINE_S = 240
@@ -171,7 +175,7 @@ def _scenarios(rank, tp, run):
     # the scheduler process's order: publish, logging, the parallel runtime, the runner
     args = ServerArgs(model_path=f"{run}/llama", device="cpu", tp_size=tp, load_format="dummy",
                       skip_tokenizer_init=True, dtype="bfloat16", disable_cuda_graph=True,
-                      mem_fraction_static=0.5)
+                      mem_fraction_static=0.5, max_running_requests=REQUESTS)
     args.resolve_once()
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=None, gpu_id=rank))
     configure_logger(args, prefix=f" TP{rank}")
@@ -361,7 +365,7 @@ def _sections(log):
     return dict(zip(parts[1::2], parts[2::2]))
 
 
-def _assert_rows(gather, what):
+def _assert_rows(gather, what, served):
     """Served rows: the stand-in kernel ran once and gave SGLang's bytes, sentinels
     scrubbed (and sentinels were planted, so that differs from SGLang's own); the other
     rows: SGLang's own bytes, no kernel. FP32: SGLang's own, always."""
@@ -369,18 +373,19 @@ def _assert_rows(gather, what):
     for m, row in gather.items():
         assert row["sentinels"] > 0, (what, m)  # planted: scrubbed != stock
         assert row["fp32_stock"], (what, m)
-        if int(m) in SERVED:
+        if int(m) in served:
             assert row["kernel"] == 1 and row["scrubbed"] and not row["stock"], (what, m, row)
             assert row["poisoned_launch"], (what, m)
         else:
             assert row["kernel"] == 0 and row["stock"] and not row["scrubbed"], (what, m, row)
 
 
-def _assert_processor(processor, what):
+def _assert_processor(processor, what, served):
+    assert sorted(processor) == [str(m) for m in ROWS], what
     for m, row in processor.items():
         assert row["equal"], (what, m)
         assert row["shape"] == [int(m), VOCAB] and row["dtype"] == "torch.float32", (what, m)
-        assert row["kernel"] == (1 if int(m) in SERVED else 0), (what, m, row)
+        assert row["kernel"] == (1 if int(m) in served else 0), (what, m, row)
 
 
 def test_plugin_hooks_sglangs_model_runner_once(ranks):
@@ -393,20 +398,21 @@ def test_plugin_hooks_sglangs_model_runner_once(ranks):
 def test_plugin_route_through_a_real_load_model(ranks):
     for r in ranks[1]:
         p = r["plugin"]
-        assert p["model"] == "LlamaForCausalLM" and p["served"] == SERVED
+        # rows_from_sglang: SGLang's max running requests x its rows per decode request
+        assert p["model"] == "LlamaForCausalLM" and p["served"] == PLUGIN_SERVED
         assert p["routed"] and p["polled"] == [True]
         assert p["shard"] == [512, HIDDEN]  # V=1000 padded to 1024, 512 rows a rank
-        _assert_rows(p["gather"], "plugin")
-        _assert_processor(p["processor"], "plugin")
+        _assert_rows(p["gather"], "plugin", PLUGIN_SERVED)
+        _assert_processor(p["processor"], "plugin", PLUGIN_SERVED)
 
 
 def test_explicit_call(ranks):
     for r in ranks[1]:
-        assert r["again"] == {"served": SERVED, "same": True, "polled": 1}
-        e = r["explicit"]
+        assert r["again"] == {"served": PLUGIN_SERVED, "same": True, "polled": 1}
+        e = r["explicit"]  # rows=None: every enabled row of the table
         assert e["served"] == SERVED and e["own_gather"]
-        _assert_rows(e["gather"], "explicit")
-        _assert_processor(e["processor"], "explicit")
+        _assert_rows(e["gather"], "explicit", SERVED)
+        _assert_processor(e["processor"], "explicit", SERVED)
 
 
 def test_update_model_fields(ranks):
@@ -414,8 +420,8 @@ def test_update_model_fields(ranks):
         assert r["update_same"] == {"same": True, "stock_kept": True}
         u = r["update_new"]
         assert u["new_object"] and u["same_gather"]
-        _assert_rows(u["gather"], "update_new")
-        _assert_processor(u["processor"], "update_new")
+        _assert_rows(u["gather"], "update_new", PLUGIN_SERVED)  # the gather built at load
+        _assert_processor(u["processor"], "update_new", PLUGIN_SERVED)
 
 
 def test_eagle_draft_runner_stays_stock(ranks):
@@ -440,9 +446,10 @@ def test_log_lines_reach_sglangs_handler(ranks):
         mine = [line for line in log.splitlines() if "lamport-head" in line]
         registered = [x for x in mine if "logits gather hooks registered" in x]
         assert len(registered) == 1 and f"TP{rank}" in registered[0], mine
-        routed = r"Lamport logits gather on NVIDIA H200 (tp=2, dcp=1) for rows (1, 2, 4)"
-        assert sum(routed in x for x in sections["plugin"].splitlines()) == 1, sections["plugin"]
-        assert sum(routed in x for x in sections["explicit"].splitlines()) == 1
+        routed = "Lamport logits gather on NVIDIA H200 (tp=2, dcp=1) for rows {}"
+        plugin, explicit = routed.format("(1, 2)"), routed.format("(1, 2, 4)")
+        assert sum(plugin in x for x in sections["plugin"].splitlines()) == 1, sections["plugin"]
+        assert sum(explicit in x for x in sections["explicit"].splitlines()) == 1
         assert "the new model's gather routed again" in sections["update_new"]
         assert "SGLang draft model: stock logits gather" in sections["draft"]
 
