@@ -136,6 +136,21 @@ def load_function(cubin: bytes, name: str, context: int, smem: int = 0) -> int:
     return int(function)
 
 
+def bind_primary_context(index: int) -> int:
+    """Make device ``index``'s primary context (the one torch's runtime uses) current on
+    the calling thread, and return it. Torch makes it current lazily, at its first
+    runtime call that needs one: switching torch's current device or stream does not,
+    so a thread whose first CUDA work is a driver call (load a kernel, map a mailbox)
+    binds it here first, as vLLM's cuMem allocator does."""
+    from cuda.bindings import driver as cu
+
+    checked((*cu.cuInit(0), None), "cuInit")
+    device = checked(cu.cuDeviceGet(index), "cuDeviceGet")
+    context = checked(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+    checked((*cu.cuCtxSetCurrent(context), None), "cuCtxSetCurrent")
+    return int(context)
+
+
 def current_context() -> int:
     """The calling thread's current CUDA context handle (0: none)."""
     handle = ctypes.c_void_p()

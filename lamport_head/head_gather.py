@@ -107,9 +107,10 @@ class DeviceKernels:
         context (torch's). Called as ``launcher(shard, out, peers, rank, ctas, budget,
         status, stream)``."""
         from .kernels import DriverLaunch
+        from .kernels.launch import bind_primary_context
 
         with torch.cuda.device(device):
-            torch.cuda.current_stream()  # makes torch's primary context current
+            bind_primary_context(torch.device(device).index)
             return DriverLaunch(compiled)
 
     def resident(self, compiled, device) -> int:

@@ -42,12 +42,11 @@ def resident_ctas(cubin: bytes, name: str, threads: int, device_index: int,
     loads it (``kernels.launch.load_function``): once per context."""
     from cuda.bindings import driver as cu
 
-    from .kernels.launch import checked, current_context, load_function
+    from .kernels.launch import bind_primary_context, checked, load_function
 
     torch.cuda.init()
     with torch.cuda.device(device_index):
-        torch.cuda.current_stream()  # makes torch's primary context current
-        function = load_function(cubin, name, current_context(), smem)
+        function = load_function(cubin, name, bind_primary_context(device_index), smem)
         per_sm = checked(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, smem),
                          "cuOccupancyMaxActiveBlocksPerMultiprocessor")
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -94,9 +94,10 @@ class CudaSegments:
         if self.device.type != "cuda":  # a stand-in driver on the CPU
             yield
             return
+        from .kernels.launch import bind_primary_context
+
         with torch.cuda.device(self.device):
-            torch.cuda.init()
-            torch.empty(0, device=self.device)  # the runtime binds the primary context
+            bind_primary_context(self.device.index)
             yield
 
     def _location(self, holder):

@@ -27,12 +27,11 @@ def _port():
         return s.getsockname()[1]
 
 
-def launch(n, *args, timeout=300, program=None):
-    """``n`` ranks of the real-rank tool (or of ``program``, argv before ``args``);
-    (return codes, stdout+stderr per rank, wall s)."""
+def start(n, *args, program=None):
+    """``n`` ranks of the real-rank tool (or of ``program``, argv before ``args``),
+    started with torchrun's environment; their processes."""
     port = _port()
     procs = []
-    start = time.monotonic()
     for rank in range(n):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
                    LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -44,6 +43,19 @@ def launch(n, *args, timeout=300, program=None):
         procs.append(subprocess.Popen([sys.executable, *argv, *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
+    return procs
+
+
+def launch(n, *args, timeout=300, program=None):
+    """``n`` ranks of the real-rank tool (or of ``program``, argv before ``args``);
+    (return codes, stdout+stderr per rank, wall s)."""
+    start_s = time.monotonic()
+    return finish(start(n, *args, program=program), start_s, timeout)
+
+
+def finish(procs, start, timeout):
+    """Wait for ``procs`` (a hang past ``timeout`` s from ``start`` fails the test);
+    (return codes, outputs, wall s)."""
     outs, codes = [], []
     for p in procs:
         try:
@@ -216,3 +228,47 @@ def test_engine_shaped_steps_with_a_peer_slow_inside_the_budget_all_go_on(n):
     assert codes == [0] * n, _show(outs)
     for r in reports:
         assert r["error"] is None and r["steps"] == steps and r["wrong"] == 0, _show(outs)
+
+
+CANARY = [os.path.join(os.path.dirname(__file__), "canary.py")]
+
+
+def test_a_dead_peers_box_never_becomes_another_processs_memory():
+    """Issue 28 item 3: rank 2 of 3 dies mid-run (serving mode, engine-shaped steps);
+    as soon as it is gone a canary process takes most of the GPU's free memory and fills
+    it with a pattern, before the survivors give up and mark every rank's box (3/4 of
+    the budget). The survivors stop as ever, no wrong token on a host, and not one
+    canary word changed: the survivors' mappings hold the dead rank's pages (cuMem:
+    freed only when the last mapping and handle go), so its box was not the canary's."""
+    n, budget, at, dead = 3, 10.0, 30, 2
+    begun = time.monotonic()
+    procs = start(n, "--steps", "400", "--at", str(at), "--budget", str(budget), "--vocab", VOCAB3,
+                  "--kill-rank", str(dead), program=ENGINE_STEP)
+    while procs[dead].poll() is None:
+        assert time.monotonic() - begun < 180, "the rank to kill never exited"
+        time.sleep(0.02)
+    gone = time.monotonic()
+    canary = subprocess.Popen([sys.executable, *CANARY], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ready = canary.stdout.readline()
+    ready_s = time.monotonic() - gone
+    codes, outs, _ = finish(procs, begun, 240)
+    out, _ = canary.communicate("check\n", timeout=120)
+    reports = _engine_reports(outs)
+    import json
+
+    lines = [x for x in out.splitlines() if x.startswith("canary ")]
+    assert lines, f"the canary did not report: {ready}{out}"
+    found = json.loads(lines[0][7:])
+    print(f"\n  {ready.strip()}, {ready_s:.1f} s after rank {dead} died; changed words: "
+          f"{found['changed']}")
+    for r, code in zip(reports, codes):
+        print(f"  rank {r['rank']} (exit {code}): {r['steps']} steps, {r['wrong']} wrong; "
+              f"stopped {r.get('stopped_after_s')} s into step {r.get('failed_step')}")
+    assert ready.startswith("canary ready") and found["words"] > (1 << 28), out
+    assert ready_s < 0.7 * budget, "the canary was not in place before the give-up's marks"
+    assert found["changed"] == 0
+    assert sum(r["wrong"] for r in reports) == 0, _show(outs)
+    for r in reports:
+        if not r.get("killed"):
+            assert r["error"] is not None and r["stopped_after_s"] < budget + 1.0, _show(outs)
