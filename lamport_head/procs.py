@@ -2,12 +2,15 @@
 
 ``init_ranks()`` maps each local rank to a GPU and starts the process group:
 
-- as many GPUs as local ranks (or more): rank i on GPU i, NCCL; the mailbox picks
-  symmetric memory;
-- fewer GPUs than local ranks (say N processes on ONE GPU): local rank i on GPU
-  ``i % count``, gloo (NCCL refuses two ranks on one GPU), and the mailbox picks
-  CUDA IPC (symmetric memory refuses too). The contexts time-slice the GPU, so this
-  mode proves correctness across real processes and says nothing about speed.
+- as many GPUs as local ranks (or more): rank i on GPU i, NCCL;
+- fewer GPUs than local ranks: N processes on ONE GPU (local rank i on GPU
+  ``i % count``; NCCL refuses two ranks on one GPU), or one GPU visible per process
+  (``CUDA_VISIBLE_DEVICES`` per rank: every rank's GPU is its index 0): gloo either
+  way. Shared, the contexts time-slice the GPU, so that mode proves correctness
+  across real processes and says nothing about speed.
+
+The mailbox is ``ipc`` on one host in every case; it tells the two shapes apart by
+the GPUs' UUIDs (``mailbox.choose_backend``), not by these indices.
 
 NVLink multicast stays off in every process (set before the group starts).
 """

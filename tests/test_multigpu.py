@@ -56,3 +56,51 @@ def test_stock_layout_is_cat_of_ranks_on_gloo(tmp_path):
     want = torch.cat([torch.arange(6, dtype=torch.float32).reshape(3, 2) + 100 * r for r in range(2)], 1)
     for r in range(2):
         assert torch.equal(torch.load(f"{out}.{r}"), want)
+
+
+# ---- issue 28: what only several GPUs can show (scripts/multigpu.sh runs these) ------
+
+def _ranks_for(gpus):
+    return 4 if gpus >= 4 else 2
+
+
+@pytest.mark.multigpu
+def test_each_process_holds_a_context_on_its_own_gpu_only():
+    """Each rank maps its peers in its own context: nvidia-smi lists every rank's
+    process on its own GPU and no other (torch's CUDA tensor sharing put a context of
+    every process on every peer GPU)."""
+    if _gpus() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {_gpus()}")
+    from launch import OWN_GPU, launch, show
+
+    n = _ranks_for(_gpus())
+    codes, outs, _ = launch(n, "--install", "--contexts", "--calls", "60", gpus=OWN_GPU)
+    assert codes == [0] * n, show(outs)
+    assert f"ranks contexts: tp={n}: every rank's process holds a context on its own GPU only" \
+        in outs[0], show(outs)
+
+
+@pytest.mark.multigpu
+def test_one_visible_gpu_per_process_serves_bitwise():
+    """Launched as Ray, SLURM and Kubernetes do (each process sees only its GPU, as its
+    index 0): the peer check by UUID passes and install serves every enabled row,
+    bitwise (0a45b23 asked about GPUs (0, 0) and every rank went stock)."""
+    if _gpus() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {_gpus()}")
+    from launch import ONLY_OWN_VISIBLE, launch, show
+
+    n = _ranks_for(_gpus())
+    codes, outs, _ = launch(n, "--install", "--calls", "60", gpus=ONLY_OWN_VISIBLE)
+    assert codes == [0] * n, show(outs)
+    line = next(x for x in outs[0].splitlines() if x.startswith("ranks install:"))
+    assert "none (stock)" not in line and "FAILED" not in line and codes == [0] * n, line
+
+
+@pytest.mark.multigpu
+def test_a_dead_peers_box_never_becomes_another_processs_memory_on_its_gpu():
+    """Issue 28 item 3 with a GPU per rank: the canary takes the dead rank's GPU."""
+    if _gpus() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {_gpus()}")
+    from launch import OWN_GPU, canary_case
+
+    canary_case(_ranks_for(_gpus()), "163840", gpus=OWN_GPU)

@@ -5,15 +5,10 @@ environment (our own launcher: torchrun's agent would kill the survivors of the
 killed-rank case before they report). Skips without CUDA; correctness only, the
 contexts time-slice the GPU."""
 
-import os
 import re
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
-import torch
+from launch import ENGINE_STEP, canary_case, engine_reports, launch, show
 
 from lamport_head.status import STOP_EXIT_CODE
 
@@ -21,63 +16,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multiproc]
 VOCAB3 = "129024"  # splits into 3 shards of whole 16-byte fragments (163840 does not)
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(n, *args, program=None):
-    """``n`` ranks of the real-rank tool (or of ``program``, argv before ``args``),
-    started with torchrun's environment; their processes."""
-    port = _port()
-    procs = []
-    for rank in range(n):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
-                   LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-                   NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
-        if torch.cuda.device_count() > 1:
-            env["CUDA_VISIBLE_DEVICES"] = "0"  # the one-GPU mode even on a larger machine
-        argv = program or ["-m", "lamport_head.tuning.diagnostics.ranks"]
-        procs.append(subprocess.Popen([sys.executable, *argv, *args],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    return procs
-
-
-def launch(n, *args, timeout=300, program=None):
-    """``n`` ranks of the real-rank tool (or of ``program``, argv before ``args``);
-    (return codes, stdout+stderr per rank, wall s)."""
-    start_s = time.monotonic()
-    return finish(start(n, *args, program=program), start_s, timeout)
-
-
-def finish(procs, start, timeout):
-    """Wait for ``procs`` (a hang past ``timeout`` s from ``start`` fails the test);
-    (return codes, outputs, wall s)."""
-    outs, codes = [], []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1, timeout - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            seen = [q.communicate()[0] or "" for q in procs]
-            pytest.fail(f"a rank was still running after {timeout} s: a hang\n" + _show(seen))
-        outs.append(out)
-        codes.append(p.returncode)
-    return codes, outs, time.monotonic() - start
-
-
-def _show(outs):
-    return "\n".join(f"--- rank {r}\n{o[-3000:]}" for r, o in enumerate(outs))
-
-
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_free_running_processes_bitwise(n):
     codes, outs, wall = launch(n, "--calls", "300", timeout=420)
-    assert codes == [0] * n, _show(outs)
+    assert codes == [0] * n, show(outs)
     line = next(x for x in outs[0].splitlines() if x.startswith("ranks check:"))
     print(f"\n{line} ({wall:.0f} s wall)")
     assert "bitwise equal to the reference on every rank and call, every mailbox word armed" in line
@@ -88,40 +30,40 @@ def test_killed_process_every_survivor_raises_within_budget_then_gpu_works():
     n, budget = 4, 2.0
     codes, outs, _ = launch(n, "--calls", "1000", "--kill-rank", "1", "--kill-after", "40",
                             "--budget", str(budget), timeout=240)
-    assert codes[1] == 0 and "exits without a word after call 40" in outs[1], _show(outs)
+    assert codes[1] == 0 and "exits without a word after call 40" in outs[1], show(outs)
     lines = []
     for r in (0, 2, 3):
-        assert codes[r] == 0, _show(outs)
+        assert codes[r] == 0, show(outs)
         found = re.search(r"rank\(s\) ([\d, ]+) never published.* after ([\d.]+) s", outs[r])
-        assert found and "1" in found.group(1).split(", "), _show(outs)
+        assert found and "1" in found.group(1).split(", "), show(outs)
         assert float(found.group(2)) < budget + 1.0
         lines.append(outs[r].strip().splitlines()[-1])
     print("\n" + "\n".join(lines))
     # the GPU serves the next process group
     codes, outs, _ = launch(2, "--calls", "30")
-    assert codes == [0, 0], _show(outs)
+    assert codes == [0, 0], show(outs)
 
 
 def test_slow_process_inside_the_budget_is_right():
     codes, outs, _ = launch(2, "--calls", "40", "--slow-rank", "1", "--slow-s", "0.5",
                             "--budget", "3")
-    assert codes == [0, 0], _show(outs)
+    assert codes == [0, 0], show(outs)
     assert "every output right" in outs[0]
 
 
 def test_slow_process_past_the_budget_all_raise_and_a_late_push_is_harmless():
     codes, outs, _ = launch(3, "--calls", "40", "--slow-rank", "1", "--slow-s", "2.5",
                             "--budget", "1", "--late-push", "--vocab", VOCAB3)
-    assert codes == [0, 0, 0], _show(outs)
+    assert codes == [0, 0, 0], show(outs)
     assert ("every rank raised at the same call (the second after the late one), none served; "
-            "right again after reset()") in outs[0], _show(outs)
+            "right again after reset()") in outs[0], show(outs)
     print("\n" + outs[0].strip())
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_install_across_processes_serves_bitwise(n):
     codes, outs, _ = launch(n, "--install", "--calls", "60")
-    assert codes == [0] * n, _show(outs)
+    assert codes == [0] * n, show(outs)
     line = next(x for x in outs[0].splitlines() if x.startswith("ranks install:"))
     print("\n" + line)
     # measured enabled rows 1, 2, 3, 5, 8, 16, 64 (33 disabled); gaps between two
@@ -132,14 +74,14 @@ def test_install_across_processes_serves_bitwise(n):
 def test_one_process_failing_its_mailbox_leaves_every_process_stock():
     codes, outs, _ = launch(3, "--install", "--fail-alloc-rank", "2", "--calls", "20",
                             "--vocab", VOCAB3, timeout=180)
-    assert codes == [0, 0, 0], _show(outs)
-    assert "served rows none (stock) on every rank" in outs[0], _show(outs)
+    assert codes == [0, 0, 0], show(outs)
+    assert "served rows none (stock) on every rank" in outs[0], show(outs)
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_captured_gathers_across_processes_bitwise(n):
     codes, outs, wall = launch(n, "--graph", "--rows", "1,8,64", "--calls", "100", timeout=300)
-    assert codes == [0] * n, _show(outs)
+    assert codes == [0] * n, show(outs)
     line = next(x for x in outs[0].splitlines() if x.startswith("ranks graph:"))
     print(f"\n{line} ({wall:.0f} s wall)")
     assert "bitwise equal to the reference on every rank and replay" in line
@@ -158,24 +100,12 @@ def test_first_use_tuning_measures_once_writes_emulated_and_serves_bitwise(tmp_p
     for expect in ("yes", "no"):
         codes, outs, wall = launch(2, "--autotune", "--rows", "16", "--calls", "100",
                                    "--expect-measure", expect, timeout=280)
-        assert codes == [0, 0], _show(outs)
+        assert codes == [0, 0], show(outs)
         line = next(x for x in outs[0].splitlines() if x.startswith("ranks autotune:"))
         print(f"\n{line} ({wall:.1f} s wall)")
         assert ("measured nothing" in line) == (expect == "no")
     sections = load_table(user_path()).sections  # the ranks inherit LAMPORT_HEAD_CACHE
     assert sections and all(s.emulated for s in sections)
-
-
-ENGINE_STEP = [os.path.join(os.path.dirname(__file__), "engine_step.py")]
-
-
-def _engine_reports(outs):
-    import json
-
-    found = [[json.loads(x[len("engine-step "):]) for x in o.splitlines()
-              if x.startswith("engine-step ")] for o in outs]
-    assert all(f for f in found), _show(outs)
-    return [f[-1] for f in found]
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -194,25 +124,25 @@ def test_engine_shaped_steps_never_put_a_wrong_token_on_a_host(n, fault):
                                                               "--stall-s", str(budget + 2)]
     codes, outs, _ = launch(n, "--steps", "400", "--at", str(at), "--budget", str(budget),
                             *flag, timeout=240, program=ENGINE_STEP)
-    reports = _engine_reports(outs)
+    reports = engine_reports(outs)
     print()
     for r, code in zip(reports, codes):
         print(f"  {fault} n={n} rank {r['rank']} (exit {code}): {r['steps']} steps' tokens "
               f"on the host, {r['wrong']} wrong; stopped {r.get('stopped_after_s')} s into step "
               f"{r.get('failed_step')}: {r['error']}; log: {r.get('log', [])[-1:]}")
-    assert all(r["served"] for r in reports), _show(outs)  # the Lamport path, not stock
-    assert sum(r["wrong"] for r in reports) == 0, _show(outs)
+    assert all(r["served"] for r in reports), show(outs)  # the Lamport path, not stock
+    assert sum(r["wrong"] for r in reports) == 0, show(outs)
     stopped = [r for r in reports if not r.get("killed")]
     assert len(stopped) == (n - 1 if fault == "kill" else n)
     for r in stopped:
-        assert r["error"] is not None and r["steps"] <= at + 1, _show(outs)
+        assert r["error"] is not None and r["steps"] <= at + 1, show(outs)
         ended = r["error"].startswith("ended by the watchdog")
-        assert codes[r["rank"]] == (STOP_EXIT_CODE if ended else 0), _show(outs)
-        assert r["stopped_after_s"] < budget + 1.0, _show(outs)
-        assert any(f"rank(s) {bad}" in line for line in r["log"]), _show(outs)
+        assert codes[r["rank"]] == (STOP_EXIT_CODE if ended else 0), show(outs)
+        assert r["stopped_after_s"] < budget + 1.0, show(outs)
+        assert any(f"rank(s) {bad}" in line for line in r["log"]), show(outs)
     # the GPU serves the next process group
     codes, outs, _ = launch(2, "--calls", "30")
-    assert codes == [0, 0], _show(outs)
+    assert codes == [0, 0], show(outs)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -224,51 +154,17 @@ def test_engine_shaped_steps_with_a_peer_slow_inside_the_budget_all_go_on(n):
     codes, outs, _ = launch(n, "--steps", str(steps), "--at", str(at), "--budget", str(budget),
                             "--stall-rank", str(n - 1), "--stall-s", str(0.6 * budget),
                             timeout=240, program=ENGINE_STEP)
-    reports = _engine_reports(outs)
-    assert codes == [0] * n, _show(outs)
+    reports = engine_reports(outs)
+    assert codes == [0] * n, show(outs)
     for r in reports:
-        assert r["error"] is None and r["steps"] == steps and r["wrong"] == 0, _show(outs)
-
-
-CANARY = [os.path.join(os.path.dirname(__file__), "canary.py")]
+        assert r["error"] is None and r["steps"] == steps and r["wrong"] == 0, show(outs)
 
 
 def test_a_dead_peers_box_never_becomes_another_processs_memory():
-    """Issue 28 item 3: rank 2 of 3 dies mid-run (serving mode, engine-shaped steps);
-    as soon as it is gone a canary process takes most of the GPU's free memory and fills
-    it with a pattern, before the survivors give up and mark every rank's box (3/4 of
-    the budget). The survivors stop as ever, no wrong token on a host, and not one
-    canary word changed: the survivors' mappings hold the dead rank's pages (cuMem:
+    """Issue 28 item 3 on one GPU: rank 2 of 3 dies mid-run (serving mode, engine-shaped
+    steps); as soon as it is gone a canary process takes most of the GPU's free memory
+    and fills it with a pattern, before the survivors give up and mark every rank's box
+    (3/4 of the budget). The survivors stop as ever, no wrong token on a host, and not
+    one canary word changed: the survivors' mappings hold the dead rank's pages (cuMem:
     freed only when the last mapping and handle go), so its box was not the canary's."""
-    n, budget, at, dead = 3, 10.0, 30, 2
-    begun = time.monotonic()
-    procs = start(n, "--steps", "400", "--at", str(at), "--budget", str(budget), "--vocab", VOCAB3,
-                  "--kill-rank", str(dead), program=ENGINE_STEP)
-    while procs[dead].poll() is None:
-        assert time.monotonic() - begun < 180, "the rank to kill never exited"
-        time.sleep(0.02)
-    gone = time.monotonic()
-    canary = subprocess.Popen([sys.executable, *CANARY], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ready = canary.stdout.readline()
-    ready_s = time.monotonic() - gone
-    codes, outs, _ = finish(procs, begun, 240)
-    out, _ = canary.communicate("check\n", timeout=120)
-    reports = _engine_reports(outs)
-    import json
-
-    lines = [x for x in out.splitlines() if x.startswith("canary ")]
-    assert lines, f"the canary did not report: {ready}{out}"
-    found = json.loads(lines[0][7:])
-    print(f"\n  {ready.strip()}, {ready_s:.1f} s after rank {dead} died; changed words: "
-          f"{found['changed']}")
-    for r, code in zip(reports, codes):
-        print(f"  rank {r['rank']} (exit {code}): {r['steps']} steps, {r['wrong']} wrong; "
-              f"stopped {r.get('stopped_after_s')} s into step {r.get('failed_step')}")
-    assert ready.startswith("canary ready") and found["words"] > (1 << 28), out
-    assert ready_s < 0.7 * budget, "the canary was not in place before the give-up's marks"
-    assert found["changed"] == 0
-    assert sum(r["wrong"] for r in reports) == 0, _show(outs)
-    for r in reports:
-        if not r.get("killed"):
-            assert r["error"] is not None and r["stopped_after_s"] < budget + 1.0, _show(outs)
+    canary_case(3, VOCAB3)

@@ -72,6 +72,9 @@ def _args(argv):
     p.add_argument("--slow-s", type=float, default=0.5)
     p.add_argument("--late-push", action="store_true")
     p.add_argument("--install", action="store_true")
+    p.add_argument("--contexts", action="store_true",
+                   help="with --install: each rank lists the GPUs its process holds a CUDA "
+                        "context on (nvidia-smi); only its own is right (several GPUs)")
     p.add_argument("--fail-alloc-rank", type=int)
     p.add_argument("--graph", action="store_true")
     p.add_argument("--autotune", action="store_true")
@@ -328,6 +331,23 @@ def _late_push(gather, ranks, peer):
     gather.box.peer_view(peer)[: gather.width // 2].fill_(0x12345678)
 
 
+def _contexts(ranks):
+    """(this rank's GPU UUID, the UUIDs of the GPUs whose compute apps list this
+    process): nvidia-smi sees every context on the host, whatever this process sees."""
+    import subprocess
+
+    from lamport_head.mailbox import device_key
+
+    torch.distributed.barrier()  # every rank built: every context there is exists
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid",
+                          "--format=csv,noheader"], capture_output=True, text=True,
+                         timeout=60).stdout
+    on = sorted({uuid.strip() for pid, uuid in (line.split(",", 1) for line in out.splitlines()
+                                                 if "," in line) if pid.strip() == str(os.getpid())})
+    torch.distributed.barrier()
+    return device_key(ranks.device)[1], on
+
+
 def install(args, ranks, calls):
     import tempfile
 
@@ -360,6 +380,15 @@ def install(args, ranks, calls):
     want_rows = () if args.fail_alloc_rank is not None else tuple(
         sorted(m for m, p in enabled.items() if p.enabled))  # measured rows and filled gaps
     bad = _bitwise(model, calls, min(args.calls, 60), ranks, want_rows)
+    if args.contexts:
+        seen = _gathered(ranks, _contexts(ranks))
+        if ranks.is_root:
+            wrong = [f"rank {r}: on {on or 'no GPU seen'} (own {own})"
+                     for r, (own, on) in enumerate(seen) if on != [own]]
+            print(f"ranks contexts: tp={ranks.world}: " + (
+                "every rank's process holds a context on its own GPU only" if not wrong
+                else "FAILED " + "; ".join(wrong)), flush=True)
+        bad += sum(1 for own, on in seen if on != [own])
     expect_stock = sum(1 for i in range(min(args.calls, 60)) if calls.m[i] not in want_rows)
     report = _gathered(ranks, (list(got), bad, len(stock_calls)))
     ok = all(tuple(g) == want_rows and b == 0 and s == expect_stock for g, b, s in report)
