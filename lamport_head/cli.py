@@ -284,7 +284,7 @@ def auto_tune(args, argv):
 
 
 def show(args):
-    from lamport_head.table import load_table, normalize
+    from lamport_head.table import LEGACY_VOCAB, load_table, normalize
 
     table = load_table(args.table)
     device = args.device
@@ -328,6 +328,10 @@ def show(args):
     for s in sections:
         print(f"\n{s.device}  tp={s.tp} dcp={s.dcp}" + ("  (emulated: never served)" if s.emulated else ""))
         print(f"  from {s.source}")
+        shard = f", {s.vocab // s.tp} a rank" if s.vocab % s.tp == 0 else ""
+        print(f"  vocab V = {s.vocab}{shard}" + (
+            "" if s.vocab_written else f" (not written in the section: taken as {LEGACY_VOCAB}, "
+            "the tuner's default; served only to a model of that V)"))
         prov = s.provenance
         if prov:
             print(f"  measured {prov.get('date', '?')} on {prov.get('gpu', '?')}, "

@@ -17,7 +17,8 @@ agreement (one all-gather: a rank whose reading failed or differs takes every ra
 to stock). Only then the HeadGather is built, itself collective and fail-stop (local
 part, agree, map the peers' mailboxes, agree, arm, barrier): every rank serves the
 rows or every rank stays stock. When no layer holds a real-rank section for this
-GPU model, TP and DCP (or the user table's is stale), the agreed view says so on
+GPU model, TP, DCP and vocabulary (V = TP x the head's shard width: a section measured
+at another V is none) or the user table's is stale, the agreed view says so on
 every rank alike, and first-use tuning (``measure``, collective and fail-stop)
 measures, writes the user table and hands back the plan to build; what follows it
 reads the agreed view, never the environment again. Never raises into serving: a
@@ -123,7 +124,8 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
         logger.info("lamport-head: stock logits gather: %s", why)
         return ()
     shard = site.weight.shape[0]
-    name, view, vote = _bounded_vote(tp, dcp, device, rows)
+    vocab = tp * shard  # the full (padded) vocabulary: a table section is measured at one V
+    name, view, vote = _bounded_vote(tp, dcp, device, rows, vocab)
     # Collective 1: agree on the plan and on whether to measure first. Every rank gets
     # here, whatever it read or failed at: a rank deciding alone would be missing from
     # the mailbox's (or the sweep's) collectives its peers enter next.
@@ -156,9 +158,9 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
                            "%s: %s", type(exc).__name__, exc)
             return ()
         logger.info("lamport-head: first-use tuning on %s (tp=%d, dcp=%d, %s): measured rows "
-                    "%s in %.1f s, wrote %s%s", name, tp, dcp, view.real,
+                    "%s in %.1f s, wrote %s%s; vocab=%d%s", name, tp, dcp, view.real,
                     [r.rows for r in outcome.results], outcome.seconds, outcome.path,
-                    " (emulated: true)" if outcome.emulated else "")
+                    " (emulated: true)" if outcome.emulated else "", vocab, _others(view))
         plan = outcome.plan
         if outcome.emulated:
             # The agreed view's setting, never a fresh read of the environment: it may
@@ -174,8 +176,8 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
         logger.warning("lamport-head: serving an emulated section (processes sharing one GPU: "
                        "not performance) because %s is set", settings.SERVE_EMULATED_ENV)
     if not plan:
-        logger.info("lamport-head: no enabled HEAD_GATHER rows for %s, tp=%d, dcp=%d; "
-                    "stock logits gather", name, tp, dcp)
+        logger.info("lamport-head: no enabled HEAD_GATHER rows for %s, tp=%d, dcp=%d, vocab=%d%s; "
+                    "stock logits gather", name, tp, dcp, vocab, _others(view))
         return ()
     try:  # collective, fail-stop: every rank gets a gather or every rank raises
         gather = _build(group, device, tp, rank, shard, plan, view.budget_s)
@@ -252,7 +254,13 @@ def decode_rows(requests, per_request):
     return tuple(range(1, top + 1))
 
 
-def _bounded_vote(tp, dcp, device, rows):
+def _others(view):
+    """For the log: the vocabularies the tables hold real-rank sections for instead."""
+    return (f" (the tables hold sections for vocab {', '.join(map(str, view.vocabs))} only)"
+            if view is not None and view.vocabs else "")
+
+
+def _bounded_vote(tp, dcp, device, rows, vocab):
     """``_local_vote`` under the start-up deadline (``mailbox.RENDEZVOUS_WAIT_S``): a
     rank whose reading blocks (a table on a hung file system, a device query) still
     reaches the agreement in time, its vote's reason saying so, and every rank stays
@@ -262,12 +270,12 @@ def _bounded_vote(tp, dcp, device, rows):
 
     try:
         return within(RENDEZVOUS_WAIT_S, "reading the tables and settings (install's vote)",
-                      _local_vote, tp, dcp, device, rows)
+                      _local_vote, tp, dcp, device, rows, vocab)
     except TimeoutError as exc:
         return None, None, _Vote(None, None, f"TimeoutError: {exc}", settings.forced())
 
 
-def _local_vote(tp, dcp, device, rows):
+def _local_vote(tp, dcp, device, rows, vocab):
     """``(device name, _View or None, _Vote)``: everything this rank reads alone before
     the agreement. Never raises: a failure here is the vote's reason, which every
     rank hears (each rank then stays stock together)."""
@@ -279,7 +287,7 @@ def _local_vote(tp, dcp, device, rows):
                                              f"{type(exc).__name__}: {exc}", force)
     if name is None:
         return None, None, _Vote(None, None, f"{device} is not a CUDA device", force)
-    view, reason = _local_view(tp, dcp, device, name, rows)
+    view, reason = _local_view(tp, dcp, device, name, rows, vocab)
     if settings.disabled():
         # An environment variable may reach some ranks only: it travels with the plan.
         view, reason = None, f"disabled by {settings.DISABLE_ENV}"
@@ -318,6 +326,7 @@ class _View:
     rows: tuple  # the rows first-use tuning measures among
     key: object  # mailbox.device_key: equal keys mean ranks sharing one GPU
     budget_s: float  # the serving gather's spin budget (settings.spin_budget_s)
+    vocabs: tuple = ()  # the vocabularies of real-rank sections for another V (for the log)
 
     @property
     def agreed(self):
@@ -326,8 +335,10 @@ class _View:
                 self.autotune, self.serve_emulated, self.rows, self.budget_s)
 
 
-def _local_view(tp, dcp, device, name, rows):
-    """(_View, None) or (None, why): this rank's reading of the tables, no collectives."""
+def _local_view(tp, dcp, device, name, rows, vocab):
+    """(_View, None) or (None, why): this rank's reading of the tables, no collectives.
+    Only sections measured at ``vocab`` (the model's V = TP x shard width) count: one
+    measured at another V reads as missing (first-use tuning measures this V)."""
     from .mailbox import device_key
     from .provenance import section_status
     from .table import TableError, load_table
@@ -337,8 +348,8 @@ def _local_view(tp, dcp, device, name, rows):
         on = settings.autotune_enabled()
 
         def read(emulated):
-            section = table.section(name, tp, dcp, emulated=emulated)
-            plan = table.plan(name, tp, dcp, emulated=emulated)
+            section = table.section(name, tp, dcp, emulated=emulated, vocab=vocab)
+            plan = table.plan(name, tp, dcp, emulated=emulated, vocab=vocab)
             plan = {m: p for m, p in plan.items() if p.enabled and (rows is None or m in rows)}
             # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
             state = section_status(section) if on else ("missing" if section is None
@@ -351,9 +362,10 @@ def _local_view(tp, dcp, device, name, rows):
             key = device_key(device)
         except Exception:  # no device key: first-use tuning will not guess
             pass
+        others = tuple(v for v in table.vocabs(name, tp, dcp) if v != vocab)
         return _View(plan, emulated_plan, real, emulated, on, settings.serve_emulated(),
                      tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key,
-                     settings.spin_budget_s()), None
+                     settings.spin_budget_s(), others), None
     except TableError as exc:
         return None, str(exc)
     except Exception as exc:  # told to every rank by the agreement, never raised alone

@@ -1,5 +1,6 @@
-"""The HEAD_GATHER table: per GPU model, (TP, DCP) and row count, the CTA count and
-on/off flag of the Lamport gather (plus the measured latencies and provenance).
+"""The HEAD_GATHER table: per GPU model, (TP, DCP), vocabulary and row count, the CTA
+count and on/off flag of the Lamport gather (plus the measured latencies and
+provenance).
 
 Format (YAML; see tables/head_gather.yaml)::
 
@@ -8,6 +9,7 @@ Format (YAML; see tables/head_gather.yaml)::
       NVIDIA H200:                # torch.cuda.get_device_name(), case-insensitive
         - tp: 8
           dcp: 1
+          vocab: 163840           # the full vocabulary V the rows were measured at
           emulated: false         # emulated sections are never used for serving
           provenance: {gpu: ..., driver: ..., cuda: ..., torch: ..., cutlass_dsl: ...,
                        lamport_head: ..., kernel: ..., date: ..., commit: ..., command: ...}
@@ -19,6 +21,17 @@ Format (YAML; see tables/head_gather.yaml)::
 The tuner writes one entry per measured row count; serving fills the rows between
 two measured ones (5-7 above) from the row above, enabled only when both neighbours
 are (``fill``). Rows outside the measured span use the stock gather.
+
+A section is keyed by (GPU model, TP, DCP, emulated, V): the bytes a row moves scale
+with V (each rank's shard is V / TP columns), so a section measured at one V is not
+served at another (install asks for the model's V = TP x shard width, finds no
+section and first-use tuning measures one for that V, beside the other). ``vocab`` is
+optional in the file for tables written before sections carried it: such a section
+is taken as V = ``KIMI_K2_VOCAB`` (163840, the tuner's default ``--vocab``), which
+``show`` says. Two sections of one file for the same key are ambiguous: the loader
+rejects them, naming the file and both entries. ``plan``/``section`` without a
+vocabulary take the one section for (GPU, TP, DCP) when there is exactly one, and
+raise ``TableError`` naming the choices when there are several.
 
 Validation is strict: every defect raises ``TableError`` naming the file and the
 entry. YAML 1.1 reads a bare on/off/yes/no as a boolean, so such a plain scalar is
@@ -38,7 +51,8 @@ from .config import GatherConfig
 SCHEMA = 1
 MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are far smaller)
 KIMI_K2_VOCAB = 163840  # the vocab the tools default to, and the mailbox-size example
-SECTION_KEYS = {"tp", "dcp", "emulated", "provenance", "rows"}
+SECTION_KEYS = {"tp", "dcp", "vocab", "emulated", "provenance", "rows"}
+LEGACY_VOCAB = KIMI_K2_VOCAB  # the V of a section written without ``vocab`` (older tables)
 MAX_CTAS = 1024  # the most CTAs a table entry may ask for
 # A row entry holds every GatherConfig field (all but ctas optional: the defaults)
 ROW_KNOBS = {f.name for f in fields(GatherConfig)}
@@ -197,34 +211,66 @@ class Section:
     rows: dict  # measured row count -> RowPlan (ranges expanded); Table.plan fills gaps
     raw: dict  # the section as written
     source: str = ""  # the file it was read from
+    vocab: int = LEGACY_VOCAB  # the full vocabulary V its rows were measured at
+
+    @property
+    def vocab_written(self) -> bool:
+        """False for a section written without ``vocab`` (taken as ``LEGACY_VOCAB``)."""
+        return "vocab" in self.raw
 
 
 def section_key(section):
-    """What a section is for; a higher layer's section replaces a lower one's alike."""
-    return normalize(section.device), section.tp, section.dcp, section.emulated
+    """What a section is for; a higher layer's section replaces a lower one's only for
+    the same key: GPU model, TP, DCP, emulated and vocabulary."""
+    return normalize(section.device), section.tp, section.dcp, section.emulated, section.vocab
+
+
+def _label(section):
+    """``devices.NAME[tp=.., dcp=.., vocab=..]`` of FILE: one section, for messages."""
+    vocab = section.vocab if section.vocab_written else f"{section.vocab} (not written)"
+    return (f"{section.source or '<string>'}: {section.device} tp={section.tp} "
+            f"dcp={section.dcp} vocab={vocab}" + (" (emulated)" if section.emulated else ""))
 
 
 class Table:
-    """A validated table. ``plan(device_name, tp, dcp)`` -> ``{rows: RowPlan}``.
-    ``path`` is its file (the highest layer's, for a layered view); ``layers`` every
-    file read, lowest first. No two sections share a ``section_key``."""
+    """A validated table. ``plan(device_name, tp, dcp, vocab=None)`` -> ``{rows:
+    RowPlan}``. ``path`` is its file (the highest layer's, for a layered view);
+    ``layers`` every file read, lowest first. No two sections share a
+    ``section_key``."""
 
     def __init__(self, path, sections, layers=None):
         self.path, self.sections = path, sections
         self.layers = layers or [path]
 
-    def section(self, device_name, tp, dcp, *, emulated=False):
-        for s in self.sections:
-            if (normalize(s.device) == normalize(device_name) and s.tp == tp and s.dcp == dcp
-                    and s.emulated == emulated):
-                return s
-        return None
+    def section(self, device_name, tp, dcp, *, emulated=False, vocab=None):
+        """The section for (``device_name``, ``tp``, ``dcp``, ``emulated``) measured at
+        ``vocab`` (the full vocabulary V = TP x shard width), or None: a section measured
+        at another V is not this one. ``vocab`` None: the one section for the rest of
+        the key whatever its V, None when there is none, ``TableError`` naming the
+        choices when there are several (several vocabularies: ask for one)."""
+        found = [s for s in self.sections
+                 if normalize(s.device) == normalize(device_name) and s.tp == tp
+                 and s.dcp == dcp and s.emulated == emulated
+                 and (vocab is None or s.vocab == vocab)]
+        if len(found) > 1:
+            raise TableError(
+                f"{self.path}: {len(found)} sections for {device_name}, tp={tp}, dcp={dcp}"
+                + (" (emulated)" if emulated else "") + ", one per vocabulary: "
+                + "; ".join(_label(s) for s in found) + "; ask for one with vocab=V")
+        return found[0] if found else None
 
-    def plan(self, device_name, tp, dcp=1, *, emulated=False):
+    def vocabs(self, device_name, tp, dcp, *, emulated=False):
+        """The vocabularies the table holds sections for at this key, sorted."""
+        return sorted(s.vocab for s in self.sections
+                      if normalize(s.device) == normalize(device_name) and s.tp == tp
+                      and s.dcp == dcp and s.emulated == emulated)
+
+    def plan(self, device_name, tp, dcp=1, *, emulated=False, vocab=None):
         """The serving plan, gaps between measured rows filled (``fill``); ``{}`` for an
-        unknown device or (tp, dcp). Emulated sections are only returned when asked
-        for with ``emulated=True``."""
-        s = self.section(device_name, tp, dcp, emulated=emulated)
+        unknown device, (tp, dcp) or vocabulary. Emulated sections are only returned
+        when asked for with ``emulated=True``. ``vocab``: the full vocabulary V served
+        (TP x shard width); None takes the one section there is (``section``)."""
+        s = self.section(device_name, tp, dcp, emulated=emulated, vocab=vocab)
         return fill(s.rows) if s else {}
 
 
@@ -278,16 +324,24 @@ def parse(text, path="<string>"):
         names[normalize(device)] = device
         if not isinstance(entries, list) or not entries:
             raise TableError(f"{path}: devices.{device}: expected a non-empty list of sections")
-        seen = set()
+        seen = {}
         for i, sec in enumerate(entries):
             where = f"{path}: devices.{device}[{i}]"
             sections.append(_section(device, sec, where))
             sections[-1].source = path
-            key = (sections[-1].tp, sections[-1].dcp, sections[-1].emulated)
+            s = sections[-1]
+            key = (s.tp, s.dcp, s.emulated, s.vocab)
             if key in seen:
-                raise TableError(f"{where}: duplicate section for tp={key[0]}, dcp={key[1]}"
-                                 + (" (emulated)" if key[2] else ""))
-            seen.add(key)
+                first, written = seen[key]
+                how = ", ".join(
+                    f"devices.{device}[{j}] vocab={s.vocab}"
+                    + ("" if w else f" (not written: taken as {LEGACY_VOCAB})")
+                    for j, w in ((first, written), (i, s.vocab_written)))
+                raise TableError(f"{where}: duplicate section for tp={s.tp}, dcp={s.dcp}"
+                                 + (" (emulated)" if s.emulated else "")
+                                 + f", vocab={s.vocab}: ambiguous, two entries ({how}) "
+                                 "say how to serve one key")
+            seen[key] = (i, s.vocab_written)
     return Table(path, sections)
 
 
@@ -305,6 +359,10 @@ def _section(device, sec, where):
     if tp % dcp:
         raise TableError(f"{where}: tp={tp} is not a multiple of dcp={dcp}")
     where = f"{where} (tp={tp}, dcp={dcp})"
+    vocab = sec.get("vocab", LEGACY_VOCAB)
+    if not _int(vocab) or vocab < 1:
+        raise TableError(f"{where}: vocab must be a positive int (the full vocabulary V the "
+                         f"rows were measured at), got {vocab!r}")
     emulated = sec.get("emulated", False)
     if not isinstance(emulated, bool):
         raise TableError(f"{where}: emulated must be true or false, got {emulated!r}")
@@ -326,7 +384,8 @@ def _section(device, sec, where):
         spans.append((key, (lo, hi)))
         row = _row(entry, f"{where} rows[{key!r}]")
         plan.update(dict.fromkeys(range(lo, hi + 1), row))
-    return Section(device, tp, dcp, emulated, provenance, dict(sorted(plan.items())), sec)
+    return Section(device, tp, dcp, emulated, provenance, dict(sorted(plan.items())), sec,
+                   vocab=vocab)
 
 
 def packaged_path() -> Path:
@@ -357,7 +416,8 @@ def layer_paths():
 
 def load_layers() -> Table:
     """The merged view of ``layer_paths()``: a higher layer's section for the same
-    (GPU model, TP, DCP, emulated) replaces the lower one's; each section keeps the
+    (GPU model, TP, DCP, emulated, vocabulary) replaces the lower one's (one for
+    another vocabulary stays beside it); each section keeps the
     file it came from in ``source``. Any malformed layer raises its TableError."""
     paths = [str(p) for p in layer_paths()]
     sections = {}

@@ -1,13 +1,19 @@
 """Table texts the tests share."""
 
-TWO_RANKS = """\
-schema: 1
-devices:
-  NVIDIA H200:
+# The same rows for each vocabulary V (= TP x shard width) the tests' models serve: a
+# section is served only to a model of its V. 128: helpers.model's 64-row shard on 2
+# ranks; 192: the same on 3 (tests write this text with "tp: 2" replaced by "tp: 3",
+# which leaves three tp-3 sections of distinct V); 1024: the real vLLM and SGLang
+# heads (V = 1000 padded to 1024 on 2 ranks).
+_SECTION = """\
     - tp: 2
       dcp: 1
+      vocab: {vocab}
       rows:
-        1-2: {ctas: 4, enabled: true}
-        3: {ctas: 4, enabled: false}
-        4: {ctas: 8, enabled: true}
+        1-2: {{ctas: 4, enabled: true}}
+        3: {{ctas: 4, enabled: false}}
+        4: {{ctas: 8, enabled: true}}
 """
+TWO_RANKS_VOCABS = (128, 192, 1024)
+TWO_RANKS = "schema: 1\ndevices:\n  NVIDIA H200:\n" + "".join(
+    _SECTION.format(vocab=v) for v in TWO_RANKS_VOCABS)

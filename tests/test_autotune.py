@@ -3,7 +3,8 @@ faked (helpers.fake_cuda) and the timing harness replaced by a collective cost
 model: measures once and writes the user table, a second start (fresh processes)
 reads it and measures nothing, the off switch, stale provenance, a failure on one
 rank (every rank stock, one warning each, nobody hangs: spawn's deadline), ranks
-sharing one GPU (written emulated: true, served only on explicit opt-in), and the
+sharing one GPU (written emulated: true, served only on explicit opt-in), a second
+model of another vocabulary (its own section, measured beside the first), and the
 rows the vLLM plugin asks for."""
 
 import os
@@ -25,7 +26,7 @@ SERVED = list(range(1, 17))
 MEASURED = [1, 2, 4, 8, 16, 32, 64]
 
 
-def _worker(rank, nprocs, cache, env, shared, fail, facts):
+def _worker(rank, nprocs, cache, env, shared, fail, facts, shard=64):
     from lamport_head import mailbox, provenance, settings
     from lamport_head.engines.vllm import install_logits_gather
 
@@ -49,22 +50,23 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts):
 
     firstuse.make_target = make_target
     seen = capture_log()
-    m = model(lm__tp_size=nprocs)
+    m = model(lm__tp_size=nprocs, lm__weight=torch.zeros(shard, 16, dtype=torch.bfloat16))
     served = install_logits_gather(m, None, nprocs, rank, "cpu")
-    out = m.logits_processor._gather_logits(torch.zeros(1, 64, dtype=torch.bfloat16))
+    out = m.logits_processor._gather_logits(torch.zeros(1, shard, dtype=torch.bfloat16))
     routed = (sorted(set(out.view(torch.uint8).flatten().tolist())) if torch.is_tensor(out)
               else out)
     return {"served": list(served), "timed": len(timed), "rows": sorted({r for r, _ in timed}),
             "routed": routed, "log": seen}
 
 
-def _start(tmp_path, env=None, shared=False, fail="", facts=FACTS, cache=None):
-    """One server start: 2 fresh rank processes installing on the same user table."""
+def _start(tmp_path, env=None, shared=False, fail="", facts=FACTS, cache=None, shard=64):
+    """One server start: 2 fresh rank processes installing on the same user table, a
+    model whose lm_head shard is ``shard`` rows a rank (V = 2 x shard; 128 by default)."""
     cache = cache or str(tmp_path / "cache")
     run = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
     run.mkdir()
     env = {"LAMPORT_HEAD_AUTOTUNE": "1", **(env or {})}
-    return spawn(_worker, 2, run, cache, env, shared, fail, facts)
+    return spawn(_worker, 2, run, cache, env, shared, fail, facts, shard)
 
 
 def _user_table(tmp_path):
@@ -84,6 +86,7 @@ def test_first_install_measures_writes_and_serves_a_second_start_measures_nothin
     path, data = _user_table(tmp_path)
     (section,) = data["devices"]["NVIDIA H200"]
     assert section["tp"] == 2 and section["dcp"] == 1 and section["emulated"] is False
+    assert section["vocab"] == 128  # the model's V: 2 ranks x 64 rows of lm_head
     assert list(section["rows"]) == MEASURED  # measured rows only; serving fills the gaps
     assert section["rows"][8] == {"ctas": 64, "enabled": True, "threads": 256, "unroll": 4,
                                   "lamport_us": 7.0, "stock_us": 11.0}
@@ -98,6 +101,52 @@ def test_first_install_measures_writes_and_serves_a_second_start_measures_nothin
         assert r["served"] == SERVED and r["timed"] == 0 and r["routed"] == [FAKE_BYTE]
         assert not any("first-use tuning" in line for line in r["log"])
     assert _user_table(tmp_path)[1] == data  # untouched
+
+
+def test_a_second_vocabulary_measures_its_own_section_beside_the_first(tmp_path):
+    """Issue 32 item 3: a section measured at one V is not served to a model of another
+    V (the bytes a row moves scale with V). A second model on the same machine (V =
+    192) finds no section for its V, measures, and writes its section beside the first
+    model's (kept as it was); later starts of either model measure nothing."""
+    _start(tmp_path)  # the first model: V = 128
+    (first,) = _user_table(tmp_path)[1]["devices"]["NVIDIA H200"]
+    assert first["vocab"] == 128
+    second = _start(tmp_path, shard=96)  # another model: V = 2 x 96 = 192
+    for r in second:
+        assert r["served"] == SERVED and r["rows"] == MEASURED and r["routed"] == [FAKE_BYTE]
+        line = next(x for x in r["log"] if "first-use tuning on NVIDIA H200" in x)
+        assert "(tp=2, dcp=1, missing): measured rows" in line
+        assert line.endswith("; vocab=192 (the tables hold sections for vocab 128 only)")
+    path, data = _user_table(tmp_path)
+    sections = data["devices"]["NVIDIA H200"]
+    assert [s["vocab"] for s in sections] == [128, 192]
+    assert sections[0] == first  # the first model's section is untouched
+    assert list(sections[1]["rows"]) == MEASURED
+    table = load_table(path)
+    assert table.section("NVIDIA H200", 2, 1, vocab=192).raw == sections[1]
+    for shard in (64, 96):  # each model reads its own section: nothing measured
+        for r in _start(tmp_path, shard=shard):
+            assert r["served"] == SERVED and r["timed"] == 0 and r["routed"] == [FAKE_BYTE]
+            assert not any("first-use tuning" in x for x in r["log"])
+    assert _user_table(tmp_path)[1] == data
+
+
+def test_a_section_without_vocab_serves_only_the_tuners_default_vocabulary(tmp_path):
+    """A table written before sections carried ``vocab``: its section is taken as V =
+    163840 (the tuner's default). A model of that V is served from it, measuring
+    nothing; a model of another V measures its own section."""
+    legacy = tmp_path / "legacy.yaml"
+    legacy.write_text("schema: 1\ndevices:\n  NVIDIA H200:\n    - tp: 2\n      rows:\n"
+                      "        1-4: {ctas: 8, enabled: true}\n")
+    env = {"LAMPORT_HEAD_TABLE": str(legacy)}
+    for r in _start(tmp_path, env=env, shard=163840 // 2):
+        assert r["served"] == [1, 2, 3, 4] and r["timed"] == 0 and r["routed"] == [FAKE_BYTE]
+    assert _user_table(tmp_path)[1] is None
+    for r in _start(tmp_path, env=env):  # V = 128
+        assert r["served"] == SERVED and r["rows"] == MEASURED
+        assert any(x.endswith("; vocab=128 (the tables hold sections for vocab 163840 only)")
+                   for x in r["log"]), r["log"]
+    assert [s["vocab"] for s in _user_table(tmp_path)[1]["devices"]["NVIDIA H200"]] == [128]
 
 
 def test_off_switch_measures_nothing_and_serves_stock(tmp_path):

@@ -23,3 +23,11 @@ def test_emulated_sections_carry_no_stock_figure():
         if s.emulated:
             for key, entry in s.raw["rows"].items():
                 assert "stock_us" not in entry and entry["enabled"] is False, (key, entry)
+
+
+def test_the_packaged_section_says_its_vocabulary():
+    """Measured with the tuner's default --vocab (its command names none): written, not
+    left to the loader's rule for sections without one."""
+    (shipped,) = load_table(packaged_path()).sections
+    assert shipped.vocab_written and shipped.vocab == 163840
+    assert "--vocab" not in shipped.provenance["command"]

@@ -101,6 +101,21 @@ BAD = {
                         "rows 1-4096 exceed the limit of 1024 rows: a mailbox for 4096 rows costs "
                         "2.7 GB per rank at V = 163840 (2 parities x rows x V x 2 bytes)"),
     "row_over_limit": (section("2048: {ctas: 8, enabled: true}"), "row 2048 exceeds the limit"),
+    "vocab_zero": (section(extra="      vocab: 0\n"), "vocab must be a positive int"),
+    "vocab_str": (section(extra="      vocab: '128256'\n"), "vocab must be a positive int"),
+    "vocab_bool": (section(extra="      vocab: true\n"), "vocab must be a positive int"),
+    "dup_section_vocab": ("schema: 1\ndevices:\n  G:\n"
+                          "    - {tp: 2, vocab: 128256, rows: {1: {ctas: 1, enabled: true}}}\n"
+                          "    - {tp: 2, vocab: 151936, rows: {1: {ctas: 1, enabled: true}}}\n"
+                          "    - {tp: 2, vocab: 128256, rows: {1: {ctas: 2, enabled: true}}}\n",
+                          "dup_section_vocab.yaml: devices.G[2]: duplicate section for tp=2, dcp=1, "
+                          "vocab=128256: ambiguous, two entries (devices.G[0] vocab=128256, "
+                          "devices.G[2] vocab=128256)"),
+    "dup_section_unwritten_vocab": (
+        "schema: 1\ndevices:\n  G:\n    - {tp: 2, rows: {1: {ctas: 1, enabled: true}}}\n"
+        "    - {tp: 2, vocab: 163840, rows: {1: {ctas: 2, enabled: true}}}\n",
+        "ambiguous, two entries (devices.G[0] vocab=163840 (not written: taken as 163840), "
+        "devices.G[1] vocab=163840)"),
     "device_case_dup": ("schema: 1\ndevices:\n  GPU X: [{tp: 2, rows: {1: {ctas: 1, enabled: true}}}]\n"
                         "  gpu x: [{tp: 2, rows: {1: {ctas: 1, enabled: true}}}]\n", "case-insensitively"),
 }
@@ -271,3 +286,113 @@ def test_a_yaml_syntax_error_is_one_line_naming_file_line_and_column(tmp_path, t
     with pytest.raises(TableError) as err:
         load_table(path)
     assert str(err.value) == f"{path}:{where}: {what}"  # one line: no quoted text, no caret
+
+
+VOCABS = """\
+schema: 1
+devices:
+  NVIDIA H200:
+    - tp: 8
+      vocab: 128256
+      rows:
+        1: {ctas: 8, enabled: true}
+    - tp: 8
+      vocab: 163840
+      rows:
+        1: {ctas: 16, enabled: true}
+    - tp: 4
+      rows:
+        1: {ctas: 32, enabled: true}
+"""
+
+
+def test_sections_are_keyed_by_vocabulary():
+    """Issue 32 item 3: one section per vocabulary V; ``plan(..., vocab=V)`` serves the
+    section measured at V and nothing measured at another V."""
+    t = parse(VOCABS, "v.yaml")
+    assert t.plan("NVIDIA H200", 8, 1, vocab=128256)[1].ctas == 8
+    assert t.plan("NVIDIA H200", 8, 1, vocab=163840)[1].ctas == 16
+    assert t.plan("NVIDIA H200", 8, 1, vocab=151936) == {}  # Qwen's V: not measured, not served
+    assert t.section("NVIDIA H200", 8, 1, vocab=151936) is None
+    assert t.vocabs("NVIDIA H200", 8, 1) == [128256, 163840]
+
+
+def test_no_vocabulary_asked_takes_the_one_section_or_names_the_choices():
+    t = parse(VOCABS, "v.yaml")
+    assert t.plan("NVIDIA H200", 4, 1)[1].ctas == 32  # one section for (GPU, TP, DCP): it
+    assert t.plan("NVIDIA H200", 2, 1) == {}
+    with pytest.raises(TableError) as err:
+        t.plan("NVIDIA H200", 8, 1)
+    assert str(err.value) == (
+        "v.yaml: 2 sections for NVIDIA H200, tp=8, dcp=1, one per vocabulary: "
+        "v.yaml: NVIDIA H200 tp=8 dcp=1 vocab=128256; v.yaml: NVIDIA H200 tp=8 dcp=1 "
+        "vocab=163840; ask for one with vocab=V")
+
+
+def test_a_section_without_vocab_is_taken_as_the_tuners_default():
+    """Tables written before sections carried ``vocab`` still load: such a section is
+    V = 163840 (the tuner's default --vocab), served to that V only."""
+    from lamport_head.table import KIMI_K2_VOCAB, LEGACY_VOCAB
+
+    t = parse(VOCABS, "v.yaml")
+    (old,) = [s for s in t.sections if s.tp == 4]
+    assert LEGACY_VOCAB == KIMI_K2_VOCAB == 163840
+    assert old.vocab == 163840 and not old.vocab_written
+    assert t.plan("NVIDIA H200", 4, 1, vocab=163840)[1].ctas == 32
+    assert t.plan("NVIDIA H200", 4, 1, vocab=128256) == {}
+    assert all(s.vocab_written for s in t.sections if s.tp == 8)
+
+
+def test_a_higher_layer_replaces_a_lower_one_only_for_the_same_vocabulary(tmp_path, monkeypatch):
+    from lamport_head.table import user_path
+
+    user = user_path()
+    user.parent.mkdir(parents=True, exist_ok=True)
+    user.write_text(VOCABS)
+    env = tmp_path / "env.yaml"
+    env.write_text("schema: 1\ndevices:\n  nvidia h200:\n    - tp: 8\n      vocab: 163840\n"
+                   "      rows:\n        1: {ctas: 64, enabled: true}\n    - tp: 4\n"
+                   "      vocab: 128256\n      rows:\n        1: {ctas: 2, enabled: true}\n")
+    monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(env))
+    t = load_table()
+    assert t.plan("NVIDIA H200", 8, 1, vocab=163840)[1].ctas == 64  # the same V: replaced
+    assert t.section("NVIDIA H200", 8, 1, vocab=163840).source == str(env)
+    assert t.plan("NVIDIA H200", 8, 1, vocab=128256)[1].ctas == 8  # another V: kept
+    assert t.section("NVIDIA H200", 8, 1, vocab=128256).source == str(user)
+    # the user's tp-4 section has no vocab (163840): the env's tp-4 one at 128256 is beside it
+    assert t.plan("NVIDIA H200", 4, 1, vocab=163840)[1].ctas == 32
+    assert t.plan("NVIDIA H200", 4, 1, vocab=128256)[1].ctas == 2
+
+
+def test_the_writer_writes_vocab_and_replaces_only_the_same_vocabulary(tmp_path):
+    import yaml
+
+    from lamport_head.tuning.writer import merge_section
+
+    path = tmp_path / "t.yaml"
+    path.write_text("schema: 1\ndevices:\n  GPU X:\n    - tp: 2\n      rows:\n"
+                    "        1: {ctas: 1, enabled: true}\n")  # no vocab: 163840
+    merge_section(path, "GPU X", 2, 1, {1: {"ctas": 2, "enabled": True}}, {}, vocab=128256)
+    merge_section(path, "GPU X", 2, 1, {1: {"ctas": 3, "enabled": True}}, {}, vocab=128256)
+    sections = yaml.safe_load(path.read_text())["devices"]["GPU X"]
+    assert [(s.get("vocab"), s["rows"][1]["ctas"]) for s in sections] == [(128256, 3), (None, 1)]
+    merge_section(path, "GPU X", 2, 1, {1: {"ctas": 4, "enabled": True}}, {})  # the default V
+    sections = yaml.safe_load(path.read_text())["devices"]["GPU X"]
+    assert [(s["vocab"], s["rows"][1]["ctas"]) for s in sections] == [(128256, 3), (163840, 4)]
+    t = load_table(path)
+    assert t.plan("GPU X", 2, 1, vocab=163840)[1].ctas == 4
+
+
+def test_show_prints_each_sections_vocabulary(tmp_path, capsys):
+    from lamport_head import cli
+
+    p = tmp_path / "v.yaml"
+    p.write_text(VOCABS)
+    assert cli.main(["show", "--table", str(p), "--device", "NVIDIA H200"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "vocab V" in line] == [
+        "  vocab V = 128256, 16032 a rank",
+        "  vocab V = 163840, 20480 a rank",
+        "  vocab V = 163840, 40960 a rank (not written in the section: taken as 163840, the "
+        "tuner's default; served only to a model of that V)"]
+    assert out.index("NVIDIA H200  tp=8 dcp=1") < out.index("  vocab V = 128256, 16032 a rank")

@@ -1,6 +1,8 @@
 """First-use tuning's measuring (``measure``): when no table layer holds a real-rank
-section for this GPU model, TP and DCP (or the user table's section was measured under
-other versions), the install core measures before it serves. The core decides when
+section for this GPU model, TP, DCP and vocabulary V = TP x shard width (a section
+measured at another V is none: the bytes a row moves scale with V), or the user
+table's section was measured under other versions, the install core measures before
+it serves. The core decides when
 (its agreed view, ``lamport_head.settings``); the engine adapters hand it ``measure``,
 imported only then, so serving from a table never imports the tuner.
 
@@ -9,8 +11,10 @@ rank-agreed (``DistComm``: rank 0 owns an in-memory Optuna study, every rank tim
 every trial, a trial's figure is the maximum over ranks), on the ``DistributedTarget``
 harness (every configuration verified bitwise before it is timed, Lamport and stock
 timed in the same run), within small limits (``FIRST_USE_LIMITS``). Rank 0 writes
-the measured rows to the user table (``table.user_path()``) with provenance; the next
-start reads that section and measures nothing.
+the measured rows to the user table (``table.user_path()``) with provenance and
+``vocab: V``, beside the sections for other vocabularies (a second model with another
+V on the same machine gets its own section, the first model's stays); the next start
+of either reads its section and measures nothing.
 
 Fail-stop: every step that can fail on one rank runs inside ``attempt`` and is
 agreed (``agree``) before the next collective; the harness raises on every rank
@@ -164,7 +168,7 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
         if emulated:
             prov["note"] += "; processes sharing one GPU: not performance, never served"
         return str(merge_section(user_path(), name, tp, dcp, measured_rows(results), prov,
-                                 emulated=emulated))
+                                 emulated=emulated, vocab=vocab))
 
     # Every host gets the table: its first rank writes the agreed rows into its own
     # user table (ranks on several hosts, an NVL72 domain, would otherwise find the

@@ -119,8 +119,9 @@ def run(args):
     if world > 1:
         command = f"torchrun --nproc-per-node {world} " + command
     path = merge_section(out, name, args.tp, args.dcp, section_rows(results, emulated),
-                         provenance(device, command), emulated=emulated)
-    print(f"wrote {path} ({name}, tp={args.tp}, dcp={args.dcp}{', emulated' if emulated else ''})")
+                         provenance(device, command), emulated=emulated, vocab=args.vocab)
+    print(f"wrote {path} ({name}, tp={args.tp}, dcp={args.dcp}, vocab={args.vocab}"
+          f"{', emulated' if emulated else ''})")
     if args.plot:
         from .plot import plot_rows
 

@@ -1,7 +1,9 @@
 """Merging tuned sections into the HEAD_GATHER YAML, atomically.
 
-Only the section being written (device, tp, dcp, emulated) is replaced; every other
-device and section is kept as it was. The new text is validated with the loader
+Only the section being written (device, tp, dcp, emulated, vocab) is replaced; every
+other device and section is kept as it was: a section for another vocabulary stays
+beside it (a section written before sections carried ``vocab`` counts as
+``table.LEGACY_VOCAB``). The new text is validated with the loader
 before it replaces the file (write to a temporary file beside it, then rename), so a
 reader never sees a half-written or invalid table. The read-modify-write holds an
 exclusive lock (``flock`` on ``.head_gather.lock`` beside the table), so writers of
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from lamport_head.table import SCHEMA, normalize, parse
+from lamport_head.table import KIMI_K2_VOCAB, LEGACY_VOCAB, SCHEMA, normalize, parse
 
 
 def _load(path):
@@ -54,25 +56,30 @@ def _locked(path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False):
-    """Write ``rows`` ({key: entry}) as the (device, tp, dcp, emulated) section."""
+def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False,
+                  vocab=KIMI_K2_VOCAB):
+    """Write ``rows`` ({key: entry}) as the (device, tp, dcp, emulated, vocab) section;
+    ``vocab``: the full vocabulary V the rows were measured at (the tuner's
+    ``--vocab``, first use's TP x shard width)."""
     path = Path(path)
     with _locked(path):
-        return _merge(path, device, tp, dcp, rows, provenance, emulated)
+        return _merge(path, device, tp, dcp, rows, provenance, emulated, vocab)
 
 
-def _merge(path, device, tp, dcp, rows, provenance, emulated):
+def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab):
     data = _load(path)
     devices = data.setdefault("devices", {}) or {}
     data["devices"] = devices
     name = next((d for d in devices if normalize(d) == normalize(device)), device)
     sections = [s for s in devices.get(name, [])
                 if not (s.get("tp") == tp and s.get("dcp", 1) == dcp
-                        and s.get("emulated", False) == emulated)]
-    section = {"tp": tp, "dcp": dcp, "emulated": emulated, "provenance": provenance,
-               "rows": rows}
+                        and s.get("emulated", False) == emulated
+                        and s.get("vocab", LEGACY_VOCAB) == vocab)]
+    section = {"tp": tp, "dcp": dcp, "vocab": vocab, "emulated": emulated,
+               "provenance": provenance, "rows": rows}
     sections.append(section)
-    sections.sort(key=lambda s: (s.get("emulated", False), s["tp"], s.get("dcp", 1)))
+    sections.sort(key=lambda s: (s.get("emulated", False), s["tp"], s.get("dcp", 1),
+                                 s.get("vocab", LEGACY_VOCAB)))
     devices[name] = sections
     text = _render(data)
     parse(text, str(path))
@@ -88,7 +95,8 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated):
 
 
 HEADER = """\
-# HEAD_GATHER: the Lamport logits gather's plan per GPU model, (TP, DCP) and row count.
+# HEAD_GATHER: the Lamport logits gather's plan per GPU model, (TP, DCP), vocabulary V and
+# row count.
 # Written by `lamport-head tune` (merged in place: other sections are kept). Format and
 # rules: lamport_head/table.py. Emulated sections (one GPU standing in for TP ranks)
 # are kept for reference and never used for serving.
