@@ -224,26 +224,22 @@ _FENCE_VARIANTS = [(tp, unroll, stop, arch) for arch in ("sm_90a", "sm_80") for 
 
 
 @pytest.mark.parametrize("tp,unroll,stop,arch", _FENCE_VARIANTS)
-def test_the_rearm_fence_comes_right_after_the_pdl_wait_before_any_push(tp, unroll, stop, arch):
-    """Issue 28 item 4, the re-arm: every thread's ``fence.acq_rel.sys`` after PDL's
-    wait (no branch between: every thread runs it) and before anything of the call's
-    protocol (the epoch and mark reads, the first push): a rank's re-arms of a parity
-    happen before a peer's push into it two calls later (``steps`` docstring). Without
-    PDL (sm_80) at the same place: the first fence, before every mailbox access."""
+def test_no_system_fence_before_the_pushes_the_kernel_boundary_orders_the_rearms(tp, unroll, stop,
+                                                                                arch):
+    """Issue 28 item 4, the re-arm: ordered before a peer's push into the same parity two
+    calls later by the kernel boundary (PDL's wait, stream order), with no fence on the
+    critical path: a ``fence.acq_rel.sys`` after the wait, measured on the H200, cost TP 8
+    M = 1 7.31 -> 10.62 µs and TP 2 4.09 -> 5.70 (``steps`` docstring). Pinned: nothing
+    of the call's protocol (mailbox loads, stores, atomics) comes before PDL's wait, and
+    no system fence comes between the wait and the first push."""
     k = compile_gather(tp, 163840 // tp // 2, unroll=unroll, stop=stop, arch=arch)
     ins = _instructions(k.ptx)
-    fence = ins.index("fence.acq_rel.sys;")
-    if has_pdl(arch):
-        wait = ins.index("griddepcontrol.wait;")
-        between = ins[wait + 1:fence]
-        assert between and all(not t.endswith(":") and "bra" not in t for t in between), between
-        assert all(t.startswith(("griddepcontrol.launch_dependents", "mov", "add", "cvt", "mul",
-                                 "shl", "and", "ld.global.b64")) for t in between), between
     first_push = next(i for i, t in enumerate(ins) if t.startswith("st.relaxed.sys.global.v4"))
-    before = [t for _, t in _memory_ops(ins[:fence])]
+    start = ins.index("griddepcontrol.wait;") if has_pdl(arch) else 0
+    before = [t for _, t in _memory_ops(ins[:start])]
     assert all(t.startswith("ld.global.b64") for t in before), before  # the peer table only
-    assert fence < first_push
-    assert not any(t.startswith(("ld.volatile", "st.", "atom")) for t in ins[:fence])
+    assert not any(t.startswith(("fence.acq_rel.sys", "fence.sc.sys", "membar.sys"))
+                   for t in ins[start:first_push])
 
 
 @pytest.mark.parametrize("tp,unroll,stop,arch", _FENCE_VARIANTS)
@@ -329,7 +325,7 @@ def test_serving_raises_the_heartbeat_before_every_step_that_can_stall(tp, unrol
     it."""
     k = compile_gather(tp, 163840 // tp // 2, unroll=unroll, stop=stop, arch=arch)
     ins = _instructions(k.ptx)
-    rearm = ins.index("fence.acq_rel.sys;")
+    rearm = ins.index("griddepcontrol.wait;") if has_pdl(arch) else 0
     first_push = next(i for i, t in enumerate(ins) if t.startswith("st.relaxed.sys.global.v4"))
     beats = [i for i in range(rearm, first_push) if _heartbeat_at(ins, i)]
     assert len(beats) == (1 if stop else 0)
@@ -346,7 +342,7 @@ def test_serving_raises_the_heartbeat_before_every_step_that_can_stall(tp, unrol
     barrier = max(n for n in range(count) if texts[n].startswith("bar.sync"))
     assert any(_heartbeat_at(ins, i) for i in range(ops[barrier][0], ops[count - 1][0])) == stop
     acquire = count + 1
-    record = texts.index("fence.acq_rel.sys;", rearm + 1)
+    record = texts.index("fence.acq_rel.sys;")
     if stop:  # the give-up's heartbeat, after the last CTA's acquire, before the record
         assert acquire < record
         assert any(t.startswith("st.relaxed.sys.global.u32") for t in texts[acquire:record])
