@@ -62,7 +62,8 @@ def run(args):
     target, device, root = chosen.target, chosen.device, chosen.root
     mode = report.mode_of(chosen.emulated, chosen.world)
     name = torch.cuda.get_device_name(device)
-    table_plan = load_table(args.table).plan(name, target.tp, args.dcp, emulated=chosen.emulated)
+    table_plan = load_table(args.table).plan(name, target.tp, args.dcp, emulated=chosen.emulated,
+                                             vocab=args.vocab)
     runner = make_runner(chosen, args)
     tp, vocab = target.tp, args.vocab
     ranks_here = tp if chosen.emulated else 1  # ranks whose bytes cross this GPU's memory

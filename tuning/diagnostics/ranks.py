@@ -358,7 +358,8 @@ def install(args, ranks, calls):
     served = [r for r in calls.rows if r != calls.rows[-2]]  # one row count stays stock
     if ranks.is_root:
         name = torch.cuda.get_device_name(ranks.device)
-        text = (f"schema: 1\ndevices:\n  {name}:\n  - tp: {ranks.world}\n    dcp: 1\n    rows:\n"
+        text = (f"schema: 1\ndevices:\n  {name}:\n  - tp: {ranks.world}\n    dcp: 1\n"
+                + f"    vocab: {args.vocab}\n    rows:\n"
                 + "".join(f"      {m}: {{ctas: 8, enabled: true}}\n" for m in served)
                 + f"      {calls.rows[-2]}: {{ctas: 8, enabled: false}}\n")
         fd, path = tempfile.mkstemp(suffix=".yaml")
@@ -376,7 +377,8 @@ def install(args, ranks, calls):
     got = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device)
     from lamport_head.table import load_table
 
-    enabled = load_table(path).plan(torch.cuda.get_device_name(ranks.device), ranks.world, 1)
+    enabled = load_table(path).plan(torch.cuda.get_device_name(ranks.device), ranks.world, 1,
+                                    vocab=args.vocab)
     want_rows = () if args.fail_alloc_rank is not None else tuple(
         sorted(m for m, p in enabled.items() if p.enabled))  # measured rows and filled gaps
     bad = _bitwise(model, calls, min(args.calls, 60), ranks, want_rows)
