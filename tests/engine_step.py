@@ -55,10 +55,12 @@ def _shards(step, rows, tp, shard):
     return full, [full[:, r * shard:(r + 1) * shard].contiguous() for r in range(tp)]
 
 
-def _table(ranks, rows):
-    """A real-rank section serving ``rows`` on this GPU (every rank writes its own copy)."""
+def _table(ranks, rows, vocab):
+    """A real-rank section serving ``rows`` at vocabulary ``vocab`` on this GPU (every
+    rank writes its own copy)."""
     name = torch.cuda.get_device_name(ranks.device)
-    text = (f"schema: 1\ndevices:\n  {name}:\n  - tp: {ranks.world}\n    dcp: 1\n    rows:\n"
+    text = (f"schema: 1\ndevices:\n  {name}:\n  - tp: {ranks.world}\n    dcp: 1\n"
+            f"    vocab: {vocab}\n    rows:\n"
             + "".join(f"      {m}: {{ctas: 8, enabled: true}}\n" for m in rows))
     fd, path = tempfile.mkstemp(suffix=".yaml")
     os.write(fd, text.encode())
@@ -77,7 +79,7 @@ def main(argv=None):
     ranks = init_ranks()
     rows = sorted(int(x) for x in args.rows.split(","))
     shard = args.vocab // ranks.world
-    os.environ["LAMPORT_HEAD_TABLE"] = _table(ranks, rows)
+    os.environ["LAMPORT_HEAD_TABLE"] = _table(ranks, rows, args.vocab)
     os.environ["LAMPORT_HEAD_BUDGET_S"] = str(args.budget)  # the user's setting, agreed
     lp = types.SimpleNamespace(logits_as_input=False, head_dtype=None, use_all_gather=True,
                                _gather_logits=lambda x: all_gather_logits(x, ranks.group))
