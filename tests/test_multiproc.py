@@ -168,3 +168,52 @@ def test_a_dead_peers_box_never_becomes_another_processs_memory():
     one canary word changed: the survivors' mappings hold the dead rank's pages (cuMem:
     freed only when the last mapping and handle go), so its box was not the canary's."""
     canary_case(3, VOCAB3)
+
+
+def test_a_peer_killed_from_outside_during_a_large_step_puts_no_wrong_token_on_a_host():
+    """Issue 29's last case: the last of 3 ranks is killed from outside (SIGKILL, no
+    word, no exit path of its own) while 64-row steps are in flight, most of a step
+    being its pushes (10 MB to each peer at V = 129024); it may die mid-push, leaving a
+    peer's box half written. No survivor hands out a token computed from missing data:
+    every survivor stops within budget + 1 s of its last step's start, naming the rank."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    from launch import finish, start
+
+    n, budget, victim = 3, 2.0, 2
+    procs = start(n, "--steps", "100000", "--rows", "64", "--budget", str(budget),
+                  "--vocab", VOCAB3, program=ENGINE_STEP)
+    seen, killed = [], threading.Event()
+
+    def watch():  # the victim's lines; SIGKILL once it is well into the run
+        for line in procs[victim].stdout:
+            seen.append(line)
+            if not killed.is_set() and "step 40 tokens" in line:
+                time.sleep(0.003)  # inside the next steps, not at a step's edge
+                os.kill(procs[victim].pid, signal.SIGKILL)
+                killed.set()
+
+    reader = threading.Thread(target=watch, daemon=True)
+    reader.start()
+    begun = time.monotonic()
+    codes, outs, _ = finish(procs[:victim], begun, 240)
+    reader.join(timeout=10)
+    procs[victim].wait(timeout=10)
+    assert killed.is_set(), "".join(seen[-20:])
+    reports = [json.loads(x[len("engine-step "):]) for o in outs for x in o.splitlines()
+               if x.startswith("engine-step ")]
+    print()
+    for r, code in zip(reports, codes):
+        print(f"  killed-in-flight rank {r['rank']} (exit {code}): {r['steps']} steps' tokens on "
+              f"the host, {r['wrong']} wrong; stopped {r.get('stopped_after_s')} s into step "
+              f"{r.get('failed_step')}: {str(r['error'])[:120]}")
+    assert len(reports) == victim, show(outs)
+    assert all(r["served"] for r in reports), show(outs)  # the Lamport path, not stock
+    assert sum(r["wrong"] for r in reports) == 0, show(outs)
+    for r in reports:
+        assert r["error"] is not None and r["stopped_after_s"] < budget + 1.0, show(outs)
+        assert any(f"rank(s) {victim}" in line for line in r["log"]), show(outs)
