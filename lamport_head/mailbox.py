@@ -229,8 +229,8 @@ class IpcMailbox(_ProcessMailbox):
         peers = [r for r in range(self.tp) if r != self.rank]
 
         def send():
-            for r in peers:
-                self._channel.send(facts[r][0], self.rank, self._own.fd)
+            self._channel.send_all({r: facts[r][0] for r in peers}, self.rank, self._own.fd,
+                                   RECEIVE_WAIT_S)
 
         exchange(send, self.group, self.tp, "send its mailbox's file descriptor to its peers")
         fds = self._channel.receive(peers, RECEIVE_WAIT_S)

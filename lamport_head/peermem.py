@@ -231,54 +231,84 @@ def segments_for(device):
 
 class FdChannel:
     """This process's inbox for its peers' descriptors: an abstract-namespace Unix
-    datagram socket, bound at construction (before the ranks exchange names)."""
+    datagram socket, bound at construction (before the ranks exchange names).
+    Invariant: every descriptor received is in ``self._got`` until ``receive`` hands
+    it out or ``close`` closes it (a message read early, while sending, is kept)."""
 
     def __init__(self):
         self.name = f"\0lamport-head-{os.getpid()}-{secrets.token_hex(8)}"
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.name)
+        self._got = {}
 
     def send(self, to, rank, fd):
-        """``fd`` to the channel named ``to``, from ``rank`` (the message says who)."""
+        """``fd`` to the channel named ``to``, from ``rank`` (the message says who);
+        never waits long: BlockingIOError (or TimeoutError, once ``receive`` set the
+        socket's timeout) when that inbox is full."""
         import array
 
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-        self.sock.sendmsg([struct.pack("<i", rank)], rights, 0, to)
+        self.sock.sendmsg([struct.pack("<i", rank)], rights, socket.MSG_DONTWAIT, to)
 
-    def receive(self, ranks, wait_s=RECEIVE_WAIT_S):
-        """``{rank: fd}`` from each of ``ranks``; RuntimeError naming the ranks whose
-        descriptor did not come within ``wait_s``."""
+    def send_all(self, targets, rank, fd, wait_s=RECEIVE_WAIT_S):
+        """``fd`` to every channel of ``targets`` (``{peer: name}``), from ``rank``. A
+        datagram inbox holds about a dozen messages (``net.unix.max_dgram_qlen``, 10 in a
+        fresh network namespace) and every rank sends before any receives, so a full
+        inbox is waited out while this rank reads its own into what ``receive`` returns:
+        every rank makes progress. RuntimeError naming the peers not reached in
+        ``wait_s``."""
         import time
 
-        got, end = {}, time.monotonic() + wait_s
-        want = set(ranks)
-        try:
-            while not want <= got.keys():
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise RuntimeError(f"no mailbox descriptor from rank(s) "
-                                       f"{sorted(want - got.keys())} within {wait_s:g} s")
-                self.sock.settimeout(left)
+        pending, end = dict(targets), time.monotonic() + wait_s
+        while pending:
+            for peer, name in list(pending.items()):
                 try:
-                    msg, fds, _, _ = socket.recv_fds(self.sock, 4, 1)
-                except socket.timeout:
-                    continue
-                if len(msg) != 4 or len(fds) != 1:
-                    for fd in fds:
-                        os.close(fd)
-                    continue
-                (rank,) = struct.unpack("<i", msg)
-                if rank in got or rank not in want:
-                    os.close(fds[0])
-                    continue
-                got[rank] = fds[0]
-        except Exception:
-            for fd in got.values():
+                    self.send(name, rank, fd)
+                    del pending[peer]
+                except (BlockingIOError, TimeoutError):  # full (TimeoutError: a timeout is set)
+                    pass
+            if pending:
+                if time.monotonic() > end:
+                    raise RuntimeError(f"could not hand this mailbox's descriptor to rank(s) "
+                                       f"{sorted(pending)} within {wait_s:g} s (inbox full)")
+                self._take(0.001)
+
+    def _take(self, wait_s):
+        """One message into ``self._got`` (False when none came within ``wait_s``)."""
+        self.sock.settimeout(max(wait_s, 1e-6))
+        try:
+            msg, fds, _, _ = socket.recv_fds(self.sock, 4, 1)
+        except socket.timeout:
+            return False
+        if len(msg) != 4 or len(fds) != 1:
+            for fd in fds:
                 os.close(fd)
-            raise
-        return got
+            return True
+        (rank,) = struct.unpack("<i", msg)
+        if rank in self._got:
+            os.close(fds[0])
+        else:
+            self._got[rank] = fds[0]
+        return True
+
+    def receive(self, ranks, wait_s=RECEIVE_WAIT_S):
+        """``{rank: fd}`` from each of ``ranks`` (the caller owns them); RuntimeError
+        naming the ranks whose descriptor did not come within ``wait_s``."""
+        import time
+
+        want, end = set(ranks), time.monotonic() + wait_s
+        while not want <= self._got.keys():
+            left = end - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"no mailbox descriptor from rank(s) "
+                                   f"{sorted(want - self._got.keys())} within {wait_s:g} s")
+            self._take(left)
+        return {r: self._got.pop(r) for r in sorted(want)}
 
     def close(self):
+        for fd in self._got.values():
+            os.close(fd)
+        self._got = {}
         self.sock.close()
 
 
@@ -324,7 +354,7 @@ def p2p_status(a, b, nvml=None):
             if status.value != 0:
                 return False, f"no {what}: {_P2P_STATUS.get(status.value, status.value)}"
         return True, ""
-    except OSError as exc:
+    except (OSError, RuntimeError, AttributeError) as exc:  # no library, no init, no symbol
         return None, f"NVML unavailable ({exc})"
 
 

@@ -19,6 +19,13 @@ CANARY = [os.path.join(HERE, "canary.py")]
 ONE_GPU, OWN_GPU, ONLY_OWN_VISIBLE = "one", "own", "only-own-visible"
 
 
+def _physical(index):
+    """This machine's GPU ``index`` as the launching process sees it, named as a child's
+    CUDA_VISIBLE_DEVICES must name it (an outer list, if any, is honoured)."""
+    outer = [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return outer[index].strip() if outer else str(index)
+
+
 def _port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,9 +46,9 @@ def start(n, *args, program=None, gpus=ONE_GPU):
                    NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                    NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
         if gpus == ONE_GPU and torch.cuda.device_count() > 1:
-            env["CUDA_VISIBLE_DEVICES"] = "0"
+            env["CUDA_VISIBLE_DEVICES"] = _physical(0)
         elif gpus == ONLY_OWN_VISIBLE:
-            env["CUDA_VISIBLE_DEVICES"] = str(rank)
+            env["CUDA_VISIBLE_DEVICES"] = _physical(rank)
         argv = program or ["-m", "lamport_head.tuning.diagnostics.ranks"]
         procs.append(subprocess.Popen([sys.executable, *argv, *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -100,9 +107,9 @@ def canary_case(n, vocab, gpus=ONE_GPU, budget=10.0, at=30):
     gone = time.monotonic()
     env = dict(os.environ)
     if gpus != ONE_GPU:
-        env["CUDA_VISIBLE_DEVICES"] = str(dead)  # the dead rank's GPU
+        env["CUDA_VISIBLE_DEVICES"] = _physical(dead)  # the dead rank's GPU
     elif torch.cuda.device_count() > 1:
-        env["CUDA_VISIBLE_DEVICES"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = _physical(0)
     canary = subprocess.Popen([sys.executable, *CANARY], stdin=subprocess.PIPE, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ready = canary.stdout.readline()

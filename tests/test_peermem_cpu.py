@@ -73,3 +73,59 @@ def test_host_segments_share_pages_between_processes_through_a_descriptor():
     assert torch.equal(memory.tensor(other, 16), torch.full((16,), 7, dtype=torch.int32))
     memory.close(other)
     memory.close(own)
+
+
+def test_sixteen_ranks_hand_out_their_descriptors_though_an_inbox_holds_a_dozen():
+    """Every rank sends to every peer before any receives, and a datagram inbox holds
+    about a dozen messages (``net.unix.max_dgram_qlen``: 10 here and in a fresh network
+    namespace). With 16 ranks (TP up to 32 when ranks share GPUs) a blocking send
+    deadlocked every rank until start-up's deadline; a sender now reads its own inbox
+    while it waits for a peer's. Each rank gets every peer's own descriptor."""
+    import os
+    import threading
+
+    n = 16
+    channels = [peermem.FdChannel() for _ in range(n)]
+    names = {r: c.name for r, c in enumerate(channels)}
+    fds = []
+    for r in range(n):
+        fd = os.memfd_create(f"rank{r}")
+        os.write(fd, bytes([r]))
+        fds.append(fd)
+    seen, errors = {}, []
+
+    def rank(r):
+        try:
+            channels[r].send_all({p: names[p] for p in range(n) if p != r}, r, fds[r], wait_s=20)
+            got = channels[r].receive([p for p in range(n) if p != r], wait_s=20)
+            seen[r] = {p: os.pread(fd, 1, 0)[0] for p, fd in got.items()}
+            for fd in got.values():
+                os.close(fd)
+        except Exception as exc:  # noqa: BLE001  reported below
+            errors.append(f"rank {r}: {exc}")
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    try:
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        assert seen == {r: {p: p for p in range(n) if p != r} for r in range(n)}
+    finally:
+        for c in channels:
+            c.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def test_nvml_that_cannot_start_leaves_the_pair_to_the_mapping(monkeypatch):
+    """The library is there but will not initialize (a container's partial driver
+    mount, a driver/library mismatch): NVML cannot tell, so the mapping decides (its
+    failure is agreed, named) instead of every rank going stock on NVML's word."""
+    def broken():
+        raise RuntimeError("nvmlInit failed")
+
+    monkeypatch.setattr(peermem, "_nvml", broken)
+    ok, why = peermem.p2p_status("GPU-a", "GPU-b")
+    assert ok is None and "nvmlInit failed" in why
