@@ -73,11 +73,16 @@ class CudaSegments:
     device's primary context current (torch's), and every location named is
     ``self.ordinal``, this process's own device as its driver numbers it."""
 
-    def __init__(self, device, driver=None):
+    def __init__(self, device, driver=None, bind=None):
+        """``driver``: the ``cuda.bindings.driver`` module (a stand-in in tests);
+        ``bind(index)``: makes the device's primary context current on the calling
+        thread (``kernels.launch.bind_primary_context``; a stand-in's own in tests)."""
         self.device = torch.device(device)
         if driver is None:
             from cuda.bindings import driver
-        self.cu = driver
+        if bind is None:
+            from .kernels.launch import bind_primary_context as bind
+        self.cu, self._bind = driver, bind
         with self._current():
             self.ordinal = int(_ok(self.cu.cuCtxGetDevice(), "cuCtxGetDevice"))
             for attr in ("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
@@ -90,14 +95,14 @@ class CudaSegments:
 
     @contextlib.contextmanager
     def _current(self):
-        """This device's primary context current on this thread (torch makes it so)."""
+        """This device's primary context current on this thread, bound explicitly:
+        torch binds it lazily, and start-up steps run in helper threads."""
         if self.device.type != "cuda":  # a stand-in driver on the CPU
+            self._bind(self.device.index)
             yield
             return
-        from .kernels.launch import bind_primary_context
-
         with torch.cuda.device(self.device):
-            bind_primary_context(self.device.index)
+            self._bind(self.device.index)
             yield
 
     def _location(self, holder):

@@ -6,7 +6,9 @@ a call names and, for each import, the exporter's device (carried in the memfd's
 so a test can pin that every mapping is made for the importer's own device."""
 
 import ctypes
+import functools
 import os
+import threading
 import types
 
 import torch
@@ -45,6 +47,23 @@ class FakeDriver:
         self.named = []  # (call, device ordinal named)
         self.imports = []  # the exporter's UUID of each import
         self.live = {}  # mapped address -> size
+        self._bound = threading.local()  # as a CUDA context: current per thread
+        for name in dir(self):  # every driver call needs this thread's context, as CUDA's do
+            if name.startswith("cu") and name not in ("cuCtxGetDevice",):
+                setattr(self, name, self._needs_context(getattr(self, name)))
+
+    def bind(self, index):
+        """``bind_primary_context``'s stand-in: this thread's context is current."""
+        self._bound.yes = True
+
+    def _needs_context(self, call):
+        @functools.wraps(call)
+        def checked(*args):
+            if not getattr(self._bound, "yes", False):
+                return (201, None) if call.__name__ != "cuMemUnmap" else (201,)
+            return call(*args)
+
+        return checked
 
     @staticmethod
     def CUmemAllocationProp():
@@ -56,6 +75,8 @@ class FakeDriver:
         return types.SimpleNamespace(flags=None, location=types.SimpleNamespace(type=None, id=None))
 
     def cuCtxGetDevice(self):
+        if not getattr(self._bound, "yes", False):
+            return 201, None  # CUDA_ERROR_INVALID_CONTEXT: none current on this thread
         return 0, self.ordinal
 
     def cuDeviceGetAttribute(self, attr, device):

@@ -1,7 +1,9 @@
 """Issue 28 item 1, pinned on the CPU where exporter and importer devices differ: the real
 ``IpcMailbox`` over the real ``peermem.CudaSegments``, its driver a stand-in
 (tests/fake_driver.py: memfd memory mapped at the reserved addresses, shared between the
-processes as cuMem's is). Each rank maps every peer's box for ITS OWN device, and no
+processes as cuMem's is; every call fails as CUDA's does when no context is current on
+the calling thread, so a call made before binding the device's context, or from a thread
+that never bound it, fails the test). Each rank maps every peer's box for ITS OWN device, and no
 driver call names another device, whether every process sees all GPUs (rank r's GPU is
 its ordinal r) or only its own (ordinal 0 everywhere). At 0a45b23 peers were opened
 through torch's CUDA tensor sharing under the exporter's device: no import here, and
@@ -22,7 +24,7 @@ CAP, WORDS = 2, 8
 def _worker(rank, nprocs, ordinals):
     uuid = [f"GPU-uuid-{r}" for r in range(nprocs)]
     fake = FakeDriver(ordinals[rank], uuid[rank])
-    peermem.segments_for = lambda device: peermem.CudaSegments(device, driver=fake)
+    peermem.segments_for = lambda device: peermem.CudaSegments(device, driver=fake, bind=fake.bind)
     box = mailbox.IpcMailbox(None, "cpu", nprocs, rank, CAP, WORDS)
     _, error = attempt(box.connect)
     agree(error, None, "cpu", "to map the peers' mailboxes")
