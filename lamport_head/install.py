@@ -220,10 +220,12 @@ def _route(site, gather):
     return tuple(sorted(gather.rows))
 
 
-def reroute(site, gather):
+def reroute(site, gather, *, label=None):
     """Route a new processor (the engine replaced its model, e.g. after a weight update)
     through the ``gather`` its first model was served by; the rows served, ``()``
-    meaning the engine's stock gather, with one line either way.
+    meaning the engine's stock gather, with one line either way. ``label``: what the
+    site is, for the lines, when it is not a replacement model (a vLLM drafter whose
+    head has the target's shard width shares the target's gather: no second mailbox).
 
     No collective: ``gather`` (its mailboxes, rows, ranks) was agreed and built by
     every rank at install and depends on no model; ``site``'s facts are the same on
@@ -236,11 +238,16 @@ def reroute(site, gather):
         return tuple(sorted(gather.rows))
     why = site.kept or _site_refuses(site, gather.tp, gather.shard)
     if why is not None:
-        logger.info("lamport-head: stock logits gather on the new model: %s", why)
+        logger.info("lamport-head: stock logits gather on %s: %s", label or "the new model", why)
         return ()
     served = _route(site, gather)
-    logger.info("lamport-head: the new model's gather routed again at %s: the gather built at "
-                "install serves rows %s", site.where, served)
+    if label is None:
+        logger.info("lamport-head: the new model's gather routed again at %s: the gather built "
+                    "at install serves rows %s", site.where, served)
+    else:
+        logger.info("lamport-head: %s routed at %s through the gather already built (the same "
+                    "shard width: no second mailbox, no collective); it serves rows %s", label,
+                    site.where, served)
     return served
 
 

@@ -13,7 +13,20 @@ included) is agreed by every TP rank; an exception out of it is never swallowed,
 since the rank it left would enter vLLM's collectives out of step with its peers.
 The ``lamport_head`` logger is routed through vLLM's handlers
 (``log.attach_to_vllm``), so each worker's lines reach the server's output; rank 0
-adds a one-line summary.
+adds a one-line summary naming every routed path.
+
+Speculative decoding: the runner's ``load_model`` loads the drafter's model too (V1
+``drafter.load_model``, V2 ``speculator.load_model``: EAGLE, EAGLE3, MTP, draft-model
+speculation), so once the target is installed every rank installs on the drafter's
+model (``install_drafter_gather``): its processor (``find_drafter_target``: on the
+model as for a target, or an MTP drafter's nested one) served by the target's gather
+when its head has the target's shard width (EAGLE and MTP heads vLLM shares; no
+second mailbox, no collective), else by its own install (another vocabulary, e.g. an
+EAGLE3 head; collective, agreed, fail-stop as the target's: a failure leaves the
+drafter stock on every rank and the target as it was). Rows: a draft step's requests
+(``drafter_rows``: 1 .. max_num_seqs, times the draft tokens with parallel drafting).
+With ``use_local_argmax_reduction`` greedy drafts take ``get_top_tokens`` (candidates,
+not logits; not routed) and nothing is built for the drafter (``drafter_paths``).
 
 Which processor (``find_gather_target``), found the way vLLM's own code finds a
 model's head:
@@ -39,6 +52,7 @@ and name.
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -93,12 +107,16 @@ def find_gather_target(model, force=None):
         where = f"{name} or its language model" if inner is not None else name
         return None, None, f"no logits_processor on {where}"
     owner, path = found
-    processor = owner.logits_processor
-    path += ".logits_processor"
     head = getattr(owner, "lm_head", None)
     if head is None:
         head = next((getattr(m, "lm_head") for m, _ in owners
                      if getattr(m, "lm_head", None) is not None), None)
+    return _resolve(owner.logits_processor, head, path + ".logits_processor", force)
+
+
+def _resolve(processor, head, path, force):
+    """``find_gather_target``'s answer for a processor found at ``path`` with its head:
+    LoRA's base layer, a class with its own gather (kept unless forced)."""
     head = getattr(head, "base_layer", head)  # a LoRA-wrapped lm_head
     notes = []
     base = getattr(processor, "base_layer", None)
@@ -115,6 +133,35 @@ def find_gather_target(model, force=None):
         notes.append(f"{FORCE_ENV}=1: replaces {own}._gather_logits for these rows; "
                      "it keeps the others")
     return processor, head, "; ".join([path] + notes)
+
+
+def _is(module, name):
+    """True when a class named ``name`` is in the module's MRO (vLLM is not imported)."""
+    return any(c.__name__ == name for c in type(module).__mro__)
+
+
+def find_drafter_target(model, force=None):
+    """``find_gather_target`` for a speculative drafter's model. EAGLE / EAGLE3 /
+    draft-model drafters hold ``logits_processor`` and ``lm_head`` on the model (or its
+    language model), as targets do. MTP drafters (``DeepSeekMTP`` and its kin) hold
+    the processor one level down (``model.model.logits_processor``) and call it with
+    each MTP layer's ``shared_head.head``: found as the model's only LogitsProcessor,
+    its head the model's ParallelLMHead(s), which must agree in shape and TP size (one
+    shard width: one gather)."""
+    processor, head, where = find_gather_target(model, force)
+    if processor is not None or not where.startswith("no logits_processor"):
+        return processor, head, where
+    name = type(model).__name__
+    found = [(n, m) for n, m in model.named_modules() if _is(m, "LogitsProcessor")]
+    if len(found) != 1:
+        return None, None, (f"{len(found)} LogitsProcessors in {name}" if found else where)
+    heads = [(n, m) for n, m in model.named_modules() if _is(m, "ParallelLMHead")]
+    kinds = {(tuple(getattr(getattr(m, "weight", None), "shape", ())), getattr(m, "tp_size", 1))
+             for _, m in heads}
+    if len(kinds) != 1:
+        return None, None, (f"{name}.{found[0][0]}: its heads {[n for n, _ in heads]} do not "
+                            "share one shape" if heads else f"{name}: no ParallelLMHead")
+    return _resolve(found[0][1], heads[0][1], f"{name}.{found[0][0]}", force)
 
 
 def rows_from_vllm(vllm_config):
@@ -144,7 +191,14 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None, *,
     if lp is None:
         logger.info("lamport-head: stock logits gather: %s", where)
         return ()
-    site = install.GatherSite(
+    site = _site(model, lp, head, where, find_gather_target)
+    return install.install(site, group, tp, rank, device, dcp, rows, measure=measure_first_use,
+                           device_group=device_group)
+
+
+def _site(model, lp, head, where, finder):
+    """The install core's view of the processor ``finder`` found in ``model``."""
+    return install.GatherSite(
         processor=lp, attr=GATHER, weight=getattr(head, "weight", None),
         head_tp=getattr(head, "tp_size", 1), where=where,
         plain=(getattr(lp, "use_all_gather", False) and not getattr(lp, "logits_as_input", False)
@@ -152,9 +206,113 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None, *,
         facts=(f"use_all_gather={getattr(lp, 'use_all_gather', None)}, "
                f"logits_as_input={getattr(lp, 'logits_as_input', None)}, "
                f"head_dtype={getattr(lp, 'head_dtype', None)}"),
-        kept=find_gather_target(model, force=False)[2] if owns_gather(lp) else None)
-    return install.install(site, group, tp, rank, device, dcp, rows, measure=measure_first_use,
-                           device_group=device_group)
+        kept=finder(model, force=False)[2] if owns_gather(lp) else None)
+
+
+class Drafter(NamedTuple):
+    """What the drafter's install did, for the summary line (the same on every rank)."""
+
+    name: str  # the drafter model's class
+    served: tuple  # rows its draft steps take through a Lamport gather (() = stock)
+    shared: bool  # through the target's gather (the same shard width), not its own
+    vocab: int  # its head's full (padded) vocabulary, TP x shard width (0: no head found)
+    through: tuple  # its paths through the gather ("drafter compute_logits x k")
+    around: tuple  # its paths that skip the gather, with the setting that sends vLLM there
+    why: str  # why it stays stock ("" when served)
+
+
+def draft_model(runner):
+    """The drafter's model the runner loaded (V1 ``drafter.model``, V2
+    ``speculator.model``; vLLM unwraps CUDA-graph wrappers), or None: no speculative
+    decoding, or a drafter with no model (n-gram, suffix decoding)."""
+    get = getattr(runner, "get_draft_model", None)
+    return get() if callable(get) else None
+
+
+def drafter_rows(vllm_config):
+    """The row counts one draft step's ``compute_logits`` gathers: the requests of a
+    step (1 .. ``max_num_seqs``), times the draft tokens with parallel drafting (one
+    pass drafts every token), capped (``install.decode_rows``); None when the config
+    does not say."""
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if not isinstance(seqs, int) or seqs < 1:
+        return None
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = int(getattr(spec, "num_speculative_tokens", None) or 1)
+    return install.decode_rows(seqs, k if getattr(spec, "parallel_drafting", False) else 1)
+
+
+def drafter_paths(vllm_config):
+    """``(through, around)`` for the drafter's logits in vLLM 0.33 (V1
+    ``llm_base_proposer._greedy_sample`` / ``_sample_draft_tokens``, V2
+    ``speculator.sample_draft``): ``compute_logits`` once per draft token (once per
+    step with parallel drafting), unless ``use_local_argmax_reduction`` sends greedy
+    drafting to ``get_top_tokens``, an all-gather of (value, index) candidates, not of
+    logits (issue 32 item 2: not routed here); probabilistic draft sampling
+    (``draft_sample_method``) still takes ``compute_logits`` for batches that are not
+    all greedy."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = int(getattr(spec, "num_speculative_tokens", None) or 1)
+    calls = 1 if getattr(spec, "parallel_drafting", False) else k
+    logits = f"drafter compute_logits x {calls}"
+    if not getattr(spec, "use_local_argmax_reduction", False):
+        return (logits,), ()
+    top = (f"drafter get_top_tokens x {calls} (use_local_argmax_reduction: (value, index) "
+           "candidates, not logits; not routed)")
+    if getattr(spec, "draft_sample_method", "greedy") == "greedy":
+        return (), (top,)
+    return (logits + " (probabilistic drafting of batches not all greedy)",), (top,)
+
+
+def install_drafter_gather(draft, target, group, tp, rank, device, dcp=1, rows=None,
+                           paths=(("drafter compute_logits x 1",), ()), *, device_group=None):
+    """Route the drafter's LogitsProcessor after the target's install (every TP rank,
+    the same order): a ``Drafter`` saying how.
+
+    - No path of the drafter gathers logits (``paths``: ``drafter_paths``): nothing is
+      built (no mailbox, no first-use tuning), one line.
+    - Its head has the shard width of the gather the target was served by (EAGLE and
+      MTP share the target's lm_head; a drafter of the same vocabulary): the target's
+      gather serves it too (``install.reroute``: no collective; the gather was agreed
+      by every rank, the site's facts are the same on every rank).
+    - Else its own install (another vocabulary, e.g. an EAGLE3 head of 32000, or the
+      target stayed stock): ``install.install`` with the drafter's ``rows``,
+      collective over ``group``, agreed, fail-stop as the target's: every rank serves
+      the drafter's rows or every rank keeps its stock gather; the target's outcome is
+      not touched either way (its gather and mailbox are its own).
+
+    Never raises, like ``install_logits_gather``."""
+    name = type(draft).__name__
+    through, around = (tuple(p) for p in paths)
+    lp, head, where = find_drafter_target(draft, force=True)  # FORCE is decided agreed
+    weight = getattr(head, "weight", None)
+    vocab = tp * weight.shape[0] if getattr(weight, "dim", lambda: 0)() == 2 else 0
+    if not through:
+        why = f"no draft step gathers logits: {around[0] if around else 'see the config'}"
+        logger.info("lamport-head: drafter %s not routed: %s", name, why)
+        return Drafter(name, (), False, vocab, through, around, why)
+    if lp is None:
+        logger.info("lamport-head: stock logits gather for the drafter: %s", where)
+        return Drafter(name, (), False, vocab, through, around, where)
+    site = _site(draft, lp, head, where, find_drafter_target)
+    target_lp = find_gather_target(target, force=True)[0] if target is not None else None
+    gather = getattr(target_lp, "head_gather", None)
+    with log.collect() as lines:
+        if gather is not None and weight is not None and weight.shape[0] == gather.shard:
+            served, shared = install.reroute(site, gather, label=f"the drafter {name}"), True
+        else:
+            served, shared = install.install(site, group, tp, rank, device, dcp, rows,
+                                             measure=measure_first_use,
+                                             device_group=device_group), False
+    routed, why = served, ""
+    if rows is not None:
+        served = tuple(m for m in served if m in rows)  # the target's rows may reach further
+    if routed and not served:
+        why = f"the gather's rows {list(routed)} hold none of its rows 1..{max(rows)}"
+    elif not served:
+        why = (lines[-1].removeprefix("lamport-head: ").removeprefix("stock logits gather: ")
+               if lines else "see the lines above")
+    return Drafter(name, served, shared and bool(served), vocab, through, around, why)
 
 
 def _cpu_group(coordinator):
@@ -173,16 +331,26 @@ def _install_after_load(worker):
         dcp = 1
     model = worker.model_runner.get_model()
     tp, rank = tp_group.world_size, tp_group.rank_in_group
+    config = getattr(worker, "vllm_config", None)
     # The rows its decode steps gather: max running requests x (1 + draft tokens).
-    rows = rows_from_vllm(getattr(worker, "vllm_config", None))
+    rows = rows_from_vllm(config)
+    cpu = _cpu_group(tp_group)  # agreement on vLLM's gloo group: a rank whose CUDA context
+    # broke still reaches it
     with log.collect() as lines:
-        # Agreement on vLLM's gloo group: a rank whose CUDA context broke still reaches it.
-        served = install_logits_gather(model, _cpu_group(tp_group), tp, rank, worker.device, dcp,
-                                       rows=rows, device_group=tp_group.device_group)
+        served = install_logits_gather(model, cpu, tp, rank, worker.device, dcp, rows=rows,
+                                       device_group=tp_group.device_group)
+    # The drafter's model, loaded by the runner's load_model (V1 drafter.load_model, V2
+    # speculator.load_model) before it returned: after the target's, on every rank.
+    draft = draft_model(worker.model_runner)
+    drafter = None
+    if draft is not None:
+        drafter = install_drafter_gather(draft, model, cpu, tp, rank, worker.device, dcp,
+                                         rows=drafter_rows(config), paths=drafter_paths(config),
+                                         device_group=tp_group.device_group)
     if rank == 0:
-        through, around = logits_paths(model, getattr(worker, "vllm_config", None))
+        through, around = logits_paths(model, config)
         logger.info("lamport-head summary: %s", summary(type(model).__name__, tp, dcp, served,
-                                                        lines, through, around))
+                                                        lines, through, around, drafter))
     return served
 
 
@@ -213,22 +381,45 @@ def logits_paths(model, vllm_config):
     return ([] if sharded else ["compute_logits"]), around
 
 
-def summary(model_name, tp, dcp, served, lines, through=("compute_logits",), around=()):
+def summary(model_name, tp, dcp, served, lines, through=("compute_logits",), around=(),
+            drafter=None):
     """Rank 0's one line for the whole TP group. Every rank takes the same outcome
     (the checks see the same inputs; the build is agreed by a MIN all-reduce).
     ``through``/``around``: ``logits_paths``; served rows are named only with the paths
-    that really take the gather, and said unused when none does."""
+    that really take the gather, and said unused when none does. ``drafter``: the
+    drafter's ``Drafter`` (speculative decoding with a draft model): the target's paths
+    are then named "target ...", and a clause names the drafter's paths, its rows and
+    whose gather serves them (its own, or the target's), or why it stays stock."""
+    if drafter is not None:
+        through = [f"target {p}" for p in through]
+        around = [a for a in around if not a.startswith("the drafter's")]  # said below
     head = f"{model_name}, tp={tp}, dcp={dcp}: "
     skip = f"{' and '.join(around)} skip{'s' if len(around) == 1 else ''}"
     if served and not through:
-        return head + (f"Lamport logits gather installed for rows {list(served)} on all {tp} TP "
+        line = head + (f"Lamport logits gather installed for rows {list(served)} on all {tp} TP "
                        f"ranks, but no step takes it: {skip} the gather")
-    if served:
-        return head + (f"Lamport logits gather for rows {list(served)} on all {tp} TP ranks, "
+    elif served:
+        line = head + (f"Lamport logits gather for rows {list(served)} on all {tp} TP ranks, "
                        f"through {' and '.join(through)}" + (f"; {skip} it" if around else ""))
-    why = (lines[-1].removeprefix("lamport-head: ").removeprefix("stock logits gather: ")
-           if lines else "see the lines above")
-    return head + f"stock logits gather on all {tp} TP ranks ({why})"
+    else:
+        why = (lines[-1].removeprefix("lamport-head: ").removeprefix("stock logits gather: ")
+               if lines else "see the lines above")
+        line = head + f"stock logits gather on all {tp} TP ranks ({why})"
+    return line if drafter is None else line + "; " + _drafter_clause(drafter)
+
+
+def _drafter_clause(d):
+    """The summary's words for the drafter (``Drafter``)."""
+    skip = "".join(f"; {a} skips it" for a in d.around)
+    if d.served:
+        whose = ("the target's Lamport logits gather (its head has the target's shard width)"
+                 if d.shared else f"its own Lamport logits gather (vocab {d.vocab})")
+        return (f"drafter {d.name}: {whose} for rows {list(d.served)}, through "
+                f"{' and '.join(d.through)}{skip}")
+    if not d.through:
+        return f"drafter {d.name}: no draft step gathers logits{skip}"
+    return (f"drafter {d.name}: stock logits gather for {' and '.join(d.through)} "
+            f"({d.why}){skip}")
 
 
 def wrap_worker(worker_cls):
