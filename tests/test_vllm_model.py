@@ -108,6 +108,7 @@ class FakeGather:
 def _serve(monkeypatch, tmp_path):
     table = tmp_path / "t.yaml"
     table.write_text("schema: 1\ndevices:\n  NVIDIA H200:\n    - tp: 2\n      dcp: 1\n"
+                     "      vocab: 128\n"  # the model's: 2 ranks x 64 rows of lm_head
                      "      rows:\n        1-2: {ctas: 4, enabled: true}\n")
     monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(table))
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
