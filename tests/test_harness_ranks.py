@@ -322,3 +322,72 @@ def test_lm_head_overlap_agrees_on_every_rank(tmp_path, fail, on):
         [{"on": on, "off": "timing", "closed": 2}] * 2
     if on == "timing":  # the fake events say 0.5 ms per repetition of 2 x 3 steps
         assert ranks[0][0]["pair"] == [pytest.approx(500 / 6)] * 2
+
+
+def _identity_worker(rank, tp, cache):
+    """First-use tuning's measuring of row count ROWS on the real DistributedTarget
+    (one CTA count), then install's build of the tuned row; every compile recorded with
+    its give-up. Returns the compiles of each phase, the written section's kernel
+    identity and install's gather's mode."""
+    import yaml
+
+    from lamport_head import head_gather, install
+    from lamport_head.table import user_path
+    from lamport_head.tuning import firstuse
+
+    os.environ.update(LAMPORT_HEAD_CACHE=cache)
+    _cpu_ranks(rank, tp, None)
+    phase, compiles = ["tune"], []
+    kernels = head_gather.KERNELS
+    compiled = kernels.compiled
+
+    def recording(tp_, shard, config, pdl, arch, stop=False):
+        compiles.append((phase[0], config.ctas, config.threads, config.unroll, pdl, arch, stop))
+        return compiled(tp_, shard, config, pdl, arch, stop=stop)
+
+    kernels.compiled = recording
+    limits = firstuse.FirstUseLimits(ctas=(PLAN.ctas,), threads=(PLAN.threads,),
+                                     unroll=(PLAN.unroll,), calls=2, reps=1, replays=1)
+    outcome = firstuse.measure(None, "cpu", tp, rank, 1, SHARD, [ROWS], True, "NVIDIA H200",
+                               limits=limits)
+    (result,) = outcome.results
+    phase[0] = "serve"
+    gather = install._build(None, "cpu", tp, rank, SHARD, {ROWS: result.plan}, 10.0)
+    served = dict(gather.configs)
+    gather.close()
+    written = yaml.safe_load(open(user_path()).read())
+    kernels_written = sorted({str(v) for v in _find(written, "kernel")})
+    return {"compiles": compiles, "row": [result.rows, result.plan.config.label()],
+            "served": [[m, c.label()] for m, c in served.items()], "written": kernels_written,
+            "mode": gather.mode}
+
+
+def _find(node, key):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == key and not isinstance(v, (dict, list)):
+                yield v
+            else:
+                yield from _find(v, key)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _find(v, key)
+
+
+def test_a_tuned_rows_kernel_is_the_kernel_install_builds_for_it(tmp_path):
+    """Issue 30 item 2: first-use tuning times the kernel variant install builds for the
+    row (serving's give-up compiled in), and the identity written with the row is that
+    kernel's. Before: the tuner compiled ``stop=False``, install ``stop=True``, and the
+    written identity named no variant."""
+    from lamport_head import provenance
+
+    results = spawn(_identity_worker, 2, tmp_path, str(tmp_path / "cache"), deadline_s=120)
+    for r in results:
+        assert r["row"] == [ROWS, PLAN.label()] and r["served"] == [[ROWS, PLAN.label()]]
+        tuned = {tuple(c[2:]) for c in r["compiles"] if c[0] == "tune" and c[1] == PLAN.ctas}
+        served = {tuple(c[2:]) for c in r["compiles"] if c[0] == "serve"}
+        assert tuned and served, r["compiles"]
+        # the timed trial's kernel is the one install launches for the row
+        assert served == tuned, (served, tuned)
+        (stop,) = {c[-1] for c in r["compiles"] if c[0] == "serve"}
+        assert r["written"] == [provenance.kernel_identity(stop=stop)]
