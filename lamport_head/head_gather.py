@@ -51,22 +51,20 @@ Invariants a change must keep:
   deadline and every rank raises, within it.
 - What each row count launches is ``plan.plan``'s answer, checked against
   ``plan.co_resident_limit`` (every CTA of every rank sharing the device resident at
-  once); the kernel variant of the mode, its occupancy and its launch come from
-  ``build.Kernels`` (what the tuner times too), the compiler and the driver only
-  through ``KERNELS``.
+  once); the compiler and the driver are reached only through ``KERNELS``.
 """
 
 from collections.abc import Mapping
 
 import torch
 
-from .build import DeviceKernels, Kernels
 from .collective import agree, attempt, step
 from .config import GatherConfig
+from .kernels.arch import has_pdl
 from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, DEFAULT_UNROLL,
                                FRAGMENT_BF16, MARK_TOP, STOP_SHIFT)
 from .mailbox import MAILBOXES, choose_backend
-from .plan import plan
+from .plan import co_resident_limit, plan
 from .status import (MODES, RECOVERABLE, SERVING, STOP_GRACE_S, GatherTimeout, StatusRecord,
                      Watcher)
 
@@ -74,7 +72,57 @@ SPIN_BUDGET_S = 2.0  # default spin budget per call: how long a gather waits for
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-KERNELS = DeviceKernels()  # the seam a CPU test replaces (``build.DeviceKernels``)
+class DeviceKernels:
+    """Where a gather's kernels come from: the device's compile target, the compiled
+    gather of a ``GatherConfig``, and how many CTAs of it the device holds. The only
+    place construction touches the compiler and the driver; ``KERNELS`` is the seam a
+    test replaces (with a CPU stand-in) to build gathers without a GPU."""
+
+    def arch(self, device) -> str:
+        """The compile target of ``device``; ValueError for a device the kernel cannot
+        run on."""
+        if device.type != "cuda":
+            raise ValueError(f"HeadGather needs a CUDA device, got {device}")
+        from .occupancy import device_arch
+
+        return device_arch(device)
+
+    def pdl(self, arch) -> bool:
+        """Whether gathers for ``arch`` launch with PDL (the architecture decides:
+        ``kernels.arch.has_pdl``)."""
+        return has_pdl(arch)
+
+    def compiled(self, tp, shard, config, pdl, arch, stop=False):
+        """The compiled gather (``.launch``, ``.cubin``, ``.threads``) for ``config``'s
+        compile-time knobs (compiled once per process); ``stop``: serving's give-up."""
+        from .kernels import compile_gather
+
+        return compile_gather(tp, shard // 2, pdl=pdl, arch=arch, stop=stop,
+                              **config.kernel_knobs())
+
+    def launcher(self, compiled, device):
+        """How a gather launches ``compiled`` on ``device``: through the driver
+        (``kernels.launch.DriverLaunch``: the TVM-FFI callable costs the host 1.4x a
+        ``torch.add_`` per call, this launch 0.9x), loaded into the device's primary
+        context (torch's). Called as ``launcher(shard, out, peers, rank, ctas, budget,
+        status, stream)``."""
+        from .kernels import DriverLaunch
+        from .kernels.launch import bind_primary_context
+
+        with torch.cuda.device(device):
+            bind_primary_context(torch.device(device).index)
+            return DriverLaunch(compiled)
+
+    def resident(self, compiled, device) -> int:
+        """CTAs of ``compiled`` the whole device holds at once."""
+        from .kernels.launch import kernel_entry
+        from .occupancy import resident_ctas
+
+        return resident_ctas(bytes(compiled.cubin), kernel_entry(compiled.ptx), compiled.threads,
+                             device.index, compiled.smem)
+
+
+KERNELS = DeviceKernels()
 
 
 class HeadGather:
@@ -184,19 +232,20 @@ class HeadGather:
             raise ValueError(f"need tp >= 2 and 0 <= rank < tp, got tp={tp} rank={rank}")
         if shard <= 0 or shard % FRAGMENT_BF16:
             raise ValueError(f"shard width {shard} is not a positive multiple of {FRAGMENT_BF16}")
+        self._kernels = KERNELS
+        self._arch = self._kernels.arch(self.device)
         self.tp, self.rank, self.shard, self.width = tp, rank, shard, tp * shard
         # what Tensor.get_device() answers for a tensor on this device (-1: the CPU)
         self._index = self.device.index if self.device.type == "cuda" else -1
-        # the kernel variant of this mode, its occupancy and launchers: ``build``
-        self._kernels = Kernels(KERNELS, self.device, tp, shard, self.mode, pdl)
-        self._arch, self._pdl = self._kernels.arch, self._kernels.pdl
+        self._pdl = self._kernels.pdl(self._arch) if pdl is None else bool(pdl)
         self.sharing = sharing
-        self.configs = plan(rows, ctas, tp=tp, shard=shard, resident=self._kernels.resident,
+        self.configs = plan(rows, ctas, tp=tp, shard=shard, resident=self._resident,
                             sharing=sharing, pdl=self._pdl, clamped=self.clamped, **knobs)
         self.rows = frozenset(self.configs)
         self.cap = max(self.rows)
         self.ctas = {m: c.ctas for m, c in self.configs.items()}
-        self._launch = {m: self._kernels.launcher(c) for m, c in self.configs.items()}
+        self._launch = {m: self._kernels.launcher(self._compiled(c), self.device)
+                        for m, c in self.configs.items()}
         self._open_status(budget_s)
 
     def _open_status(self, budget_s):
@@ -209,13 +258,17 @@ class HeadGather:
         self._status_address = self._status.address
 
     def _compiled(self, config):
-        """The compiled kernel of ``config`` this gather launches (diagnostics)."""
-        return self._kernels.compiled(config)
+        return self._kernels.compiled(self.tp, self.shard, config, self._pdl, self._arch,
+                                      stop=self.mode == SERVING)
+
+    def _resident(self, config):
+        return self._kernels.resident(self._compiled(config), self.device)
 
     def resident(self, threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL):
         """CTAs per rank of this kernel shape that fit on the device alongside the
-        ranks sharing it (``build.Kernels.limit``): the most ``plan`` accepts."""
-        return self._kernels.limit(GatherConfig(1, threads, unroll), self.sharing)
+        ranks sharing it (``plan.co_resident_limit``): the most ``plan`` accepts."""
+        config = GatherConfig(1, threads, unroll)
+        return co_resident_limit(self._resident(config), self.sharing, self._pdl)
 
     def poll(self):
         """Raise ``GatherTimeout`` if this rank's host flag is up (a host-memory read,

@@ -68,13 +68,11 @@ def _version(name):
         return "unknown"
 
 
-def kernel_identity(sources=None, *, stop=True):
+def kernel_identity(sources=None):
     """12 hex digits naming the kernel build a timing belongs to: the bytes of the
     kernel package's ``*.py`` files (by name; default: the installed
-    ``lamport_head.kernels`` directory), the nvidia-cutlass-dsl version and the
-    variant's give-up (``stop``: serving's trap, the default, which is what serving
-    launches and the tuner times; ``lamport_head.build.identity`` maps a mode to
-    it). Reads the files without importing the package, which would import cutlass."""
+    ``lamport_head.kernels`` directory) and the nvidia-cutlass-dsl version. Reads the
+    files without importing the package, which would import cutlass."""
     if sources is None:
         sources = importlib.util.find_spec("lamport_head.kernels").submodule_search_locations
     elif isinstance(sources, (str, Path)):
@@ -87,16 +85,13 @@ def kernel_identity(sources=None, *, stop=True):
         dsl = importlib.metadata.version("nvidia-cutlass-dsl")
     except importlib.metadata.PackageNotFoundError:
         dsl = "absent"
-    variant = b"give-up: stop (serving)" if stop else b"give-up: recoverable"
-    return digest(*parts, f"nvidia-cutlass-dsl {dsl}".encode(), variant)
+    return digest(*parts, f"nvidia-cutlass-dsl {dsl}".encode())
 
 
 def runtime_facts():
     """What a timing depends on besides the GPU model: the driver, CUDA, torch, the
-    DSL, lamport-head's version (package metadata) and its kernel build (the serving
-    variant's identity: what a tuned section was timed on and what serving launches).
-    First-use tuning re-measures a user-table section whose ``STALE_KEYS`` no longer
-    match."""
+    DSL, lamport-head's version (package metadata) and its kernel build. First-use
+    tuning re-measures a user-table section whose ``STALE_KEYS`` no longer match."""
     import torch
 
     from lamport_head import __version__

@@ -35,7 +35,6 @@ import time
 from dataclasses import dataclass
 
 from lamport_head import provenance
-from lamport_head.build import TUNED, identity
 from lamport_head.collective import agree, attempt
 from lamport_head.config import default_config
 from lamport_head.kernels.protocol import DEFAULT_THREADS
@@ -123,10 +122,7 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
 
     def prepare():
         ranks = Ranks(torch.device(device), rank, tp, shared, dist.get_backend(group), group)
-        target = make_target(ranks, vocab, limits)
-        # the identity of the variant timed: the target's mode (build.TUNED, serving's,
-        # for the harness's DistributedTarget; a stand-in target builds nothing)
-        return target, identity(getattr(target, "mode", TUNED)), provenance.facts()
+        return make_target(ranks, vocab, limits), provenance.kernel_identity(), provenance.facts()
 
     prepared, error = attempt(prepare)
     agree(error, group, device, "to prepare first-use tuning")

@@ -17,26 +17,6 @@ Targets: ``EmulatedTarget`` (TP virtual ranks on one GPU; the stock baseline is 
 one-GPU equivalent, a cat of the shards) and ``DistributedTarget`` (one process per
 GPU under torchrun; stock is vLLM's: NCCL all-gather into ``[TP*M, V/TP]``, then the
 reorder to ``[M, V]``).
-
-What is timed is built by ``lamport_head.build`` for the target's ``mode``, as
-install builds it: the kernel variant, and the occupancy limit the search space
-stops at (``Kernels.limit``). ``DistributedTarget`` (``tune`` on real ranks, first-use
-tuning) builds in ``build.TUNED``, serving's mode: the kernel serving launches, with
-serving's give-up compiled in and serving's host side (the watcher, the watchdog).
-That give-up cannot be recovered from in-process (it stops the GPU context), so it
-is kept from firing where the recoverable one cost only a trial: no candidate past
-install's own co-resident limit is ever built (the same ``Kernels.limit``), and every
-trial is verified and timed under the spin budget (default 2 s: a wait gives up at
-1.5 s, against calls of microseconds and launch skews of at most tens of ms measured
-with 8 processes time-slicing one GPU). What is left is an unhealthy run: a rank
-that stops launching (it died, its context broke, a call failed on it alone before
-its launch) leaves its peers waiting; they give up and stop their contexts, and the
-tuner stops on every rank, as a serving step would, never hangs: the watcher ends a
-process whose context did not stop (exit 70). The recoverable path failed only that
-trial there.
-``EmulatedTarget`` (one process, virtual ranks; its sections are never served) keeps
-the recoverable variant: a serving give-up there would stop the only process, and
-``EmulatedGather`` has no close to stop serving's per-rank watchers.
 """
 
 import math
@@ -46,11 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lamport_head.build import TUNED, Kernels
 from lamport_head.collective import PeerFailed, agree, all_max, all_min, attempt
 from lamport_head.config import GatherConfig
 from lamport_head.head_gather import SPIN_BUDGET_S
-from lamport_head.status import RECOVERABLE
+from lamport_head.plan import co_resident_limit
 from lamport_head.reference import planted, reference_gather
 from lamport_head.stock import StockGather
 
@@ -226,7 +205,6 @@ class EmulatedTarget:
 
     emulated = True
     objective = "gpu_us"  # eager time here is the host issuing TP launches in a row
-    mode = RECOVERABLE  # EmulatedGather's (module docstring: why not serving's)
 
     def __init__(self, device, tp, vocab, *, calls=50, reps=7, replays=20,
                  budget_s=SPIN_BUDGET_S):
@@ -239,17 +217,19 @@ class EmulatedTarget:
 
     def limit(self, threads, unroll):
         """Most CTAs per rank that stay co-resident with the other virtual ranks: what
-        HeadGather accepts for them (``build.Kernels.limit`` of this target's mode;
-        every virtual rank shares this GPU, PDL as the architecture has it)."""
+        HeadGather accepts for them (``co_resident_limit``; every virtual rank shares
+        this GPU, PDL on as ``_gather`` builds them)."""
         key = (threads, unroll)
         if key not in self._limits:
-            self._limits[key] = self._build().limit(GatherConfig(1, threads, unroll), self.tp)
+            from lamport_head.head_gather import KERNELS
+
+            config = GatherConfig(1, threads, unroll)
+            arch = KERNELS.arch(self.device)
+            pdl = KERNELS.pdl(arch)  # as HeadGather builds them
+            kernel = KERNELS.compiled(self.tp, self.shard, config, pdl, arch)
+            resident = KERNELS.resident(kernel, self.device)
+            self._limits[key] = co_resident_limit(resident, self.tp, pdl)
         return self._limits[key]
-
-    def _build(self):
-        from lamport_head.head_gather import KERNELS  # read now: the seam tests replace
-
-        return Kernels(KERNELS, self.device, self.tp, self.shard, self.mode)
 
     def _gather(self, rows, config):
         from lamport_head.emulate import EmulatedGather
@@ -359,7 +339,6 @@ class DistributedTarget:
 
     emulated = False
     objective = "eager_us"  # what serving sees
-    mode = TUNED  # the kernel serving launches, built as install builds it
 
     def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=SPIN_BUDGET_S):
         self.ranks, self.group, self.device = ranks, ranks.group, ranks.device
@@ -376,18 +355,21 @@ class DistributedTarget:
 
     def limit(self, threads, unroll):
         """Most CTAs per rank every rank's GPU holds: the occupancy calculator on the
-        compiled kernel of this target's mode (local, no mailbox), per rank as install's
-        HeadGather plans (``build.Kernels.limit``: every rank shares the GPU where ranks
-        share one, PDL as the architecture has it), then MIN over ranks (collective). A
-        compile that fails on one rank makes every rank raise, together."""
+        compiled kernel (local, no mailbox), per rank as HeadGather plans
+        (``co_resident_limit``: every rank shares the GPU where ranks share one, PDL
+        on), then MIN over ranks (collective). A compile that fails on one rank makes
+        every rank raise, together."""
         key = (threads, unroll)
         if key not in self._limits:
-            def local():
-                from lamport_head.head_gather import KERNELS  # read now: the test seam
+            from lamport_head.head_gather import KERNELS
 
+            def local():
+                config = GatherConfig(1, threads, unroll)
+                arch = KERNELS.arch(self.device)
+                pdl = KERNELS.pdl(arch)  # as HeadGather builds them
+                kernel = KERNELS.compiled(self.tp, self.shard, config, pdl, arch)
                 sharing = self.tp if self.ranks.shared else 1
-                kernels = Kernels(KERNELS, self.device, self.tp, self.shard, self.mode)
-                return kernels.limit(GatherConfig(1, threads, unroll), sharing)
+                return co_resident_limit(KERNELS.resident(kernel, self.device), sharing, pdl)
 
             # A compile that fails on one rank raises on every rank, together.
             resident, error = attempt(local)
@@ -399,7 +381,7 @@ class DistributedTarget:
         from lamport_head.head_gather import HeadGather
 
         return HeadGather(self.group, self.device, self.tp, self.rank, self.shard,
-                          {rows: config}, pdl=pdl, budget_s=self.budget_s, mode=self.mode)
+                          {rows: config}, pdl=pdl, budget_s=self.budget_s)
 
     def _stock(self, rows, step):
         """The stock gather's buffers, as a local step: its calls then allocate nothing
