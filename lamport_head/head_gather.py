@@ -193,16 +193,24 @@ class HeadGather:
             agree(error, group, self.device, "to build the gather (checks, compile, occupancy)")
             box, error = bounded(f"allocating its {kind} mailbox", MAILBOXES[kind], group,
                                  self.device, tp, rank, self.cap, self.width // 2)
-            agree(error, group, self.device, f"to allocate its {kind} mailbox")
-            _, error = bounded(f"mapping the peers' {kind} mailboxes", box.connect)
-            agree(error, group, self.device, f"to map the peers' {kind} mailboxes")
+            try:
+                agree(error, group, self.device, f"to allocate its {kind} mailbox")
+                _, error = bounded(f"mapping the peers' {kind} mailboxes", box.connect)
+                agree(error, group, self.device, f"to map the peers' {kind} mailboxes")
 
-            def arm():
-                box.arm()
-                torch.cuda.synchronize(self.device)
+                def arm():
+                    box.arm()
+                    torch.cuda.synchronize(self.device)
 
-            _, error = bounded("arming its mailbox", arm)
-            agree(error, group, self.device, "to arm its mailbox")  # also: every rank armed
+                _, error = bounded("arming its mailbox", arm)
+                agree(error, group, self.device, "to arm its mailbox")  # also: every rank armed
+            except BaseException:
+                # A build that failed frees this rank's box and mappings now (no gather
+                # ran: nothing can still push), unless this rank's own step was given up
+                # on: its helper thread may still be inside the box; it stays.
+                if box is not None and not isinstance(error, TimeoutError):
+                    attempt(box.discard)
+                raise
             self.box = box
         self._peers = self.box.peers.data_ptr()  # the kernel reads the table by address
         self._closed = False

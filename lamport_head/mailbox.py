@@ -195,6 +195,13 @@ class _ProcessMailbox(_Mailbox):
         self._release()
         self.box = self.peers = None
 
+    def discard(self):
+        """Local: this rank's box and mappings, freed after a build that failed (no
+        gather ran, so no peer can still push; a peer's own mapping keeps the pages it
+        holds)."""
+        self._release()
+        self.box = self.peers = None
+
     def _release(self):
         pass
 
