@@ -15,5 +15,13 @@ _SECTION = """\
         4: {{ctas: 8, enabled: true}}
 """
 TWO_RANKS_VOCABS = (128, 192, 1024)
-TWO_RANKS = "schema: 1\ndevices:\n  NVIDIA H200:\n" + "".join(
-    _SECTION.format(vocab=v) for v in TWO_RANKS_VOCABS)
+
+
+def sections(vocabs, more_rows=""):
+    """A table of one such section per vocabulary, each with ``more_rows`` (YAML lines
+    at the rows' indentation) after the shared ones."""
+    return "schema: 1\ndevices:\n  NVIDIA H200:\n" + "".join(
+        _SECTION.format(vocab=v) + more_rows for v in vocabs)
+
+
+TWO_RANKS = sections(TWO_RANKS_VOCABS)

@@ -32,6 +32,7 @@ import json
 import pytest
 from engine_cpu import HOST_ISAS
 from helpers import as_vllm_rank, require_vllm, same_bits, spawn_vllm_ranks
+from tables import sections
 
 VOCAB, HIDDEN, DRAFT_VOCAB = 1000, 64, 256  # target: 1024 padded, 512 a rank; EAGLE3: 128
 MAX_NUM_SEQS, K = 4, 2  # target rows 1..12, a draft step's 1..4; 2 draft tokens
@@ -44,18 +45,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 # One section per vocabulary: the target's (1024) and the EAGLE3 head's (256). Row 8 is
 # enabled in both: the target's rows reach 12, the drafter's stop at max_num_seqs = 4.
-_SECTION = """\
-    - tp: 2
-      dcp: 1
-      vocab: {vocab}
-      rows:
-        1-2: {{ctas: 4, enabled: true}}
-        3: {{ctas: 4, enabled: false}}
-        4: {{ctas: 8, enabled: true}}
-        8: {{ctas: 8, enabled: true}}
-"""
-TABLE = "schema: 1\ndevices:\n  NVIDIA H200:\n" + "".join(
-    _SECTION.format(vocab=v) for v in (1024, DRAFT_VOCAB))
+TABLE = sections((1024, DRAFT_VOCAB), "        8: {ctas: 8, enabled: true}\n")
 SCENARIOS = {  # name: (method, draft config dir, use_local_argmax_reduction, fail the drafter)
     "eagle3": ("eagle3", "eagle3", False, False),
     "eagle": ("eagle", "eagle", False, False),
