@@ -1,3 +1,5 @@
+# One process on the GPU host: the GPU UUID as the mailbox names it, NVML peer status,
+# a cuMem box created, viewed as a tensor and imported back (scripts/gpuhost/README.md).
 import torch, subprocess
 from lamport_head import mailbox, peermem
 d = torch.device("cuda", 0)
