@@ -60,8 +60,8 @@ from cutlass import Int32, Int64, Uint32
 from cutlass.memory.smem import SmemAllocator
 
 from .primitives import load_address, store_word
-from .protocol import (GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1, TIMER_BASE,
-                       TIMER_CALLS, TIMER_PHASES, WORDS)
+from .protocol import (GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1, SLOW_SHIFT,
+                       TIMER_BASE, TIMER_CALLS, TIMER_PHASES, WORDS)
 from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, advance, batch_of, deliver, epoch_of, fetch,
                     fetch_staged, give_up_staged, mark_of, mark_peers, publish, push, push_staged,
                     raise_slow, repoll, repoll_staged)
@@ -118,7 +118,7 @@ class Gather:
         waited = cute.arch.globaltimer() - start
         if cutlass.const_expr(self.stop):
             if slow == 0:
-                if waited > (budget >> 1):
+                if waited > (budget >> SLOW_SHIFT):
                     slow = raise_slow(status, own_control, epoch)
         cause = Int32(0)  # CAUSE_TIMEOUT implies the heartbeat is up: wait > budget / 2
         if waited > wait:

@@ -112,9 +112,32 @@ STATUS_FLAG, STATUS_EPOCH, STATUS_PEERS = 0, 1, 2
 STATUS_SLOW = STATUS_PEERS + MAX_TP  # serving: epoch + 1 of a launch still waiting at half the budget
 STATUS_WORDS = STATUS_SLOW + 1
 
-# Serving's give-up (stop): waits end at budget - (budget >> GIVE_UP_SHIFT); the trap
-# follows the status record's flag by budget >> STOP_SHIFT.
-GIVE_UP_SHIFT, STOP_SHIFT = 2, 3
+# The spin budget's timeline, as shifts of the budget (the kernel's integer arithmetic)
+# and as the host's fractions of it (``slow_after``, ``give_up_after``, ``trap_after``):
+# the slow heartbeat from half of it (SLOW_SHIFT); serving's waits end at
+# budget - (budget >> GIVE_UP_SHIFT), three quarters; its trap follows the status
+# record's flag by budget >> STOP_SHIFT, an eighth: seven eighths in all.
+SLOW_SHIFT, GIVE_UP_SHIFT, STOP_SHIFT = 1, 2, 3
+
+
+def slow_after(budget):
+    """When a launch still waiting raises the slow heartbeat (a half)."""
+    return budget / (1 << SLOW_SHIFT)
+
+
+def give_up_after(budget):
+    """When serving's waits give up (three quarters)."""
+    return budget - budget / (1 << GIVE_UP_SHIFT)
+
+
+def trap_grace(budget):
+    """Serving's wait between the status record's flag and its trap (an eighth)."""
+    return budget / (1 << STOP_SHIFT)
+
+
+def trap_after(budget):
+    """When a serving launch that gave up traps (seven eighths)."""
+    return give_up_after(budget) + trap_grace(budget)
 
 # Diagnostics only (``compile_gather(..., timers=True)``): thread 0 of every CTA writes
 # the global timer (ns, int64) at each phase boundary into the status buffer after the

@@ -66,7 +66,7 @@ from .primitives import (armed, atomic_add_word, atomic_max_word_sys, copy_async
                          trap, wait_async)
 from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, CONTROL_SLOW,
                        EPOCH_SPAN, MARK_TOP, NAN_PAIR, PEER_CONTROL, SENTINEL, STATUS_EPOCH, STATUS_FLAG,
-                       STATUS_PEERS, STATUS_SLOW, STOP_SHIFT,
+                       STATUS_PEERS, STATUS_SLOW, SLOW_SHIFT, STOP_SHIFT,
                        WORDS)
 
 CAUSE_TIMEOUT, CAUSE_MARK = 1, 2  # why a thread stopped waiting
@@ -134,7 +134,7 @@ def heartbeat(start: Int64, budget: Int64, slow: Int32, status: Int64, own_contr
     new ``slow``. Called before each step that can stall (a push batch, the give-up's
     stores, the last-CTA fences) and after each poll that left fragments dirty."""
     if slow == 0:
-        if cute.arch.globaltimer() - start > (budget >> 1):
+        if cute.arch.globaltimer() - start > (budget >> SLOW_SHIFT):
             slow = raise_slow(status, own_control, epoch)
     return slow
 

@@ -62,7 +62,7 @@ from .collective import agree, attempt, step
 from .config import GatherConfig
 from .kernels.arch import has_pdl
 from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, DEFAULT_UNROLL,
-                               FRAGMENT_BF16, MARK_TOP, STOP_SHIFT)
+                               FRAGMENT_BF16, MARK_TOP, slow_after, trap_grace)
 from .mailbox import MAILBOXES, choose_backend
 from .plan import co_resident_limit, plan
 from .status import (MODES, RECOVERABLE, SERVING, STOP_GRACE_S, GatherTimeout, StatusRecord,
@@ -219,8 +219,8 @@ class HeadGather:
         # and a trap that never surfaces must not leave the engine waiting: the watchdog
         # (the slow heartbeat comes at half the budget; the trap is due at 7/8)
         self._watcher = Watcher(self._status, device=self.device,
-                                stop_after_s=budget_s / (1 << STOP_SHIFT) + STOP_GRACE_S,
-                                stuck_after_s=budget_s / 2 + STOP_GRACE_S) \
+                                stop_after_s=trap_grace(budget_s) + STOP_GRACE_S,
+                                stuck_after_s=slow_after(budget_s) + STOP_GRACE_S) \
             if mode == SERVING else None
 
     def _start_up(self, what, fn, *args):

@@ -8,7 +8,7 @@ rank switches to stock alone). Nothing here decides; readers only.
 import math
 import os
 
-from .kernels.protocol import STOP_SHIFT
+from .kernels.protocol import STOP_SHIFT, trap_grace
 
 DISABLE_ENV = "LAMPORT_HEAD_DISABLE"  # stock logits gather, whatever the tables say
 FORCE_ENV = "LAMPORT_HEAD_FORCE"  # route a processor whose class has its own gather
@@ -41,7 +41,7 @@ MIN_GRACE_S = 0.05
 
 def trap_grace_s(budget_s: float) -> float:
     """The grace a serving gather of ``budget_s`` leaves between its flag and its trap."""
-    return budget_s / (1 << STOP_SHIFT)
+    return trap_grace(budget_s)
 
 
 def _set(name):
