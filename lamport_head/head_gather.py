@@ -65,10 +65,10 @@ from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, D
                                FRAGMENT_BF16, MARK_TOP, slow_after, trap_grace)
 from .mailbox import MAILBOXES, choose_backend
 from .plan import co_resident_limit, plan
+from .settings import SPIN_BUDGET_S
 from .status import (MODES, RECOVERABLE, SERVING, STOP_GRACE_S, GatherTimeout, StatusRecord,
                      Watcher)
 
-SPIN_BUDGET_S = 2.0  # default spin budget per call: how long a gather waits for its peers
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 

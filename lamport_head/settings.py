@@ -19,8 +19,12 @@ DEFAULT_ROWS = tuple(range(1, 65))  # decode batches when the engine does not sa
 # A serving gather's spin budget unless BUDGET_ENV says: long enough that a host stall
 # of a rank (a GC pause, a slow step) is waited out, short enough that a dead peer
 # stops the engine within seconds (the engine restarts; NCCL's watchdog would wait
-# minutes). Tools and tests keep head_gather.SPIN_BUDGET_S (2 s).
+# minutes).
 SERVING_BUDGET_S = 10.0
+# The other budgets, each for its own use: tools, tuning and tests (a gather built with
+# no budget given); bench and the diagnostics (a stalled figure costs this, not 2 s).
+SPIN_BUDGET_S = 2.0
+BENCH_BUDGET_S = 0.5
 MAX_BUDGET_S = 3600.0  # the timer is read every poll: a longer wait is a typo
 # The floor. A gather gives up at 3/4 of the budget, so the budget must dwarf the
 # ordinary skew between the ranks' launches of one step, or healthy steps give up. The

@@ -16,6 +16,7 @@ import torch
 
 from lamport_head.emulate import EmulatedGather
 from lamport_head.reference import planted, reference_gather
+from lamport_head.settings import BENCH_BUDGET_S
 
 from ..harness import gated_gpu_us
 
@@ -57,7 +58,7 @@ def main(tp=8, vocab=163840, steps=20):
             base = probe.ctas[rows]
             choices = sorted({c for c in (1, 4, base // 2, base, 2 * base, limit // 2) if 1 <= c <= limit // 2})
             for ctas in choices:
-                g = EmulatedGather(device, tp, shard, {rows}, {rows: ctas}, pdl=pdl, budget_s=0.5)
+                g = EmulatedGather(device, tp, shard, {rows}, {rows: ctas}, pdl=pdl, budget_s=BENCH_BUDGET_S)
                 data = planted(tp, rows, shard, device=device)
                 shards = [data[r] for r in range(tp)]
                 joined = gated_gpu_us(lambda n: [g(shards) for _ in range(n)], device, steps, 5)

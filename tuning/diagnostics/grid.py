@@ -24,6 +24,7 @@ from lamport_head.config import GatherConfig
 from lamport_head.emulate import EmulatedGather
 from lamport_head.head_gather import GatherTimeout
 from lamport_head.reference import planted
+from lamport_head.settings import BENCH_BUDGET_S
 
 from ..bench import plan_for
 from ..floor import copy_bandwidth_gbs, floor_us, step_bytes
@@ -81,7 +82,7 @@ def main(argv=None):
         # before the first kernel is compiled: every unroll staged, or none
         protocol.STAGED_FROM = 1 if args.staged else protocol.UNROLL_MAX + 1
     device = torch.device("cuda", torch.cuda.current_device())
-    target = EmulatedTarget(device, args.tp, args.vocab, budget_s=0.5)
+    target = EmulatedTarget(device, args.tp, args.vocab, budget_s=BENCH_BUDGET_S)
     gbs = copy_bandwidth_gbs(device)
     from lamport_head.kernels import protocol
 
