@@ -101,14 +101,12 @@ def _error(code) -> str:
 
 
 def checked(result, what):
-    """The value of a cuda.bindings driver call's ``(status, value)``; RuntimeError
-    naming ``what`` when the status is not success."""
-    from cuda.bindings import driver as cu
-
+    """The value of a ``cuda.bindings`` driver call's ``(status, value...)`` (None for a
+    call that returns none); RuntimeError naming ``what`` and the status otherwise."""
     status, *values = result
-    if status != cu.CUresult.CUDA_SUCCESS:
+    if int(status) != 0:  # CUDA_SUCCESS
         raise RuntimeError(f"{what} failed: {status}")
-    return values[0]
+    return values[0] if len(values) == 1 else (tuple(values) or None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,10 +142,10 @@ def bind_primary_context(index: int) -> int:
     binds it here first, as vLLM's cuMem allocator does."""
     from cuda.bindings import driver as cu
 
-    checked((*cu.cuInit(0), None), "cuInit")
+    checked(cu.cuInit(0), "cuInit")
     device = checked(cu.cuDeviceGet(index), "cuDeviceGet")
     context = checked(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
-    checked((*cu.cuCtxSetCurrent(context), None), "cuCtxSetCurrent")
+    checked(cu.cuCtxSetCurrent(context), "cuCtxSetCurrent")
     return int(context)
 
 

@@ -138,7 +138,7 @@ def within(seconds, what, fn, *args, why=""):
             outcome["error"] = exc
 
     current = _STEP.get()
-    scope = current.scope if current is not None else _no_scope
+    scope = current.scope if current is not None else contextlib.nullcontext
 
     def inside():  # the step's thread setup (the CUDA device) in this thread too
         with scope():
@@ -155,11 +155,6 @@ def within(seconds, what, fn, *args, why=""):
     return outcome["value"]
 
 
-
-def _no_scope():
-    return contextlib.nullcontext()
-
-
 class StepAbandoned(TimeoutError):
     """Raised in a step's helper thread that its caller gave up on, instead of the
     collective or local part it was about to begin: it never enters one again."""
@@ -170,7 +165,7 @@ class _Step:
     part, a collective handed to the caller), and the collective handed over."""
 
     def __init__(self, seconds, what, scope):
-        self.seconds, self.what, self.scope = seconds, what, scope or _no_scope
+        self.seconds, self.what, self.scope = seconds, what, scope or contextlib.nullcontext
         self.lock = threading.Condition()
         self.helper = None
         self.state, self.since = "own", time.monotonic()  # "own", "attempt", "collective"

@@ -192,8 +192,7 @@ class _ProcessMailbox(_Mailbox):
         """Collective: no rank frees its box while a peer may still push into it."""
         torch.cuda.synchronize(self.device)
         self.barrier()
-        self._release()
-        self.box = self.peers = None
+        self.discard()
 
     def discard(self):
         """Local: this rank's box and mappings, freed after a build that failed (no
@@ -217,10 +216,11 @@ class IpcMailbox(_ProcessMailbox):
         """Local: this rank's box (mapped here, exported) and its descriptor inbox."""
         from .peermem import FdChannel, segments_for
 
-        self._segments = segments_for(self.device)
-        self._own = self._segments.create(count * 4)
-        self._mapped = {}
+        # the inbox first: a socket closes itself when dropped, a cuMem box does not
         self._channel = FdChannel()
+        self._segments = segments_for(self.device)
+        self._mapped = {}
+        self._own = self._segments.create(count * 4)
         return self._segments.tensor(self._own, count)
 
     def connect(self):
@@ -424,7 +424,7 @@ def choose_backend(group, device, backend=None):
     return kind, keys.count(keys[me])
 
 
-def check_peer_reach(keys, me, probe=None):
+def check_peer_reach(keys, me):
     """Raise unless this rank's GPU can store into (and do atomics on) the memory of
     every other GPU its host's ranks use, asked by UUID (``peermem.p2p_status``: NVML,
     which sees every GPU whatever this process sees). Ranks sharing this GPU need
@@ -432,11 +432,10 @@ def check_peer_reach(keys, me, probe=None):
     ranks agree on, naming it."""
     from .peermem import p2p_status
 
-    probe = probe or p2p_status
     host, gpu = keys[me]
     for r, (h, g) in enumerate(keys):
         if h == host and g != gpu:
-            ok, why = probe(gpu, g)
+            ok, why = p2p_status(gpu, g)
             if ok is False:
                 raise RuntimeError(f"GPU {gpu} (rank {me}) cannot reach GPU {g}'s memory "
                                    f"(rank {r}): {why}")

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.launch import checked
+
 RECEIVE_WAIT_S = 30.0  # a peer that said it sent its descriptor: how long to wait for it
 
 
@@ -57,15 +59,6 @@ class Segment:
     handle: object = None
     fd: int = -1
     keep: object = None  # what keeps a host mapping alive (HostSegments)
-
-
-def _ok(result, what):
-    """The value of a ``cuda.bindings`` call's ``(status, value...)``; RuntimeError
-    naming the call otherwise."""
-    status, *values = result if isinstance(result, tuple) else (result,)
-    if int(status) != 0:
-        raise RuntimeError(f"{what} failed: CUDA error {int(status)} ({getattr(status, 'name', status)})")
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 class CudaSegments:
@@ -84,11 +77,11 @@ class CudaSegments:
             from .kernels.launch import bind_primary_context as bind
         self.cu, self._bind = driver, bind
         with self._current():
-            self.ordinal = int(_ok(self.cu.cuCtxGetDevice(), "cuCtxGetDevice"))
+            self.ordinal = int(checked(self.cu.cuCtxGetDevice(), "cuCtxGetDevice"))
             for attr in ("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
                          "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"):
                 code = getattr(self.cu.CUdevice_attribute, attr)
-                if not _ok(self.cu.cuDeviceGetAttribute(code, self.ordinal), attr):
+                if not checked(self.cu.cuDeviceGetAttribute(code, self.ordinal), attr):
                     raise RuntimeError(f"{self.device}: the driver reports no {attr[20:].lower()}"
                                        " (a mailbox is a cuMem allocation shared as a file "
                                        "descriptor)")
@@ -112,14 +105,14 @@ class CudaSegments:
     def _map(self, handle, size):
         """Reserve, map and grant read/write to THIS device; undone on any failure."""
         cu = self.cu
-        ptr = int(_ok(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
+        ptr = int(checked(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
         try:
-            _ok(cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+            checked(cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
             try:
                 access = cu.CUmemAccessDesc()
                 self._location(access.location)
                 access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                _ok(cu.cuMemSetAccess(ptr, size, [access], 1), "cuMemSetAccess")
+                checked(cu.cuMemSetAccess(ptr, size, [access], 1), "cuMemSetAccess")
             except Exception:
                 cu.cuMemUnmap(ptr, size)
                 raise
@@ -137,15 +130,15 @@ class CudaSegments:
         posix = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         prop.requestedHandleTypes = posix
         with self._current():
-            grain = int(_ok(cu.cuMemGetAllocationGranularity(
+            grain = int(checked(cu.cuMemGetAllocationGranularity(
                 prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
                 "cuMemGetAllocationGranularity"))
             size = -(-nbytes // grain) * grain
-            handle = _ok(cu.cuMemCreate(size, prop, 0), "cuMemCreate")
+            handle = checked(cu.cuMemCreate(size, prop, 0), "cuMemCreate")
             try:
                 ptr = self._map(handle, size)
                 try:
-                    fd = int(_ok(cu.cuMemExportToShareableHandle(handle, posix, 0),
+                    fd = int(checked(cu.cuMemExportToShareableHandle(handle, posix, 0),
                                  "cuMemExportToShareableHandle"))
                 except Exception:
                     cu.cuMemUnmap(ptr, size)
@@ -160,7 +153,7 @@ class CudaSegments:
         """A peer's exported box, mapped in this process for this device."""
         cu = self.cu
         with self._current():
-            handle = _ok(cu.cuMemImportFromShareableHandle(
+            handle = checked(cu.cuMemImportFromShareableHandle(
                 fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
                 "cuMemImportFromShareableHandle")
             try:
