@@ -54,8 +54,8 @@ import torch
 from .collective import all_gather_objects, attempt, barrier, within
 from .kernels.protocol import (CONTROL_EPOCH, MAX_TP, PEER_CONTROL, PEER_ROWS, SENTINEL_I32,
                                box_words)
+from .settings import MAILBOX_ENV, forced_backend
 
-BACKEND_ENV = "LAMPORT_HEAD_MAILBOX"
 BACKENDS = ("symmetric", "ipc")
 MULTICAST_OFF_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"  # read by torch at rendezvous
 RENDEZVOUS_WAIT_S = 60.0  # how long a rank waits for torch's rendezvous to return (start-up)
@@ -385,16 +385,16 @@ def decide(keys, symmetric, forced=None):
     told ``symmetric`` (the operator vouches for the NVLink domain; the rendezvous
     then decides)."""
     if forced and forced not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={forced!r}: expected one of {', '.join(BACKENDS)}")
+        raise ValueError(f"{MAILBOX_ENV}={forced!r}: expected one of {', '.join(BACKENDS)}")
     hosts = sorted({str(host) for host, _ in keys})
     if len(hosts) > 1 and forced != "symmetric":
         raise RuntimeError(f"lamport-head: the TP ranks span {len(hosts)} hosts "
                            f"({', '.join(hosts)}); a Lamport mailbox maps peers' memory "
                            f"within one host, or one multi-node NVLink domain with "
-                           f"{BACKEND_ENV}=symmetric on every rank")
+                           f"{MAILBOX_ENV}=symmetric on every rank")
     if forced == "symmetric" and not all(symmetric):
         lacking = [r for r, ok in enumerate(symmetric) if not ok]
-        raise RuntimeError(f"lamport-head: {BACKEND_ENV}=symmetric, but rank(s) {lacking} "
+        raise RuntimeError(f"lamport-head: {MAILBOX_ENV}=symmetric, but rank(s) {lacking} "
                            "have no torch symmetric memory")
     return forced or "ipc"
 
@@ -405,7 +405,7 @@ def choose_backend(group, device, backend=None):
     of one host, each GPU reaching its peers' GPUs); ranks on several hosts: none
     (``decide`` raises). A rank whose own facts fail still takes part, and then every
     rank raises."""
-    forced = backend or os.environ.get(BACKEND_ENV) or None
+    forced = backend or forced_backend()
     facts = exchange(lambda: (device_key(device), _symmetric_available(), forced), group,
                      what="describe its GPU")
     asked = {f for _, _, f in facts}

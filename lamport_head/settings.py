@@ -1,4 +1,5 @@
-"""The environment switches the runtime reads, each defined once.
+"""The environment switches the runtime reads, each defined once: the one module that
+reads the environment (the tools' torchrun variables aside).
 
 Each is one process's environment and may reach some ranks only, so install reads
 them into the rank's vote and decides only on what every rank said (fail-stop: no
@@ -7,6 +8,7 @@ rank switches to stock alone). Nothing here decides; readers only.
 
 import math
 import os
+from pathlib import Path
 
 from .kernels.protocol import STOP_SHIFT, trap_grace
 
@@ -15,6 +17,10 @@ FORCE_ENV = "LAMPORT_HEAD_FORCE"  # route a processor whose class has its own ga
 AUTOTUNE_ENV = "LAMPORT_HEAD_AUTOTUNE"  # first-use tuning at install (default on)
 SERVE_EMULATED_ENV = "LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED"  # serve emulated sections (tests)
 BUDGET_ENV = "LAMPORT_HEAD_BUDGET_S"  # seconds a serving gather waits for its peers
+TABLE_ENV = "LAMPORT_HEAD_TABLE"  # a table file above the packaged and the user's
+CACHE_ENV = "LAMPORT_HEAD_CACHE"  # the user table's directory
+MAILBOX_ENV = "LAMPORT_HEAD_MAILBOX"  # force a mailbox backend (the same on every rank)
+COMMIT_ENV = "LAMPORT_HEAD_COMMIT"  # provenance's commit where no git checkout says it
 DEFAULT_ROWS = tuple(range(1, 65))  # decode batches when the engine does not say
 # A serving gather's spin budget unless BUDGET_ENV says: long enough that a host stall
 # of a rank (a GC pause, a slow step) is waited out, short enough that a dead peer
@@ -70,6 +76,32 @@ def autotune_enabled() -> bool:
 
 def serve_emulated() -> bool:
     return _flag(SERVE_EMULATED_ENV, "0")
+
+
+def table_override() -> Path | None:
+    """``$LAMPORT_HEAD_TABLE``: the highest table layer, when set."""
+    text = os.environ.get(TABLE_ENV, "")
+    return Path(text) if text else None
+
+
+def cache_dir() -> Path:
+    """The user table's directory: ``$LAMPORT_HEAD_CACHE``, else
+    ``$XDG_CACHE_HOME/lamport-head`` (XDG's default: ``~/.cache``)."""
+    cache = os.environ.get(CACHE_ENV)
+    if cache:
+        return Path(cache)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lamport-head"
+
+
+def forced_backend() -> str | None:
+    """``$LAMPORT_HEAD_MAILBOX``, the mailbox backend this rank's environment forces
+    (``mailbox.choose_backend`` checks that every rank asks the same)."""
+    return os.environ.get(MAILBOX_ENV) or None
+
+
+def commit_override() -> str | None:
+    """``$LAMPORT_HEAD_COMMIT``: provenance's commit where no checkout says it."""
+    return os.environ.get(COMMIT_ENV) or None
 
 
 def spin_budget_s() -> float:

@@ -38,7 +38,6 @@ entry. YAML 1.1 reads a bare on/off/yes/no as a boolean, so such a plain scalar 
 rejected anywhere (write true/false, or quote it).
 """
 
-import os
 import re
 from dataclasses import dataclass, fields, replace
 from importlib import resources
@@ -47,6 +46,7 @@ from pathlib import Path
 import yaml
 
 from .config import GatherConfig
+from .settings import cache_dir, table_override
 
 SCHEMA = 1
 MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are far smaller)
@@ -396,11 +396,7 @@ def user_path() -> Path:
     """The user's table, written by ``tune``: ``$LAMPORT_HEAD_CACHE/head_gather.yaml``,
     the cache directory defaulting to ``$XDG_CACHE_HOME/lamport-head`` (XDG's
     default: ``~/.cache``)."""
-    cache = os.environ.get("LAMPORT_HEAD_CACHE")
-    if not cache:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        cache = Path(base) / "lamport-head"
-    return Path(cache) / "head_gather.yaml"
+    return cache_dir() / "head_gather.yaml"
 
 
 def layer_paths():
@@ -409,8 +405,9 @@ def layer_paths():
     paths = [packaged_path()]
     if user_path().exists():
         paths.append(user_path())
-    if os.environ.get("LAMPORT_HEAD_TABLE"):
-        paths.append(Path(os.environ["LAMPORT_HEAD_TABLE"]))
+    override = table_override()
+    if override is not None:
+        paths.append(override)
     return paths
 
 

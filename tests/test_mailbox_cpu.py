@@ -191,7 +191,7 @@ def _multicast_worker(rank, nprocs, hosts, forced):
 
     os.environ.pop(mailbox.MULTICAST_OFF_ENV, None)
     if forced:
-        os.environ[mailbox.BACKEND_ENV] = forced
+        os.environ[mailbox.MAILBOX_ENV] = forced
     calls = []
     _recording_symmetric_memory(calls)
     mailbox.device_key = lambda device: (hosts[rank], f"gpu{rank}")
