@@ -230,7 +230,7 @@ def test_tune_command_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert set(section.rows) >= {1, 2, 4}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "t.optuna.db").exists()
-    # a re-run resumes: nothing left to time for the same trial budget
+    # a re-run resumes: nothing left to time for the same trial count
     assert cli.main(argv) == 0
 
 

@@ -273,7 +273,7 @@ class _Study(_Root):
                      if t.state in (optuna.trial.TrialState.COMPLETE,
                                     optuna.trial.TrialState.FAIL)
                      and t.params.get("config") in self.labels}
-        self.budget = max(0, min(self.trials, len(self.space)) - len(self.done))
+        self.trials_left = max(0, min(self.trials, len(self.space)) - len(self.done))
         self.repeats = 0
         if len(self.space) <= self.trials:  # a small grid: walk it (enqueued), TPE never guesses
             for name in self.labels:
@@ -283,7 +283,7 @@ class _Study(_Root):
     def next_order(self):
         """("measure", config) for the next untimed trial, or ("stop",)."""
         optuna, study, done = self.optuna, self.study, self.done
-        while self.budget > 0:
+        while self.trials_left > 0:
             trial = study.ask({"config": self.choices})
             name = trial.params["config"]
             if name in done:  # already timed in this study: answer, don't re-time
@@ -297,7 +297,7 @@ class _Study(_Root):
                 if self.repeats >= 20:  # TPE keeps proposing known points: take an untried one
                     untried = [n for n in self.labels if n not in done]
                     if not untried:
-                        self.budget = 0
+                        self.trials_left = 0
                     else:
                         study.enqueue_trial({"config": untried[0]})
                     self.repeats = 0
@@ -321,7 +321,7 @@ class _Study(_Root):
             current.set_user_attr("host_us", timing.host_us)
             self.study.tell(current, value)
         self.done[config.label()] = self.study.trials[current.number]
-        self.budget -= 1
+        self.trials_left -= 1
 
     def conclude(self, rows, stock, objective, margin, timed):
         finished = [(self.labels[tr.params["config"]], tr.value,
