@@ -10,6 +10,7 @@ Format (YAML; see tables/head_gather.yaml)::
         - tp: 8
           dcp: 1
           vocab: 163840           # the full vocabulary V the rows were measured at
+          stock: nccl-all-gather  # the engine's gather the rows were measured against
           emulated: false         # emulated sections are never used for serving
           provenance: {gpu: ..., driver: ..., cuda: ..., torch: ..., cutlass_dsl: ...,
                        lamport_head: ..., kernel: ..., date: ..., commit: ..., command: ...}
@@ -33,6 +34,15 @@ rejects them, naming the file and both entries. ``plan``/``section`` without a
 vocabulary take the one section for (GPU, TP, DCP) when there is exactly one, and
 raise ``TableError`` naming the choices when there are several.
 
+A section also names the stock it was measured against (``stock``, one of ``STOCKS``:
+the engine's own gather that the route replaces; a row is enabled where the Lamport
+gather beats it). vLLM's ``_gather_logits`` and the tuner's stand-in are an NCCL
+all-gather (``nccl-all-gather``, what a section written without ``stock`` was measured
+against); SGLang's ``_logits_gatherer`` is a multimem one-shot all-gather
+(``multimem-all-gather``) wherever it built one. A section measured against another
+stock than the engine's is not served: a row that beats NCCL may lose to a one-shot
+multicast gather. The key is then (GPU model, TP, DCP, emulated, V, stock).
+
 Validation is strict: every defect raises ``TableError`` naming the file and the
 entry. YAML 1.1 reads a bare on/off/yes/no as a boolean, so such a plain scalar is
 rejected anywhere (write true/false, or quote it).
@@ -51,8 +61,12 @@ from .settings import cache_dir, table_override
 SCHEMA = 1
 MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are far smaller)
 KIMI_K2_VOCAB = 163840  # the vocab the tools default to, and the mailbox-size example
-SECTION_KEYS = {"tp", "dcp", "vocab", "emulated", "provenance", "rows"}
+SECTION_KEYS = {"tp", "dcp", "vocab", "stock", "emulated", "provenance", "rows"}
 LEGACY_VOCAB = KIMI_K2_VOCAB  # the V of a section written without ``vocab`` (older tables)
+NCCL_STOCK = "nccl-all-gather"  # vLLM's _gather_logits, SGLang without NVLS, the tuner's stand-in
+MULTIMEM_STOCK = "multimem-all-gather"  # SGLang's MultimemAllGatherer (NVLS one-shot)
+STOCKS = (NCCL_STOCK, MULTIMEM_STOCK)
+LEGACY_STOCK = NCCL_STOCK  # the stock of a section written without ``stock``
 MAX_CTAS = 1024  # the most CTAs a table entry may ask for
 # A row entry holds every GatherConfig field (all but ctas optional: the defaults)
 ROW_KNOBS = {f.name for f in fields(GatherConfig)}
@@ -212,6 +226,7 @@ class Section:
     raw: dict  # the section as written
     source: str = ""  # the file it was read from
     vocab: int = LEGACY_VOCAB  # the full vocabulary V its rows were measured at
+    stock: str = LEGACY_STOCK  # the engine gather its rows were measured against
 
     @property
     def vocab_written(self) -> bool:
@@ -221,15 +236,17 @@ class Section:
 
 def section_key(section):
     """What a section is for; a higher layer's section replaces a lower one's only for
-    the same key: GPU model, TP, DCP, emulated and vocabulary."""
-    return normalize(section.device), section.tp, section.dcp, section.emulated, section.vocab
+    the same key: GPU model, TP, DCP, emulated, vocabulary and stock."""
+    return (normalize(section.device), section.tp, section.dcp, section.emulated, section.vocab,
+            section.stock)
 
 
 def _label(section):
     """``devices.NAME[tp=.., dcp=.., vocab=..]`` of FILE: one section, for messages."""
     vocab = section.vocab if section.vocab_written else f"{section.vocab} (not written)"
     return (f"{section.source or '<string>'}: {section.device} tp={section.tp} "
-            f"dcp={section.dcp} vocab={vocab}" + (" (emulated)" if section.emulated else ""))
+            f"dcp={section.dcp} vocab={vocab} stock={section.stock}"
+            + (" (emulated)" if section.emulated else ""))
 
 
 class Table:
@@ -242,21 +259,23 @@ class Table:
         self.path, self.sections = path, sections
         self.layers = layers or [path]
 
-    def section(self, device_name, tp, dcp, *, emulated=False, vocab=None):
+    def section(self, device_name, tp, dcp, *, emulated=False, vocab=None, stock=None):
         """The section for (``device_name``, ``tp``, ``dcp``, ``emulated``) measured at
-        ``vocab`` (the full vocabulary V = TP x shard width), or None: a section measured
-        at another V is not this one. ``vocab`` None: the one section for the rest of
-        the key whatever its V, None when there is none, ``TableError`` naming the
-        choices when there are several (several vocabularies: ask for one)."""
+        ``vocab`` (the full vocabulary V = TP x shard width) against ``stock`` (one of
+        ``STOCKS``), or None: a section measured at another V or against another stock
+        is not this one. ``vocab``/``stock`` None: the one section for the rest of the
+        key whatever its V/stock, None when there is none, ``TableError`` naming the
+        choices when there are several (ask for one)."""
         found = [s for s in self.sections
                  if normalize(s.device) == normalize(device_name) and s.tp == tp
                  and s.dcp == dcp and s.emulated == emulated
-                 and (vocab is None or s.vocab == vocab)]
+                 and (vocab is None or s.vocab == vocab)
+                 and (stock is None or s.stock == stock)]
         if len(found) > 1:
             raise TableError(
                 f"{self.path}: {len(found)} sections for {device_name}, tp={tp}, dcp={dcp}"
-                + (" (emulated)" if emulated else "") + ", one per vocabulary: "
-                + "; ".join(_label(s) for s in found) + "; ask for one with vocab=V")
+                + (" (emulated)" if emulated else "") + ", one per vocabulary and stock: "
+                + "; ".join(_label(s) for s in found) + "; ask for one with vocab=V, stock=S")
         return found[0] if found else None
 
     def vocabs(self, device_name, tp, dcp, *, emulated=False):
@@ -265,12 +284,13 @@ class Table:
                       if normalize(s.device) == normalize(device_name) and s.tp == tp
                       and s.dcp == dcp and s.emulated == emulated)
 
-    def plan(self, device_name, tp, dcp=1, *, emulated=False, vocab=None):
+    def plan(self, device_name, tp, dcp=1, *, emulated=False, vocab=None, stock=None):
         """The serving plan, gaps between measured rows filled (``fill``); ``{}`` for an
-        unknown device, (tp, dcp) or vocabulary. Emulated sections are only returned
-        when asked for with ``emulated=True``. ``vocab``: the full vocabulary V served
-        (TP x shard width); None takes the one section there is (``section``)."""
-        s = self.section(device_name, tp, dcp, emulated=emulated, vocab=vocab)
+        unknown device, (tp, dcp), vocabulary or stock. Emulated sections are only
+        returned when asked for with ``emulated=True``. ``vocab``: the full vocabulary V
+        served (TP x shard width); ``stock``: the engine's gather the route replaces;
+        None takes the one section there is (``section``)."""
+        s = self.section(device_name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
         return fill(s.rows) if s else {}
 
 
@@ -330,7 +350,7 @@ def parse(text, path="<string>"):
             sections.append(_section(device, sec, where))
             sections[-1].source = path
             s = sections[-1]
-            key = (s.tp, s.dcp, s.emulated, s.vocab)
+            key = (s.tp, s.dcp, s.emulated, s.vocab, s.stock)
             if key in seen:
                 first, written = seen[key]
                 how = ", ".join(
@@ -339,8 +359,8 @@ def parse(text, path="<string>"):
                     for j, w in ((first, written), (i, s.vocab_written)))
                 raise TableError(f"{where}: duplicate section for tp={s.tp}, dcp={s.dcp}"
                                  + (" (emulated)" if s.emulated else "")
-                                 + f", vocab={s.vocab}: ambiguous, two entries ({how}) "
-                                 "say how to serve one key")
+                                 + f", vocab={s.vocab}, stock={s.stock}: ambiguous, two "
+                                 f"entries ({how}) say how to serve one key")
             seen[key] = (i, s.vocab_written)
     return Table(path, sections)
 
@@ -363,6 +383,10 @@ def _section(device, sec, where):
     if not _int(vocab) or vocab < 1:
         raise TableError(f"{where}: vocab must be a positive int (the full vocabulary V the "
                          f"rows were measured at), got {vocab!r}")
+    stock = sec.get("stock", LEGACY_STOCK)
+    if stock not in STOCKS:
+        raise TableError(f"{where}: stock must be one of {', '.join(STOCKS)} (the engine "
+                         f"gather the rows were measured against), got {stock!r}")
     emulated = sec.get("emulated", False)
     if not isinstance(emulated, bool):
         raise TableError(f"{where}: emulated must be true or false, got {emulated!r}")
@@ -385,7 +409,7 @@ def _section(device, sec, where):
         row = _row(entry, f"{where} rows[{key!r}]")
         plan.update(dict.fromkeys(range(lo, hi + 1), row))
     return Section(device, tp, dcp, emulated, provenance, dict(sorted(plan.items())), sec,
-                   vocab=vocab)
+                   vocab=vocab, stock=stock)
 
 
 def packaged_path() -> Path:

@@ -109,7 +109,8 @@ BAD = {
                           "    - {tp: 2, vocab: 151936, rows: {1: {ctas: 1, enabled: true}}}\n"
                           "    - {tp: 2, vocab: 128256, rows: {1: {ctas: 2, enabled: true}}}\n",
                           "dup_section_vocab.yaml: devices.G[2]: duplicate section for tp=2, dcp=1, "
-                          "vocab=128256: ambiguous, two entries (devices.G[0] vocab=128256, "
+                          "vocab=128256, stock=nccl-all-gather: ambiguous, two entries "
+                          "(devices.G[0] vocab=128256, "
                           "devices.G[2] vocab=128256)"),
     "dup_section_unwritten_vocab": (
         "schema: 1\ndevices:\n  G:\n    - {tp: 2, rows: {1: {ctas: 1, enabled: true}}}\n"
@@ -324,9 +325,9 @@ def test_no_vocabulary_asked_takes_the_one_section_or_names_the_choices():
     with pytest.raises(TableError) as err:
         t.plan("NVIDIA H200", 8, 1)
     assert str(err.value) == (
-        "v.yaml: 2 sections for NVIDIA H200, tp=8, dcp=1, one per vocabulary: "
-        "v.yaml: NVIDIA H200 tp=8 dcp=1 vocab=128256; v.yaml: NVIDIA H200 tp=8 dcp=1 "
-        "vocab=163840; ask for one with vocab=V")
+        "v.yaml: 2 sections for NVIDIA H200, tp=8, dcp=1, one per vocabulary and stock: "
+        "v.yaml: NVIDIA H200 tp=8 dcp=1 vocab=128256 stock=nccl-all-gather; v.yaml: NVIDIA "
+        "H200 tp=8 dcp=1 vocab=163840 stock=nccl-all-gather; ask for one with vocab=V, stock=S")
 
 
 def test_a_section_without_vocab_is_taken_as_the_tuners_default():
@@ -396,3 +397,65 @@ def test_show_prints_each_sections_vocabulary(tmp_path, capsys):
         "  vocab V = 163840, 40960 a rank (not written in the section: taken as 163840, the "
         "tuner's default; served only to a model of that V)"]
     assert out.index("NVIDIA H200  tp=8 dcp=1") < out.index("  vocab V = 128256, 16032 a rank")
+
+
+STOCKS = """\
+schema: 1
+devices:
+  NVIDIA H200:
+    - tp: 8
+      vocab: 163840
+      rows:
+        1: {ctas: 16, enabled: true}
+    - tp: 8
+      vocab: 163840
+      stock: multimem-all-gather
+      rows:
+        1: {ctas: 8, enabled: false}
+"""
+
+
+def test_sections_are_keyed_by_the_stock_they_were_measured_against():
+    """Issue 32 item 4: a section names the engine gather its rows beat (``stock``); a
+    section measured against NCCL is not served where the route replaces SGLang's
+    multimem one-shot gather, and one written without ``stock`` is NCCL's."""
+    from lamport_head.table import LEGACY_STOCK, MULTIMEM_STOCK, NCCL_STOCK
+
+    t = parse(STOCKS, "s.yaml")
+    assert LEGACY_STOCK == NCCL_STOCK
+    nccl = t.section("NVIDIA H200", 8, 1, vocab=163840, stock=NCCL_STOCK)
+    multimem = t.section("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK)
+    assert (nccl.stock, nccl.rows[1].ctas) == (NCCL_STOCK, 16) and "stock" not in nccl.raw
+    assert (multimem.stock, multimem.rows[1].enabled) == (MULTIMEM_STOCK, False)
+    assert t.plan("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK)[1].ctas == 8
+    only_nccl = parse(STOCKS.split("    - tp: 8\n      vocab: 163840\n      stock")[0], "n.yaml")
+    assert only_nccl.plan("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK) == {}
+    with pytest.raises(TableError, match="one per vocabulary and stock"):
+        t.plan("NVIDIA H200", 8, 1, vocab=163840)
+
+
+def test_a_stock_the_loader_does_not_know_and_a_repeated_stock_are_refused():
+    with pytest.raises(TableError, match=r"stock must be one of nccl-all-gather, "
+                                         r"multimem-all-gather .*got 'nccl'"):
+        parse(STOCKS.replace("stock: multimem-all-gather", "stock: nccl"), "s.yaml")
+    with pytest.raises(TableError, match="duplicate section .*stock=nccl-all-gather: ambiguous"):
+        parse(STOCKS.replace("stock: multimem-all-gather", "stock: nccl-all-gather"), "s.yaml")
+
+
+def test_the_writer_writes_stock_and_replaces_only_the_same_stock(tmp_path):
+    import yaml
+
+    from lamport_head.table import MULTIMEM_STOCK
+    from lamport_head.tuning.writer import merge_section
+
+    path = tmp_path / "t.yaml"
+    path.write_text(STOCKS)
+    merge_section(path, "NVIDIA H200", 8, 1, {1: {"ctas": 32, "enabled": True}}, {},
+                  vocab=163840, stock=MULTIMEM_STOCK)
+    sections = yaml.safe_load(path.read_text())["devices"]["NVIDIA H200"]
+    assert sorted((s.get("stock", ""), s["rows"][1]["ctas"]) for s in sections) == [
+        ("", 16), (MULTIMEM_STOCK, 32)]
+    merge_section(path, "NVIDIA H200", 8, 1, {1: {"ctas": 4, "enabled": True}}, {}, vocab=163840)
+    t = load_table(path)
+    assert t.plan("NVIDIA H200", 8, 1, vocab=163840, stock="nccl-all-gather")[1].ctas == 4
+    assert t.plan("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK)[1].ctas == 32

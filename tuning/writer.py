@@ -1,9 +1,9 @@
 """Merging tuned sections into the HEAD_GATHER YAML, atomically.
 
-Only the section being written (device, tp, dcp, emulated, vocab) is replaced; every
+Only the section being written (device, tp, dcp, emulated, vocab, stock) is replaced; every
 other device and section is kept as it was: a section for another vocabulary stays
 beside it (a section written before sections carried ``vocab`` counts as
-``table.LEGACY_VOCAB``). The new text is validated with the loader
+``table.LEGACY_VOCAB``; one written without ``stock``, ``table.LEGACY_STOCK``). The new text is validated with the loader
 before it replaces the file (write to a temporary file beside it, then rename), so a
 reader never sees a half-written or invalid table. The read-modify-write holds an
 exclusive lock (``flock`` on ``.head_gather.lock`` beside the table), so writers of
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from lamport_head.table import KIMI_K2_VOCAB, LEGACY_VOCAB, SCHEMA, normalize, parse
+from lamport_head.table import (KIMI_K2_VOCAB, LEGACY_STOCK, LEGACY_VOCAB, NCCL_STOCK, SCHEMA,
+                                normalize, parse)
 
 
 def _load(path):
@@ -57,16 +58,17 @@ def _locked(path):
 
 
 def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False,
-                  vocab=KIMI_K2_VOCAB):
-    """Write ``rows`` ({key: entry}) as the (device, tp, dcp, emulated, vocab) section;
-    ``vocab``: the full vocabulary V the rows were measured at (the tuner's
-    ``--vocab``, first use's TP x shard width)."""
+                  vocab=KIMI_K2_VOCAB, stock=NCCL_STOCK):
+    """Write ``rows`` ({key: entry}) as the (device, tp, dcp, emulated, vocab, stock)
+    section; ``vocab``: the full vocabulary V the rows were measured at (the tuner's
+    ``--vocab``, first use's TP x shard width); ``stock``: the gather they were
+    measured against (``table.STOCKS``)."""
     path = Path(path)
     with _locked(path):
-        return _merge(path, device, tp, dcp, rows, provenance, emulated, vocab)
+        return _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock)
 
 
-def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab):
+def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock):
     data = _load(path)
     devices = data.setdefault("devices", {}) or {}
     data["devices"] = devices
@@ -74,12 +76,13 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab):
     sections = [s for s in devices.get(name, [])
                 if not (s.get("tp") == tp and s.get("dcp", 1) == dcp
                         and s.get("emulated", False) == emulated
-                        and s.get("vocab", LEGACY_VOCAB) == vocab)]
-    section = {"tp": tp, "dcp": dcp, "vocab": vocab, "emulated": emulated,
+                        and s.get("vocab", LEGACY_VOCAB) == vocab
+                        and s.get("stock", LEGACY_STOCK) == stock)]
+    section = {"tp": tp, "dcp": dcp, "vocab": vocab, "stock": stock, "emulated": emulated,
                "provenance": provenance, "rows": rows}
     sections.append(section)
     sections.sort(key=lambda s: (s.get("emulated", False), s["tp"], s.get("dcp", 1),
-                                 s.get("vocab", LEGACY_VOCAB)))
+                                 s.get("vocab", LEGACY_VOCAB), s.get("stock", LEGACY_STOCK)))
     devices[name] = sections
     text = _render(data)
     parse(text, str(path))
