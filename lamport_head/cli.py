@@ -88,6 +88,10 @@ class _Help(argparse.HelpFormatter):
         return f"{text} (default: {value})"
 
 
+# bench --drafter's defaults (here: --help imports no torch)
+DRAFT_VOCAB = 32000  # a typical EAGLE3 draft head (Llama 3's EAGLE3 drafters)
+DRAFT_TOKENS = 3  # k: a usual num_speculative_tokens
+
 _ROWS_HELP = "comma-separated row counts M (the decode batch: requests x (1 + draft tokens))"
 
 
@@ -177,6 +181,18 @@ def parser():
     b.add_argument("--out", default="results/bench", help="path prefix of the CSV and JSON "
                    "(the CSV is rewritten after every row count)")
     b.add_argument("--plot", help="write a PNG (its title names the mode: emulated or real ranks)")
+    b.add_argument("--drafter", action="store_true",
+                   help="every logits gather of a speculative decode step instead, per M "
+                   "requests: the target's [M x (1 + k), V/TP], a draft head's [M, V_draft/TP] "
+                   "and the candidate gather (vLLM's get_top_tokens, fp32 [M, 2] a rank, "
+                   "packed), each against the HBM floor (emulated) or NCCL (torchrun), and the "
+                   "step's totals (target + k x draft, target + k x candidates); writes "
+                   "OUT-drafter.csv and .json")
+    b.add_argument("--draft-vocab", type=_positive, default=DRAFT_VOCAB,
+                   help="the draft head's vocabulary V_draft (an EAGLE3 head's); V_draft/TP "
+                   "must be a multiple of 8 (with --drafter)")
+    b.add_argument("--draft-tokens", type=_positive, default=DRAFT_TOKENS,
+                   help="draft tokens k per step (with --drafter)")
     return p
 
 
@@ -226,7 +242,10 @@ def _main(argv=None):
 
             return run(args)
         if args.command == "bench":
-            from lamport_head.tuning.bench import run
+            if args.drafter:
+                from lamport_head.tuning.draftbench import run
+            else:
+                from lamport_head.tuning.bench import run
 
             return run(args)
         if args.command == "verify":
@@ -260,6 +279,10 @@ def check_arguments(args):
         return "--tp must be at least 2 (one rank has nothing to gather)"
     if tp_given and (args.vocab % args.tp or (args.vocab // args.tp) % 8):
         return f"vocab {args.vocab} / tp {args.tp} is not a multiple of 8"
+    if command == "bench" and args.drafter:
+        from lamport_head.tuning.draftbench import check
+
+        return check(args)
     return None
 
 

@@ -289,3 +289,209 @@ def test_readme_states_the_figures_of_the_plotted_bench_runs():
     assert f"host {min(host):.1f}-{max(host):.1f} µs per eager call" in readme
     assert f"{min(vs_add):.2f}-{max(vs_add):.2f}x `torch.add_`" in readme
     assert f"at most {captured:.2f} µs per captured gather" in readme
+
+
+# ---- bench --drafter (issue 32 item 6) ------------------------------------------------
+
+from lamport_head.tuning import draftbench, rankbench  # noqa: E402
+from lamport_head.tuning.harness import DistributedTarget, Timing  # noqa: E402
+
+DRAFT_V, K = 32000, 3
+
+
+def _drafter_figures(rows, shard):
+    """The fake GPU µs of one gather: a function of its shape alone (any mode)."""
+    return 1.0 + rows * shard / 1000.0
+
+
+class FakeDrafterRunner(FakeRunner):
+    """``FakeRunner`` with the drafter's measurements; ``timed``: (rows, width) asked."""
+
+    def __init__(self, mode, tp):
+        super().__init__(mode)
+        self.tp, self.timed = tp, []
+
+    def target_for(self, vocab):
+        return FakeTarget(self.tp, vocab)
+
+    def gather(self, target, rows, config):
+        self.timed.append((rows, target.shard))
+        out = {"gpu_us": _drafter_figures(rows, target.shard)}
+        if self.mode != report.EMULATED:
+            out["stock_gpu_us"] = 20.0 + rows
+        return out
+
+    def op_us(self):
+        return 2.0
+
+
+def _fake_drafter(monkeypatch, mode=report.EMULATED, tp=8):
+    runner = FakeDrafterRunner(mode, tp)
+    world = 1 if mode == report.EMULATED else tp
+    chosen = Chosen(FakeTarget(tp), torch.device("cpu"), world, True, mode != report.RANKS)
+    monkeypatch.setattr(draftbench, "make_target", lambda command, tp, vocab: chosen)
+    monkeypatch.setattr(bench, "make_runner", lambda chosen, args: runner)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    return runner
+
+
+def _expected_shapes(rows, tp, k=K, vocab=V, draft=DRAFT_V):
+    return [(g.rows, g.width) for m in rows
+            for g in draftbench.step_gathers(m, tp, vocab, draft, k, 8)]
+
+
+def test_drafter_arguments_and_their_defaults():
+    args = cli.parser().parse_args(["bench", "--drafter"])
+    assert args.drafter and args.draft_vocab == 32000 and args.draft_tokens == 3
+    args = cli.parser().parse_args(["bench", "--drafter", "--draft-vocab", "151936",
+                                    "--draft-tokens", "5", "--tp", "2"])
+    assert (args.draft_vocab, args.draft_tokens, args.tp) == (151936, 5, 2)
+    assert not cli.parser().parse_args(["bench"]).drafter
+
+
+def test_drafter_help_states_its_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--drafter" in text and "get_top_tokens" in text
+    assert "(default: 32000)" in text and "(default: 3)" in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--drafter", "--draft-vocab", "32001"),
+     "lamport-head: bench: --draft-vocab 32001 / tp 8 is not a multiple of 8 BF16 per rank "
+     "(the nearest that are: 32000 or 32064)"),
+    (("--drafter", "--tp", "3", "--vocab", "163920"),
+     "lamport-head: bench: --draft-vocab 32000 / tp 3 is not a multiple of 8 BF16 per rank "
+     "(the nearest that are: 31992 or 32016)"),
+    (("--drafter", "--draft-vocab", "40"),
+     "lamport-head: bench: --draft-vocab 40 / tp 8 is not a multiple of 8 BF16 per rank "
+     "(the nearest that are: 64)"),
+    (("--drafter", "--rows", "1,512"),
+     "lamport-head: bench: the target's verification gathers M x (1 + --draft-tokens 3) = 2048 "
+     "rows at M = 512, over the limit of 1024 rows"),
+    (("--drafter", "--draft-tokens", "0"),
+     "lamport-head bench: argument --draft-tokens: expected a positive int"),
+])
+def test_drafter_refuses_bad_arguments_on_any_machine(argv, message):
+    p = subprocess.run([sys.executable, "-m", "lamport_head.cli", "bench", *argv],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith(message), p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_drafter_shapes_of_a_decode_step():
+    target, draft, cand = draftbench.step_gathers(4, 8, V, DRAFT_V, 3, 8)
+    assert (target.key, target.rows, target.width) == ("target", 16, 20480)  # M x (1 + k)
+    assert (draft.key, draft.rows, draft.width) == ("draft", 4, 4000)
+    assert (cand.key, cand.rows, cand.width) == ("cand", 4, 8)
+    assert draft.vocab(8) == DRAFT_V and cand.vocab(8) == 64
+    assert draftbench.step_gathers(1, 2, V, DRAFT_V, 1, 8)[1].width == 16000
+
+
+def test_candidate_width_is_the_packed_fp32_pair(monkeypatch):
+    """get_top_tokens' fp32 [M, 2] moves as 8 BF16 a rank: candidates.packed_width's
+    answer, and the same where that module is not there yet (with a note)."""
+    import lamport_head
+
+    width, note = draftbench.candidate_width()
+    assert (width, note) == (8, None)
+    monkeypatch.setitem(sys.modules, "lamport_head.candidates", None)
+    monkeypatch.delattr(lamport_head, "candidates", raising=False)
+    width, note = draftbench.candidate_width()
+    assert width == 8 and "lamport_head.candidates not found" in note
+
+
+def test_drafter_emulated_table_from_fake_figures(tmp_path, monkeypatch, capsys):
+    runner = _fake_drafter(monkeypatch)
+    assert _bench(tmp_path, "--drafter") == 0
+    printed = capsys.readouterr().out
+    assert runner.timed == _expected_shapes([1, 8, 64], 8)
+    rows = _csv(tmp_path / "b-drafter.csv")
+    assert list(rows[0]) == draftbench.fields(False)
+    assert [int(r["rows"]) for r in rows] == [1, 8, 64]
+    r8 = {k: float(v) for k, v in rows[1].items()}
+    target, draft, cand = (_drafter_figures(32, 20480), _drafter_figures(8, 4000),
+                           _drafter_figures(8, 8))
+    assert r8["target_rows"] == 32 and r8["target_us"] == pytest.approx(target, rel=1e-4)
+    assert r8["draft_us"] == pytest.approx(draft) and r8["cand_us"] == pytest.approx(cand)
+    assert r8["step_draft_us"] == pytest.approx(target + K * draft, rel=1e-4)
+    assert r8["step_cand_us"] == pytest.approx(target + K * cand, rel=1e-4)
+    floor = floor_us(step_bytes(8, 8, DRAFT_V, 8), BANDWIDTH)  # 8 virtual ranks on one GPU
+    assert r8["draft_floor_us"] == pytest.approx(floor, rel=1e-3)
+    assert r8["draft_floor_ratio"] == pytest.approx(draft / floor, rel=1e-3)
+    assert r8["cand_op_ratio"] == pytest.approx(cand / 2.0, rel=1e-3)
+    for caption, columns in draftbench.columns(False):
+        header = "  ".join(c.header for c in columns)
+        assert caption in printed
+        assert any(line.split() == header.split() for line in printed.splitlines()), header
+        lines = printed.splitlines()
+        at = lines.index(caption)
+        assert [line.split()[0] for line in lines[at + 2:at + 5]] == ["1", "8", "64"]
+    assert "nccl" not in (tmp_path / "b-drafter.csv").read_text().lower()
+    meta = json.loads((tmp_path / "b-drafter.json").read_text())
+    assert meta["mode"] == "emulated" and meta["draft_vocab"] == DRAFT_V
+    assert meta["cand_width"] == 8 and meta["draft_tokens"] == K
+
+
+def test_drafter_every_column_states_its_unit():
+    for stock in (False, True):
+        for _, columns in draftbench.columns(stock):
+            for c in columns:
+                if c.key.endswith("_us"):
+                    assert "µs" in c.header, c
+                elif c.digits:
+                    assert "(x)" in c.header, c
+
+
+def test_drafter_on_real_ranks_adds_nccl_per_gather_and_step(tmp_path, monkeypatch, capsys):
+    runner = _fake_drafter(monkeypatch, report.RANKS, tp=2)
+    assert _bench(tmp_path, "--drafter", "--tp", "2", "--draft-tokens", "2") == 0
+    printed = capsys.readouterr().out
+    assert runner.timed == _expected_shapes([1, 8, 64], 2, k=2)
+    rows = _csv(tmp_path / "b-drafter.csv")
+    assert list(rows[0]) == draftbench.fields(True)
+    r1 = {k: float(v) for k, v in rows[0].items()}
+    ours = r1["target_us"] + 2 * r1["draft_us"]
+    # NCCL's fake figure is 20 + rows: the target's 1 x (1 + 2) rows, each draft's 1
+    assert r1["target_nccl_us"] == 23.0 and r1["step_draft_nccl_us"] == 23.0 + 2 * 21.0
+    assert r1["step_draft_nccl_ratio"] == pytest.approx(65.0 / ours, rel=1e-3)
+    assert r1["cand_nccl_ratio"] == pytest.approx(21.0 / r1["cand_us"], rel=1e-3)
+    assert "NCCL all-gather + reorder of the same shape" in printed
+
+
+def test_drafter_torchrun_path_times_the_same_shapes(tmp_path, monkeypatch, capsys):
+    """The real RanksRunner under a fake torchrun (one process here, its collectives
+    the identity): it builds a DistributedTarget per shard width on the same ranks and
+    times our gather and the stock path of exactly the shapes the emulated path gets."""
+    import types
+
+    ranks = types.SimpleNamespace(group=None, device=torch.device("cpu"), world=2, rank=0,
+                                  shared=False)
+    timed, stocked = [], []
+    monkeypatch.setattr(DistributedTarget, "limit", lambda self, t, u: 16)
+    monkeypatch.setattr(DistributedTarget, "lamport", lambda self, rows, config, pdl=None: (
+        timed.append((rows, self.shard, self.ranks is ranks, self.budget_s))
+        or Timing(9.0, 3.0, 1.0, 3.0, 1.0)))
+    monkeypatch.setattr(DistributedTarget, "stock", lambda self, rows: (
+        stocked.append((rows, self.shard)) or Timing(30.0, 20.0, 5.0)))
+    chosen = Chosen(DistributedTarget(ranks, V), ranks.device, 2, True, False)
+    monkeypatch.setattr(draftbench, "make_target", lambda command, tp, vocab: chosen)
+    monkeypatch.setattr(rankbench, "KERNELS", types.SimpleNamespace(arch=lambda d: 90,
+                                                                     pdl=lambda a: True))
+    monkeypatch.setattr(rankbench, "copy_bandwidth_gbs", lambda device: BANDWIDTH)
+    monkeypatch.setattr(rankbench, "median_eager", lambda *a: (2.0, 1.0))
+    monkeypatch.setattr(rankbench, "agree", lambda *a: None)
+    monkeypatch.setattr(rankbench, "all_max", lambda value, *a: value)
+    monkeypatch.setattr(rankbench, "all_min", lambda value, *a: value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert _bench(tmp_path, "--drafter", "--tp", "2", "--budget-s", "0.25") == 0
+    shapes = _expected_shapes([1, 8, 64], 2)
+    assert [(r, s) for r, s, _, _ in timed] == shapes and stocked == shapes
+    assert all(same and budget == 0.25 for _, _, same, budget in timed)
+    fake = _fake_drafter(monkeypatch, report.EMULATED, tp=2)  # the emulated path's shapes
+    capsys.readouterr()
+    assert _bench(tmp_path, "--drafter", "--tp", "2") == 0
+    assert fake.timed == shapes

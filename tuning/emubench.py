@@ -117,29 +117,72 @@ class EmulatedRunner:
             out.update(self._measure(rows, default, None, plain))
         return out
 
-    def _measure(self, rows, config, pdl, body):
+    def _measure(self, rows, config, pdl, body, target=None):
         """Build, verify, ``body(emu, got)``, verify again: the figures ``got``. A
         give-up keeps those taken before it (each was checked); a failed
-        verification keeps none."""
+        verification keeps none. ``target``: whose shard width (default the bench's)."""
+        target = target or self.target
         got, what = {}, f"M={rows} {config.label()} pdl={'arch' if pdl is None else pdl}"
+        if target is not self.target:
+            what += f" shard {target.shard}"
         try:
-            emu = EmulatedGather(self.device, self.tp, self.shard, {rows: config}, pdl=pdl,
+            emu = EmulatedGather(self.device, self.tp, target.shard, {rows: config}, pdl=pdl,
                                  budget_s=self.budget_s)
         except ValueError as exc:  # a plan this launch kind cannot hold co-resident
             self.notes.append(f"{what}: not built: {exc}")
             return got
         try:
-            if not self.target.verify(emu, rows):
+            if not target.verify(emu, rows):
                 self.notes.append(f"{what}: FAILED bitwise verification before timing")
                 return {}
             body(emu, got)
-            if not self.target.verify(emu, rows, calls=1):
+            if not target.verify(emu, rows, calls=1):
                 self.notes.append(f"{what}: FAILED bitwise verification after timing")
                 return {}
         except (GatherTimeout, _Broken) as exc:
             self.notes.append(f"{what}: a wait gave up, later figures NaN ({exc})")
         torch.cuda.synchronize(self.device)
         return got
+
+    # -- bench --drafter: one gather of any shard width (tuning/draftbench.py) ----------
+
+    def target_for(self, vocab):
+        """The emulated target of ``vocab`` (its shard width, limit and verification)."""
+        if vocab == self.target.vocab:
+            return self.target
+        from .harness import EmulatedTarget
+
+        return EmulatedTarget(self.device, self.tp, vocab, budget_s=self.budget_s)
+
+    def gather(self, target, rows, config):
+        """``{"gpu_us": ...}``: GPU µs per step of every rank's gather of ``[rows,
+        target.shard]`` (gated, verified before and after; NaN where it failed)."""
+        data = planted(self.tp, rows, target.shard, device=self.device)
+        shards = [data[r] for r in range(self.tp)]
+
+        def body(emu, got):
+            got["gpu_us"] = self._gated(
+                emu, lambda n: rank_steps(n, emu.streams, self.device, emu, shards))
+
+        return {"gpu_us": math.nan, **self._measure(rows, config, None, body, target)}
+
+    def op_us(self):
+        """GPU µs per step of one ``torch.add_`` of 16 floats on every rank's stream (the
+        launch-latency floor of a step of one kernel per rank), gated as the gathers."""
+        small = [torch.zeros(16, device=self.device) for _ in range(self.tp)]
+        here = torch.cuda.current_stream(self.device)
+
+        def run(n):
+            for s in self.streams:
+                s.wait_stream(here)
+            for _ in range(n):
+                for x, s in zip(small, self.streams):
+                    with torch.cuda.stream(s):
+                        x.add_(1.0)
+            for s in self.streams:
+                here.wait_stream(s)
+
+        return self._gated(None, run)
 
     # -- pieces --------------------------------------------------------------------
 

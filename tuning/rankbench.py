@@ -26,7 +26,7 @@ from lamport_head.head_gather import KERNELS
 
 from .emubench import MEASURED
 from .floor import copy_bandwidth_gbs
-from .harness import SOLO, median_eager
+from .harness import SOLO, DistributedTarget, median_eager
 from .lmhead import LmHead
 from .report import RANKS, SHARED
 
@@ -58,6 +58,36 @@ class RanksRunner:
                                                 self.target.calls, self.target.reps, SOLO)[1],
                            "to time torch.add_")
         return all_max(host, self.group, self.device)
+
+    # -- bench --drafter: one gather of any shard width (tuning/draftbench.py) ----------
+
+    def target_for(self, vocab):
+        """The target of ``vocab`` on the same ranks (its shard width, limit, stock)."""
+        t = self.target
+        if vocab == t.vocab:
+            return t
+        return DistributedTarget(t.ranks, vocab, calls=t.calls, reps=t.reps, replays=t.replays,
+                                 budget_s=t.budget_s)
+
+    def gather(self, target, rows, config):
+        """``{"gpu_us", "stock_gpu_us"}`` (collective, MAX over ranks): the captured GPU
+        µs per step of our gather of ``[rows, target.shard]`` (NaN where it failed) and
+        of the stock path of the same shape (NCCL all-gather + reorder)."""
+        lam = target.lamport(rows, config)
+        if lam is None:
+            self.notes.append(f"M={rows} shard {target.shard} {config.label()}: failed (build, "
+                              "verification or a wait)")
+        return {"gpu_us": lam.gpu_us if lam is not None else math.nan,
+                "stock_gpu_us": target.stock(rows).gpu_us}
+
+    def op_us(self):
+        """GPU µs per call of one ``torch.add_`` of 16 floats, eager back to back (the
+        launch-latency floor of a one-kernel step), MAX over ranks."""
+        x = torch.zeros(16, device=self.device)
+        gpu = self._local(lambda: median_eager(lambda: x.add_(1.0), self.device,
+                                               self.target.calls, self.target.reps, SOLO)[0],
+                          "to time torch.add_")
+        return all_max(gpu, self.group, self.device)
 
     def row(self, rows, config, default):
         out = dict.fromkeys(MEASURED + STOCK_MEASURED, math.nan)
