@@ -72,11 +72,11 @@ class LogitsProcessor(torch.nn.Module):
 
 
 class ParallelLMHead(torch.nn.Module):
-    def __init__(self, tp, dtype=torch.bfloat16):
+    def __init__(self, tp, dtype=torch.bfloat16, shard=SHARD):
         super().__init__()
         self.tp_size = tp
-        self.num_embeddings_per_partition = SHARD
-        self.weight = torch.nn.Parameter(torch.zeros(SHARD, 16, dtype=dtype), requires_grad=False)
+        self.num_embeddings_per_partition = shard
+        self.weight = torch.nn.Parameter(torch.zeros(shard, 16, dtype=dtype), requires_grad=False)
 
 
 class CausalLM(torch.nn.Module):
@@ -84,7 +84,8 @@ class CausalLM(torch.nn.Module):
         super().__init__()
         self.model = torch.nn.Identity()  # SGLang causal LMs hold their decoder as .model
         self.lm_head = head or ParallelLMHead(tp)
-        self.logits_processor = LogitsProcessor(vocab or tp * SHARD - 5, tp, **(lp_flags or {}))
+        width = self.lm_head.weight.shape[0]
+        self.logits_processor = LogitsProcessor(vocab or tp * width - 5, tp, **(lp_flags or {}))
 
 
 class KimiK25(torch.nn.Module):
@@ -101,13 +102,13 @@ class KimiK25(torch.nn.Module):
         return self.language_model.lm_head
 
 
-def _shard(rank, rows):
+def _shard(rank, rows, width=SHARD):
     g = torch.Generator().manual_seed(1000 * rows + rank)
-    return torch.randn(rows, SHARD, generator=g).to(torch.bfloat16)
+    return torch.randn(rows, width, generator=g).to(torch.bfloat16)
 
 
-def _reference(nprocs, rows, vocab):
-    return torch.cat([_shard(r, rows) for r in range(nprocs)], dim=1)[:, :vocab]
+def _reference(nprocs, rows, vocab, width=SHARD):
+    return torch.cat([_shard(r, rows, width) for r in range(nprocs)], dim=1)[:, :vocab]
 
 
 def _sglang_worker(rank, nprocs, table, case):
@@ -327,11 +328,11 @@ class ModelRunner:
     ``decode_num_tokens_per_req``: logits rows per decode slot (1, or the draft
     tokens verified per request); ``forward``: one step's gather."""
 
-    def __init__(self, is_draft_worker=False, tp=2):
-        self.is_draft_worker, self.tp = is_draft_worker, tp
+    def __init__(self, is_draft_worker=False, tp=2, shard=SHARD):
+        self.is_draft_worker, self.tp, self.shard = is_draft_worker, tp, shard
 
     def load_model(self):
-        self.model = CausalLM(self.tp)
+        self.model = CausalLM(self.tp, head=ParallelLMHead(self.tp, shard=self.shard))
         return "loaded"
 
     def update_model_fields(self, new_model, *, model_path, load_format, load_config):
@@ -344,10 +345,10 @@ class ModelRunner:
         return self.model.logits_processor.gather(batch)
 
 
-def fake_sglang(set_module, requests=8, draft_tokens=None, group=None):
+def fake_sglang(set_module, requests=8, draft_tokens=None, group=None, topk=None):
     """SGLang's plugin framework, runtime context (``max_running_requests``, the largest
-    draft-token count, DCP 2) and TP group as modules, each put with ``set_module(name,
-    module)``."""
+    draft-token count, ``get_spec().speculative_eagle_topk``, DCP 2) and TP group as
+    modules, each put with ``set_module(name, module)``."""
     HookRegistry.hooks = []
     registry = types.ModuleType("sglang.srt.plugins.hook_registry")
     registry.HookRegistry, registry.HookType = HookRegistry, HookType
@@ -355,6 +356,7 @@ def fake_sglang(set_module, requests=8, draft_tokens=None, group=None):
     context.get_parallel = lambda: types.SimpleNamespace(attn_dcp_size=2 if group is None else 1)
     context.get_schedule = lambda: types.SimpleNamespace(max_running_requests=requests)
     context.max_speculative_num_draft_tokens = lambda: draft_tokens
+    context.get_spec = lambda: types.SimpleNamespace(speculative_eagle_topk=topk)
     state = types.ModuleType("sglang.srt.distributed.parallel_state")
     state.get_tp_group = lambda: types.SimpleNamespace(
         cpu_group=group, device_group=group, world_size=dist.get_world_size(),
@@ -371,14 +373,18 @@ def sglang_modules(monkeypatch):
     fake_sglang(functools.partial(monkeypatch.setitem, sys.modules))
     monkeypatch.setattr(sgl, "_registered", False)
     monkeypatch.setattr(sgl, "_unsaid", [])
+    monkeypatch.setattr(sgl, "_target", None)
     monkeypatch.setattr(ModelRunner, "load_model", ModelRunner.load_model)
     monkeypatch.setattr(ModelRunner, "update_model_fields", ModelRunner.update_model_fields)
 
 
-def test_plugin_installs_after_load_model_once(sglang_modules, monkeypatch):
-    calls = []
+def test_plugin_installs_after_load_model_once(sglang_modules, monkeypatch, caplog):
+    calls, drafts = [], []
     monkeypatch.setattr(sgl, "install_sglang_logits_gather",
                         lambda runner, dcp, rows: calls.append((runner, dcp, rows)) or (1,))
+    monkeypatch.setattr(sgl, "install_sglang_draft_gather", lambda runner, dcp, rows: (
+        drafts.append((runner, dcp, rows))
+        or sgl.Drafter("Eagle", (1,), True, 128, "", 0, 2, dcp)))
     sgl.register()
     sgl.register()  # loaded twice in one process: one hook each
     assert [(t, h, k) for t, h, k in HookRegistry.hooks] == [
@@ -386,9 +392,16 @@ def test_plugin_installs_after_load_model_once(sglang_modules, monkeypatch):
         (sgl.UPDATE_MODEL, sgl._after_update_model_fields, HookType.AFTER)]
     HookRegistry.apply_to(ModelRunner)
     runner, draft = ModelRunner(), ModelRunner(is_draft_worker=True)
-    assert runner.load_model() == "loaded" and draft.load_model() == "loaded"
-    # the draft model keeps SGLang's gather; rows: 8 running requests, no speculation
+    with caplog.at_level("INFO", logger="lamport_head"):
+        assert runner.load_model() == "loaded" and draft.load_model() == "loaded"
+    # rows: 8 running requests, no speculation (x 1 row a request; draft topk unset: 1)
     assert calls == [(runner, 2, tuple(range(1, 9)))]
+    assert drafts == [(draft, 2, tuple(range(1, 9)))]  # the draft runner: its own install
+    said = [r.getMessage() for r in caplog.records if "summary" in r.getMessage()]
+    assert said == ["lamport-head summary: SGLang speculative decoding, tp=2, dcp=2: target "
+                    "CausalLM: Lamport logits gather for rows [1]; drafter Eagle: the target's "
+                    "Lamport logits gather (its head has the target's shard width) for rows [1]; "
+                    "routed on all 2 TP ranks: target logits gather, drafter logits gather"]
 
     def broken(runner, dcp, rows):
         raise RuntimeError("boom")
@@ -408,6 +421,113 @@ def test_rows_from_sglang(requests, draft_tokens, top, monkeypatch):
     fake_sglang(functools.partial(monkeypatch.setitem, sys.modules), requests, draft_tokens)
     assert sgl.rows_from_sglang(ModelRunner()) == tuple(range(1, top + 1))
     assert sgl.rows_from_sglang(types.SimpleNamespace()) is None  # not 0.5.23's runner
+
+
+@pytest.mark.parametrize("requests, topk, top", [
+    (8, None, 8),  # no speculative settings: one row a request
+    (8, 1, 8),  # EAGLE chains: a draft step's requests
+    (8, 4, 32),  # topk 4: four rows a request each draft step
+    (None, 1, 1024),  # up to the cap
+])
+def test_draft_rows_from_sglang(requests, topk, top, monkeypatch):
+    fake_sglang(functools.partial(monkeypatch.setitem, sys.modules), requests, topk=topk)
+    assert sgl.draft_rows_from_sglang(ModelRunner(is_draft_worker=True)) == tuple(
+        range(1, top + 1))
+
+
+DRAFT_SHARD = 32  # an EAGLE3-like draft head: its own vocabulary (64 on 2 ranks)
+
+
+def _draft_worker(rank, nprocs, table, case):
+    """The plugin on 2 ranks with speculative decoding: the target's runner, then two
+    draft runners (SGLang builds one; each shape here in turn): one whose head has the
+    target's shard width, one of another vocabulary. ``case`` "compile@1": the draft
+    head's kernel fails to compile on rank 1 (only that width)."""
+    from lamport_head import head_gather
+
+    os.environ["LAMPORT_HEAD_TABLE"] = table
+    fake_cuda(setattr, rank, "ok")
+    if case == "compile@1":
+        compiled = head_gather.KERNELS.compiled
+
+        def failing(tp, shard, *args, **kwargs):
+            if shard == DRAFT_SHARD and rank == 1:
+                raise RuntimeError("injected: the draft head's kernel failed to compile")
+            return compiled(tp, shard, *args, **kwargs)
+
+        head_gather.KERNELS.compiled = failing
+    seen = capture_log()
+    fake_sglang(sys.modules.__setitem__, requests=2, group=dist.group.WORLD, topk=1)
+    sgl.register()
+    HookRegistry.apply_to(ModelRunner)
+    target = ModelRunner(tp=nprocs)
+    target.load_model()
+    g = target.model.logits_processor.head_gather
+    out = {"log": {}}
+    for name, width in (("same", SHARD), ("other", DRAFT_SHARD)):
+        draft = ModelRunner(is_draft_worker=True, tp=nprocs, shard=width)
+        before = len(seen)
+        draft.load_model()
+        out["log"][name] = seen[before:]
+        lp = draft.model.logits_processor
+        hg = getattr(lp, "head_gather", None)
+        one = draft.forward(_shard(rank, 1, width))
+        three = draft.forward(_shard(rank, 3, width))
+        out[name] = {
+            "served": sorted(hg.rows) if hg is not None else [], "shared": hg is g,
+            "kernel": sorted(set(one.contiguous().view(torch.uint8).flatten().tolist()))
+            == [FAKE_BYTE],
+            "one_stock": same_bits(one, _reference(nprocs, 1, lp.vocab_size, width)),
+            "three_stock": same_bits(three, _reference(nprocs, 3, lp.vocab_size, width)),
+            "stock_kept": isinstance(lp._logits_gatherer, StockGatherer),
+            "polled": [x is hg for x in draft.__dict__.get(sgl.POLLED, [])]}
+    one = target.forward(_shard(rank, 1))
+    out["target"] = {"same": target.model.logits_processor.head_gather is g,
+                     "kernel": sorted(set(one.contiguous().view(torch.uint8).flatten().tolist()))
+                     == [FAKE_BYTE]}
+    return out
+
+
+@pytest.mark.parametrize("case", ["ok", "compile@1"])
+def test_plugin_routes_the_draft_workers_model(tmp_path, case):
+    """SGLang's EAGLE draft worker (``is_draft_worker``), on 2 ranks through the hook: a
+    head of the target's shard width takes the target's gather (no second build); a
+    head of another vocabulary its own install, at its rows, agreed: a compile that
+    fails on rank 1 only leaves every rank on SGLang's gather for that drafter, the
+    target's gather untouched; rank 0's summary names every routed path."""
+    from tables import sections
+
+    table = tmp_path / "t.yaml"
+    table.write_text(sections((2 * SHARD, 2 * DRAFT_SHARD)))
+    results = spawn(_draft_worker, 2, tmp_path, str(table), case)
+    for rank, r in enumerate(results):
+        same, other = r["same"], r["other"]
+        assert same == {"served": [1, 2], "shared": True, "kernel": True, "one_stock": False,
+                        "three_stock": True, "stock_kept": False, "polled": [True]}, same
+        assert "through the gather already built" in " ".join(r["log"]["same"])
+        assert r["target"] == {"same": True, "kernel": True}
+        summaries = [x for x in r["log"]["other"] if x.startswith("lamport-head summary")]
+        if case == "ok":
+            assert other == {"served": [1, 2], "shared": False, "kernel": True,
+                             "one_stock": False, "three_stock": True, "stock_kept": False,
+                             "polled": [True]}, other
+            tail = ("drafter CausalLM: its own Lamport logits gather (vocab 64) for rows [1, 2]; "
+                    "routed on all 2 TP ranks: target logits gather, drafter logits gather")
+        else:
+            assert other == {"served": [], "shared": False, "kernel": False, "one_stock": True,
+                             "three_stock": True, "stock_kept": True, "polled": []}, other
+            assert any("stays stock" in x for x in r["log"]["other"])
+            tail = ("drafter CausalLM: SGLang's logits gather (PeerFailed: lamport-head: another "
+                    "rank failed to build the gather (checks, compile, occupancy)); routed on "
+                    "all 2 TP ranks: target logits gather")
+            if rank == 1:  # the failing rank's own error; rank 0 hears it in the agreement
+                assert any("injected" in x for x in r["log"]["other"])
+        assert len(summaries) == (1 if rank == 0 else 0), summaries
+        if rank == 0:
+            assert summaries[0].startswith(
+                "lamport-head summary: SGLang speculative decoding, tp=2, dcp=1: target "
+                "CausalLM: Lamport logits gather for rows [1, 2]; drafter CausalLM: ")
+            assert summaries[0].endswith(tail), summaries[0]
 
 
 def _plugin_worker(rank, nprocs, table, requests):

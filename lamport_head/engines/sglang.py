@@ -13,6 +13,23 @@ new model object after a weight update is routed through the gather built at loa
 SGLang loads plugins before it configures logging, so ``register``'s line waits for
 the first hook call (a record emitted earlier would be dropped).
 
+Speculative decoding (EAGLE, EAGLE3, MTP, standalone drafts): SGLang's draft worker
+builds its own ``ModelRunner`` (``is_draft_worker=True``) after the target's, inside the
+draft's TP context (``get_tp_group()`` is then the draft's group), and its
+``load_model`` fires the same hook: every rank of the draft TP group installs on the
+draft model (``install_sglang_draft_gather``). Its processor is served by the target's
+gather when it shares the target's TP group and its head has the target's shard width
+(an EAGLE head of the target's vocabulary: no second mailbox, no collective,
+``install.reroute``), else by its own install (an EAGLE3 head of ~32000, or its own
+group; collective, agreed, fail-stop as the target's: a rank that cannot build makes
+every rank keep SGLang's gather for the drafter, and the target's gather is not
+touched). Its rows are a draft step's: 1 .. max running requests x
+``speculative_eagle_topk`` (``draft_rows_from_sglang``). Rank 0 of the draft group
+then logs one summary naming every routed path ("target logits gather, drafter
+logits gather"). SGLang later hands the draft model the target's lm_head weight
+(``set_embed_and_head`` for EAGLE, after load): a gather sees only ``[M, width]``
+shards, so a width it was not built for goes to SGLang's gatherer, bitwise.
+
 The checks, the table plan, the ranks' agreement and the build are the engine-neutral
 install core's (``install.install`` on a ``GatherSite`` naming ``_logits_gatherer``):
 the same fail-stop order, the same log lines as vLLM's. What is SGLang's own:
@@ -25,10 +42,11 @@ gatherer, so its result is SGLang's, bitwise. SGLang is imported only here, lazi
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 
-from .. import install
+from .. import install, log
 from . import measure_first_use
 
 logger = logging.getLogger("lamport_head")
@@ -44,6 +62,9 @@ CONTEXT = "sglang.srt.runtime_context"  # get_schedule(), get_parallel(), max_sp
 REQUESTS = "max_running_requests"  # get_schedule(): None until the KV pool resolves it
 PER_REQUEST = "decode_num_tokens_per_req"  # ModelRunner: logits rows per decode batch slot
 DRAFT_TOKENS = "max_speculative_num_draft_tokens"  # runtime_context: the largest draft count
+DRAFT_WORKER = "is_draft_worker"  # ModelRunner: True for the draft worker's runner
+SPEC = "get_spec"  # runtime_context: the speculative settings' bag
+TOPK = "speculative_eagle_topk"  # get_spec(): draft rows per request a draft step (None: 1)
 # LogitsProcessor attributes (0.5.23) that must exist for us to read its gather path.
 _REQUIRED = (GATHERER, "do_tensor_parallel_all_gather", "use_attn_tp_group",
              "do_tensor_parallel_all_gather_dp_attn")
@@ -115,6 +136,26 @@ def rows_from_sglang(runner):
     if requests is not None and (not isinstance(requests, int) or requests < 1):
         return None
     return install.decode_rows(requests, max(1, int(per_request)))
+
+
+def draft_rows_from_sglang(runner):
+    """The row counts a draft step's logits gather takes (SGLang's EAGLE worker: each
+    draft decode step ``requests x speculative_eagle_topk`` rows, the draft extend
+    one row a request): 1 .. max running requests x topk (1 when unset), capped
+    (``install.decode_rows``). None when this SGLang does not answer: the table's rows."""
+    import importlib
+
+    try:
+        context = importlib.import_module(CONTEXT)
+        requests = getattr(context.get_schedule(), REQUESTS)
+        topk = getattr(getattr(context, SPEC)(), TOPK)
+    except Exception as exc:  # the same SGLang and arguments on every rank: agreed anyway
+        logger.debug("lamport-head: SGLang's draft rows unknown (%s: %s)", type(exc).__name__,
+                     exc)
+        return None
+    if requests is not None and (not isinstance(requests, int) or requests < 1):
+        return None
+    return install.decode_rows(requests, topk if isinstance(topk, int) and topk > 1 else 1)
 
 
 def _site(owner, lp):
@@ -217,11 +258,131 @@ def _after_load_model(result, runner, *args, **kwargs):
     this rank could not finish while its peers may wait in a collective, and it must
     stop the worker (fail-stop), not send this rank alone into SGLang's collectives."""
     _say_registered()
-    if getattr(runner, "is_draft_worker", False):
-        logger.info("lamport-head: SGLang draft model: stock logits gather")
+    dcp = _dcp_size()
+    if getattr(runner, DRAFT_WORKER, False):
+        drafter = install_sglang_draft_gather(runner, dcp=dcp, rows=draft_rows_from_sglang(runner))
+        if drafter.rank == 0:
+            logger.info("lamport-head summary: %s", summary(_target, drafter))
         return None
-    install_sglang_logits_gather(runner, dcp=_dcp_size(), rows=rows_from_sglang(runner))
+    served = install_sglang_logits_gather(runner, dcp=dcp, rows=rows_from_sglang(runner))
+    _remember_target(runner, served)
     return None
+
+
+class Target(NamedTuple):
+    """The target model's outcome in this process, for its drafter (the same on every
+    rank: install's outcome is agreed)."""
+
+    name: str  # the target model's class
+    served: tuple  # its rows through a Lamport gather (() = SGLang's)
+    gather: object  # the HeadGather serving them, or None
+    group: object  # the agreement group it was built on (SGLang's TP CPU group)
+
+
+_target = None  # the last target runner's outcome in this process (one scheduler: one)
+
+
+def _remember_target(runner, served):
+    global _target
+    owner, lp = find_logits_processor(getattr(runner, "model", None))
+    gather = getattr(lp, "head_gather", None) if served else None
+    group = None
+    if gather is not None:
+        try:
+            group = _sglang_tp()[0]
+        except Exception:  # no SGLang TP group (an explicit test bed): no sharing
+            group = None
+    _target = Target(type(getattr(runner, "model", None)).__name__, tuple(served), gather, group)
+
+
+class Drafter(NamedTuple):
+    """What the draft worker's install did, for the summary (the same on every rank)."""
+
+    name: str  # the draft model's class
+    served: tuple  # rows its draft steps take through a Lamport gather (() = SGLang's)
+    shared: bool  # through the target's gather (the same group and shard width)
+    vocab: int  # its head's full (padded) vocabulary, TP x shard width (0: none found)
+    why: str  # why it stays stock ("" when served)
+    rank: int  # this rank in the draft TP group (the summary is rank 0's)
+    tp: int
+    dcp: int
+
+
+def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
+    """Route the draft worker's model (``runner.model``; SGLang's TP group is the draft's
+    while its runner loads) after the target's install; a ``Drafter`` saying how.
+
+    - Its head has the shard width of the gather the target was served by, on the same
+      TP group (``target``: the target's ``Target``, default this process's): that
+      gather serves it (``install.reroute``: no collective; the gather was agreed by
+      every rank and the site's facts are the same on every rank).
+    - Else its own install (``install.install`` with the draft rows): collective over
+      the draft TP group, agreed, fail-stop as the target's; its outcome never
+      touches the target's gather.
+
+    Served: its runner's ``forward`` polls the gather (graph replays). Never raises,
+    like ``install_sglang_logits_gather``."""
+    target = _target if target is None else target
+    model = getattr(runner, "model", runner)
+    name = type(model).__name__
+    group, tp, rank, device_group = _sglang_tp()
+    owner, lp = find_logits_processor(model)
+    if lp is None:
+        why = f"no LogitsProcessor with {GATHERER} in {name}"
+        logger.info("lamport-head: SGLang drafter logits gather stays stock: %s", why)
+        return Drafter(name, (), False, 0, why, rank, tp, dcp)
+    site = _site(owner, lp)
+    weight = site.weight
+    width = weight.shape[0] if torch.is_tensor(weight) and weight.dim() == 2 else 0
+    installed = getattr(lp, "head_gather", None)
+    if installed is not None:  # an earlier call routed it: keep it
+        return Drafter(name, tuple(sorted(installed.rows)), installed is getattr(
+            target, "gather", None), tp * width, "", rank, tp, dcp)
+    why = _why_stock(lp)
+    if why is not None:
+        logger.info("lamport-head: SGLang drafter logits gather stays stock: %s", why)
+        return Drafter(name, (), False, tp * width, why, rank, tp, dcp)
+    shared_gather = getattr(target, "gather", None)
+    if (shared_gather is None or getattr(target, "group", None) is not group
+            or shared_gather.tp != tp or shared_gather.shard != width):
+        shared_gather = None
+    device = weight.device if torch.is_tensor(weight) else "cpu"
+    with log.collect() as lines:
+        if shared_gather is not None:
+            served = install.reroute(site, shared_gather, label=f"the SGLang drafter {name}")
+        else:
+            served = install.install(site, group, tp, rank, device, dcp, rows,
+                                     measure=measure_first_use, device_group=device_group)
+    why = ""
+    if served:
+        poll_before_forward(runner, lp.head_gather)
+    else:
+        why = (lines[-1].removeprefix("lamport-head: ").removeprefix("stock logits gather: ")
+               .removeprefix("logits gather stays stock: ") if lines else "see the lines above")
+    return Drafter(name, tuple(served), shared_gather is not None and bool(served), tp * width,
+                   why, rank, tp, dcp)
+
+
+def summary(target, drafter):
+    """Rank 0's one line for a speculative server: each model's outcome, then every
+    path a Lamport gather serves ("target logits gather, drafter logits gather")."""
+    head = f"SGLang speculative decoding, tp={drafter.tp}, dcp={drafter.dcp}: "
+    if target is None:
+        first = "target: not loaded through the hook in this process"
+    elif target.served:
+        first = f"target {target.name}: Lamport logits gather for rows {list(target.served)}"
+    else:
+        first = f"target {target.name}: SGLang's logits gather"
+    if drafter.served:
+        whose = ("the target's Lamport logits gather (its head has the target's shard width)"
+                 if drafter.shared else f"its own Lamport logits gather (vocab {drafter.vocab})")
+        second = f"drafter {drafter.name}: {whose} for rows {list(drafter.served)}"
+    else:
+        second = f"drafter {drafter.name}: SGLang's logits gather ({drafter.why})"
+    routed = ([p for p, on in (("target logits gather", target is not None and target.served),
+                               ("drafter logits gather", drafter.served)) if on])
+    return head + f"{first}; {second}; routed on all {drafter.tp} TP ranks: " + (
+        ", ".join(routed) if routed else "none (SGLang's own gathers)")
 
 
 def reroute_new_model(runner):
@@ -249,10 +410,9 @@ def reroute_new_model(runner):
 
 def _after_update_model_fields(result, runner, *args, **kwargs):
     """AFTER hook on ``ModelRunner.update_model_fields`` (a weight update hands the
-    runner its model, possibly a new object): route the new model again. Target
-    runners only, as at load."""
-    if not getattr(runner, "is_draft_worker", False):
-        reroute_new_model(runner)
+    runner its model, possibly a new object): route the new model again through the
+    gather the runner's first model was served by (target and draft runners alike)."""
+    reroute_new_model(runner)
 
 
 _registered = False
