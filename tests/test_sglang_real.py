@@ -18,8 +18,12 @@ bitwise SGLang's own ``_logits_gatherer`` output (sentinel words scrubbed, the p
 one change) and every other row SGLang's own result, bitwise, through the gatherer, an
 explicit launch into a poisoned output, and SGLang's real ``LogitsProcessor._get_logits``;
 ``ModelRunner.update_model_fields`` with the same model and with a new model object; the
-EAGLE draft worker's runner (``is_draft_worker=True``: stays stock, as today); every
-SGLang name lamport_head/engines/sglang.py relies on, resolved in the real modules.
+draft worker's runner (``is_draft_worker=True``) of a real ``LlamaForCausalLMEagle`` (the
+target's shard width: served by the target's gather) and of a real
+``LlamaForCausalLMEagle3`` with its own 512-token head (its own gather, agreed by both
+ranks), each bitwise as the target on planted data, and rank 0's summary naming every
+routed path; every SGLang name lamport_head/engines/sglang.py relies on, resolved in the
+real modules.
 Every rank runs twice: on a simulated host CPU with AMX and one without
 (tests/engine_cpu.py).
 
@@ -36,8 +40,9 @@ import sys
 import pytest
 from engine_cpu import HOST_ISA_ENV, HOST_ISAS
 from sglang_cpu import prepare_rank, require_sglang
-from tables import TWO_RANKS as TABLE
+from tables import TWO_RANKS_VOCABS, sections
 
+TABLE = sections((*TWO_RANKS_VOCABS, 512))  # 512: the EAGLE3 head's V (DRAFT_VOCAB)
 SERVED = [1, 2, 4]  # the table's enabled rows: the explicit call's, which passes no rows
 REQUESTS = 2  # --max-running-requests: the plugin serves rows 1 .. 2 x 1 row a request
 PLUGIN_SERVED = [1, 2]
@@ -50,6 +55,8 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_si
          "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
          "bos_token_id": 1, "eos_token_id": 2}
 EAGLE = dict(LLAMA, architectures=["LlamaForCausalLMEagle"])
+DRAFT_VOCAB = 512  # the EAGLE3 head's own vocabulary: 256 rows a rank, not the target's 512
+EAGLE3 = dict(LLAMA, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB)
 
 
 # ---- what runs on each rank (a spawned process, under SGLang's interpreter) ----------
@@ -67,6 +74,7 @@ def _rank(rank, tp, run, table):
 def _names(runner, lp, engine):
     """Every SGLang name engine relies on, looked up in the real modules: {name: found}."""
     import importlib
+    import importlib.util
     import inspect
     from importlib.metadata import entry_points
 
@@ -95,7 +103,25 @@ def _names(runner, lp, engine):
           lambda: context.get_parallel().attn_dcp_size == 1)
     check(f"ModelRunner.{engine.PER_REQUEST}(num_draft_tokens=)",
           lambda: getattr(runner, engine.PER_REQUEST)(num_draft_tokens=None) == 1)
-    check("ModelRunner.is_draft_worker", lambda: runner.is_draft_worker is False)
+    check(f"ModelRunner.{engine.DRAFT_WORKER}",
+          lambda: getattr(runner, engine.DRAFT_WORKER) is False)
+    check(f"{engine.CONTEXT}.{engine.SPEC}().{engine.TOPK}",
+          lambda: hasattr(getattr(context, engine.SPEC)(), engine.TOPK))
+
+    def eagle_worker():  # the draft runner SGLang's EAGLE worker builds, in the draft's TP
+        import ast  # its module imports setproctitle, not installed here: read its source
+
+        path = importlib.util.find_spec("sglang.srt.speculative.eagle_worker_v2").origin
+        tree = ast.parse(open(path).read())
+        worker = next(n for n in tree.body
+                      if isinstance(n, ast.ClassDef) and n.name == "EagleDraftWorker")
+        init = next(n for n in worker.body
+                    if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+        source = ast.unparse(init).replace(" ", "")
+        return f"{engine.DRAFT_WORKER}=True" in source and "draft_tp_context(" in source
+
+    check("EagleDraftWorker: TpModelWorker(is_draft_worker=True) in draft_tp_context",
+          eagle_worker)
     check("ModelRunner.forward", lambda: callable(type(runner).forward))
     for attr in engine._REQUIRED + tuple(a for a, _ in engine._VARIANTS):
         check(f"LogitsProcessor.{attr}", lambda attr=attr: hasattr(lp, attr))
@@ -241,7 +267,7 @@ def _scenarios(rank, tp, run):
             result[str(m)] = row
         return result
 
-    def processor(mdl, salt):
+    def processor(mdl, salt, vocab=VOCAB):
         """SGLang's real _get_logits (lm_head matmul, gather, vocab slice, FP32 cast) per
         row count, against the same with SGLang's own gatherer."""
         proc = mdl.logits_processor
@@ -260,7 +286,8 @@ def _scenarios(rank, tp, run):
             finally:
                 proc._logits_gatherer = routed
             result[str(m)] = {"kernel": ran, "equal": same_bits(got, want),
-                              "shape": list(got.shape), "dtype": str(got.dtype)}
+                              "shape": list(got.shape), "dtype": str(got.dtype),
+                              "vocab": vocab}
         return result
 
     out["plugin"]["gather"] = gathers(lp, 1)
@@ -306,16 +333,44 @@ def _scenarios(rank, tp, run):
         out["explicit"]["processor"] = processor(bare, 3)
         g = g_saved
 
-    mark("draft")  # the EAGLE draft worker's runner: stays stock (until the drafter issue)
+    mark("draft")  # the EAGLE draft worker's runner: its head has the target's shard width
     draft_config = ModelConfig.from_server_args(args, model_path=f"{run}/eagle",
                                                 is_draft_model=True)
     draft = ModelRunner(model_config=draft_config, mem_fraction_static=0.5, gpu_id=rank,
                         nccl_port=0, server_args=args, is_draft_worker=True)
     dlp = draft.model.logits_processor
-    out["draft"] = {"model": type(draft.model).__name__,
-                    "stock": isinstance(dlp._logits_gatherer, MultimemAllGatherer),
-                    "head_gather": hasattr(dlp, "head_gather"),
-                    "polled": engine.POLLED in draft.__dict__}
+    dg = getattr(dlp, "head_gather", None)
+    dstock = getattr(dlp._logits_gatherer, "keywords", {}).get("stock")
+    out["draft"] = {"model": type(draft.model).__name__, "shared": dg is g,
+                    "routed": (isinstance(dlp._logits_gatherer, functools.partial)
+                               and dlp._logits_gatherer.func is g
+                               and isinstance(dstock, MultimemAllGatherer) and dstock is not stock),
+                    "polled": [x is g for x in draft.__dict__.get(engine.POLLED, [])],
+                    "shard": list(draft.model.lm_head.weight.shape)}
+    if dg is g:
+        out["draft"].update(gather=gathers(dlp, 4), processor=processor(draft.model, 4))
+
+    mark("draft3")  # an EAGLE3 draft head of its own vocabulary: its own gather
+    draft3_config = ModelConfig.from_server_args(args, model_path=f"{run}/eagle3",
+                                                 is_draft_model=True)
+    draft3 = ModelRunner(model_config=draft3_config, mem_fraction_static=0.5, gpu_id=rank,
+                         nccl_port=0, server_args=args, is_draft_worker=True)
+    d3lp = draft3.model.logits_processor
+    d3g = getattr(d3lp, "head_gather", None)
+    out["draft3"] = {"model": type(draft3.model).__name__,
+                     "served": None if d3g is None else sorted(d3g.rows),
+                     "own_gather": d3g is not None and d3g is not g,
+                     "routed": (isinstance(d3lp._logits_gatherer, functools.partial)
+                                and d3lp._logits_gatherer.func is d3g and isinstance(
+                                    d3lp._logits_gatherer.keywords.get("stock"),
+                                    MultimemAllGatherer)),
+                     "polled": [x is d3g for x in draft3.__dict__.get(engine.POLLED, [])],
+                     "shard": list(draft3.model.lm_head.weight.shape)}
+    if d3g is not None:
+        g_saved, g = g, d3g
+        out["draft3"].update(gather=gathers(d3lp, 5), processor=processor(draft3.model, 5,
+                                                                          DRAFT_VOCAB))
+        g = g_saved
     mark("end")
     dist.barrier(group=cpu_group)
     return out
@@ -338,11 +393,11 @@ def ranks(request, tmp_path_factory):
     (tests/engine_cpu.py): SGLang's ISA choice never decides whether the bed builds."""
     python = require_sglang()
     run = tmp_path_factory.mktemp("sglang_real")
-    for name, config in (("llama", LLAMA), ("eagle", EAGLE)):
+    for name, config in (("llama", LLAMA), ("eagle", EAGLE), ("eagle3", EAGLE3)):
         (run / name).mkdir()
         (run / name / "config.json").write_text(json.dumps(config))
     table = run / "table.yaml"
-    table.write_text(TABLE)
+    table.write_text(TABLE)  # vocab 1024: the target and EAGLE heads; 512: the EAGLE3 head
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, **{HOST_ISA_ENV: request.param})
     code = (f"import sys; sys.path.insert(0, {tests!r}); import test_sglang_real as t; "
@@ -384,7 +439,8 @@ def _assert_processor(processor, what, served):
     assert sorted(processor) == [str(m) for m in ROWS], what
     for m, row in processor.items():
         assert row["equal"], (what, m)
-        assert row["shape"] == [int(m), VOCAB] and row["dtype"] == "torch.float32", (what, m)
+        assert row["shape"] == [int(m), row["vocab"]] and row["dtype"] == "torch.float32", \
+            (what, m)
         assert row["kernel"] == (1 if int(m) in served else 0), (what, m, row)
 
 
@@ -424,10 +480,29 @@ def test_update_model_fields(ranks):
         _assert_processor(u["processor"], "update_new", PLUGIN_SERVED)
 
 
-def test_eagle_draft_runner_stays_stock(ranks):
+def test_eagle_draft_runner_shares_the_targets_gather(ranks):
+    """The EAGLE draft worker's runner (is_draft_worker): its head has the target's shard
+    width, so the target's gather serves it (no second build), its runner polls it, and
+    on planted data every row is bitwise SGLang's own draft gatherer (scrubbed where
+    served, poisoned launch output included) and SGLang's _get_logits."""
     for r in ranks[1]:
-        assert r["draft"] == {"model": "LlamaForCausalLMEagle", "stock": True,
-                              "head_gather": False, "polled": False}
+        d = r["draft"]
+        assert d["model"] == "LlamaForCausalLMEagle" and d["shard"] == [512, HIDDEN]
+        assert d["shared"] and d["routed"] and d["polled"] == [True]
+        _assert_rows(d["gather"], "draft", PLUGIN_SERVED)
+        _assert_processor(d["processor"], "draft", PLUGIN_SERVED)
+
+
+def test_eagle3_draft_runner_gets_its_own_gather(ranks):
+    """An EAGLE3 draft head of its own vocabulary (512: 256 a rank): its own install,
+    agreed by both ranks, at the draft rows (2 requests x topk 1), bitwise as above."""
+    for r in ranks[1]:
+        d = r["draft3"]
+        assert d["model"] == "LlamaForCausalLMEagle3" and d["shard"] == [256, HIDDEN]
+        assert d["served"] == PLUGIN_SERVED and d["own_gather"] and d["routed"]
+        assert d["polled"] == [True]
+        _assert_rows(d["gather"], "draft3", PLUGIN_SERVED)
+        _assert_processor(d["processor"], "draft3", PLUGIN_SERVED)
 
 
 def test_sglang_names_the_integration_relies_on(ranks):
@@ -451,7 +526,19 @@ def test_log_lines_reach_sglangs_handler(ranks):
         assert sum(plugin in x for x in sections["plugin"].splitlines()) == 1, sections["plugin"]
         assert sum(explicit in x for x in sections["explicit"].splitlines()) == 1
         assert "the new model's gather routed again" in sections["update_new"]
-        assert "SGLang draft model: stock logits gather" in sections["draft"]
+        assert "the SGLang drafter LlamaForCausalLMEagle routed" in sections["draft"]
+        summary = [x for x in log.splitlines() if "lamport-head summary" in x]
+        assert len(summary) == (2 if rank == 0 else 0), summary  # rank 0: one per drafter
+        if rank == 0:
+            assert summary[0].endswith(
+                "target LlamaForCausalLM: Lamport logits gather for rows [1, 2]; drafter "
+                "LlamaForCausalLMEagle: the target's Lamport logits gather (its head has the "
+                "target's shard width) for rows [1, 2]; routed on all 2 TP ranks: target "
+                "logits gather, drafter logits gather"), summary[0]
+            assert summary[1].endswith(
+                "drafter LlamaForCausalLMEagle3: its own Lamport logits gather (vocab 512) for "
+                "rows [1, 2]; routed on all 2 TP ranks: target logits gather, drafter logits "
+                "gather"), summary[1]
 
 
 def test_sglang_interpreter_is_found():
