@@ -1,8 +1,10 @@
 """``compile_gather``: one compiled Gather per shape key, cached per process.
 
 The key is everything the kernel specializes on: (tp, shard words, threads, unroll,
-pdl, stop, arch, timers, staged); ``stop`` picks serving's give-up (trap) over the recoverable one. M, the CTA count, rank, budget and the status address are
-run-time arguments, so one compilation serves every row count.
+pdl, arch, timers, staged). M, the CTA count, rank, budget, the status address and
+``serving`` (which way to give up: ``protocol``) are run-time arguments, so one
+compilation serves every row count and both modes. Invariant: no key names a mode;
+the kernel a tuner times for a key is the kernel serving launches for it.
 
 The DSL's callable goes through TVM-FFI: it takes torch tensors directly and launches
 on the caller's current torch stream (the TVM-FFI environment stream), so the stream
@@ -32,8 +34,8 @@ _LOCK = threading.Lock()
 
 @dataclass(frozen=True)
 class CompiledGather:
-    """``launch(shard, out_address, peers_address, rank, ctas, budget_ns, status_address)``
-    (the DSL's TVM-FFI callable) plus what a host needs to launch it itself and check
+    """``launch(shard, out_address, peers_address, rank, ctas, budget_ns, status_address,
+    serving)`` (the DSL's TVM-FFI callable) plus what a host needs to launch it itself and check
     the launch (cubin, threads, pdl: ``launch.DriverLaunch``, occupancy) and a test
     needs to audit it (ptx)."""
 
@@ -47,7 +49,7 @@ class CompiledGather:
 
 def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
                    unroll: int = DEFAULT_UNROLL,
-                   pdl: bool | None = None, stop: bool = False,
+                   pdl: bool | None = None,
                    arch: str = "sm_90a", timers: bool = False,
                    staged: bool | None = None) -> CompiledGather:
     """The compiled gather for this key, compiled at most once per process.
@@ -76,15 +78,14 @@ def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
         raise ValueError(f"unroll must be an int in [1, {UNROLL_MAX}], got {unroll!r}")
     if staged is None:
         staged = protocol.staged(unroll)
-    key = (tp, shard_words, threads, unroll, bool(pdl), bool(stop), arch, bool(timers),
-           bool(staged))
+    key = (tp, shard_words, threads, unroll, bool(pdl), arch, bool(timers), bool(staged))
     with _LOCK:
         if key not in _CACHE:
             _CACHE[key] = _compile(*key)
         return _CACHE[key]
 
 
-def _compile(tp, shard_words, threads, unroll, pdl, stop, arch, timers, staged):
+def _compile(tp, shard_words, threads, unroll, pdl, arch, timers, staged):
     rows = cute.sym_int32()
     shard = make_fake_compact_tensor(cutlass.BFloat16, (rows, 2 * shard_words), stride_order=(1, 0), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -92,9 +93,9 @@ def _compile(tp, shard_words, threads, unroll, pdl, stop, arch, timers, staged):
         options = (f"--gpu-arch={arch} --enable-tvm-ffi --keep-ptx --keep-cubin "
                    f"--dump-dir={dump}")
         launch = cute.compile(
-            Gather(tp, shard_words, threads, unroll, pdl, stop, timers, staged), shard, cutlass.Int64(0), cutlass.Int64(0),
-            cutlass.Int32(0), cutlass.Int32(1), cutlass.Int64(0), cutlass.Int64(0), stream,
-            options=options)
+            Gather(tp, shard_words, threads, unroll, pdl, timers, staged), shard,
+            cutlass.Int64(0), cutlass.Int64(0), cutlass.Int32(0), cutlass.Int32(1),
+            cutlass.Int64(0), cutlass.Int64(0), cutlass.Int32(0), stream, options=options)
         ptx, cubin = launch.__ptx__, launch.__cubin__
         if isinstance(ptx, str) and os.path.exists(ptx):
             ptx = open(ptx).read()

@@ -28,9 +28,19 @@ One launch per call. ``Gather.kernel`` is the protocol, step by step
 4. on its own time-out, ``mark_peers``: the missing ranks and the mark in every
    rank's control block; on any give-up, ``publish`` the host flag when the failed
    call was an earlier one (the protocol's "flag waits one call"; recoverable only);
-5. ``advance`` the epoch (the launch's last CTA, once); compiled with ``stop``
-   (serving), that CTA instead records and traps when the mark is set
+5. ``advance`` the epoch (the launch's last CTA, once); launched with ``serving``
+   set, that CTA instead records and traps when the mark is set
    (``record_and_stop``): no later kernel of the stream runs on this step's data.
+
+Serving's give-up is a run-time argument, not a compile-time variant: one compiled
+kernel serves both ways to give up (``protocol``), so the kernel a tuner times is
+the kernel serving launches. ``serving`` (0 or 1) is uniform across the grid; every
+serving-only step (the earlier give-up, the host record's missing ranks before the
+marks, ``record_and_stop``) sits behind a branch on it, the heartbeats behind each
+thread's ``slow`` flag (1 from the start unless serving: the poll loop tests no
+second flag), and the recoverable-only ``publish`` behind its negation, so each value
+runs exactly the stores, fences and order of the variant it replaced (the PTX audit
+evaluates the branches for each value: the trap is unreachable with 0).
 
 Batches of ``protocol.STAGED_FROM`` fragments or more per thread are *staged*
 (compile-time): ``push_staged``/``fetch_staged`` copy a batch's first read into the
@@ -71,18 +81,19 @@ class Gather:
     """One compiled gather for ``tp`` ranks of ``shard_words`` words per row.
 
     Compile-time: tp, shard width, threads per CTA, fragments in flight per thread
-    (``unroll``), PDL, ``stop`` (serving's give-up: trap; see ``protocol``),
-    ``timers`` (diagnostics: per-CTA phase timestamps after the status record) and
-    ``staged`` (batches through shared memory: ``protocol.staged``). Run-time: M (the shard's rows), the CTA count, the rank,
-    the spin budget and the status record's address; the parity comes from the
-    rank's epoch in device memory."""
+    (``unroll``), PDL, ``timers`` (diagnostics: per-CTA phase timestamps after the
+    status record) and ``staged`` (batches through shared memory:
+    ``protocol.staged``). Run-time: M (the shard's rows), the CTA count, the rank,
+    the spin budget, the status record's address and ``serving`` (1: serving's
+    give-up, trap; 0: the recoverable one; see ``protocol``); the parity comes from
+    the rank's epoch in device memory."""
 
     def __init__(self, tp: int, shard_words: int, threads: int, unroll: int, pdl: bool,
-                 stop: bool = False, timers: bool = False, staged: bool = False):
+                 timers: bool = False, staged: bool = False):
         if shard_words % WORDS:
             raise ValueError(f"shard of {shard_words} words is not whole 16-byte fragments")
         self.tp, self.shard_words, self.threads = tp, shard_words, threads
-        self.unroll, self.pdl, self.stop, self.timers = unroll, pdl, stop, timers
+        self.unroll, self.pdl, self.timers = unroll, pdl, timers
         self.staged = staged
 
     @cute.jit
@@ -114,12 +125,11 @@ class Gather:
         """After a poll that left fragments dirty: ``(cause, slow)``: why this thread
         stops waiting (0: it waits on; ``CAUSE_TIMEOUT`` past ``wait``, ``CAUSE_MARK``
         once a peer gave up) and whether it raised serving's slow heartbeat (at half
-        the budget, once)."""
+        the budget, once: ``slow`` starts at 1 unless serving)."""
         waited = cute.arch.globaltimer() - start
-        if cutlass.const_expr(self.stop):
-            if slow == 0:
-                if waited > (budget >> SLOW_SHIFT):
-                    slow = raise_slow(status, own_control, epoch)
+        if slow == 0:
+            if waited > (budget >> SLOW_SHIFT):
+                slow = raise_slow(status, own_control, epoch)
         cause = Int32(0)  # CAUSE_TIMEOUT implies the heartbeat is up: wait > budget / 2
         if waited > wait:
             cause = Int32(CAUSE_TIMEOUT)
@@ -129,17 +139,17 @@ class Gather:
 
     @cute.jit
     def __call__(self, shard: cute.Tensor, out: Int64, peers: Int64, rank: Int32, ctas: Int32,
-                 budget: Int64, status: Int64, stream):
+                 budget: Int64, status: Int64, serving: Int32, stream):
         # The kernel takes only scalars (``launch.PARAMS``): a host can launch it
         # straight through the driver with no tensor to convert.
         self.kernel(Int64(shard.iterator.toint()), Int32(shard.shape[0]), out, peers, rank,
-                    budget, status).launch(
+                    budget, status, serving).launch(
             grid=(ctas, 1, 1), block=(self.threads, 1, 1), stream=stream,
             use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, shard: Int64, rows: Int32, out: Int64, peers: Int64, rank: Int32,
-               budget: Int64, status: Int64):
+               budget: Int64, status: Int64, serving: Int32):
         tp: cutlass.Constexpr = self.tp
         unroll: cutlass.Constexpr = self.unroll
         frags: cutlass.Constexpr = self.shard_words // WORDS  # fragments of a shard row
@@ -178,11 +188,11 @@ class Gather:
             cute.arch.griddepcontrol_launch_dependents()
         start = cute.arch.globaltimer()
         self.stamp(stamps, 1)
+        # Serving gives up at three quarters and traps an eighth later (in ``advance``):
+        # stopped within the budget, and a peer that gave up at the same moment has
+        # finished marking this rank's mailbox before it traps. Recoverable: the budget.
         wait = budget
-        if cutlass.const_expr(self.stop):
-            # Serving gives up at three quarters and traps an eighth later (in
-            # ``advance``): stopped within the budget, and a peer that gave up at the
-            # same moment has finished marking this rank's mailbox before it traps.
+        if serving != 0:
             wait = budget - (budget >> GIVE_UP_SHIFT)
         epoch = epoch_of(own_control)
         parity = epoch & 1
@@ -193,15 +203,17 @@ class Gather:
         stopped = Int32(mark_of(own_control) != 0)  # a call before this one failed
         cause = CAUSE_MARK * stopped
 
-        slow = Int32(0)  # serving: this thread raised STATUS_SLOW
+        # 1 once this thread raised STATUS_SLOW, and from the start unless serving
+        # (nothing to raise): the heartbeats test this one flag, never ``serving``
+        slow = Int32(serving == 0)
         watch = (start, budget, slow, status, own_control, epoch)  # serving's heartbeat
         if cutlass.const_expr(self.staged):
             slow = push_staged(shard, out, targets, Int64(rank * self.shard_words), rows, me,
                                stride, cause, watch, stage, tid, self.threads, tp, frags, width,
-                               unroll, self.stop)
+                               unroll)
         else:
             slow = push(shard, out, targets, Int64(rank * self.shard_words), rows,
-                        me, stride, cause, watch, tp, frags, width, unroll, self.stop)
+                        me, stride, cause, watch, tp, frags, width, unroll)
         self.stamp(stamps, 2)
 
         polls = rows * (tp - 1) * frags
@@ -239,10 +251,10 @@ class Gather:
             base = base + stride * unroll
         self.stamp(stamps, 3)
         if cause == CAUSE_TIMEOUT:
-            mark_peers(peers, missing, epoch, status, tp, self.stop)
-        if cutlass.const_expr(not self.stop):
+            mark_peers(peers, missing, epoch, status, serving, tp)
+        if serving == 0:  # recoverable: serving's record is ``record_and_stop``'s
             if cause != 0:
                 publish(status, own_control, epoch, tp)
-        advance(own_control, epoch, grid, tid, status, budget, start, slow, tp, self.stop)
+        advance(own_control, epoch, grid, tid, status, budget, start, slow, serving, tp)
         self.stamp(stamps, 4)
         self.write_stamps(status, stamps, epoch, cta, grid, tid)

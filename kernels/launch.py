@@ -26,6 +26,9 @@ Invariants a change must keep:
   queued, and launching a collective twice would put this rank a call ahead.
 - One launcher serves one caller at a time (its slots are rewritten per call); the
   driver copies the values at the launch, and under stream capture into the graph.
+- ``serving`` is the launcher's, fixed when it is built (one gather, one mode): its
+  slot is written once, never per call, and every launch of the launcher gives up
+  the same way.
 """
 
 import ctypes
@@ -33,11 +36,12 @@ import functools
 import re
 
 # The kernel's parameters, in order (``Gather.kernel``): the shard's address, its
-# rows (M), the output's address, the peer table's, the rank, the spin budget (ns)
-# and the status record's address.
+# rows (M), the output's address, the peer table's, the rank, the spin budget (ns),
+# the status record's address and ``serving`` (1: serving's give-up, 0: the
+# recoverable one; ``protocol``).
 PARAMS = (("shard", ctypes.c_uint64), ("rows", ctypes.c_int32), ("out", ctypes.c_uint64),
           ("peers", ctypes.c_uint64), ("rank", ctypes.c_int32), ("budget", ctypes.c_int64),
-          ("status", ctypes.c_uint64))
+          ("status", ctypes.c_uint64), ("serving", ctypes.c_int32))
 _PTX_WIDTH = {".u64": 8, ".s64": 8, ".b64": 8, ".u32": 4, ".s32": 4, ".b32": 4}
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
@@ -160,13 +164,14 @@ def current_context() -> int:
 
 class DriverLaunch:
     """``launch(shard, out, peers, rank, ctas, budget, status, stream)``: the DSL
-    callable's arguments (``shard`` a contiguous, 16-byte aligned BF16 tensor; the rest
-    ints) plus ``stream``, the raw ``cudaStream_t`` to launch on. Build it with the
-    device's context current (``__init__`` loads the kernel there). ``pdl=False``
-    launches a PDL kernel without the attribute (diagnostics: its wait is then a no-op,
-    the stream serializes it fully)."""
+    callable's arguments but ``serving`` (``shard`` a contiguous, 16-byte aligned BF16
+    tensor; the rest ints) plus ``stream``, the raw ``cudaStream_t`` to launch on.
+    ``serving`` (bool) is this launcher's: every launch passes it (``PARAMS``). Build it
+    with the device's context current (``__init__`` loads the kernel there).
+    ``pdl=False`` launches a PDL kernel without the attribute (diagnostics: its wait is
+    then a no-op, the stream serializes it fully)."""
 
-    def __init__(self, compiled, pdl=None):
+    def __init__(self, compiled, pdl=None, *, serving):
         self.name = kernel_entry(compiled.ptx)
         self.context = current_context()
         if not self.context:
@@ -176,6 +181,7 @@ class DriverLaunch:
         self.function = load_function(bytes(compiled.cubin), self.name, self.context, self.smem)
         self.pdl = compiled.pdl if pdl is None else bool(pdl) and compiled.pdl
         self._values = _Values()
+        self.serving = self._values.serving = int(bool(serving))
         base = ctypes.addressof(self._values)
         self._params = (ctypes.c_void_p * len(PARAMS))(
             *(base + getattr(_Values, n).offset for n, _ in PARAMS))

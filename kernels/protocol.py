@@ -35,13 +35,16 @@ flag, so every rank's flag comes from its call ``s + 1``: a host that syncs once
 per step (as a serving loop does) raises at call ``s + 2`` on every rank alike.
 Calls ``s`` and ``s + 1`` return NaN where fragments are missing, never stale bytes.
 
-Two ways to give up, chosen at compile time (``stop``), one per gather:
+Two ways to give up, chosen at launch (the kernel's ``serving`` argument, 0 or 1),
+one per gather; one compiled kernel holds both, so the kernel a tuner times is the
+kernel serving launches (the tuner launches it with 0: a failure while tuning never
+stops a context):
 
-- recoverable (``stop=False``; tools, tuning, tests): as above. Calls ``s`` and
+- recoverable (``serving`` 0; tools, tuning, tests): as above. Calls ``s`` and
   ``s + 1`` hand out NaN where fragments are missing, every rank raises from ``s + 2``
   until a collective ``reset``. A caller that must never use such a step syncs and
   calls ``check()``.
-- stop (``stop=True``; serving: engines never call ``check()``): a launch that gives
+- stop (``serving`` 1; serving: engines never call ``check()``): a launch that gives
   up, or begins marked, ends in ``trap`` once all its CTAs are done: the last CTA
   copies the failed epoch and the missing ranks into the status record, fences,
   raises the flag, waits ``budget >> STOP_SHIFT`` (an eighth), then traps. Its waits
@@ -64,7 +67,7 @@ without a device sync): ``STATUS_EPOCH`` is the call ``s`` that failed and
 control block), then a system-scope fence, then ``STATUS_FLAG``. Every writer of a
 word writes the same value, so no update can be lost.
 
-Serving's heartbeat of a slow launch: a thread of the stop variant past half the
+Serving's heartbeat of a slow launch: a thread of a serving launch past half the
 budget writes ``STATUS_SLOW`` = its epoch + 1 (host memory) and ``CONTROL_SLOW`` = 1
 (its own control block), once per thread; healthy launches write neither. The
 launch's last CTA clears both when the launch finishes without a give-up (the wait

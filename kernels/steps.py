@@ -29,6 +29,12 @@ Invariants every step keeps:
 - ``record_and_stop`` (serving only): the record, a fence, the flag, a fence, an
   eighth of the budget, then ``trap``; only the launch's last CTA, after every CTA
   delivered and marked.
+- serving's steps (``serving``, a run-time Int32, uniform across the grid: nonzero
+  is serving) run only behind it: the host record's missing ranks in ``mark_peers``
+  and ``record_and_stop`` behind a branch on it; the heartbeats behind each thread's
+  ``slow`` flag, which a launch that is not serving starts at 1 ("raised": nothing
+  left to raise), so the loops test no second flag. A launch with 0 writes none of
+  them and never traps.
 
 The memory model's orderings, each by one fence (the PTX audit asserts each's place):
 
@@ -86,11 +92,10 @@ def epoch_of(control: Int64) -> Int32:
 
 @cute.jit
 def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64,
-            budget: Int64, start: Int64, slow: Int32, tp: cutlass.Constexpr,
-            stop: cutlass.Constexpr):
+            budget: Int64, start: Int64, slow: Int32, serving: Int32, tp: cutlass.Constexpr):
     """The last CTA to finish moves the epoch on (modulo ``EPOCH_SPAN``). Every thread
     read ``epoch`` before its CTA reached the barrier, so no CTA of this launch can see
-    the new value. With ``stop`` (serving), the last CTA of a launch that finds the
+    the new value. Launched ``serving``, the last CTA of a launch that finds the
     mark set (it gave up, began marked, or a peer gave up meanwhile) stops the
     context instead (``record_and_stop``): every CTA has delivered by then, so every
     thread's missing ranks are in the control block.
@@ -105,17 +110,16 @@ def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64
     serving step with NaN columns would finish normally), and lets an epoch read of
     some CTA see the advanced epoch (load buffering).
 
-    Serving: thread 0 raises the slow heartbeat (``heartbeat``) before the release
-    fence when the launch is already past half the budget (the fence waits for the
+    Serving: thread 0 raises the slow heartbeat (``heartbeat``; ``slow`` is 1 from the
+    start unless serving) before the release fence when the launch is already past half the budget (the fence waits for the
     CTA's stores, a push into a dead peer's memory among them)."""
     cute.arch.sync_threads()
     if tid == 0:
-        if cutlass.const_expr(stop):
-            heartbeat(start, budget, slow, status, control, epoch)  # before the fence
+        heartbeat(start, budget, slow, status, control, epoch)  # before the fence
         fence_acq_rel_gpu()  # release: this CTA's marks, missing ranks, slow word, epoch read
         if atomic_add_word(control + CONTROL_DONE * 4, 1) == Uint32(grid - 1):
             fence_acq_rel_gpu()  # acquire: every other CTA's, before any read here
-            if cutlass.const_expr(stop):
+            if serving != 0:
                 if mark_of(control) != 0:
                     record_and_stop(status, control, budget, epoch, tp)
                 if load_word_volatile(control + CONTROL_SLOW * 4) != Uint32(0):
@@ -130,7 +134,8 @@ def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64
 def heartbeat(start: Int64, budget: Int64, slow: Int32, status: Int64, own_control: Int64,
               epoch: Int32) -> Int32:
     """Serving: ``raise_slow`` once this thread is past half the budget (``start``: the
-    launch's clock, taken after PDL's wait), unless it already did (``slow``); the
+    launch's clock, taken after PDL's wait), unless it already did or the launch is
+    not serving (``slow``, then 1 from the start: no timer read, no store); the
     new ``slow``. Called before each step that can stall (a push batch, the give-up's
     stores, the last-CTA fences) and after each poll that left fragments dirty."""
     if slow == 0:
@@ -179,18 +184,18 @@ def record_and_stop(status: Int64, own_control: Int64, budget: Int64, epoch: Int
 @cute.jit
 def push(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int32,
          first: Int32, stride: Int32, stop: Int32, watch, tp: cutlass.Constexpr,
-         frags: cutlass.Constexpr, width: cutlass.Constexpr, unroll: cutlass.Constexpr,
-         serving: cutlass.Constexpr) -> Int32:
+         frags: cutlass.Constexpr, width: cutlass.Constexpr,
+         unroll: cutlass.Constexpr) -> Int32:
     """This rank's fragments (``first``, ``first + stride``, ...) to the output and,
-    unless ``stop``, into row m of every peer's box (``targets[1:]``); ``serving``:
-    before each batch after the first, ``heartbeat`` (``watch``: its arguments but the flag); returns the flag."""
+    unless ``stop``, into row m of every peer's box (``targets[1:]``); before each
+    batch after the first, ``heartbeat`` (``watch``: its arguments; its flag ``slow``
+    starts at 1 unless serving); returns the flag."""
     pushes = rows * frags
     base = first
     slow = watch[2]
     while base < pushes:
-        if cutlass.const_expr(serving):
-            if base != first:  # before this batch's stores: a store can stall
-                slow = heartbeat(watch[0], watch[1], slow, watch[3], watch[4], watch[5])
+        if base != first:  # before this batch's stores: a store can stall
+            slow = heartbeat(watch[0], watch[1], slow, watch[3], watch[4], watch[5])
         held = cute.make_rmem_tensor((unroll, WORDS), Uint32)
         for i in cutlass.range_constexpr(unroll):  # every load before any store
             f = base + i * stride
@@ -312,16 +317,14 @@ def slot(stage: Int32, i: cutlass.Constexpr, tid: Int32, threads: cutlass.Conste
 def push_staged(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int32,
                 first: Int32, stride: Int32, stop: Int32, watch, stage: Int32, tid: Int32,
                 threads: cutlass.Constexpr, tp: cutlass.Constexpr, frags: cutlass.Constexpr,
-                width: cutlass.Constexpr, unroll: cutlass.Constexpr,
-                serving: cutlass.Constexpr) -> Int32:
+                width: cutlass.Constexpr, unroll: cutlass.Constexpr) -> Int32:
     """``push``, the batch's shard fragments staged through shared memory."""
     pushes = rows * frags
     base = first
     slow = watch[2]
     while base < pushes:
-        if cutlass.const_expr(serving):
-            if base != first:  # before this batch's stores: a store can stall
-                slow = heartbeat(watch[0], watch[1], slow, watch[3], watch[4], watch[5])
+        if base != first:  # before this batch's stores: a store can stall
+            slow = heartbeat(watch[0], watch[1], slow, watch[3], watch[4], watch[5])
         for i in cutlass.range_constexpr(unroll):  # every copy before any store
             f = base + i * stride
             if f < pushes:
@@ -407,8 +410,8 @@ def give_up_staged(dst: Int64, pending: Int32, missing: Int32, base: Int32, stri
 
 
 @cute.jit
-def mark_peers(peers: Int64, missing: Int32, epoch: Int32, status: Int64,
-               tp: cutlass.Constexpr, serving: cutlass.Constexpr):
+def mark_peers(peers: Int64, missing: Int32, epoch: Int32, status: Int64, serving: Int32,
+               tp: cutlass.Constexpr):
     """After this rank's own wait ran out in call ``epoch``: name the ``missing``
     ranks in every rank's control block, fence, then raise every rank's mark. The
     control blocks' addresses are read from the peer table here, on this rare path,
@@ -419,7 +422,7 @@ def mark_peers(peers: Int64, missing: Int32, epoch: Int32, status: Int64,
     stalls in the stores below (into a peer whose memory no longer answers) has told
     the host which ranks it found missing. The thread raised the heartbeat already:
     its wait ran past three quarters of the budget (``Gather.still_waiting``)."""
-    if cutlass.const_expr(serving):
+    if serving != 0:
         for p in cutlass.range_constexpr(tp):
             if (missing >> p) & 1:
                 store_word_sys(status + (STATUS_PEERS + p) * 4, 1)

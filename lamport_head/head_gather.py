@@ -49,80 +49,24 @@ Invariants a change must keep:
   start-up deadline (``mailbox.RENDEZVOUS_WAIT_S``) with its collectives kept on the
   constructing thread (``collective.step``): a rank blocking in one fails it at the
   deadline and every rank raises, within it.
-- What each row count launches is ``plan.plan``'s answer, checked against
-  ``plan.co_resident_limit`` (every CTA of every rank sharing the device resident at
-  once); the compiler and the driver are reached only through ``KERNELS``.
+- What each row count launches is ``plan.plan``'s answer, checked against the
+  occupancy limit (every CTA of every rank sharing the device resident at once);
+  construction is ``build.build`` (kernels, limit, launch flag, the collective build:
+  the one build path install, the emulation and the tuner share). What is here is
+  the per-call object: checks, launch, stream order, poll and failure, reset, close.
 """
-
-from collections.abc import Mapping
 
 import torch
 
-from .collective import agree, attempt, step
+from . import build
+from .build import KERNELS  # noqa: F401  (the seam's object, as tests reach it here)
 from .config import GatherConfig
-from .kernels.arch import has_pdl
 from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, DEFAULT_UNROLL,
-                               FRAGMENT_BF16, MARK_TOP, slow_after, trap_grace)
-from .mailbox import MAILBOXES, choose_backend
-from .plan import co_resident_limit, plan
+                               MARK_TOP, slow_after, trap_grace)
 from .settings import SPIN_BUDGET_S
-from .status import (MODES, RECOVERABLE, SERVING, STOP_GRACE_S, GatherTimeout, StatusRecord,
-                     Watcher)
+from .status import RECOVERABLE, SERVING, STOP_GRACE_S, GatherTimeout, Watcher
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-class DeviceKernels:
-    """Where a gather's kernels come from: the device's compile target, the compiled
-    gather of a ``GatherConfig``, and how many CTAs of it the device holds. The only
-    place construction touches the compiler and the driver; ``KERNELS`` is the seam a
-    test replaces (with a CPU stand-in) to build gathers without a GPU."""
-
-    def arch(self, device) -> str:
-        """The compile target of ``device``; ValueError for a device the kernel cannot
-        run on."""
-        if device.type != "cuda":
-            raise ValueError(f"HeadGather needs a CUDA device, got {device}")
-        from .occupancy import device_arch
-
-        return device_arch(device)
-
-    def pdl(self, arch) -> bool:
-        """Whether gathers for ``arch`` launch with PDL (the architecture decides:
-        ``kernels.arch.has_pdl``)."""
-        return has_pdl(arch)
-
-    def compiled(self, tp, shard, config, pdl, arch, stop=False):
-        """The compiled gather (``.launch``, ``.cubin``, ``.threads``) for ``config``'s
-        compile-time knobs (compiled once per process); ``stop``: serving's give-up."""
-        from .kernels import compile_gather
-
-        return compile_gather(tp, shard // 2, pdl=pdl, arch=arch, stop=stop,
-                              **config.kernel_knobs())
-
-    def launcher(self, compiled, device):
-        """How a gather launches ``compiled`` on ``device``: through the driver
-        (``kernels.launch.DriverLaunch``: the TVM-FFI callable costs the host 1.4x a
-        ``torch.add_`` per call, this launch 0.9x), loaded into the device's primary
-        context (torch's). Called as ``launcher(shard, out, peers, rank, ctas, budget,
-        status, stream)``."""
-        from .kernels import DriverLaunch
-        from .kernels.launch import bind_primary_context
-
-        with torch.cuda.device(device):
-            bind_primary_context(torch.device(device).index)
-            return DriverLaunch(compiled)
-
-    def resident(self, compiled, device) -> int:
-        """CTAs of ``compiled`` the whole device holds at once."""
-        from .kernels.launch import kernel_entry
-        from .occupancy import resident_ctas
-
-        return resident_ctas(bytes(compiled.cubin), kernel_entry(compiled.ptx), compiled.threads,
-                             device.index, compiled.smem)
-
-
-KERNELS = DeviceKernels()
 
 
 class HeadGather:
@@ -153,66 +97,20 @@ class HeadGather:
     def __init__(self, group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None,
                  threads=DEFAULT_THREADS, unroll=None, pdl=None,
                  budget_s=SPIN_BUDGET_S, backend=None, mode=RECOVERABLE, clamp=False):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.mode = mode
-        self.clamped = {} if clamp else None
-        if isinstance(rows, Mapping):
-            if ctas is not None:
-                raise ValueError("rows maps row counts to GatherConfigs: pass no ctas")
-            rows, ctas = rows.keys(), dict(rows)
-        self.group = group
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        knobs = dict(threads=threads, unroll=unroll)
-        if mailbox is not None:  # emulated: one process, nothing to agree on
-            if mailbox.tp != tp or mailbox.words != tp * shard // 2:
-                raise ValueError("the shared mailbox does not fit this gather")
-            self._prepare(tp, rank, shard, rows, ctas, knobs, pdl, mailbox.sharing, budget_s)
-            if mailbox.cap < self.cap:
-                raise ValueError(f"the shared mailbox holds {mailbox.cap} rows, not {self.cap}")
-            self.box = mailbox
-        else:
-            # Each step below can fail or block on one rank alone: it runs under the
-            # start-up deadline (``_start_up``: the rendezvous', ``mailbox.RENDEZVOUS_WAIT_S``)
-            # and the ranks agree after it, so a rank blocking in one takes every rank to
-            # the same error within that deadline instead of holding them in the next
-            # collective (gloo's own timeout: 30 min).
-            def bounded(what, fn, *args):
-                return attempt(self._start_up, what, fn, *args)
-
-            # the backend and how many ranks share this GPU: gathered facts, the same
-            # on every rank (a rank whose facts failed makes every rank raise)
-            backend_of, error = bounded("describing the ranks' GPUs", choose_backend, group,
-                                        self.device, backend)
-            agree(error, group, self.device, "to describe its GPU")
-            kind, sharing = backend_of
-            _, error = bounded("building the gather (checks, compile, occupancy)", self._prepare,
-                               tp, rank, shard, rows, ctas, knobs, pdl, sharing, budget_s)
-            agree(error, group, self.device, "to build the gather (checks, compile, occupancy)")
-            box, error = bounded(f"allocating its {kind} mailbox", MAILBOXES[kind], group,
-                                 self.device, tp, rank, self.cap, self.width // 2)
-            try:
-                agree(error, group, self.device, f"to allocate its {kind} mailbox")
-                _, error = bounded(f"mapping the peers' {kind} mailboxes", box.connect)
-                agree(error, group, self.device, f"to map the peers' {kind} mailboxes")
-
-                def arm():
-                    box.arm()
-                    torch.cuda.synchronize(self.device)
-
-                _, error = bounded("arming its mailbox", arm)
-                agree(error, group, self.device, "to arm its mailbox")  # also: every rank armed
-            except BaseException:
-                # A build that failed frees this rank's box and mappings now (no gather
-                # ran: nothing can still push), unless this rank's own step was given up
-                # on: its helper thread may still be inside the box; it stays.
-                if box is not None and not isinstance(error, TimeoutError):
-                    attempt(box.discard)
-                raise
-            self.box = box
-        self._peers = self.box.peers.data_ptr()  # the kernel reads the table by address
+        built = build.build(group, device, tp, rank, shard, rows, ctas, mailbox=mailbox,
+                            backend=backend, mode=mode, pdl=pdl, budget_s=budget_s, clamp=clamp,
+                            threads=threads, unroll=unroll)
+        self.group, self.device, self.mode, self.kernels = group, built.device, mode, built.kernels
+        self.serving = build.launch_flag(mode)  # the kernel's argument every launch passes
+        self.tp, self.rank, self.shard, self.width = tp, rank, shard, tp * shard
+        self.sharing, self.configs, self.clamped = built.sharing, built.configs, built.clamped
+        self.rows, self.cap = frozenset(self.configs), built.cap
+        self.ctas = {m: c.ctas for m, c in self.configs.items()}
+        self.box, self._launch, self._status = built.box, built.launchers, built.status
+        self.budget_ns, self.status_address = built.budget_ns, built.status.address
+        self.peers_address = self.box.peers.data_ptr()  # the kernel reads the table by address
+        # what Tensor.get_device() answers for a tensor on this device (-1: the CPU)
+        self._index = self.device.index if self.device.type == "cuda" else -1
         self._closed = False
         self._stream_id, self._stream = None, None
         # serving: the engine's own error cannot name the ranks once the context stopped
@@ -223,60 +121,10 @@ class HeadGather:
                                 stuck_after_s=slow_after(budget_s) + STOP_GRACE_S) \
             if mode == SERVING else None
 
-    def _start_up(self, what, fn, *args):
-        """``fn(*args)``, one start-up step of this rank, under the start-up deadline
-        (``mailbox.RENDEZVOUS_WAIT_S``, read now): ``collective.step`` (its collectives
-        stay on this thread; a step given up on never enters one later), with this
-        gather's CUDA device current in its threads."""
-        from .mailbox import RENDEZVOUS_WAIT_S
-
-        scope = (lambda: torch.cuda.device(self.device)) if self.device.type == "cuda" else None
-        return step(RENDEZVOUS_WAIT_S, f"lamport-head start-up: {what}", fn, *args, scope=scope)
-
-    def _prepare(self, tp, rank, shard, rows, ctas, knobs, pdl, sharing, budget_s):
-        """Everything that can fail on this rank alone: checks, the plan (compile,
-        occupancy), the host-visible status record."""
-        if tp < 2 or not 0 <= rank < tp:
-            raise ValueError(f"need tp >= 2 and 0 <= rank < tp, got tp={tp} rank={rank}")
-        if shard <= 0 or shard % FRAGMENT_BF16:
-            raise ValueError(f"shard width {shard} is not a positive multiple of {FRAGMENT_BF16}")
-        self._kernels = KERNELS
-        self._arch = self._kernels.arch(self.device)
-        self.tp, self.rank, self.shard, self.width = tp, rank, shard, tp * shard
-        # what Tensor.get_device() answers for a tensor on this device (-1: the CPU)
-        self._index = self.device.index if self.device.type == "cuda" else -1
-        self._pdl = self._kernels.pdl(self._arch) if pdl is None else bool(pdl)
-        self.sharing = sharing
-        self.configs = plan(rows, ctas, tp=tp, shard=shard, resident=self._resident,
-                            sharing=sharing, pdl=self._pdl, clamped=self.clamped, **knobs)
-        self.rows = frozenset(self.configs)
-        self.cap = max(self.rows)
-        self.ctas = {m: c.ctas for m, c in self.configs.items()}
-        self._launch = {m: self._kernels.launcher(self._compiled(c), self.device)
-                        for m, c in self.configs.items()}
-        self._open_status(budget_s)
-
-    def _open_status(self, budget_s):
-        """The spin budget and the host-visible status record (``status.StatusRecord``:
-        the kernel writes it, the host reads it with no device sync)."""
-        if not budget_s > 0:
-            raise ValueError(f"the spin budget must be a positive number of seconds, got {budget_s!r}")
-        self.budget_ns = int(budget_s * 1e9)
-        self._status = StatusRecord(self.rank, self.tp)
-        self._status_address = self._status.address
-
-    def _compiled(self, config):
-        return self._kernels.compiled(self.tp, self.shard, config, self._pdl, self._arch,
-                                      stop=self.mode == SERVING)
-
-    def _resident(self, config):
-        return self._kernels.resident(self._compiled(config), self.device)
-
     def resident(self, threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL):
         """CTAs per rank of this kernel shape that fit on the device alongside the
-        ranks sharing it (``plan.co_resident_limit``): the most ``plan`` accepts."""
-        config = GatherConfig(1, threads, unroll)
-        return co_resident_limit(self._resident(config), self.sharing, self._pdl)
+        ranks sharing it (``build.Kernels.limit``): the most ``plan`` accepts."""
+        return self.kernels.limit(GatherConfig(1, threads, unroll), self.sharing)
 
     def poll(self):
         """Raise ``GatherTimeout`` if this rank's host flag is up (a host-memory read,
@@ -306,8 +154,8 @@ class HeadGather:
             logits = logits.clone(memory_format=torch.contiguous_format)
         stream = self._follow_stream()
         out = logits.new_empty((shape[0], self.width))  # under capture: the graph's own
-        launch(logits, out.data_ptr(), self._peers, self.rank, self.ctas[shape[0]],
-               self.budget_ns, self._status_address, stream)
+        launch(logits, out.data_ptr(), self.peers_address, self.rank, self.ctas[shape[0]],
+               self.budget_ns, self.status_address, stream)
         return out
 
     def _follow_stream(self):
@@ -333,8 +181,8 @@ class HeadGather:
         """The bare kernel launch into ``out`` on the current stream, with no checks:
         explicitly poisoned outputs in tests, CTA counts outside the plan in tuning."""
         launch = self._launch[logits.shape[0]]
-        launch(logits, out.data_ptr(), self._peers, self.rank, ctas, self.budget_ns,
-               self._status_address, self._stream_handle())
+        launch(logits, out.data_ptr(), self.peers_address, self.rank, ctas, self.budget_ns,
+               self.status_address, self._stream_handle())
 
     def failure(self):
         """The ``GatherTimeout`` this rank's status record describes (host memory: it

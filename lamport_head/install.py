@@ -66,8 +66,10 @@ def _device_name(device):
 
 
 def _build(group, device, tp, rank, shard, plan, budget_s):
-    """The serving gather: a give-up stops the GPU context (``mode="serving"``), so no
-    step with missing data reaches the engine's sampler or its host."""
+    """The serving gather: a give-up stops the GPU context (``mode="serving"``: its
+    launch flag, ``build.launch_flag``), so no step with missing data reaches the
+    engine's sampler or its host. Built on ``build``'s one path: the kernel is the one
+    the tuner timed for the row, under the tuner's occupancy limit."""
     from .head_gather import HeadGather
     from .status import SERVING
 

@@ -50,26 +50,26 @@ def model(**overrides):
 
 def fake_cuda(monkeypatch_like, rank, case, launch=None):
     """Every CUDA-only piece of HeadGather's construction replaced on CPU: its kernels
-    (``head_gather.KERNELS``: compile and occupancy) by a CPU stand-in whose launch
-    fills the output with FAKE_BYTE (or is ``launch``), the device key, the mailbox
-    by a CPU box whose connect() is a real gloo collective. ``case`` picks the
-    failing step ("prepare": the compile)."""
+    (``build.KERNELS``, which ``head_gather.KERNELS`` names too: compile and occupancy)
+    by a CPU stand-in whose launch fills the output with FAKE_BYTE (or is ``launch``),
+    the device key, the mailbox by a CPU box whose connect() is a real gloo
+    collective. ``case`` picks the failing step ("prepare": the compile)."""
     import ctypes
 
-    from lamport_head import head_gather, install, mailbox
+    from lamport_head import build, head_gather, install, mailbox
 
     set_ = monkeypatch_like
     fail_rank = int(case.split("@")[1]) if "@" in case else -1
     step = case.split("@")[0]
 
-    class CpuKernels(head_gather.DeviceKernels):
+    class CpuKernels(build.DeviceKernels):
         def arch(self, device):
             return "cpu"
 
         def pdl(self, arch):
             return True  # as on Hopper
 
-        def compiled(self, tp, shard, config, pdl, arch, stop=False):
+        def compiled(self, tp, shard, config, pdl, arch):
             if step == "prepare" and rank == fail_rank:
                 raise RuntimeError("compile failed")
 
@@ -78,7 +78,7 @@ def fake_cuda(monkeypatch_like, rank, case, launch=None):
 
             return types.SimpleNamespace(launch=launch or fill)
 
-        def launcher(self, compiled, device):
+        def launcher(self, compiled, device, serving):
             return compiled.launch
 
         def resident(self, compiled, device):
@@ -96,8 +96,10 @@ def fake_cuda(monkeypatch_like, rank, case, launch=None):
                 raise RuntimeError("cannot map a peer")
             self.peers = torch.tensor(mailbox.peer_table(bases, self.cap, self.words))
 
-    set_(head_gather, "KERNELS", CpuKernels())
-    set_(head_gather, "MAILBOXES", {"ipc": CpuRows, "symmetric": CpuRows})
+    kernels = CpuKernels()
+    set_(build, "KERNELS", kernels)
+    set_(head_gather, "KERNELS", kernels)  # the same object, as tests reach it there
+    set_(build, "MAILBOXES", {"ipc": CpuRows, "symmetric": CpuRows})
     set_(mailbox, "device_key", lambda device: ("host", "the one GPU"))
     set_(head_gather, "_raw_stream", lambda index: 0)
     set_(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(

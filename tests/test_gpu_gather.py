@@ -112,9 +112,9 @@ def test_the_driver_launch_and_the_dsl_callable_agree_bitwise_from_any_thread():
         for g, stream, x, out in zip(gather.ranks, gather.streams, shards, outs):
             stream.wait_stream(here)
             with torch.cuda.stream(stream):
-                g._compiled(g.configs[x.shape[0]]).launch(
-                    x, out.data_ptr(), g._peers, g.rank, g.ctas[x.shape[0]], g.budget_ns,
-                    g._status_address)
+                g.kernels.compiled(g.configs[x.shape[0]]).launch(
+                    x, out.data_ptr(), g.peers_address, g.rank, g.ctas[x.shape[0]], g.budget_ns,
+                    g.status_address, g.serving)
         for stream in gather.streams:
             here.wait_stream(stream)
 
@@ -124,8 +124,8 @@ def test_the_driver_launch_and_the_dsl_callable_agree_bitwise_from_any_thread():
         def run():
             seen.append(current_context())
             for g, stream, x, out in zip(gather.ranks, gather.streams, shards, outs):
-                g._launch[x.shape[0]](x, out.data_ptr(), g._peers, g.rank, g.ctas[x.shape[0]],
-                                      g.budget_ns, g._status_address, stream.cuda_stream)
+                g._launch[x.shape[0]](x, out.data_ptr(), g.peers_address, g.rank, g.ctas[x.shape[0]],
+                                      g.budget_ns, g.status_address, stream.cuda_stream)
 
         for stream in gather.streams:
             stream.wait_stream(here)
@@ -181,8 +181,8 @@ def test_a_null_stream_launch_under_another_context_is_retried_in_the_kernels():
         contexts.append(context)
         try:
             g = gather.ranks[0]
-            first(shards[0], outs[0].data_ptr(), g._peers, g.rank, g.ctas[rows], g.budget_ns,
-                  g._status_address, 0)
+            first(shards[0], outs[0].data_ptr(), g.peers_address, g.rank, g.ctas[rows], g.budget_ns,
+                  g.status_address, 0)
         except Exception as exc:  # reported below, after the peers launched
             errors.append(exc)
         finally:
@@ -192,8 +192,8 @@ def test_a_null_stream_launch_under_another_context_is_retried_in_the_kernels():
     worker.start()
     worker.join()
     for g, stream in zip(gather.ranks[1:], gather.streams[1:]):  # non-blocking streams
-        g._launch[rows](shards[g.rank], outs[g.rank].data_ptr(), g._peers, g.rank,
-                        g.ctas[rows], g.budget_ns, g._status_address, stream.cuda_stream)
+        g._launch[rows](shards[g.rank], outs[g.rank].data_ptr(), g.peers_address, g.rank,
+                        g.ctas[rows], g.budget_ns, g.status_address, stream.cuda_stream)
     torch.cuda.synchronize(device)
     # Destroyed only now: destroying a context waits for the device (measured on the
     # H200: before the peers launched, rank 0's wait for them ran out meanwhile).

@@ -322,3 +322,82 @@ def test_lm_head_overlap_agrees_on_every_rank(tmp_path, fail, on):
         [{"on": on, "off": "timing", "closed": 2}] * 2
     if on == "timing":  # the fake events say 0.5 ms per repetition of 2 x 3 steps
         assert ranks[0][0]["pair"] == [pytest.approx(500 / 6)] * 2
+
+
+def _identity_worker(rank, tp, cache):
+    """First-use tuning's measuring of row count ROWS on the real DistributedTarget (one
+    configuration), then install's build of the tuned row. Every compile goes through a
+    cache keyed by its arguments (as ``compile_gather``'s), and every launcher built is
+    recorded with its phase, its kernel and its launch flag. Returns them, the tuned
+    and the served configurations and the kernel identities the section was written
+    with."""
+    import yaml
+
+    from lamport_head import head_gather, install
+    from lamport_head.table import user_path
+    from lamport_head.tuning import firstuse
+
+    os.environ.update(LAMPORT_HEAD_CACHE=cache)
+    _cpu_ranks(rank, tp, None)
+    phase, kernels, launchers = ["tune"], {}, []
+    seam = head_gather.KERNELS  # the seam's object (helpers.fake_cuda's stand-in)
+    compiled, launcher = seam.compiled, seam.launcher
+
+    def compiling(tp_, shard, config, *args, **kwargs):  # one kernel per compile key, as
+        # compile_gather's: the configuration's compile-time knobs (its CTAs are run-time)
+        key = repr((tp_, shard, sorted(config.kernel_knobs().items()), args,
+                    sorted(kwargs.items())))
+        if key not in kernels:
+            kernels[key] = compiled(tp_, shard, config, *args, **kwargs)
+        return kernels[key]
+
+    def launching(kernel, device, *flag):
+        key = next(k for k, v in kernels.items() if v is kernel)
+        launchers.append((phase[0], key, [int(f) for f in flag]))
+        return launcher(kernel, device, *flag)
+
+    seam.compiled, seam.launcher = compiling, launching
+    limits = firstuse.FirstUseLimits(ctas=(PLAN.ctas,), threads=(PLAN.threads,),
+                                     unroll=(PLAN.unroll,), calls=2, reps=1, replays=1)
+    outcome = firstuse.measure(None, "cpu", tp, rank, 1, SHARD, [ROWS], True, "NVIDIA H200",
+                               limits=limits)
+    (result,) = outcome.results
+    phase[0] = "serve"
+    gather = install._build(None, "cpu", tp, rank, SHARD, {ROWS: result.plan}, 10.0)
+    served = [[m, c.label()] for m, c in gather.configs.items()]
+    gather._watcher.stop()
+    gather.close()
+    written = yaml.safe_load(open(user_path()).read())
+    return {"launchers": launchers, "tuned": [result.rows, result.plan.config.label()],
+            "served": served, "written": sorted({str(v) for v in _find(written, "kernel")})}
+
+
+def _find(node, key):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == key and not isinstance(v, (dict, list)):
+                yield v
+            else:
+                yield from _find(v, key)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _find(v, key)
+
+
+def test_a_tuned_rows_kernel_is_the_kernel_install_builds_for_it(tmp_path):
+    """Issue 30 item 2: first-use tuning times the very kernel install builds for the
+    row (one compile key, no mode in it), launched recoverable (flag 0: a failure while
+    tuning never traps), which install launches serving (flag 1); and the identity
+    written with the row is that kernel's (``provenance.kernel_identity``). Before: the
+    tuner compiled ``stop=False``, install ``stop=True``: two kernels."""
+    from lamport_head import provenance
+
+    results = spawn(_identity_worker, 2, tmp_path, str(tmp_path / "cache"), deadline_s=120)
+    for r in results:
+        assert r["tuned"] == [ROWS, PLAN.label()] and r["served"] == [[ROWS, PLAN.label()]]
+        tuned = {key for phase, key, _ in r["launchers"] if phase == "tune"}
+        served = {key for phase, key, _ in r["launchers"] if phase == "serve"}
+        assert len(served) == 1 and served == tuned, (served, tuned)
+        assert {tuple(f) for phase, _, f in r["launchers"] if phase == "tune"} == {(0,)}
+        assert {tuple(f) for phase, _, f in r["launchers"] if phase == "serve"} == {(1,)}
+        assert r["written"] == [provenance.kernel_identity()]

@@ -51,10 +51,10 @@ def fake_gather(rows=(1, 2, 4), log=None):
     g.rows, g.cap, g.group = frozenset(rows), max(rows), None
     g._launch = dict.fromkeys(rows, rec)
     g.ctas = {m: 10 + m for m in rows}
-    g._peers, g.budget_ns = 1234, 10**9
+    g.peers_address, g.budget_ns = 1234, 10**9
     g.mode, g._watcher = "recoverable", None
     g._status = StatusRecord(g.rank, TP)
-    g._status_address = g._status.address
+    g.status_address = g._status.address
     g._stream_id, g._stream, g._closed = None, None, False
     g.box = FakeBox(log if log is not None else [])
     return g, rec

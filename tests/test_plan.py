@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from lamport_head import head_gather
+from lamport_head import build
 from lamport_head.config import STAGE_ABOVE_ROUNDS, GatherConfig, default_config, default_ctas
 from lamport_head.head_gather import HeadGather
 from lamport_head.plan import co_resident_limit, plan
@@ -139,8 +139,8 @@ def test_install_serves_a_table_row_over_the_limit_at_the_limit(monkeypatch, cap
     from lamport_head import install
     from lamport_head.table import RowPlan
 
-    monkeypatch.setattr(head_gather, "KERNELS", CpuKernels(1056))  # limit 792 per rank
-    monkeypatch.setattr(head_gather, "choose_backend", lambda group, device, backend: ("ipc", 1))
+    monkeypatch.setattr(build, "KERNELS", CpuKernels(1056))  # limit 792 per rank
+    monkeypatch.setattr(build, "choose_backend", lambda group, device, backend: ("ipc", 1))
     built = {}
 
     class Box:
@@ -154,8 +154,8 @@ def test_install_serves_a_table_row_over_the_limit_at_the_limit(monkeypatch, cap
         def arm(self):
             built["armed"] = True
 
-    monkeypatch.setattr(head_gather, "MAILBOXES", {"ipc": Box})
-    monkeypatch.setattr(head_gather, "agree", lambda error, group, device, what: None)
+    monkeypatch.setattr(build, "MAILBOXES", {"ipc": Box})
+    monkeypatch.setattr(build, "agree", lambda error, group, device, what: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     rows = {1: RowPlan(GatherConfig(900), True), 8: RowPlan(GatherConfig(64), True)}
     with caplog.at_level(logging.WARNING, logger="lamport_head"):
@@ -169,7 +169,7 @@ def test_install_serves_a_table_row_over_the_limit_at_the_limit(monkeypatch, cap
     gather._watcher.stop()
 
 
-class CpuKernels(head_gather.DeviceKernels):
+class CpuKernels(build.DeviceKernels):
     """The seam: kernels that 'compile' on CPU, and a device holding ``per_device``
     CTAs of any of them."""
 
@@ -182,10 +182,10 @@ class CpuKernels(head_gather.DeviceKernels):
     def pdl(self, arch):
         return True  # as on Hopper
 
-    def compiled(self, tp, shard, config, pdl, arch, stop=False):
+    def compiled(self, tp, shard, config, pdl, arch):
         return types.SimpleNamespace(launch=lambda *args: None)
 
-    def launcher(self, compiled, device):
+    def launcher(self, compiled, device, serving):
         return compiled.launch
 
     def resident(self, compiled, device):
@@ -203,7 +203,7 @@ def shared_box(tp, sharing):
 def test_the_emulated_targets_limit_is_what_head_gather_accepts(monkeypatch, tp, per_device):
     from lamport_head.tuning.harness import EmulatedTarget
 
-    monkeypatch.setattr(head_gather, "KERNELS", CpuKernels(per_device))
+    monkeypatch.setattr(build, "KERNELS", CpuKernels(per_device))
     limit = EmulatedTarget("cpu", tp, tp * SHARD).limit(256, 4)
     # virtual ranks share the GPU and PDL is on: halved once, not twice
     assert limit == co_resident_limit(per_device, tp, True) == (per_device * 3 // 4) // (2 * tp)
@@ -215,7 +215,7 @@ def test_the_emulated_targets_limit_is_what_head_gather_accepts(monkeypatch, tp,
 
 
 def test_rows_may_be_a_plan_and_then_ctas_must_be_none(monkeypatch):
-    monkeypatch.setattr(head_gather, "KERNELS", CpuKernels(1 << 16))
+    monkeypatch.setattr(build, "KERNELS", CpuKernels(1 << 16))
     configs = {1: GatherConfig(8, 128, 2), 4: GatherConfig(16)}
     g = HeadGather(None, "cpu", TP, 1, SHARD, configs, mailbox=shared_box(TP, TP))
     assert g.rows == frozenset({1, 4}) and g.cap == 4 and g.configs == configs

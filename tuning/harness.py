@@ -17,6 +17,14 @@ Targets: ``EmulatedTarget`` (TP virtual ranks on one GPU; the stock baseline is 
 one-GPU equivalent, a cat of the shards) and ``DistributedTarget`` (one process per
 GPU under torchrun; stock is vLLM's: NCCL all-gather into ``[TP*M, V/TP]``, then the
 reorder to ``[M, V]``).
+
+What is timed is built by ``lamport_head.build``, as install builds it: the one
+compiled kernel of a configuration (serving's give-up is a launch argument, so the
+cubin timed is the cubin serving launches) and the occupancy limit the search stops at
+(``build.Kernels.limit``, what install's ``plan`` accepts). Every gather here is
+launched recoverable (``build.launch_flag``: 0): a failure on one rank while tuning
+(an out-of-memory before its launch, say) fails that trial on every rank and never
+stops a GPU context.
 """
 
 import math
@@ -26,10 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
+from lamport_head import build
 from lamport_head.collective import PeerFailed, agree, all_max, all_min, attempt
 from lamport_head.config import GatherConfig
 from lamport_head.head_gather import SPIN_BUDGET_S
-from lamport_head.plan import co_resident_limit
 from lamport_head.reference import planted, reference_gather
 from lamport_head.stock import StockGather
 
@@ -217,18 +225,12 @@ class EmulatedTarget:
 
     def limit(self, threads, unroll):
         """Most CTAs per rank that stay co-resident with the other virtual ranks: what
-        HeadGather accepts for them (``co_resident_limit``; every virtual rank shares
-        this GPU, PDL on as ``_gather`` builds them)."""
+        HeadGather accepts for them (``build.Kernels.limit``; every virtual rank shares
+        this GPU, PDL as the architecture has it, as ``_gather`` builds them)."""
         key = (threads, unroll)
         if key not in self._limits:
-            from lamport_head.head_gather import KERNELS
-
-            config = GatherConfig(1, threads, unroll)
-            arch = KERNELS.arch(self.device)
-            pdl = KERNELS.pdl(arch)  # as HeadGather builds them
-            kernel = KERNELS.compiled(self.tp, self.shard, config, pdl, arch)
-            resident = KERNELS.resident(kernel, self.device)
-            self._limits[key] = co_resident_limit(resident, self.tp, pdl)
+            kernels = build.Kernels(self.device, self.tp, self.shard)
+            self._limits[key] = kernels.limit(GatherConfig(1, threads, unroll), self.tp)
         return self._limits[key]
 
     def _gather(self, rows, config):
@@ -355,21 +357,16 @@ class DistributedTarget:
 
     def limit(self, threads, unroll):
         """Most CTAs per rank every rank's GPU holds: the occupancy calculator on the
-        compiled kernel (local, no mailbox), per rank as HeadGather plans
-        (``co_resident_limit``: every rank shares the GPU where ranks share one, PDL
-        on), then MIN over ranks (collective). A compile that fails on one rank makes
-        every rank raise, together."""
+        compiled kernel (local, no mailbox), per rank as install's HeadGather plans
+        (``build.Kernels.limit``: every rank shares the GPU where ranks share one, PDL
+        as the architecture has it), then MIN over ranks (collective). A compile that
+        fails on one rank makes every rank raise, together."""
         key = (threads, unroll)
         if key not in self._limits:
-            from lamport_head.head_gather import KERNELS
-
             def local():
-                config = GatherConfig(1, threads, unroll)
-                arch = KERNELS.arch(self.device)
-                pdl = KERNELS.pdl(arch)  # as HeadGather builds them
-                kernel = KERNELS.compiled(self.tp, self.shard, config, pdl, arch)
                 sharing = self.tp if self.ranks.shared else 1
-                return co_resident_limit(KERNELS.resident(kernel, self.device), sharing, pdl)
+                kernels = build.Kernels(self.device, self.tp, self.shard)
+                return kernels.limit(GatherConfig(1, threads, unroll), sharing)
 
             # A compile that fails on one rank raises on every rank, together.
             resident, error = attempt(local)

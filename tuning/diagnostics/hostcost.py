@@ -60,18 +60,19 @@ def main(rows=1, tp=2, vocab=163840, calls=2000):
 
     handles = [s.cuda_stream for s in emu.streams]
     with torch.cuda.device(device):
-        plain = [DriverLaunch(g._compiled(g.configs[rows]), pdl=False) for g in emu.ranks]
+        plain = [DriverLaunch(g.kernels.compiled(g.configs[rows]), pdl=False, serving=False)
+                 for g in emu.ranks]
     pieces = {
         "torch.add_ (one dispatch)": alone(lambda: small.add_(1)),
         "new_empty [M, V]": alternate(lambda g, r: shards[r].new_empty((rows, g.width))),
         "_follow_stream": alternate(lambda g, r: g._follow_stream()),
         "launch (preallocated out)": alternate(lambda g, r: g.launch(shards[r], outs[r], g.ctas[rows])),
-        "same, the DSL's TVM-FFI callable": alternate(lambda g, r: g._compiled(g.configs[rows]).launch(
-            shards[r], outs[r].data_ptr(), g._peers, g.rank, g.ctas[rows], g.budget_ns,
-            g._status_address)),
+        "same, the DSL's TVM-FFI callable": alternate(lambda g, r: g.kernels.compiled(
+            g.configs[rows]).launch(shards[r], outs[r].data_ptr(), g.peers_address, g.rank,
+                                    g.ctas[rows], g.budget_ns, g.status_address, 0)),
         "same, no PDL attribute": alternate(lambda g, r: plain[r](
-            shards[r], outs[r].data_ptr(), g._peers, g.rank, g.ctas[rows], g.budget_ns,
-            g._status_address, handles[r])),
+            shards[r], outs[r].data_ptr(), g.peers_address, g.rank, g.ctas[rows], g.budget_ns,
+            g.status_address, handles[r])),
         "one ctypes driver call": alone(current_context),
         "whole HeadGather call": alternate(lambda g, r: g(shards[r], never_stock)),
     }

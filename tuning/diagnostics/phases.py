@@ -30,7 +30,7 @@ import statistics
 
 import torch
 
-from lamport_head import head_gather
+from lamport_head import build
 from lamport_head.emulate import EmulatedGather
 from lamport_head.head_gather import GatherTimeout
 from lamport_head.kernels.compile import compile_gather
@@ -42,11 +42,11 @@ from ..harness import gated_gpu_us
 from ..lmhead import KIMI_K2_HIDDEN, LmHead
 
 
-class _TimedKernels(head_gather.DeviceKernels):
+class _TimedKernels(build.DeviceKernels):
     """The runtime's kernels, compiled with the phase timers."""
 
-    def compiled(self, tp, shard, config, pdl, arch, stop=False):
-        return compile_gather(tp, shard // 2, pdl=pdl, arch=arch, stop=stop, timers=True,
+    def compiled(self, tp, shard, config, pdl, arch):
+        return compile_gather(tp, shard // 2, pdl=pdl, arch=arch, timers=True,
                               **config.kernel_knobs())
 
 
@@ -100,7 +100,7 @@ def main(argv=None):
                    help="each step: the rank's lm_head shard GEMM, then the gather of its output")
     args = p.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device())
-    head_gather.KERNELS = _TimedKernels()
+    build.KERNELS = _TimedKernels()
     shard = args.vocab // args.tp
     batch = TIMER_CALLS // 2  # calls queued back to back, each in its own stamp slot
     for rows in (int(x) for x in args.rows.split(",")):
@@ -109,7 +109,7 @@ def main(argv=None):
         words = timer_words(ctas)
         buffers = [torch.zeros(words, dtype=torch.int32, pin_memory=True) for _ in emu.ranks]
         for gather, buf in zip(emu.ranks, buffers):
-            gather._status_address = buf.data_ptr()  # the record's words, then the stamps
+            gather.status_address = buf.data_ptr()  # the record's words, then the stamps
         shards = [torch.randn(rows, shard, device=device).to(torch.bfloat16)
                   for _ in range(args.tp)]
         heads = ([LmHead(rows, KIMI_K2_HIDDEN, shard, device, seed=r) for r in range(args.tp)]
