@@ -18,8 +18,9 @@ real plugin loader wrapped; the plugin then installs on the target and on the dr
   the drafter stays stock on both ranks (agreed), the target stays routed (its gather
   was built and agreed before; the drafter's is another, separately agreed).
 - ``argmax``: ``use_local_argmax_reduction``: greedy drafts take ``get_top_tokens``
-  (candidates, not logits: issue 32 item 2, not routed), so nothing is built for the
-  drafter and the summary says so.
+  (candidates, not logits), so no logits gather is built for the drafter; its (value,
+  index) pairs take a candidate gather (issue 32 item 2: packed width 8, V = 16),
+  through the real ``Eagle3LlamaForCausalLM.get_top_tokens``, bitwise vLLM's.
 
 Stand-ins, only where this machine has no GPU (``helpers.fake_cuda``): HeadGather's
 CUDA pieces, its kernel a CPU launch that all-gathers the shard over vLLM's gloo group
@@ -45,7 +46,8 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 # One section per vocabulary: the target's (1024) and the EAGLE3 head's (256). Row 8 is
 # enabled in both: the target's rows reach 12, the drafter's stop at max_num_seqs = 4.
-TABLE = sections((1024, DRAFT_VOCAB), "        8: {ctas: 8, enabled: true}\n")
+TABLE = sections((1024, DRAFT_VOCAB, 16), "        8: {ctas: 8, enabled: true}\n")  # 16: the
+# candidate pairs' gather (packed width 8 on 2 ranks)
 SCENARIOS = {  # name: (method, draft config dir, use_local_argmax_reduction, fail the drafter)
     "eagle3": ("eagle3", "eagle3", False, False),
     "eagle": ("eagle", "eagle", False, False),
@@ -170,6 +172,21 @@ def _rank(rank, world, run, cache, table, models):
             equal[m] = gathered and logits
         return equal, [list(c) for c in launches]
 
+    def check_top(model, lp):
+        """The drafter's get_top_tokens, routed and with vLLM's own method (the routed
+        instance attribute off), bitwise; the stand-in kernel's launches."""
+        equal = {}
+        del launches[:]
+        for m in ROWS:
+            hidden = torch.randn(m, HIDDEN, generator=g).to(torch.bfloat16)
+            routed = model.get_top_tokens(hidden)
+            wrapper = vars(lp).pop("get_top_tokens")
+            try:
+                equal[m] = same_bits(routed, model.get_top_tokens(hidden))
+            finally:
+                lp.get_top_tokens = wrapper
+        return equal, [list(c) for c in launches]
+
     out = {"rank": rank}
     for name, (method, draft_dir, argmax, failing) in SCENARIOS.items():
         print(f"=== {name}", flush=True)
@@ -187,6 +204,8 @@ def _rank(rank, world, run, cache, table, models):
             "same_gather": dgather is not None and dgather is tgather,
         }
         out[name]["draft"] = check(draft, dlp, dhead.weight.shape[0])
+        if argmax:
+            out[name]["top"] = check_top(draft, dlp)
         out[name]["target"] = check(model, tlp, model.lm_head.weight.shape[0])
     # An MTP drafter's nesting (DeepSeekMTP: the processor at model.logits_processor, each
     # MTP layer's shared_head.head the target's lm_head once vLLM shares it), real vLLM
@@ -332,16 +351,18 @@ def test_drafter_failing_on_one_rank_stays_stock_on_every_rank_target_routed(ran
     assert "does not compile on rank 1" in logs[1]
 
 
-def test_local_argmax_reduction_builds_nothing_for_the_drafter(ranks):
+def test_local_argmax_reduction_routes_the_drafters_candidates(ranks):
     results, logs = ranks
     for r in results:
         s = r["argmax"]
         assert s["target_served"] == TARGET_SERVED and s["draft_served"] is None
         assert s["draft"][0] == {str(m): True for m in ROWS} and s["draft"][1] == []
+        equal, launched = s["top"]
+        assert equal == {str(m): True for m in ROWS}
+        assert launched == [[m, 8] for m in ROWS if m in DRAFT_SERVED]
     assert _summary(logs[0], "argmax") == TARGET + (
         f"drafter Eagle3LlamaForCausalLM: no draft step gathers logits; drafter get_top_tokens "
-        f"x {K} (use_local_argmax_reduction: (value, index) candidates, not logits; not routed) "
-        "skips it")
+        f"x {K}: Lamport candidate gather for rows {DRAFT_SERVED} (packed width 8)")
 
 
 def test_summary_names_every_path():

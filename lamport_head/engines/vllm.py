@@ -26,7 +26,16 @@ EAGLE3 head; collective, agreed, fail-stop as the target's: a failure leaves the
 drafter stock on every rank and the target as it was). Rows: a draft step's requests
 (``drafter_rows``: 1 .. max_num_seqs, times the draft tokens with parallel drafting).
 With ``use_local_argmax_reduction`` greedy drafts take ``get_top_tokens`` (candidates,
-not logits; not routed) and nothing is built for the drafter (``drafter_paths``).
+not logits: no logits gather is built for the drafter, ``drafter_paths``); its all-gather
+of fp32 (value, index) pairs is routed instead (``install_candidate_gather``, issue 32
+item 2): the pairs packed so that the kernel moves them bitwise
+(``lamport_head.candidates``), a gather of packed width 8 built by the install core (its
+own table section, V = TP x 8; agreed, fail-stop), serving the drafter's and the target's
+LogitsProcessor. vLLM's reduction code runs unchanged: the processors' candidate methods
+(instance attributes) mark their routes active while they run, and the LogitsProcessor
+module's ``tensor_model_parallel_all_gather``, replaced once by a dispatcher, sends a
+routed (cols, dtype) through the packed gather there and calls vLLM's otherwise. The
+decision is by the processor, shape and dtype only, the same on every rank.
 
 Which processor (``find_gather_target``), found the way vLLM's own code finds a
 model's head:
@@ -52,6 +61,7 @@ and name.
 
 import functools
 import logging
+import threading
 from typing import NamedTuple
 
 import torch
@@ -248,7 +258,7 @@ def drafter_paths(vllm_config):
     ``speculator.sample_draft``): ``compute_logits`` once per draft token (once per
     step with parallel drafting), unless ``use_local_argmax_reduction`` sends greedy
     drafting to ``get_top_tokens``, an all-gather of (value, index) candidates, not of
-    logits (issue 32 item 2: not routed here); probabilistic draft sampling
+    logits (routed by ``install_candidate_gather``); probabilistic draft sampling
     (``draft_sample_method``) still takes ``compute_logits`` for batches that are not
     all greedy."""
     spec = getattr(vllm_config, "speculative_config", None)
@@ -258,7 +268,7 @@ def drafter_paths(vllm_config):
     if not getattr(spec, "use_local_argmax_reduction", False):
         return (logits,), ()
     top = (f"drafter get_top_tokens x {calls} (use_local_argmax_reduction: (value, index) "
-           "candidates, not logits; not routed)")
+           "candidates, not logits)")
     if getattr(spec, "draft_sample_method", "greedy") == "greedy":
         return (), (top,)
     return (logits + " (probabilistic drafting of batches not all greedy)",), (top,)
@@ -315,6 +325,162 @@ def install_drafter_gather(draft, target, group, tp, rank, device, dcp=1, rows=N
     return Drafter(name, served, shared and bool(served), vocab, through, around, why)
 
 
+# ---- the candidate gathers (issue 32 item 2) ------------------------------------------
+
+CANDIDATE_METHODS = ("get_top_tokens", "get_top_k_tokens")  # LogitsProcessor's candidate
+# reductions: each all-gathers small payloads through the module global below
+_LP_MODULE = "vllm.model_executor.layers.logits_processor"
+_ALL_GATHER = "tensor_model_parallel_all_gather"
+_ROUTES = "_lamport_candidates"  # a processor's {(cols, dtype): SmallGather}
+_ACTIVE = threading.local()  # .routes: the routes of the candidate method running now
+
+
+def pair_payloads():
+    """``get_top_tokens``' all-gather: fp32 ``(value, global index)`` pairs, ``[M, 2]``."""
+    return ((2, torch.float32),)
+
+
+def top_k_payloads(k, dtype, log_probs=False):
+    """``get_top_k_tokens``' all-gathers: ``values [M, k]`` in the logits' ``dtype``,
+    ``ids [M, k]`` int64, and with ``return_log_probs`` ``log_partition [M, 1]`` fp32."""
+    return ((int(k), dtype), (int(k), torch.int64)) + (((1, torch.float32),) if log_probs
+                                                      else ())
+
+
+class Candidates(NamedTuple):
+    """What the candidate gathers' install did, for the summary line (the same on
+    every rank)."""
+
+    path: str  # the path vLLM takes ("drafter get_top_tokens x 2")
+    served: tuple  # ((packed width, rows served), ...) per gather built, () = stock
+    why: str  # why it stays stock ("" when served)
+
+
+class _Packed:
+    """The install core's processor for one packed width's gather: ``gather`` (routed
+    by install, ``head_gather`` once served) is, stock, the engine's all-gather of the
+    packed BF16 rows, bitwise what the Lamport gather returns."""
+
+    def __init__(self, all_gather):
+        self.gather = functools.partial(all_gather, dim=-1)
+
+
+def install_candidate_gather(processors, group, tp, rank, device, dcp=1, rows=None,
+                             payloads=None, *, path="get_top_tokens", device_group=None):
+    """Route the candidate all-gathers of the LogitsProcessors ``processors``
+    (``get_top_tokens``, ``get_top_k_tokens``: vLLM's code, unchanged) through Lamport
+    gathers of the packed payloads (``lamport_head.candidates``): a ``Candidates``.
+
+    ``payloads``: the ``(cols, dtype)`` tensors to route (default ``pair_payloads()``;
+    ``top_k_payloads`` for get_top_k_tokens). One gather per packed width, each built
+    by the install core (``install.install``: its own table section, keyed by V = TP x
+    packed width, or first-use tuning; agreed and fail-stop: every rank serves or
+    every rank stays stock), in the same order on every rank (sorted widths); widths
+    share one gather. The routes are registered on each processor (``_route_candidates``):
+    while its candidate method runs, vLLM's all-gather of a routed ``(cols, dtype)``
+    takes the gather for its served rows, stock otherwise: a decision by shape and dtype
+    only, the same on every rank. ``path``: what the summary calls it. Never raises."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    from ..candidates import SmallGather, packed_width
+
+    payloads = tuple(payloads or pair_payloads())
+    widths = {}
+    for cols, dtype in payloads:
+        widths.setdefault(packed_width(cols, dtype), []).append((cols, dtype))
+    names = [type(p).__name__ for p in processors]
+    routes, served, lines = {}, [], []
+    for width in sorted(widths):
+        holder = _Packed(tensor_model_parallel_all_gather)
+        what = ", ".join(f"[M, {c}] {str(d).removeprefix('torch.')}" for c, d in widths[width])
+        site = install.GatherSite(
+            processor=holder, attr="gather", head_tp=tp,
+            weight=torch.empty((width, 0), dtype=torch.bfloat16, device="meta"),
+            where=f"the {path} all-gather of {what} ({' and '.join(names)}), packed to "
+                  f"{width} BF16 a rank")
+        with log.collect() as said:
+            rows_served = install.install(site, group, tp, rank, device, dcp, rows,
+                                          measure=measure_first_use, device_group=device_group)
+        lines += said
+        if rows_served:
+            served.append((width, rows_served))
+            for cols, dtype in widths[width]:
+                routes[(cols, dtype)] = SmallGather(holder.head_gather, tp, cols, dtype)
+    for processor in processors:
+        _route_candidates(processor, routes)
+    why = "" if served else (lines[-1].removeprefix("lamport-head: ")
+                             .removeprefix("stock logits gather: ")
+                             .removesuffix("; stock logits gather") if lines
+                             else "see the lines above")
+    return Candidates(path, tuple(served), why)
+
+
+def _route_candidates(processor, routes):
+    """Register ``routes`` on ``processor``: its candidate methods (instance attributes,
+    wrapped once) make them the active routes while they run, and vLLM's module global
+    all-gather consults them (``_dispatching``). No routes: nothing changes."""
+    if not routes:
+        return
+    _dispatching()
+    vars(processor).setdefault(_ROUTES, {}).update(routes)
+    for name in CANDIDATE_METHODS:
+        method = getattr(processor, name, None)
+        if method is None or getattr(method, _MARK, False):
+            continue
+        setattr(processor, name, _with_routes(method, vars(processor)[_ROUTES]))
+
+
+def _with_routes(method, routes):
+    @functools.wraps(method)
+    def routed(*args, **kwargs):
+        before = getattr(_ACTIVE, "routes", None)
+        _ACTIVE.routes = routes
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _ACTIVE.routes = before
+
+    setattr(routed, _MARK, True)
+    return routed
+
+
+def _dispatching():
+    """Replace vLLM's ``tensor_model_parallel_all_gather`` in the LogitsProcessor's
+    module, once, by a dispatcher: inside a routed processor's candidate method a
+    2-D last-dimension all-gather of a routed ``(cols, dtype)`` goes through its
+    ``SmallGather`` (whose stock is the original); every other call is the original's,
+    unchanged (``_gather_logits``, other processors, other threads)."""
+    import importlib
+
+    module = importlib.import_module(_LP_MODULE)
+    original = getattr(module, _ALL_GATHER)
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def all_gather(input_, dim=-1):
+        routes = getattr(_ACTIVE, "routes", None)
+        if routes and input_.dim() == 2 and dim in (-1, 1):
+            small = routes.get((input_.shape[1], input_.dtype))
+            if small is not None:
+                return small(input_, stock=functools.partial(original, dim=dim))
+        return original(input_, dim)
+
+    setattr(all_gather, _MARK, True)
+    setattr(module, _ALL_GATHER, all_gather)
+
+
+def candidate_path(vllm_config):
+    """The drafter's candidate path vLLM 0.33 takes with ``use_local_argmax_reduction``
+    ("drafter get_top_tokens x k": greedy drafting; ``drafter_paths`` names it too), or
+    None."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if not getattr(spec, "use_local_argmax_reduction", False):
+        return None
+    k = int(getattr(spec, "num_speculative_tokens", None) or 1)
+    return f"drafter get_top_tokens x {1 if getattr(spec, 'parallel_drafting', False) else k}"
+
+
 def _cpu_group(coordinator):
     """A GroupCoordinator's CPU (gloo) group, or its device group when it has none."""
     cpu = getattr(coordinator, "cpu_group", None)
@@ -347,11 +513,31 @@ def _install_after_load(worker):
         drafter = install_drafter_gather(draft, model, cpu, tp, rank, worker.device, dcp,
                                          rows=drafter_rows(config), paths=drafter_paths(config),
                                          device_group=tp_group.device_group)
+    candidates = None
+    path = candidate_path(config)
+    if draft is not None and path is not None:
+        candidates = _install_candidates(draft, model, cpu, tp, rank, worker.device, dcp,
+                                         drafter_rows(config), path, tp_group.device_group)
     if rank == 0:
         through, around = logits_paths(model, config)
         logger.info("lamport-head summary: %s", summary(type(model).__name__, tp, dcp, served,
-                                                        lines, through, around, drafter))
+                                                        lines, through, around, drafter,
+                                                        candidates))
     return served
+
+
+def _install_candidates(draft, model, group, tp, rank, device, dcp, rows, path, device_group):
+    """The drafter's ``get_top_tokens`` pairs routed (``install_candidate_gather``), on
+    the drafter's LogitsProcessor and the target's (one gather serves both: routes are
+    keyed by shape); every rank finds the same processors (the same models)."""
+    found = [find_drafter_target(draft, force=True)[0], find_gather_target(model, force=True)[0]]
+    processors = [p for i, p in enumerate(found) if p is not None and p not in found[:i]]
+    if found[0] is None:
+        why = f"no LogitsProcessor found on {type(draft).__name__}"
+        logger.info("lamport-head: stock candidate all-gather for %s: %s", path, why)
+        return Candidates(path, (), why)
+    return install_candidate_gather(processors, group, tp, rank, device, dcp, rows,
+                                    pair_payloads(), path=path, device_group=device_group)
 
 
 def logits_paths(model, vllm_config):
@@ -382,14 +568,19 @@ def logits_paths(model, vllm_config):
 
 
 def summary(model_name, tp, dcp, served, lines, through=("compute_logits",), around=(),
-            drafter=None):
+            drafter=None, candidates=None):
     """Rank 0's one line for the whole TP group. Every rank takes the same outcome
     (the checks see the same inputs; the build is agreed by a MIN all-reduce).
     ``through``/``around``: ``logits_paths``; served rows are named only with the paths
     that really take the gather, and said unused when none does. ``drafter``: the
     drafter's ``Drafter`` (speculative decoding with a draft model): the target's paths
     are then named "target ...", and a clause names the drafter's paths, its rows and
-    whose gather serves them (its own, or the target's), or why it stays stock."""
+    whose gather serves them (its own, or the target's), or why it stays stock.
+    ``candidates``: the drafter's candidate path's ``Candidates`` (said in place of the
+    drafter's words for that path)."""
+    if candidates is not None and drafter is not None:
+        drafter = drafter._replace(around=tuple(a for a in drafter.around
+                                                if a.split(" (")[0] != candidates.path))
     if drafter is not None:
         through = [f"target {p}" for p in through]
         around = [a for a in around if not a.startswith("the drafter's")]  # said below
@@ -405,7 +596,16 @@ def summary(model_name, tp, dcp, served, lines, through=("compute_logits",), aro
         why = (lines[-1].removeprefix("lamport-head: ").removeprefix("stock logits gather: ")
                if lines else "see the lines above")
         line = head + f"stock logits gather on all {tp} TP ranks ({why})"
-    return line if drafter is None else line + "; " + _drafter_clause(drafter)
+    line = line if drafter is None else line + "; " + _drafter_clause(drafter)
+    return line if candidates is None else line + "; " + _candidates_clause(candidates)
+
+
+def _candidates_clause(c):
+    """The summary's words for a candidate path (``Candidates``)."""
+    if not c.served:
+        return f"{c.path}: stock candidate all-gather ({c.why})"
+    gathers = ", ".join(f"rows {list(rows)} (packed width {width})" for width, rows in c.served)
+    return f"{c.path}: Lamport candidate gather{'s' if len(c.served) > 1 else ''} for {gathers}"
 
 
 def _drafter_clause(d):
