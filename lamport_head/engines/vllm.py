@@ -379,7 +379,9 @@ def install_candidate_gather(processors, group, tp, rank, device, dcp=1, rows=No
     share one gather. The routes are registered on each processor (``_route_candidates``):
     while its candidate method runs, vLLM's all-gather of a routed ``(cols, dtype)``
     takes the gather for its served rows, stock otherwise: a decision by shape and dtype
-    only, the same on every rank. ``path``: what the summary calls it. Never raises."""
+    only, the same on every rank. ``path``: what the summary calls it. Never raises but
+    for payloads ``candidates.packed_width`` refuses (before any collective, on every
+    rank alike: the caller's error)."""
     from vllm.distributed import tensor_model_parallel_all_gather
 
     from ..candidates import SmallGather, packed_width
