@@ -30,7 +30,7 @@ from helpers import capture_log, fake_cuda, fake_symmetric_memory, model
 from spawn import spawn
 from tables import TWO_RANKS as TABLE
 
-from lamport_head import build, head_gather, mailbox
+from lamport_head import build, head_gather, mailbox, settings
 
 WAIT_S = 2.0  # how long a rank waits for the rendezvous in this test (RENDEZVOUS_WAIT_S)
 SYMMETRIC_PHASES = ("handles", "fds", "map", "after")
@@ -152,7 +152,7 @@ def _block_ipc(rank, phase, blocking):
 
 def _worker(rank, nprocs, table, backend, phase, failing, blocking=None):
     os.environ["LAMPORT_HEAD_TABLE"] = table
-    os.environ[mailbox.BACKEND_ENV] = backend
+    os.environ[settings.MAILBOX_ENV] = backend
     fake_cuda(setattr, rank, "ok")
     build.MAILBOXES = {"ipc": mailbox.IpcMailbox, "symmetric": mailbox.SymmetricMailbox}
     mailbox.RENDEZVOUS_WAIT_S = WAIT_S
