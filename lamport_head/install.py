@@ -35,6 +35,7 @@ import torch
 
 from . import settings
 from .collective import all_gather_objects
+from .table import NCCL_STOCK
 
 logger = logging.getLogger("lamport_head")
 
@@ -55,6 +56,8 @@ class GatherSite:
     facts: str = ""  # the engine's facts behind ``plain``, for the line when it is not
     kept: object = None  # set when the processor's class has its own gather: why it keeps it
     # unless every rank's LAMPORT_HEAD_FORCE is set (None: no gather of its own)
+    stock: str = NCCL_STOCK  # what the engine's gather at ``attr`` is (table.STOCKS): only a
+    # section measured against it is served, and first-use tuning times that gather itself
 
 
 def _device_name(device):
@@ -127,7 +130,10 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
         return ()
     shard = site.weight.shape[0]
     vocab = tp * shard  # the full (padded) vocabulary: a table section is measured at one V
-    name, view, vote = _bounded_vote(tp, dcp, device, rows, vocab)
+    # the gather the route replaces: what a section must have been measured against, and
+    # what first-use tuning times (the engine's own callable, before routing)
+    stock, stock_gather = site.stock, getattr(lp, site.attr)
+    name, view, vote = _bounded_vote(tp, dcp, device, rows, vocab, stock)
     # Collective 1: agree on the plan and on whether to measure first. Every rank gets
     # here, whatever it read or failed at: a rank deciding alone would be missing from
     # the mailbox's (or the sweep's) collectives its peers enter next.
@@ -154,7 +160,8 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
     if choice == "tune":
         try:  # collective, fail-stop: every rank gets the same outcome or every rank raises
             outcome = measure(device_group if device_group is not None else group, device, tp,
-                              rank, dcp, shard, view.rows, shared, name)
+                              rank, dcp, shard, view.rows, shared, name, stock=stock_gather,
+                              stock_kind=stock)
         except Exception as exc:
             logger.warning("lamport-head: logits gather stays stock: first-use tuning failed: "
                            "%s: %s", type(exc).__name__, exc)
@@ -178,8 +185,8 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
         logger.warning("lamport-head: serving an emulated section (processes sharing one GPU: "
                        "not performance) because %s is set", settings.SERVE_EMULATED_ENV)
     if not plan:
-        logger.info("lamport-head: no enabled HEAD_GATHER rows for %s, tp=%d, dcp=%d, vocab=%d%s; "
-                    "stock logits gather", name, tp, dcp, vocab, _others(view))
+        logger.info("lamport-head: no enabled HEAD_GATHER rows for %s, tp=%d, dcp=%d, vocab=%d, "
+                    "stock=%s%s; stock logits gather", name, tp, dcp, vocab, stock, _others(view))
         return ()
     try:  # collective, fail-stop: every rank gets a gather or every rank raises
         gather = _build(group, device, tp, rank, shard, plan, view.budget_s)
@@ -269,7 +276,7 @@ def _others(view):
             if view is not None and view.vocabs else "")
 
 
-def _bounded_vote(tp, dcp, device, rows, vocab):
+def _bounded_vote(tp, dcp, device, rows, vocab, stock):
     """``_local_vote`` under the start-up deadline (``mailbox.RENDEZVOUS_WAIT_S``): a
     rank whose reading blocks (a table on a hung file system, a device query) still
     reaches the agreement in time, its vote's reason saying so, and every rank stays
@@ -279,12 +286,12 @@ def _bounded_vote(tp, dcp, device, rows, vocab):
 
     try:
         return within(RENDEZVOUS_WAIT_S, "reading the tables and settings (install's vote)",
-                      _local_vote, tp, dcp, device, rows, vocab)
+                      _local_vote, tp, dcp, device, rows, vocab, stock)
     except TimeoutError as exc:
         return None, None, _Vote(None, None, f"TimeoutError: {exc}", settings.forced())
 
 
-def _local_vote(tp, dcp, device, rows, vocab):
+def _local_vote(tp, dcp, device, rows, vocab, stock):
     """``(device name, _View or None, _Vote)``: everything this rank reads alone before
     the agreement. Never raises: a failure here is the vote's reason, which every
     rank hears (each rank then stays stock together)."""
@@ -296,7 +303,7 @@ def _local_vote(tp, dcp, device, rows, vocab):
                                              f"{type(exc).__name__}: {exc}", force)
     if name is None:
         return None, None, _Vote(None, None, f"{device} is not a CUDA device", force)
-    view, reason = _local_view(tp, dcp, device, name, rows, vocab)
+    view, reason = _local_view(tp, dcp, device, name, rows, vocab, stock)
     if settings.disabled():
         # An environment variable may reach some ranks only: it travels with the plan.
         view, reason = None, f"disabled by {settings.DISABLE_ENV}"
@@ -344,10 +351,11 @@ class _View:
                 self.autotune, self.serve_emulated, self.rows, self.budget_s)
 
 
-def _local_view(tp, dcp, device, name, rows, vocab):
+def _local_view(tp, dcp, device, name, rows, vocab, stock):
     """(_View, None) or (None, why): this rank's reading of the tables, no collectives.
-    Only sections measured at ``vocab`` (the model's V = TP x shard width) count: one
-    measured at another V reads as missing (first-use tuning measures this V)."""
+    Only sections measured at ``vocab`` (the model's V = TP x shard width) against
+    ``stock`` (the engine's gather the route replaces) count: one measured at another
+    V or against another stock reads as missing (first-use tuning measures this one)."""
     from .mailbox import device_key
     from .provenance import section_status
     from .table import TableError, load_table
@@ -357,8 +365,8 @@ def _local_view(tp, dcp, device, name, rows, vocab):
         on = settings.autotune_enabled()
 
         def read(emulated):
-            section = table.section(name, tp, dcp, emulated=emulated, vocab=vocab)
-            plan = table.plan(name, tp, dcp, emulated=emulated, vocab=vocab)
+            section = table.section(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
+            plan = table.plan(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
             plan = {m: p for m, p in plan.items() if p.enabled and (rows is None or m in rows)}
             # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
             state = section_status(section) if on else ("missing" if section is None

@@ -38,7 +38,7 @@ from lamport_head import provenance
 from lamport_head.collective import agree, attempt
 from lamport_head.config import default_config
 from lamport_head.kernels.protocol import DEFAULT_THREADS
-from lamport_head.table import fill, normalize, user_path
+from lamport_head.table import NCCL_STOCK, fill, normalize, user_path
 
 logger = logging.getLogger("lamport_head")
 
@@ -88,11 +88,13 @@ def row_unroll(target, rows, tp, shard, threads):
     return tuple(dict.fromkeys(picks))
 
 
-def make_target(ranks, vocab, limits=FIRST_USE_LIMITS):
+def make_target(ranks, vocab, limits=FIRST_USE_LIMITS, stock=None):
+    """The real-rank harness first-use tuning measures on; ``stock``: the engine's own
+    gather the route replaces (None: the tuner's NCCL stand-in)."""
     from .harness import DistributedTarget
 
     return DistributedTarget(ranks, vocab, calls=limits.calls, reps=limits.reps,
-                             replays=limits.replays)
+                             replays=limits.replays, stock=stock)
 
 
 @dataclass
@@ -104,11 +106,19 @@ class Outcome:
     path: str
 
 
-def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRST_USE_LIMITS):
+def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRST_USE_LIMITS, *,
+            stock=None, stock_kind=NCCL_STOCK):
     """Collective over ``group``: measure ``rows_to_measure(rows)``, the first rank of
     each host writes the agreed rows into that host's user table, every rank returns
     the same ``Outcome`` (but ``path``: its own host's table). Raises on every rank
-    together when any rank fails (nothing is written then)."""
+    together when any rank fails (nothing is written then).
+
+    ``stock``: the engine's own gather that the route replaces (``[M, V/TP] ->
+    [M, V]``, the callable install found at the site), timed in place of the tuner's
+    NCCL stand-in, so a row is enabled only where the Lamport gather beats the path it
+    replaces (SGLang's multimem one-shot gather where SGLang built one); the section
+    is written with ``stock: stock_kind`` (``table.STOCKS``) and served only against
+    that stock."""
     import torch
     import torch.distributed as dist
 
@@ -122,7 +132,8 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
 
     def prepare():
         ranks = Ranks(torch.device(device), rank, tp, shared, dist.get_backend(group), group)
-        return make_target(ranks, vocab, limits), provenance.kernel_identity(), provenance.facts()
+        return (make_target(ranks, vocab, limits, stock), provenance.kernel_identity(),
+                provenance.facts())
 
     prepared, error = attempt(prepare)
     agree(error, group, device, "to prepare first-use tuning")
@@ -168,7 +179,7 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
         if emulated:
             prov["note"] += "; processes sharing one GPU: not performance, never served"
         return str(merge_section(user_path(), name, tp, dcp, measured_rows(results), prov,
-                                 emulated=emulated, vocab=vocab))
+                                 emulated=emulated, vocab=vocab, stock=stock_kind))
 
     # Every host gets the table: its first rank writes the agreed rows into its own
     # user table (ranks on several hosts, an NVL72 domain, would otherwise find the

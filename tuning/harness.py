@@ -342,7 +342,14 @@ class DistributedTarget:
     emulated = False
     objective = "eager_us"  # what serving sees
 
-    def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=SPIN_BUDGET_S):
+    def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=SPIN_BUDGET_S,
+                 stock=None):
+        """``stock``: the engine's own gather that a route would replace (``[M, V/TP] ->
+        [M, V]``, every rank calling it alike: first-use tuning passes the callable
+        install found), timed and verified against in place of the tuner's NCCL
+        stand-in (``StockGather``, None). It runs as the engine runs it (it may
+        allocate per call), so a failure inside it is the engine's backend's to report."""
+        self._engine_stock = stock
         self.ranks, self.group, self.device = ranks, ranks.group, ranks.device
         self.tp, self.rank, self.vocab, self.shard = ranks.world, ranks.rank, vocab, vocab // ranks.world
         self.emulated = ranks.shared  # time-sliced processes: never a serving figure
@@ -381,8 +388,11 @@ class DistributedTarget:
                           {rows: config}, pdl=pdl, budget_s=self.budget_s)
 
     def _stock(self, rows, step):
-        """The stock gather's buffers, as a local step: its calls then allocate nothing
-        (``StockGather``), so once the ranks met they can fail only in the backend."""
+        """The stock gather: the engine's own (given at construction), else the tuner's
+        stand-in with its buffers built as a local step (``StockGather``: its calls then
+        allocate nothing, so once the ranks met they can fail only in the backend)."""
+        if self._engine_stock is not None:
+            return self._engine_stock
         return step.local(StockGather, rows, self.shard, self.group, self.device)
 
     def _call(self, gather, x, failed):
