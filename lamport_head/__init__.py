@@ -20,8 +20,6 @@ _LAZY = {
     "HeadGather": ("head_gather", "HeadGather"),
     "GatherTimeout": ("head_gather", "GatherTimeout"),
     "install_logits_gather": ("engines.vllm", "install_logits_gather"),
-    "EmulatedGather": ("emulate", "EmulatedGather"),
-    "reference_gather": ("reference", "reference_gather"),
 }
 
 __all__ = [*_LAZY, "table"]

@@ -409,8 +409,8 @@ def verify(args):
 
     import torch
 
-    from lamport_head.emulate import EmulatedGather
-    from lamport_head.reference import planted, reference_gather
+    from lamport_head.tuning.support.emulate import EmulatedGather
+    from lamport_head.tuning.support.reference import planted, reference_gather
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # real ranks: the free-running check
         from lamport_head.tuning.diagnostics.ranks import main as ranks_main

@@ -70,8 +70,8 @@ def _table(ranks, rows, vocab):
 
 def main(argv=None):
     from lamport_head import install_logits_gather
-    from lamport_head.procs import init_ranks
-    from lamport_head.stock import all_gather_logits
+    from lamport_head.tuning.support.procs import init_ranks
+    from lamport_head.tuning.support.stock import all_gather_logits
 
     args = _args(argv)
     lines = capture_log()

@@ -85,7 +85,7 @@ def _install_limit(monkeypatch, tp, sharing, config):
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_the_tuners_limit_is_installs_for_every_config_of_the_search_space(
         monkeypatch, one_rank, tp, shared):
-    from lamport_head.procs import Ranks
+    from lamport_head.tuning.support.procs import Ranks
     from lamport_head.tuning.harness import DistributedTarget
 
     kernels = VariantKernels()

@@ -21,7 +21,7 @@ from helpers import no_stock, same_bits
 
 from lamport_head.candidates import SmallGather, pack, packed_width, unpack
 from lamport_head.kernels.protocol import FRAGMENT_BF16, SENTINEL_I32
-from lamport_head.reference import reference_gather
+from lamport_head.tuning.support.reference import reference_gather
 
 DTYPES = (torch.float32, torch.int64, torch.bfloat16, torch.float16)
 KS = (1, 2, 5)
@@ -154,7 +154,7 @@ def _rank(rank, world):
     from helpers import fake_cuda
 
     from lamport_head.head_gather import HeadGather
-    from lamport_head.reference import scrub
+    from lamport_head.tuning.support.reference import scrub
 
     launches = []
 

@@ -168,7 +168,7 @@ def wait(event, seconds, what, held=None):
 
 
 def _shards(tp, rows, shard, device):
-    from lamport_head.reference import planted
+    from lamport_head.tuning.support.reference import planted
 
     data = planted(tp, rows, shard, device=device)
     return [data[r] for r in range(tp)]
@@ -177,7 +177,7 @@ def _shards(tp, rows, shard, device):
 def _calls(tp, shard, device, pattern):
     """Shards and the reference of each call of ``pattern`` (row counts), made before
     anything is held."""
-    from lamport_head.reference import reference_gather
+    from lamport_head.tuning.support.reference import reference_gather
 
     calls = []
     for rows in pattern:
@@ -202,7 +202,7 @@ def test_the_largest_plan_runs_bitwise_beside_a_kernel_holding_the_headroom(tp):
     (no PDL: every rank's CTAs resident at once) fits on the other SMs, and every
     call completes bitwise well within its budget (no give-up)."""
     from lamport_head.config import GatherConfig
-    from lamport_head.emulate import EmulatedGather
+    from lamport_head.tuning.support.emulate import EmulatedGather
     from lamport_head.kernels import compile_gather
     from lamport_head.kernels.launch import kernel_entry
     from lamport_head.occupancy import device_arch, resident_ctas
@@ -250,7 +250,7 @@ def test_a_gather_beside_a_kernel_holding_nearly_every_sm_completes_or_gives_up_
     reference's or NaN (a missing fragment), or the call raises ``GatherTimeout``
     (the flag of an earlier give-up); a give-up and the mark go together. After the
     release: ``check``/``reset``, then a bitwise call."""
-    from lamport_head.emulate import EmulatedGather
+    from lamport_head.tuning.support.emulate import EmulatedGather
     from lamport_head.head_gather import GatherTimeout
     from lamport_head.kernels.protocol import NAN_PAIR
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from helpers import assert_same_words, no_stock, same_bits, words
 
-from lamport_head.emulate import EmulatedGather
+from lamport_head.tuning.support.emulate import EmulatedGather
 from lamport_head.head_gather import GatherTimeout
 from lamport_head.kernels.protocol import CONTROL_EPOCH, EPOCH_SPAN, NAN_PAIR
-from lamport_head.reference import planted, reference_gather
+from lamport_head.tuning.support.reference import planted, reference_gather
 from lamport_head.tuning.diagnostics.ranks import gpu_cycles
 
 pytestmark = pytest.mark.gpu

@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import no_stock
 
-from lamport_head.emulate import EmulatedGather
+from lamport_head.tuning.support.emulate import EmulatedGather
 from lamport_head.head_gather import GatherTimeout
-from lamport_head.reference import planted, reference_gather
+from lamport_head.tuning.support.reference import planted, reference_gather
 
 pytestmark = pytest.mark.gpu
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import assert_same_words
 
-from lamport_head.emulate import EmulatedGather
-from lamport_head.reference import planted, reference_gather
+from lamport_head.tuning.support.emulate import EmulatedGather
+from lamport_head.tuning.support.reference import planted, reference_gather
 
 pytestmark = pytest.mark.gpu
 

@@ -27,7 +27,7 @@ import torch
 from spawn import spawn
 from helpers import capture_log, fake_cuda, model
 
-from lamport_head.reference import reference_gather
+from lamport_head.tuning.support.reference import reference_gather
 from lamport_head.config import GatherConfig
 
 ROWS, SHARD = 2, 64
@@ -188,7 +188,7 @@ def _trial_worker(rank, tp, fail):
     """stock(ROWS) then lamport(ROWS, PLAN) on the real DistributedTarget; then one
     more collective: every rank's outcomes, gathered (a rank out of step hangs it)."""
     from lamport_head.collective import all_gather_objects
-    from lamport_head.procs import Ranks
+    from lamport_head.tuning.support.procs import Ranks
     from lamport_head.tuning.harness import DistributedTarget
 
     closes = _cpu_ranks(rank, tp, fail)
@@ -298,7 +298,7 @@ def _overlap_worker(rank, tp, fail):
     from lamport_head.tuning.lmhead import LmHead
 
     from lamport_head.collective import all_gather_objects
-    from lamport_head.procs import Ranks
+    from lamport_head.tuning.support.procs import Ranks
 
     closes = _cpu_ranks(rank, tp, fail)
     target = DistributedTarget(Ranks(torch.device("cpu"), rank, tp, True, "gloo"), tp * SHARD,

@@ -43,7 +43,7 @@ def test_killed_rank_is_named_and_no_gpu_hangs():
 
 
 def _stock_worker(rank, world, out):
-    from lamport_head.stock import all_gather_logits
+    from lamport_head.tuning.support.stock import all_gather_logits
 
     x = torch.arange(6, dtype=torch.float32).reshape(3, 2) + 100 * rank
     got = all_gather_logits(x)

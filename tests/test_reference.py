@@ -1,7 +1,7 @@
 import torch
 from helpers import words
 
-from lamport_head.reference import SPECIAL, planted, reference_gather, scrub
+from lamport_head.tuning.support.reference import SPECIAL, planted, reference_gather, scrub
 
 
 def test_scrub_only_touches_the_sentinel_word():

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # module -> why it may read the environment
 READERS = {
     "lamport_head/settings.py": "the reader",
-    "lamport_head/procs.py": "torchrun's rank variables (tools)",
+    "tuning/support/procs.py": "torchrun's rank variables (tools)",
     "lamport_head/cli.py": "torchrun's WORLD_SIZE (tools)",
     "tuning/targets.py": "torchrun's WORLD_SIZE (tools)",
 }

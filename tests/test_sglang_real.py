@@ -180,7 +180,7 @@ def _scenarios(rank, tp, run):
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.utils.common import configure_logger
 
-    from lamport_head import reference
+    from lamport_head.tuning.support import reference
     from lamport_head.engines import sglang as engine
     from lamport_head.kernels.protocol import SENTINEL_I32
 

@@ -17,7 +17,7 @@ def _shard(rank, call):
 
 
 def _worker(rank, world):
-    from lamport_head.stock import StockGather, all_gather_logits
+    from lamport_head.tuning.support.stock import StockGather, all_gather_logits
 
     stock = StockGather(ROWS, SHARD)
     empty = torch.empty

@@ -257,7 +257,7 @@ def test_tune_and_bench_choose_their_target_in_one_place(monkeypatch, capsys):
     note printed by the root where they share a GPU."""
     import types
 
-    import lamport_head.procs as procs
+    import lamport_head.tuning.support.procs as procs
     import lamport_head.tuning.harness as harness
     from lamport_head.tuning.targets import make_target
 

@@ -57,7 +57,7 @@ def _scenarios(rank, world, run):
 
     from helpers import capture_log, fake_cuda, same_bits
     from lamport_head.engines import vllm as engine
-    from lamport_head.reference import scrub
+    from lamport_head.tuning.support.reference import scrub
 
     ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
                                     backend="gloo", distributed_init_method=f"file://{run}/init")

@@ -1,4 +1,4 @@
-"""``lamport-head bench`` on TP virtual ranks of one GPU (``lamport_head.emulate``).
+"""``lamport-head bench`` on TP virtual ranks of one GPU (``support.emulate``).
 
 Per row count, every GPU figure is taken with a gated queue (``harness.gated_gpu_us``:
 a spin holds the GPU while the host queues every step, so the events time the GPU
@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from lamport_head.emulate import EmulatedGather
+from lamport_head.tuning.support.emulate import EmulatedGather
 from lamport_head.head_gather import KERNELS, GatherTimeout
-from lamport_head.reference import planted
+from lamport_head.tuning.support.reference import planted
 
 from .floor import copy_bandwidth_gbs
 from .harness import gated_gpu_us, never_stock

@@ -123,7 +123,7 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
     import torch.distributed as dist
 
     from lamport_head.mailbox import choose_backend, device_key, exchange
-    from lamport_head.procs import Ranks
+    from lamport_head.tuning.support.procs import Ranks
 
     from .sweep import DistComm, tune_rows
 

@@ -38,8 +38,8 @@ from lamport_head import build
 from lamport_head.collective import PeerFailed, agree, all_max, all_min, attempt
 from lamport_head.config import GatherConfig
 from lamport_head.head_gather import SPIN_BUDGET_S
-from lamport_head.reference import planted, reference_gather
-from lamport_head.stock import StockGather
+from lamport_head.tuning.support.reference import planted, reference_gather
+from lamport_head.tuning.support.stock import StockGather
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ class EmulatedTarget:
         return self._limits[key]
 
     def _gather(self, rows, config):
-        from lamport_head.emulate import EmulatedGather
+        from lamport_head.tuning.support.emulate import EmulatedGather
 
         return EmulatedGather(self.device, self.tp, self.shard, {rows: config},
                               budget_s=self.budget_s)

@@ -24,7 +24,7 @@ def make_target(command, tp, vocab, *, emulate=None, shared_note=""):
     is checked: torchrun's ranks must be ``tp``, and one process at ``tp`` > 1 needs it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        from lamport_head.procs import SHARED_NOTE, init_ranks
+        from lamport_head.tuning.support.procs import SHARED_NOTE, init_ranks
 
         from .harness import DistributedTarget
 

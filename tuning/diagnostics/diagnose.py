@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-from lamport_head.emulate import EmulatedGather
-from lamport_head.reference import planted, reference_gather
+from lamport_head.tuning.support.emulate import EmulatedGather
+from lamport_head.tuning.support.reference import planted, reference_gather
 from lamport_head.settings import BENCH_BUDGET_S
 
 from ..harness import gated_gpu_us

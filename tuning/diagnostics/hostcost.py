@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from lamport_head.emulate import EmulatedGather
+from lamport_head.tuning.support.emulate import EmulatedGather
 
 from ..harness import never_stock
 

@@ -54,7 +54,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from lamport_head.procs import SHARED_NOTE, init_ranks
+from lamport_head.tuning.support.procs import SHARED_NOTE, init_ranks
 
 POISON = 0x7FBF7FBF  # a NaN pair the kernel never writes on its own
 SEED = 1234
@@ -101,7 +101,7 @@ class Calls:
 
     def shards_for(self, i, m):
         """Every rank's ``[m, shard]`` of draw ``i``: the same on every rank."""
-        from lamport_head.reference import planted
+        from lamport_head.tuning.support.reference import planted
 
         g = torch.Generator(device=self.device).manual_seed(SEED * 1_000_003 + i)
         data = planted(self.tp, m, self.shard, generator=g, device=self.device)
@@ -139,7 +139,7 @@ def _sleep_s(seconds, device):
 def run_calls(gather, calls, first, count, bad, device, stock=None):
     """Calls ``first .. first + count - 1``, free-running; a call's mismatch adds to
     ``bad[i]`` on the device (nothing synchronizes here)."""
-    from lamport_head.reference import reference_gather
+    from lamport_head.tuning.support.reference import reference_gather
 
     me = gather.rank
     for i in range(first, first + count):
@@ -181,7 +181,7 @@ def check(args, ranks, gather, calls):
 
 
 def graph(args, ranks, gather, calls):
-    from lamport_head.reference import reference_gather
+    from lamport_head.tuning.support.reference import reference_gather
 
     me, device, ms = ranks.rank, ranks.device, calls.rows
     static = [torch.zeros(m, calls.shard, dtype=torch.bfloat16, device=device) for m in ms]
@@ -410,7 +410,7 @@ def _vllm_shaped(ranks, shard):
     stock gather is vLLM's; and the list of row counts that took stock."""
     import types
 
-    from lamport_head.stock import all_gather_logits
+    from lamport_head.tuning.support.stock import all_gather_logits
 
     stock_calls = []
 
@@ -429,7 +429,7 @@ def _bitwise(model, calls, count, ranks, served):
     """Calls 0 .. count-1 through the model's gather: how many differ from what they
     must be (served rows: the Lamport gather's bytes, sentinel words scrubbed; other
     rows: the stock all-gather's bytes)."""
-    from lamport_head.reference import reference_gather
+    from lamport_head.tuning.support.reference import reference_gather
 
     bad = 0
     for i in range(count):

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import torch
 
-from .head_gather import SPIN_BUDGET_S, HeadGather
-from .kernels.protocol import DEFAULT_THREADS
-from .mailbox import LocalMailbox
+from lamport_head.head_gather import SPIN_BUDGET_S, HeadGather
+from lamport_head.kernels.protocol import DEFAULT_THREADS
+from lamport_head.mailbox import LocalMailbox
 
 
 class EmulatedGather:

@@ -7,7 +7,7 @@ all-gather's layout), with every 32-bit word equal to the sentinel (the BF16 pai
 
 import torch
 
-from .kernels.protocol import SENTINEL_I32 as SENTINEL
+from lamport_head.kernels.protocol import SENTINEL_I32 as SENTINEL
 
 
 def scrub(logits: torch.Tensor) -> torch.Tensor:
