@@ -271,9 +271,16 @@ def decode_rows(requests, per_request):
 
 
 def _others(view):
-    """For the log: the vocabularies the tables hold real-rank sections for instead."""
-    return (f" (the tables hold sections for vocab {', '.join(map(str, view.vocabs))} only)"
-            if view is not None and view.vocabs else "")
+    """For the log: what the tables hold real-rank sections for instead (other
+    vocabularies; this vocabulary measured against another stock)."""
+    if view is None:
+        return ""
+    said = []
+    if view.stocks:
+        said.append(f"this vocab measured against {', '.join(view.stocks)}")
+    if view.vocabs:
+        said.append(f"vocab {', '.join(map(str, view.vocabs))}")
+    return f" (the tables hold sections for {'; '.join(said)} only)" if said else ""
 
 
 def _bounded_vote(tp, dcp, device, rows, vocab, stock):
@@ -343,6 +350,7 @@ class _View:
     key: object  # mailbox.device_key: equal keys mean ranks sharing one GPU
     budget_s: float  # the serving gather's spin budget (settings.spin_budget_s)
     vocabs: tuple = ()  # the vocabularies of real-rank sections for another V (for the log)
+    stocks: tuple = ()  # the stocks of real-rank sections at this V against another stock (log)
 
     @property
     def agreed(self):
@@ -380,9 +388,10 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
         except Exception:  # no device key: first-use tuning will not guess
             pass
         others = tuple(v for v in table.vocabs(name, tp, dcp) if v != vocab)
+        stocks = tuple(k for k in table.stocks(name, tp, dcp, vocab) if k != stock)
         return _View(plan, emulated_plan, real, emulated, on, settings.serve_emulated(),
                      tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key,
-                     settings.spin_budget_s(), others), None
+                     settings.spin_budget_s(), others, stocks), None
     except TableError as exc:
         return None, str(exc)
     except Exception as exc:  # told to every rank by the agreement, never raised alone

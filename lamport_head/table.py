@@ -284,6 +284,12 @@ class Table:
                       if normalize(s.device) == normalize(device_name) and s.tp == tp
                       and s.dcp == dcp and s.emulated == emulated)
 
+    def stocks(self, device_name, tp, dcp, vocab, *, emulated=False):
+        """The stocks the table holds sections for at this key and vocabulary, sorted."""
+        return sorted(s.stock for s in self.sections
+                      if normalize(s.device) == normalize(device_name) and s.tp == tp
+                      and s.dcp == dcp and s.emulated == emulated and s.vocab == vocab)
+
     def plan(self, device_name, tp, dcp=1, *, emulated=False, vocab=None, stock=None):
         """The serving plan, gaps between measured rows filled (``fill``); ``{}`` for an
         unknown device, (tp, dcp), vocabulary or stock. Emulated sections are only

@@ -41,7 +41,7 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts, shard=64):
     provenance.facts = lambda: dict(facts)
     timed = []
 
-    def make_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS):
+    def make_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None):
         if fail == f"prepare@{rank}":
             raise RuntimeError("injected: no target")
         if fail == f"unserve@{rank}":  # the opt-in leaves this rank's environment mid-tuning

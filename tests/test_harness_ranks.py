@@ -262,8 +262,8 @@ def _install_worker(rank, tp, cache, fail):
                               "kernel": "abcdef123456"}
     make_target = firstuse.make_target
 
-    def real_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS):
-        target = make_target(ranks, vocab, limits)  # the real DistributedTarget
+    def real_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None):
+        target = make_target(ranks, vocab, limits, stock)  # the real DistributedTarget
         # The occupancy calculator needs a GPU; the limit is not under test here.
         target._limits.update({(t, u): 128 for t in limits.threads for u in (4, 8)})
         return target
@@ -272,10 +272,22 @@ def _install_worker(rank, tp, cache, fail):
     seen = capture_log()
     from lamport_head.engines.vllm import install_logits_gather
 
-    served = install_logits_gather(model(lm__tp_size=tp), None, tp, rank, "cpu")
+    m = model(lm__tp_size=tp)
+    # first-use tuning times (and verifies against) the engine's own gather: a real one
+    m.logits_processor._gather_logits = _engine_gather
+    served = install_logits_gather(m, None, tp, rank, "cpu")
     after = all_gather_objects(list(served))
     return {"served": list(served), "after": after,
             "warnings": [line for line in seen if "stays stock" in line]}
+
+
+def _engine_gather(x):
+    """vLLM's all-gather of the last dim, as the engine's stock gather (gloo)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=1)
 
 
 def test_first_use_tuning_with_one_rank_out_of_memory_leaves_every_rank_stock(tmp_path):

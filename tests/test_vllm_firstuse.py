@@ -80,9 +80,13 @@ def _rank(rank, world, run, cache, model_dir):
     fake_cuda(setattr, rank, "ok")
     mailbox.device_key = lambda device: ("host", f"gpu{rank}")
     provenance.facts = lambda: dict(FACTS)
-    timed = []
-    firstuse.make_target = (lambda ranks, vocab, limits=firstuse.FIRST_USE_LIMITS:
-                            CollectiveTarget(ranks, vocab, "", timed))
+    timed, stocks = [], []
+
+    def make_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None):
+        stocks.append(stock)  # what first-use tuning was handed to time against
+        return CollectiveTarget(ranks, vocab, "", timed)
+
+    firstuse.make_target = make_target
 
     vllm.plugins.load_general_plugins()  # the real entry point wraps Worker.load_model
     worker = Worker.__new__(Worker)  # CPUWorker's own __init__ needs vLLM's C++ extension
@@ -96,7 +100,10 @@ def _rank(rank, world, run, cache, model_dir):
     gather = getattr(lp, "head_gather", None)
     out = {"model": type(model).__name__, "timed": len(timed),
            "rows": sorted({r for r, _ in timed}),
-           "served": [] if gather is None else sorted(gather.rows), "logits": {}}
+           "served": [] if gather is None else sorted(gather.rows), "logits": {},
+           # vLLM's own _gather_logits of this processor: the path the route replaces
+           "stock_timed": [getattr(s, "__func__", None) is LogitsProcessor._gather_logits
+                           and getattr(s, "__self__", None) is lp for s in stocks]}
     g = torch.Generator().manual_seed(5)
     for m in (1, MAX_NUM_SEQS, MAX_NUM_SEQS + 1):
         hidden = torch.randn(m, HIDDEN, generator=g).to(torch.bfloat16)
@@ -143,6 +150,7 @@ def test_first_start_measures_the_rows_from_vllms_config_and_serves_them(starts)
         assert r["rows"] == MEASURED  # 1, the powers of two, the cap: from max_num_seqs
         assert r["timed"] == len(MEASURED) * len(FIRST_USE_LIMITS.ctas)
         assert r["served"] == list(range(1, MAX_NUM_SEQS + 1))
+        assert r["stock_timed"] == [True]  # issue 32 item 4: timed against vLLM's own gather
         for m in ("1", str(MAX_NUM_SEQS)):  # served: the (fake) kernel's bytes reach vLLM
             assert r["logits"][m] == {"shape": [int(m), VOCAB], "stock": False,
                                       "bytes": [FAKE_BYTE]}
@@ -157,6 +165,7 @@ def test_first_start_measures_the_rows_from_vllms_config_and_serves_them(starts)
         assert (summary in log) == (rank == 0), (rank, log)
     (section,) = tables[0]["devices"]["NVIDIA H200"]
     assert section["tp"] == 2 and section["dcp"] == 1 and section["emulated"] is False
+    assert section["stock"] == "nccl-all-gather"  # vLLM's _gather_logits
     assert list(section["rows"]) == MEASURED and all(e["enabled"]
                                                      for e in section["rows"].values())
     assert section["provenance"]["command"].startswith("first-use tuning at install")
