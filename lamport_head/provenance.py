@@ -14,9 +14,10 @@ import datetime
 import hashlib
 import importlib.metadata
 import importlib.util
-import os
 import subprocess
 from pathlib import Path
+
+from .settings import commit_override
 
 STALE_KEYS = ("driver", "torch", "cutlass_dsl", "lamport_head", "kernel")
 
@@ -116,7 +117,7 @@ def provenance(device, command, *, name=None, facts=None):
         "gpu": name or torch.cuda.get_device_name(device),
         **(facts if facts is not None else runtime_facts()),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": source_commit() or os.environ.get("LAMPORT_HEAD_COMMIT", "unknown"),
+        "commit": source_commit() or commit_override() or "unknown",
         "command": command,
     }
 
