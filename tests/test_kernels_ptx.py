@@ -15,7 +15,7 @@ import struct
 import pytest
 
 from lamport_head.kernels import ARCHS, compile_gather, has_pdl
-from lamport_head.kernels.protocol import NAN_PAIR, staged
+from lamport_head.kernels.protocol import DEFAULT_UNROLL, NAN_PAIR, staged
 
 
 def _ops(ptx):
@@ -525,3 +525,24 @@ def test_serving_raises_the_heartbeat_before_every_step_that_can_stall(tp, unrol
     last_delivery = max(n for n in range(marks) if texts[n].startswith("st.global.v4"))
     stores = [t for t in texts[last_delivery:marks] if t.startswith("st.relaxed.sys.global.u32")]
     assert len(stores) == tp * tp + (tp if serving else 0)
+
+
+# The candidate gathers' shard widths (issue 32 item 2, ``lamport_head.candidates``):
+# vLLM's get_top_tokens pairs (8 BF16 a rank: one fragment per row), its log-partition
+# (8) and get_top_k_tokens' int64 ids for k = 2 (32 BF16: 16 words)
+CANDIDATE_WORDS = (4, 16)
+
+
+@pytest.mark.parametrize("words", CANDIDATE_WORDS)
+@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_the_candidate_widths_compile_and_pass_the_audit(words, tp, arch):
+    """The small payloads go through the same kernel at a width of a few fragments a
+    row: it compiles there, passes every audit of the full-width kernel, and keeps
+    the trap reachable only when launched serving."""
+    k = compile_gather(tp, words, arch=arch)
+    _audit(k, tp, DEFAULT_UNROLL, arch, staged(DEFAULT_UNROLL))
+    assert _traps(k, 0) == 0 and _traps(k, 1) == 1
+    for serving in (0, 1):
+        ops = [t for _, t in _memory_ops(_mode(k, serving))]
+        assert ops.count("fence.acq_rel.gpu;") == 2  # the last-CTA release and acquire
