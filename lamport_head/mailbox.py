@@ -347,6 +347,11 @@ class SymmetricMailbox(_ProcessMailbox):
 
 
 # The real-rank backends by name: what ``choose_backend`` answers, what HeadGather builds.
+# The public seam of a box's construction: a build looks its backend's constructor up
+# here each time (``build.build``: ``MAILBOXES[kind](group, device, tp, rank, cap,
+# words)``, the local allocation step), so a fault-injection harness replaces an entry
+# for its process (tuning/diagnostics/ranks.py ``--fail-alloc-rank``: one that raises,
+# as a refused allocation does) instead of patching a backend's private methods.
 MAILBOXES = {"ipc": IpcMailbox, "symmetric": SymmetricMailbox}
 
 

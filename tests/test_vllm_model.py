@@ -8,7 +8,7 @@ import types
 
 import torch
 
-from lamport_head import install, log
+from lamport_head import install
 from lamport_head.engines import vllm as plugin
 from lamport_head.engines.vllm import find_gather_target, install_logits_gather, owns_gather
 
@@ -160,7 +160,7 @@ def test_attach_without_vllm_leaves_logging_alone(monkeypatch):
     import logging
 
     before = list(logging.getLogger("lamport_head").handlers)
-    assert log.attach_to_vllm() is False
+    assert plugin.attach_to_vllm() is False
     assert logging.getLogger("lamport_head").handlers == before
 
 

@@ -8,7 +8,14 @@ An adapter finds the engine's LogitsProcessor and lm_head, turns them into a
 Imports point down: engines -> install core -> runtime -> kernels. The adapters are
 the only runtime code that may name the tuner, and only lazily (``measure_first_use``),
 so a serving process whose tables cover it never imports the tuner or optuna.
+
+Shared by both adapters: ``measure_first_use`` and ``collect_log`` (the install's log
+lines, for rank 0's summary). The bridge of our log lines into an engine's own
+handlers is that engine's adapter's (``vllm.attach_to_vllm``).
 """
+
+import logging
+from contextlib import contextmanager
 
 
 def measure_first_use(*args, **kwargs):
@@ -17,3 +24,18 @@ def measure_first_use(*args, **kwargs):
     from lamport_head.tuning.firstuse import measure
 
     return measure(*args, **kwargs)
+
+
+@contextmanager
+def collect_log():
+    """The messages the ``lamport_head`` logger emits inside the block, as a list
+    (whatever handlers and level the logger has otherwise)."""
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("lamport_head")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)

@@ -46,8 +46,8 @@ from typing import NamedTuple
 
 import torch
 
-from .. import install, log
-from . import measure_first_use
+from .. import install
+from . import collect_log, measure_first_use
 
 logger = logging.getLogger("lamport_head")
 
@@ -347,7 +347,7 @@ def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
             or shared_gather.tp != tp or shared_gather.shard != width):
         shared_gather = None
     device = weight.device if torch.is_tensor(weight) else "cpu"
-    with log.collect() as lines:
+    with collect_log() as lines:
         if shared_gather is not None:
             served = install.reroute(site, shared_gather, label=f"the SGLang drafter {name}")
         else:

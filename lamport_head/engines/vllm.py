@@ -12,7 +12,7 @@ idempotent, and vLLM is imported only here, lazily. Install's outcome (stock
 included) is agreed by every TP rank; an exception out of it is never swallowed,
 since the rank it left would enter vLLM's collectives out of step with its peers.
 The ``lamport_head`` logger is routed through vLLM's handlers
-(``log.attach_to_vllm``), so each worker's lines reach the server's output; rank 0
+(``attach_to_vllm``), so each worker's lines reach the server's output; rank 0
 adds a one-line summary naming every routed path.
 
 Speculative decoding: the runner's ``load_model`` loads the drafter's model too (V1
@@ -66,9 +66,9 @@ from typing import NamedTuple
 
 import torch
 
-from .. import install, log
+from .. import install
 from ..settings import FORCE_ENV, forced
-from . import measure_first_use
+from . import collect_log, measure_first_use
 
 logger = logging.getLogger("lamport_head")
 GATHER = "_gather_logits"  # vLLM LogitsProcessor's gather: [M, V/TP] -> [M, V]
@@ -307,7 +307,7 @@ def install_drafter_gather(draft, target, group, tp, rank, device, dcp=1, rows=N
     site = _site(draft, lp, head, where, find_drafter_target)
     target_lp = find_gather_target(target, force=True)[0] if target is not None else None
     gather = getattr(target_lp, "head_gather", None)
-    with log.collect() as lines:
+    with collect_log() as lines:
         if gather is not None and weight is not None and weight.shape[0] == gather.shard:
             served, shared = install.reroute(site, gather, label=f"the drafter {name}"), True
         else:
@@ -400,7 +400,7 @@ def install_candidate_gather(processors, group, tp, rank, device, dcp=1, rows=No
             weight=torch.empty((width, 0), dtype=torch.bfloat16, device="meta"),
             where=f"the {path} all-gather of {what} ({' and '.join(names)}), packed to "
                   f"{width} BF16 a rank")
-        with log.collect() as said:
+        with collect_log() as said:
             rows_served = install.install(site, group, tp, rank, device, dcp, rows,
                                           measure=measure_first_use, device_group=device_group)
         lines += said
@@ -504,7 +504,7 @@ def _install_after_load(worker):
     rows = rows_from_vllm(config)
     cpu = _cpu_group(tp_group)  # agreement on vLLM's gloo group: a rank whose CUDA context
     # broke still reaches it
-    with log.collect() as lines:
+    with collect_log() as lines:
         served = install_logits_gather(model, cpu, tp, rank, worker.device, dcp, rows=rows,
                                        device_group=tp_group.device_group)
     # The drafter's model, loaded by the runner's load_model (V1 drafter.load_model, V2
@@ -646,6 +646,40 @@ def wrap_worker(worker_cls):
     return True
 
 
+class _ToVllm(logging.Handler):
+    """Hands each record to the ``vllm`` logger's handlers, at vLLM's level."""
+
+    def emit(self, record):
+        target = logging.getLogger("vllm")
+        if target.isEnabledFor(record.levelno):
+            target.handle(record)
+
+
+def attach_to_vllm() -> bool:
+    """Route the ``lamport_head`` logger through vLLM's in this process (idempotent).
+
+    vLLM configures only its ``vllm`` logger (handler, format, level, stream; or the
+    user's ``VLLM_LOGGING_CONFIG_PATH``), so records of ours had no handler there and
+    INFO lines were dropped. Each record goes to whatever the ``vllm`` logger's
+    handlers are when it is emitted (a later reconfiguration is followed), at vLLM's
+    level, without propagating twice; a user who configured ``lamport_head``
+    themselves keeps their configuration. False when vLLM's logging is not importable
+    or ours is configured already."""
+    ours = logging.getLogger("lamport_head")
+    if any(isinstance(h, _ToVllm) for h in ours.handlers):
+        return True
+    if ours.handlers:
+        return False
+    try:
+        import vllm.logger  # noqa: F401  (vLLM then configures "vllm" per process)
+    except Exception:
+        return False
+    ours.addHandler(_ToVllm())
+    ours.setLevel(logging.DEBUG)  # vLLM's level decides, in _ToVllm
+    ours.propagate = False
+    return True
+
+
 def register():
     """The plugin entry point: harmless when called twice or without vLLM's GPU worker."""
     try:
@@ -653,6 +687,6 @@ def register():
     except Exception as exc:
         logger.debug("lamport-head: no vLLM GPU worker to hook (%s)", exc)
         return
-    log.attach_to_vllm()
+    attach_to_vllm()
     if wrap_worker(Worker):
         logger.debug("lamport-head: logits gather hook registered on %s", Worker.__qualname__)

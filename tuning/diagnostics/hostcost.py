@@ -8,7 +8,8 @@ own stream (so every launched gather finds its peer and completes), and the stre
 switch stays outside the clock (an engine calls on one stream; switching costs more
 than a piece here). The gather launches through the driver
 (``kernels.launch.DriverLaunch``); the DSL's TVM-FFI callable of the same kernel is
-timed beside it.
+timed beside it. Only public names of ``HeadGather`` are timed (the stream-order
+bookkeeping inside a call is not: the whole call's line includes it).
 Run: python -m lamport_head.tuning.diagnostics.hostcost [rows]
 """
 
@@ -65,7 +66,7 @@ def main(rows=1, tp=2, vocab=163840, calls=2000):
     pieces = {
         "torch.add_ (one dispatch)": alone(lambda: small.add_(1)),
         "new_empty [M, V]": alternate(lambda g, r: shards[r].new_empty((rows, g.width))),
-        "_follow_stream": alternate(lambda g, r: g._follow_stream()),
+        "poll (status record)": alternate(lambda g, r: g.poll()),
         "launch (preallocated out)": alternate(lambda g, r: g.launch(shards[r], outs[r], g.ctas[rows])),
         "same, the DSL's TVM-FFI callable": alternate(lambda g, r: g.kernels.compiled(
             g.configs[rows]).launch(shards[r], outs[r].data_ptr(), g.peers_address, g.rank,

@@ -352,7 +352,6 @@ def install(args, ranks, calls):
     import tempfile
 
     from lamport_head import install_logits_gather
-    from lamport_head.mailbox import IpcMailbox, SymmetricMailbox
 
     shard = args.vocab // ranks.world
     served = [r for r in calls.rows if r != calls.rows[-2]]  # one row count stays stock
@@ -370,9 +369,7 @@ def install(args, ranks, calls):
     path = _gathered(ranks, path)[0]
     os.environ["LAMPORT_HEAD_TABLE"] = path
     if args.fail_alloc_rank == ranks.rank:
-        def refuse(self, count):
-            raise torch.cuda.OutOfMemoryError("injected: mailbox allocation refused")
-        IpcMailbox._allocate = SymmetricMailbox._allocate = refuse
+        refuse_allocation()
     model, stock_calls = _vllm_shaped(ranks, shard)
     got = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device)
     from lamport_head.table import load_table
@@ -403,6 +400,20 @@ def install(args, ranks, calls):
               f"{min(args.calls, 60)} calls bitwise, {report[0][2]} took stock"
               + ("" if ok else f" FAILED {report}"), flush=True)
     return ok
+
+
+def refuse_allocation():
+    """Every mailbox this process builds from now on fails to allocate, as a device out
+    of memory would: each real-rank backend's entry in ``mailbox.MAILBOXES`` (the
+    public seam a build constructs its box through) becomes one that raises, in the
+    build's local allocation step."""
+    from lamport_head.mailbox import MAILBOXES
+
+    def refused(group, device, tp, rank, cap, words):
+        raise torch.cuda.OutOfMemoryError("injected: mailbox allocation refused")
+
+    for kind in MAILBOXES:
+        MAILBOXES[kind] = refused
 
 
 def _vllm_shaped(ranks, shard):

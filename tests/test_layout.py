@@ -1,0 +1,157 @@
+"""The runtime package holds serving code only (issue 30 item 3).
+
+``lamport_head/`` (the runtime: engines, install core, build, gather, mailbox, tables)
+is what a serving process loads. The tools that serve the tuner, the CLI and the
+tests (TP virtual ranks on one GPU, processes under torchrun, the stock stand-in, the
+reference and planted data) live in the tuner's wing, ``tuning/support/`` (installed
+as ``lamport_head.tuning.support``), and the vLLM log bridge lives in the vLLM
+adapter. Read from the source (imports, lazy ones included), so a module that serving
+never reaches, or a runtime import of a tool, fails here before it ships.
+"""
+
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNTIME = ROOT / "lamport_head"
+SUPPORT = "lamport_head.tuning.support"
+TOOLS = ("emulate", "procs", "reference", "stock")  # the tuner's, the CLI's, the tests'
+# Where serving enters the runtime: the package, the engines' entry points
+# (pyproject.toml), and the old import paths kept until 0.4.
+ENTRIES = ("lamport_head", "lamport_head.engines.vllm", "lamport_head.engines.sglang",
+           "lamport_head.plugin", "lamport_head.sglang", "lamport_head.vllm_model")
+TOP = ("lamport_head.cli",)  # the command: beside the engines, may import the tuner
+
+
+def _name(path):
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _runtime():
+    """{module name: path} of the runtime package (kernels/ and tuning/ sit outside it)."""
+    return {_name(p): p for p in sorted(RUNTIME.rglob("*.py")) if _name(p) not in TOP}
+
+
+def _imports(name, path):
+    """Every module ``name`` imports (at the top or lazily; ``from X import y`` counts
+    ``X`` and ``X.y``), relative imports resolved; string imports of ``__init__``'s
+    lazy names (``importlib.import_module(".x", __name__)``) included."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+            base = ".".join(base + ([node.module] if node.module else [])) if node.level \
+                else node.module
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    if path.name == "__init__.py" and name == "lamport_head":
+        lazy = next(n.value for n in tree.body if isinstance(n, ast.Assign)
+                    and getattr(n.targets[0], "id", None) == "_LAZY")
+        out.update(f"lamport_head.{ast.literal_eval(v)[0]}" for v in lazy.values)
+    return out
+
+
+def test_the_tools_live_in_the_tuners_wing_not_the_runtime():
+    for tool in TOOLS:
+        assert not (RUNTIME / f"{tool}.py").exists(), f"lamport_head/{tool}.py is in the runtime"
+        spec = importlib.util.find_spec(f"{SUPPORT}.{tool}")
+        assert spec is not None and Path(spec.origin).resolve() == ROOT / "tuning" / "support" \
+            / f"{tool}.py"
+    assert not (RUNTIME / "log.py").exists(), "the vLLM log bridge belongs to engines/vllm.py"
+
+
+def test_no_runtime_module_imports_a_tool():
+    for name, path in _runtime().items():
+        tools = sorted(m for m in _imports(name, path) if m.startswith(SUPPORT)
+                       or m in {f"lamport_head.{t}" for t in TOOLS})
+        assert tools == [], f"{name} imports {tools}"
+
+
+def test_only_the_engines_lazy_first_use_names_the_tuner():
+    for name, path in _runtime().items():
+        tuner = sorted(m for m in _imports(name, path) if m.startswith("lamport_head.tuning"))
+        want = ["lamport_head.tuning.firstuse", "lamport_head.tuning.firstuse.measure"] \
+            if name == "lamport_head.engines" else []
+        assert tuner == want, f"{name} imports {tuner}"
+
+
+def test_only_the_vllm_adapter_imports_vllm():
+    for name, path in _runtime().items():
+        vllm = sorted(m for m in _imports(name, path) if m.split(".")[0] == "vllm")
+        assert vllm == [] or name == "lamport_head.engines.vllm", f"{name} imports {vllm}"
+
+
+def test_every_runtime_module_is_one_serving_reaches():
+    """From the entries, through every import (lazy ones too): nothing in the runtime is
+    there for the tools alone."""
+    runtime = _runtime()
+    seen, todo = set(), list(ENTRIES)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in runtime:
+            continue
+        seen.add(name)
+        todo.extend(_imports(name, runtime[name]))
+    assert sorted(set(runtime) - seen) == []
+
+
+def test_the_walk_sees_relative_lazy_and_string_imports(tmp_path):
+    """The reader itself: each import form a module uses is found (else the tests above
+    could pass on a module they do not read)."""
+    pkg = tmp_path / "lamport_head" / "engines"
+    pkg.mkdir(parents=True)
+    path = pkg / "x.py"
+    path.write_text("from .. import install, log\nfrom . import y\n"
+                    "def f():\n    from lamport_head.tuning.support.emulate import E\n"
+                    "    import vllm.logger\n")
+    got = _imports("lamport_head.engines.x", path)
+    assert {"lamport_head.install", "lamport_head.log", "lamport_head.engines.y",
+            "lamport_head.tuning.support.emulate", "vllm.logger"} <= got
+    init = tmp_path / "lamport_head" / "__init__.py"
+    init.write_text('_LAZY = {"E": ("emulate", "E")}\n')
+    assert "lamport_head.emulate" in _imports("lamport_head", init)
+
+
+def test_serving_loads_no_tool(tmp_path):
+    """Every runtime module and every public name of the package, imported in a fresh
+    process: no tool, no tuner module, no optuna among the loaded modules."""
+    names = sorted(n for n in _runtime() if n != "lamport_head")
+    code = ("import importlib, json, sys\nimport lamport_head\n"
+            "[getattr(lamport_head, n) for n in lamport_head.__all__]\n"
+            f"for n in {names!r}: importlib.import_module(n)\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('lamport_head.tuning')"
+            f" or m.split('.')[0] == 'optuna' or m in {[f'lamport_head.{t}' for t in TOOLS]!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+# Private names the diagnostics may reach, none of them ours: why each is allowed.
+NOT_OURS = {"_exit": "os._exit (a killed rank leaves without teardown)",
+            "_sleep": "torch.cuda._sleep (a GPU spin)",
+            "_gather_logits": "vLLM's LogitsProcessor gather, the one install routes"}
+
+
+def test_diagnostics_reach_the_runtime_through_public_names_only():
+    """No private attribute of a runtime object is read, called or overwritten by the
+    diagnostics (fault injection goes through ``mailbox.MAILBOXES``; timers through
+    ``build.KERNELS`` and ``status_address``)."""
+    for path in sorted((ROOT / "tuning" / "diagnostics").glob("*.py")):
+        private = sorted({n.attr for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                          if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+                          and not n.attr.startswith("__") and n.attr not in NOT_OURS})
+        assert private == [], f"{path.name} reaches {private}"
