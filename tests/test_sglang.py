@@ -628,3 +628,60 @@ def test_sglang_entry_point_metadata():
     eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
     assert any(e.name == "lamport_head" and e.value == "lamport_head.engines.sglang:register"
                for e in eps)
+
+
+class MultimemAllGatherer(StockGatherer):
+    """Stands in for SGLang's ``MultimemAllGatherer`` by name and ``_state`` (our tests
+    never create multicast): a gather SGLang left enabled, NCCL-shaped underneath."""
+
+    _state = object()
+
+
+def _stock_kind_worker(rank, nprocs, table, case):
+    from lamport_head.tuning import firstuse
+
+    os.environ["LAMPORT_HEAD_TABLE"] = table
+    if case == "measure":
+        os.environ["LAMPORT_HEAD_AUTOTUNE"] = "1"
+    fake_cuda(setattr, rank, "ok")
+    seen = capture_log()
+    asked = []
+
+    def measure(*args, stock=None, stock_kind=None, **kwargs):
+        asked.append((stock_kind, stock is gatherer))
+        raise RuntimeError("measured elsewhere")  # every rank: stays stock, one line
+
+    firstuse.measure = measure
+    m = CausalLM(nprocs)
+    lp = m.logits_processor
+    gatherer = lp._logits_gatherer = MultimemAllGatherer()
+    served = sgl.install_sglang_logits_gather(m, dist.group.WORLD, nprocs, rank, "cpu")
+    return {"served": list(served), "asked": asked, "log": seen,
+            "kind": sgl.stock_kind(gatherer), "disabled": sgl.stock_kind(
+                types.SimpleNamespace(__class__=MultimemAllGatherer, _state=None)),
+            "routed": lp._logits_gatherer is not gatherer}
+
+
+@pytest.mark.parametrize("case", ["nccl-table", "multimem-table", "measure"])
+def test_a_section_measured_against_nccl_is_not_served_in_place_of_sglangs_multimem(tmp_path, case):
+    """Issue 32 item 4: where SGLang built its multimem one-shot gatherer, only a section
+    measured against that stock is served; an NCCL-measured one reads as missing, and
+    first-use tuning is handed SGLang's own gatherer to time, with its kind."""
+    text = TABLE if case != "multimem-table" else TABLE.replace(
+        "      dcp: 1\n", "      dcp: 1\n      stock: multimem-all-gather\n")
+    table = tmp_path / "t.yaml"
+    table.write_text(text)
+    for r in spawn(_stock_kind_worker, 2, tmp_path, str(table), case):
+        assert r["kind"] == "multimem-all-gather" and r["disabled"] == "nccl-all-gather"
+        if case == "multimem-table":
+            assert r["served"] == [1, 2, 4] and r["routed"] and r["asked"] == []
+        else:
+            assert r["served"] == [] and not r["routed"]
+        if case == "nccl-table":
+            assert r["asked"] == [] and (
+                "no enabled HEAD_GATHER rows for NVIDIA H200, tp=2, dcp=1, vocab=128, "
+                "stock=multimem-all-gather (the tables hold sections for this vocab measured "
+                "against nccl-all-gather; vocab 192, 1024 only)") in " ".join(r["log"]), r["log"]
+        if case == "measure":
+            assert r["asked"] == [["multimem-all-gather", True]]  # (JSON: lists)
+            assert "first-use tuning failed: RuntimeError: measured elsewhere" in " ".join(r["log"])

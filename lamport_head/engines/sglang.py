@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 
 from .. import install
+from ..table import MULTIMEM_STOCK, NCCL_STOCK
 from . import collect_log, measure_first_use
 
 logger = logging.getLogger("lamport_head")
@@ -54,6 +55,9 @@ logger = logging.getLogger("lamport_head")
 # SGLang's names we rely on, all here, checked against the sglang 0.5.23 wheel's source
 # (docs/sglang.md): the hooked methods, and what the runtime context publishes.
 GATHERER = "_logits_gatherer"  # LogitsProcessor's instance attribute: x [M, V/TP] -> [M, V]
+# its class where SGLang builds the multimem one-shot gather (triton_symm_mem_ag), and
+# the instance attribute that is None once SGLang disabled it (NCCL for good)
+MULTIMEM_GATHERER = "MultimemAllGatherer"
 RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 LOAD_MODEL = f"{RUNNER}.load_model"  # (self) -> None; sets self.model
 # (self, new_model, *, model_path, load_format, load_config) -> None: self.model = new_model
@@ -158,13 +162,26 @@ def draft_rows_from_sglang(runner):
     return install.decode_rows(requests, topk if isinstance(topk, int) and topk > 1 else 1)
 
 
+def stock_kind(gatherer) -> str:
+    """What SGLang's gatherer is, in the table's words (``table.STOCKS``): a
+    ``MultimemAllGatherer`` SGLang left enabled (its ``_state`` is not None) is the
+    multimem one-shot gather wherever it builds its buffer at its first call, and that
+    callable is what first-use tuning times (it may still fall back to NCCL there:
+    the section then holds figures against that fallback, still SGLang's own path);
+    one SGLang disabled, or any other gatherer, gathers by NCCL."""
+    if type(gatherer).__name__ == MULTIMEM_GATHERER and getattr(gatherer, "_state", None) is not None:
+        return MULTIMEM_STOCK
+    return NCCL_STOCK
+
+
 def _site(owner, lp):
     """The install core's view of this LogitsProcessor and its owner's lm_head."""
     head = owner.lm_head
     head = getattr(head, "base_layer", head)  # a LoRA wrapper keeps the layer here
     return install.GatherSite(processor=lp, attr=GATHERER, weight=getattr(head, "weight", None),
                               head_tp=getattr(head, "tp_size", 1),
-                              where=f"{type(owner).__name__}.logits_processor")
+                              where=f"{type(owner).__name__}.logits_processor",
+                              stock=stock_kind(getattr(lp, GATHERER, None)))
 
 
 def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None, device=None,
