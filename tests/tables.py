@@ -17,11 +17,14 @@ _SECTION = """\
 TWO_RANKS_VOCABS = (128, 192, 1024)
 
 
-def sections(vocabs, more_rows=""):
+def sections(vocabs, more_rows="", stock=None):
     """A table of one such section per vocabulary, each with ``more_rows`` (YAML lines
-    at the rows' indentation) after the shared ones."""
-    return "schema: 1\ndevices:\n  NVIDIA H200:\n" + "".join(
-        _SECTION.format(vocab=v) + more_rows for v in vocabs)
+    at the rows' indentation) after the shared ones; ``stock``: the stock each section
+    was measured against (None: unwritten, NCCL's)."""
+    text = "".join(_SECTION.format(vocab=v) + more_rows for v in vocabs)
+    if stock is not None:
+        text = text.replace("      dcp: 1\n", f"      dcp: 1\n      stock: {stock}\n")
+    return "schema: 1\ndevices:\n  NVIDIA H200:\n" + text
 
 
 TWO_RANKS = sections(TWO_RANKS_VOCABS)

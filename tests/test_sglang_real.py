@@ -42,7 +42,9 @@ from engine_cpu import HOST_ISA_ENV, HOST_ISAS
 from sglang_cpu import prepare_rank, require_sglang
 from tables import TWO_RANKS_VOCABS, sections
 
-TABLE = sections((*TWO_RANKS_VOCABS, 512))  # 512: the EAGLE3 head's V (DRAFT_VOCAB)
+# 512: the EAGLE3 head's V (DRAFT_VOCAB); measured against SGLang's own gatherer, its
+# multimem one-shot all-gather (what SGLang builds with TP > 1: engine.stock_kind)
+TABLE = sections((*TWO_RANKS_VOCABS, 512), stock="multimem-all-gather")
 SERVED = [1, 2, 4]  # the table's enabled rows: the explicit call's, which passes no rows
 REQUESTS = 2  # --max-running-requests: the plugin serves rows 1 .. 2 x 1 row a request
 PLUGIN_SERVED = [1, 2]
@@ -123,6 +125,19 @@ def _names(runner, lp, engine):
     check("EagleDraftWorker: TpModelWorker(is_draft_worker=True) in draft_tp_context",
           eagle_worker)
     check("ModelRunner.forward", lambda: callable(type(runner).forward))
+
+    def multimem():  # the gatherer SGLang builds and the switch stock_kind reads
+        from sglang.srt.distributed.device_communicators import triton_symm_mem_ag
+
+        cls = getattr(triton_symm_mem_ag, engine.MULTIMEM_GATHERER)
+        built = getattr(lp._logits_gatherer, "keywords", {}).get("stock", lp._logits_gatherer)
+        # as SGLang builds it at load (its buffer comes at the first call: on a CPU,
+        # that call turns it to NCCL for good), and as SGLang disables it
+        fresh, off = cls(max_tokens=8, enabled=True), cls(max_tokens=8, enabled=False)
+        return (type(built) is cls and engine.stock_kind(fresh) == "multimem-all-gather"
+                and off._state is None and engine.stock_kind(off) == "nccl-all-gather")
+
+    check(f"triton_symm_mem_ag.{engine.MULTIMEM_GATHERER}._state (stock_kind)", multimem)
     for attr in engine._REQUIRED + tuple(a for a, _ in engine._VARIANTS):
         check(f"LogitsProcessor.{attr}", lambda attr=attr: hasattr(lp, attr))
     check("LlamaForCausalLM.lm_head.tp_size", lambda: runner.model.lm_head.tp_size == 2)
