@@ -1,7 +1,7 @@
 """The one build path of a gather: the kernel of a configuration, its occupancy limit,
 the launch flag of a mode, and the collective build of a rank's gather.
 
-``install`` (serving), ``emulate.EmulatedGather`` and both tuner targets
+``install`` (serving), ``tuning.support.emulate.EmulatedGather`` and both tuner targets
 (``tuning.harness``; first-use tuning through ``DistributedTarget``) build through
 here, so what the tuner times and the limit it searches under are what install
 builds:

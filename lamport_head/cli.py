@@ -354,6 +354,9 @@ def show(args):
         print(f"  vocab V = {s.vocab}{shard}" + (
             "" if s.vocab_written else f" (not written in the section: taken as {LEGACY_VOCAB}, "
             "the tuner's default; served only to a model of that V)"))
+        print(f"  measured against {s.stock}" + (
+            "" if "stock" in s.raw else " (not written in the section: NCCL's all-gather)")
+            + "; served only where the route replaces that gather")
         prov = s.provenance
         if prov:
             print(f"  measured {prov.get('date', '?')} on {prov.get('gpu', '?')}, "

@@ -459,3 +459,17 @@ def test_the_writer_writes_stock_and_replaces_only_the_same_stock(tmp_path):
     t = load_table(path)
     assert t.plan("NVIDIA H200", 8, 1, vocab=163840, stock="nccl-all-gather")[1].ctas == 4
     assert t.plan("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK)[1].ctas == 32
+
+
+def test_show_prints_each_sections_stock(tmp_path, capsys):
+    from lamport_head import cli
+
+    p = tmp_path / "s.yaml"
+    p.write_text(STOCKS)
+    assert cli.main(["show", "--table", str(p), "--device", "NVIDIA H200"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "measured against" in line] == [
+        "  measured against nccl-all-gather (not written in the section: NCCL's all-gather); "
+        "served only where the route replaces that gather",
+        "  measured against multimem-all-gather; served only where the route replaces that "
+        "gather"]

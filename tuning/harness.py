@@ -209,7 +209,7 @@ def gated_gpu_us(run, device, steps, reps, cycles_per_step=3_000_000):
 
 
 class EmulatedTarget:
-    """TP virtual ranks on one GPU (see lamport_head.emulate)."""
+    """TP virtual ranks on one GPU (see lamport_head.tuning.support.emulate)."""
 
     emulated = True
     objective = "gpu_us"  # eager time here is the host issuing TP launches in a row
@@ -319,7 +319,7 @@ class EmulatedTarget:
 
 
 class DistributedTarget:
-    """One process per rank under torchrun (``lamport_head.procs.init_ranks``).
+    """One process per rank under torchrun (``lamport_head.tuning.support.procs.init_ranks``).
 
     Every method is collective, and every rank issues the same collectives in the same
     order whatever happens locally; every rank returns the same outcome or raises at
