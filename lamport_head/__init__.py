@@ -2,8 +2,9 @@
 
 Public names (the README's "Use" section; each module's docstring holds its design):
 ``HeadGather``, ``install_logits_gather``, ``table`` (``load_table``, ``Table``,
-``RowPlan``, ``TableError``). Heavy modules load lazily so that ``import lamport_head``
-is cheap and works without a GPU or vLLM.
+``TableRow``, ``TableError``; ``RowPlan`` and ``Table.plan``, the 0.3 names of
+``TableRow`` and ``Table.entries``, until 0.4). Heavy modules load lazily so that
+``import lamport_head`` is cheap and works without a GPU or vLLM.
 
 ``__version__`` is the installed distribution's (pyproject.toml is the one source);
 "0+unknown" when the package runs from a tree that was never installed.

@@ -164,11 +164,13 @@ class Built:
         return max(self.configs)
 
 
-def local(device, tp, rank, shard, rows, ctas, *, sharing, mode, pdl=None, budget_s,
+def local(device, tp, rank, shard, rows, asked, *, sharing, mode, pdl=None, budget_s,
           clamp=False, **knobs) -> Built:
     """Everything of a rank's build that can fail on this rank alone: the checks, the
-    kernels, the plan (compile, occupancy; ``clamp``: rows cut to the limit), the
-    launchers and the host-visible status record. No mailbox (``Built.box`` None)."""
+    kernels, the plan (``plan.plan`` of ``rows`` with ``asked`` as its ``ctas``: the CTA
+    count or GatherConfig asked for per row, None the default; compile, occupancy;
+    ``clamp``: rows cut to the limit), the launchers and the host-visible status
+    record. No mailbox (``Built.box`` None)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if tp < 2 or not 0 <= rank < tp:
@@ -179,7 +181,7 @@ def local(device, tp, rank, shard, rows, ctas, *, sharing, mode, pdl=None, budge
         raise ValueError(f"the spin budget must be a positive number of seconds, got {budget_s!r}")
     kernels = Kernels(device, tp, shard, pdl)
     clamped = {} if clamp else None
-    configs = plan(rows, ctas, tp=tp, shard=shard, resident=kernels.resident, sharing=sharing,
+    configs = plan(rows, asked, tp=tp, shard=shard, resident=kernels.resident, sharing=sharing,
                    pdl=kernels.pdl, clamped=clamped, **knobs)
     launchers = {m: kernels.launcher(c, mode) for m, c in configs.items()}
     return Built(device, tp, rank, shard, mode, sharing, kernels, configs, clamped, launchers,
@@ -188,18 +190,21 @@ def local(device, tp, rank, shard, rows, ctas, *, sharing, mode, pdl=None, budge
 
 def build(group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None, backend=None,
           **local_args) -> Built:
-    """A rank's gather (``HeadGather``'s arguments; ``local_args``: ``local``'s). With
-    ``mailbox`` (a ``LocalMailbox`` shared by virtual ranks) it is local; else
-    collective over ``group`` (module docstring)."""
+    """A rank's gather (``HeadGather``'s arguments; ``local_args``: ``local``'s). ``rows``
+    and ``ctas`` as ``HeadGather``'s: the row counts and the CTA count or GatherConfig
+    asked for per row (``plan.plan``'s ``ctas``), or ``rows`` a plan ``{rows:
+    GatherConfig}`` and ``ctas`` None. With ``mailbox`` (a ``LocalMailbox`` shared by
+    virtual ranks) it is local; else collective over ``group`` (module docstring)."""
+    asked = ctas  # the CTA count or GatherConfig asked for per row (None: the default)
     if isinstance(rows, Mapping):
         if ctas is not None:
             raise ValueError("rows maps row counts to GatherConfigs: pass no ctas")
-        rows, ctas = rows.keys(), dict(rows)
+        rows, asked = rows.keys(), dict(rows)  # a plan: each row's GatherConfig
     device = cuda_device(device)
     if mailbox is not None:  # emulated: one process, nothing to agree on
         if mailbox.tp != tp or mailbox.words != tp * shard // 2:
             raise ValueError("the shared mailbox does not fit this gather")
-        built = local(device, tp, rank, shard, rows, ctas, sharing=mailbox.sharing, **local_args)
+        built = local(device, tp, rank, shard, rows, asked, sharing=mailbox.sharing, **local_args)
         if mailbox.cap < built.cap:
             raise ValueError(f"the shared mailbox holds {mailbox.cap} rows, not {built.cap}")
         built.box = mailbox
@@ -215,7 +220,7 @@ def build(group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None, back
     agree(error, group, device, "to describe its GPU")
     kind, sharing = backend_of
     built, error = bounded("building the gather (checks, compile, occupancy)",
-                           lambda: local(device, tp, rank, shard, rows, ctas, sharing=sharing,
+                           lambda: local(device, tp, rank, shard, rows, asked, sharing=sharing,
                                          **local_args))
     agree(error, group, device, "to build the gather (checks, compile, occupancy)")
     box, error = bounded(f"allocating its {kind} mailbox", MAILBOXES[kind], group, device, tp,

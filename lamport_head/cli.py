@@ -134,8 +134,9 @@ def parser():
                    "the speedup over stock; emulated: the gather's latency alone)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    s = sub.add_parser("show", help="print the resolved plan", formatter_class=fmt,
-                       description="Print the plan serving would use, per table section.")
+    s = sub.add_parser("show", help="print the resolved table entries", formatter_class=fmt,
+                       description="Print the table entries serving would use (each row "
+                       "count's configuration and whether it is served), per table section.")
     s.add_argument("--device", help="GPU model, case-insensitive; a unique part of a name "
                    "is enough (default: this machine's GPU)")
     s.add_argument("--tp", type=_positive, help="only sections for this TP (default: every TP)")
@@ -366,13 +367,13 @@ def show(args):
         head = f"  {'rows':>9} {'ctas':>5} {'threads':>7} {'unroll':>6}"
         print(head + (f" {'gather µs':>10}" if s.emulated
                       else f" {'enabled':>7} {'lamport µs':>10} {'stock µs':>9}"))
-        for key, plan, entry, note in _show_rows(s):
+        for key, row, entry, note in _show_rows(s):
             lam = entry.get("lamport_us", "")
-            cells = f"  {key:>9} {plan.ctas:>5} {plan.threads:>7} {plan.unroll:>6}"
+            cells = f"  {key:>9} {row.ctas:>5} {row.threads:>7} {row.unroll:>6}"
             if s.emulated:
                 print(f"{cells} {lam!s:>10}{note}")
             else:
-                print(f"{cells} {('yes' if plan.enabled else 'no'):>7} {lam!s:>10} "
+                print(f"{cells} {('yes' if row.enabled else 'no'):>7} {lam!s:>10} "
                       f"{entry.get('stock_us', '')!s:>9}{note}")
         if not s.emulated:
             print(f"  rows above {max(s.rows)}: the stock gather (past the largest measured row)"
@@ -392,18 +393,19 @@ def _what_exists(sections):
 
 
 def _show_rows(section):
-    """(key, plan, entry, note) in row order: the measured entries as written, and
-    between them the rows serving fills in (entry ``{}``, a note naming the source)."""
+    """(key, row, entry, note) in row order (``row``: the ``TableRow`` serving reads;
+    ``entry``: the row key's entry as written): the measured entries, and between them
+    the rows serving fills in (entry ``{}``, a note naming the source)."""
     from lamport_head.table import fill, row_span
 
-    plan = fill(section.rows)
+    entries = fill(section.rows)
     measured = sorted((row_span(key), key, entry) for key, entry in section.raw["rows"].items())
     last = None
     for (lo, hi), key, entry in measured:
         if last is not None and lo > last + 1:
             gap = str(last + 1) if lo == last + 2 else f"{last + 1}-{lo - 1}"
-            yield gap, plan[lo - 1], {}, f"  filled (not measured) from rows {lo}"
-        yield str(key), plan[lo], entry, ""
+            yield gap, entries[lo - 1], {}, f"  filled (not measured) from rows {lo}"
+        yield str(key), entries[lo], entry, ""
         last = hi
 
 

@@ -4,7 +4,7 @@ the search space the tuner walks.
 Invariants a change must keep:
 
 - Every knob of a launch is a field of ``GatherConfig`` and nothing else carries one:
-  the table's ``RowPlan``, the sweep's grid and study, the writer, the harness and
+  the table's ``TableRow``, the sweep's grid and study, the writer, the harness and
   ``HeadGather`` all pass a ``GatherConfig``. A new knob is a new field here (with its
   check in ``__post_init__`` and its values in the search space), the kernel's
   compile argument of the same name, and the compile key; ``label()`` and the

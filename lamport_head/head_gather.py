@@ -72,15 +72,16 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 class HeadGather:
     """``gather(logits, stock)``: the Lamport gather for ``rows``; ``stock`` otherwise.
 
-    ``rows``: the row counts served, with ``ctas`` None (a heuristic), an int for every
-    row count, or ``{rows: ctas or GatherConfig}``; or ``rows`` maps each row count to
-    its ``GatherConfig`` (``ctas`` None): a plan built beforehand (``plan.plan``, a
-    table's ``{m: p.config}``). ``threads``/``unroll`` apply where no GatherConfig is
-    given. ``mailbox``: a ``LocalMailbox`` shared by virtual ranks (one-GPU emulation);
-    None builds this rank's mailbox over ``group`` (None: the default group) with the
+    ``rows``: the row counts served, with ``ctas`` what is asked for each: None (a
+    heuristic), an int (a CTA count) for every row count, or ``{rows: CTA count or
+    GatherConfig}``; or ``rows`` is a plan, each row count's ``GatherConfig`` (``ctas``
+    None), built beforehand (``plan.plan``, or the configs of a table's enabled entries,
+    ``{m: e.config}``). ``threads``/``unroll`` apply where no GatherConfig is given.
+    ``mailbox``: a ``LocalMailbox`` shared by virtual ranks (one-GPU emulation); None
+    builds this rank's mailbox over ``group`` (None: the default group) with the
     ``backend`` chosen by ``mailbox.choose_backend``. ``configs``: the plan served,
-    ``{rows: GatherConfig}``; ``ctas``: its CTA counts. ``pdl``: None takes it where
-    the architecture has it (sm_90 on).
+    ``{rows: GatherConfig}``; ``ctas``: its CTA counts, ``{rows: int}``. ``pdl``: None
+    takes it where the architecture has it (sm_90 on).
 
     ``clamp``: a row whose CTAs cannot all be co-resident is cut to the limit (and
     listed in ``clamped``, ``{rows: (asked, limit)}``) instead of refusing the whole

@@ -12,15 +12,15 @@ built, with no collective.
 Fail-stop order: the site checks (the same on every rank by construction) need no
 collective; then each rank reads alone what may differ or fail on it alone (its
 device's name, the tables, LAMPORT_HEAD_DISABLE and LAMPORT_HEAD_FORCE, first-use
-tuning settings) into its vote, and every rank, whatever it read, meets at the plan
-agreement (one all-gather: a rank whose reading failed or differs takes every rank
-to stock). Only then the HeadGather is built, itself collective and fail-stop (local
+tuning settings) into its vote, and every rank, whatever it read, meets at the
+agreement on the entries to serve (one all-gather: a rank whose reading failed or
+differs takes every rank to stock). Only then the HeadGather is built, itself collective and fail-stop (local
 part, agree, map the peers' mailboxes, agree, arm, barrier): every rank serves the
 rows or every rank stays stock. When no layer holds a real-rank section for this
 GPU model, TP, DCP and vocabulary (V = TP x the head's shard width: a section measured
 at another V is none) or the user table's is stale, the agreed view says so on
 every rank alike, and first-use tuning (``measure``, collective and fail-stop)
-measures, writes the user table and hands back the plan to build; what follows it
+measures, writes the user table and hands back the entries to build; what follows it
 reads the agreed view, never the environment again. Never raises into serving: a
 missing table entry, a non-CUDA device or a failed build leaves the stock gather with
 one log line. No rank switches to stock alone: the stock path is itself a collective.
@@ -68,16 +68,18 @@ def _device_name(device):
     return torch.cuda.get_device_name(device)
 
 
-def _build(group, device, tp, rank, shard, plan, budget_s):
-    """The serving gather: a give-up stops the GPU context (``mode="serving"``: its
+def _build(group, device, tp, rank, shard, entries, budget_s):
+    """The serving gather of ``entries`` (``{rows: table.TableRow}``, the enabled ones):
+    its plan is their configs. A give-up stops the GPU context (``mode="serving"``: its
     launch flag, ``build.launch_flag``), so no step with missing data reaches the
     engine's sampler or its host. Built on ``build``'s one path: the kernel is the one
     the tuner timed for the row, under the tuner's occupancy limit."""
     from .head_gather import HeadGather
     from .status import SERVING
 
-    gather = HeadGather(group, device, tp, rank, shard, {m: p.config for m, p in plan.items()},
-                        budget_s=budget_s, mode=SERVING, clamp=True)
+    plan = {m: e.config for m, e in entries.items()}
+    gather = HeadGather(group, device, tp, rank, shard, plan, budget_s=budget_s, mode=SERVING,
+                        clamp=True)
     for m, (asked, most) in sorted(gather.clamped.items()):
         logger.warning("lamport-head: the table's %d CTAs for %d rows cannot all be co-resident "
                        "with this version's kernel on this device: served with %d (re-tune with "
@@ -86,7 +88,7 @@ def _build(group, device, tp, rank, shard, plan, budget_s):
 
 
 class _Vote(NamedTuple):
-    """What one rank brings to the plan agreement (collective 1): every fact it read
+    """What one rank brings to the agreement (collective 1): every fact it read
     alone, so that no rank decides on one before its peers have heard it."""
 
     agreed: object  # _View.agreed, or None with ``reason``
@@ -108,8 +110,8 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
     among them. None: the table's rows, and ``settings.DEFAULT_ROWS`` for first-use
     tuning. ``measure``: first-use tuning's measuring, called (collectively) only
     when the agreed view asks for it, as ``measure(group, device, tp, rank, dcp, shard,
-    rows, shared, name)`` returning an outcome with ``plan``, ``results``,
-    ``emulated``, ``seconds``, ``path``.
+    rows, shared, name)`` returning an outcome with ``entries`` (the enabled
+    ``{rows: TableRow}``), ``results``, ``emulated``, ``seconds``, ``path``.
 
     Never raises, and never leaves a peer in a collective: it returns before the
     first collective only on facts every rank shares by construction (the site, an
@@ -134,7 +136,7 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
     # what first-use tuning times (the engine's own callable, before routing)
     stock, stock_gather = site.stock, getattr(lp, site.attr)
     name, view, vote = _bounded_vote(tp, dcp, device, rows, vocab, stock)
-    # Collective 1: agree on the plan and on whether to measure first. Every rank gets
+    # Collective 1: agree on the entries and on whether to measure first. Every rank gets
     # here, whatever it read or failed at: a rank deciding alone would be missing from
     # the mailbox's (or the sweep's) collectives its peers enter next.
     votes = [_Vote(*v) for v in all_gather_objects(tuple(vote), group)]
@@ -152,7 +154,7 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
         return ()
     keys = [v.key for v in votes]
     shared = None if None in keys else len(set(keys)) < tp  # several ranks on one GPU
-    choice, plan = _choose(view, shared)
+    choice, entries = _choose(view, shared)
     if choice == "unknown":
         logger.warning("lamport-head: logits gather stays stock: first-use tuning cannot tell "
                        "whether the TP ranks share a GPU (no device key)")
@@ -170,7 +172,7 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
                     "%s in %.1f s, wrote %s%s; vocab=%d%s", name, tp, dcp, view.real,
                     [r.rows for r in outcome.results], outcome.seconds, outcome.path,
                     " (emulated: true)" if outcome.emulated else "", vocab, _others(view))
-        plan = outcome.plan
+        entries = outcome.entries
         if outcome.emulated:
             # The agreed view's setting, never a fresh read of the environment: it may
             # have changed on one rank while the ranks measured.
@@ -184,12 +186,12 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
     if choice == "emulated":
         logger.warning("lamport-head: serving an emulated section (processes sharing one GPU: "
                        "not performance) because %s is set", settings.SERVE_EMULATED_ENV)
-    if not plan:
+    if not entries:
         logger.info("lamport-head: no enabled HEAD_GATHER rows for %s, tp=%d, dcp=%d, vocab=%d, "
                     "stock=%s%s; stock logits gather", name, tp, dcp, vocab, stock, _others(view))
         return ()
     try:  # collective, fail-stop: every rank gets a gather or every rank raises
-        gather = _build(group, device, tp, rank, shard, plan, view.budget_s)
+        gather = _build(group, device, tp, rank, shard, entries, view.budget_s)
     except Exception as exc:  # a capability fallback, taken by every rank together
         logger.warning("lamport-head: logits gather stays stock: %s: %s",
                        type(exc).__name__, exc)
@@ -312,7 +314,7 @@ def _local_vote(tp, dcp, device, rows, vocab, stock):
         return None, None, _Vote(None, None, f"{device} is not a CUDA device", force)
     view, reason = _local_view(tp, dcp, device, name, rows, vocab, stock)
     if settings.disabled():
-        # An environment variable may reach some ranks only: it travels with the plan.
+        # An environment variable may reach some ranks only: it travels with the vote.
         view, reason = None, f"disabled by {settings.DISABLE_ENV}"
     return name, view, _Vote(view and view.agreed, view and view.key, reason, force)
 
@@ -340,8 +342,8 @@ def _agree_force(votes, why):
 class _View:
     """This rank's reading of the tables and settings (no collectives)."""
 
-    plan: dict  # enabled rows of the real-rank section
-    emulated_plan: dict  # enabled rows of the emulated section
+    entries: dict  # {rows: TableRow}: the enabled entries of the real-rank section
+    emulated_entries: dict  # ... and of the emulated section
     real: str  # provenance.section_status of the real-rank section
     emulated: str  # ... and of the emulated one
     autotune: bool
@@ -355,7 +357,7 @@ class _View:
     @property
     def agreed(self):
         """What every rank must see alike."""
-        return (_digest(self.plan), _digest(self.emulated_plan), self.real, self.emulated,
+        return (_digest(self.entries), _digest(self.emulated_entries), self.real, self.emulated,
                 self.autotune, self.serve_emulated, self.rows, self.budget_s)
 
 
@@ -374,14 +376,15 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
 
         def read(emulated):
             section = table.section(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
-            plan = table.plan(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
-            plan = {m: p for m, p in plan.items() if p.enabled and (rows is None or m in rows)}
+            entries = table.entries(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
+            enabled = {m: e for m, e in entries.items()
+                       if e.enabled and (rows is None or m in rows)}
             # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
             state = section_status(section) if on else ("missing" if section is None
                                                          else "current")
-            return plan, state
+            return enabled, state
 
-        (plan, real), (emulated_plan, emulated) = read(False), read(True)
+        (entries, real), (emulated_entries, emulated) = read(False), read(True)
         key = None
         try:
             key = device_key(device)
@@ -389,7 +392,7 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
             pass
         others = tuple(v for v in table.vocabs(name, tp, dcp) if v != vocab)
         stocks = tuple(k for k in table.stocks(name, tp, dcp, vocab) if k != stock)
-        return _View(plan, emulated_plan, real, emulated, on, settings.serve_emulated(),
+        return _View(entries, emulated_entries, real, emulated, on, settings.serve_emulated(),
                      tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key,
                      settings.spin_budget_s(), others, stocks), None
     except TableError as exc:
@@ -399,16 +402,18 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
 
 
 def _choose(view, shared):
-    """('table', plan), ('tune', {}), ('emulated', plan), ('unserved', {}) or
-    ('unknown', {}); the same on every rank (its inputs are agreed)."""
+    """('table', entries), ('tune', {}), ('emulated', entries), ('unserved', {}) or
+    ('unknown', {}), ``entries`` the enabled ``{rows: TableRow}`` to serve; the same on
+    every rank (its inputs are agreed)."""
     if view.real != "missing" and (shared or not view.autotune or view.real == "current"):
-        return "table", view.plan  # processes sharing a GPU cannot re-measure real ranks
+        return "table", view.entries  # processes sharing a GPU cannot re-measure real ranks
     if view.autotune and (not shared or view.emulated != "current"):
         return ("unknown", {}) if shared is None else ("tune", {})
     if shared and view.emulated != "missing":
-        return ("emulated", view.emulated_plan) if view.serve_emulated else ("unserved", {})
+        return ("emulated", view.emulated_entries) if view.serve_emulated else ("unserved", {})
     return "table", {}
 
 
-def _digest(plan):
-    return tuple(sorted((m, p.config) for m, p in plan.items()))  # every knob, by construction
+def _digest(entries):
+    """The plan of ``entries`` (``{rows: TableRow}``), hashable: each row's config."""
+    return tuple(sorted((m, e.config) for m, e in entries.items()))  # every knob, by construction

@@ -1,5 +1,7 @@
-"""``plan()``: the ``GatherConfig`` of every served row count, checked against what the
-device holds co-resident; ``co_resident_limit``: that limit, the one definition.
+"""``plan()``: the plan, ``{rows: GatherConfig}`` (what each served row count
+launches), checked against what the device holds co-resident; ``co_resident_limit``:
+that limit, the one definition. "Plan" means that mapping only (``HeadGather.configs``
+holds the one served); a table's entry for a row count is a ``table.TableRow``.
 
 Invariants a change must keep:
 
@@ -72,11 +74,12 @@ def co_resident_limit(resident_per_device: int, sharing: int, pdl: bool) -> int:
 
 def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_THREADS,
          unroll=None, clamped=None) -> dict:
-    """``{rows: GatherConfig}`` for every row count of ``rows``.
+    """The plan ``{rows: GatherConfig}`` for every row count of ``rows``.
 
-    ``ctas``: None (``config.default_config`` with ``threads`` and ``unroll``; unroll
-    None: its choice per row count), an int for every row count, or ``{rows: int or
-    GatherConfig}`` (an int takes ``threads`` and ``unroll``, DEFAULT_UNROLL if None).
+    ``ctas``, what is asked for each row count: None (``config.default_config`` with
+    ``threads`` and ``unroll``; unroll None: its choice per row count), an int (a CTA
+    count) for every row count, or ``{rows: int or GatherConfig}`` (an int takes
+    ``threads`` and ``unroll``, DEFAULT_UNROLL if None).
     ``resident(config)``: CTAs of ``config``'s kernel the device holds
     (its ``ctas`` is ignored: occupancy depends on the compiled kernel only).
     Raises ValueError when a row count has no configuration or one that cannot be
@@ -95,18 +98,21 @@ def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_
             limits[key] = co_resident_limit(resident(key), sharing, pdl)
         return limits[key]
 
+    # asked: the CTA count or GatherConfig asked for per row count
     if ctas is None:
-        ctas = {m: default_config(m, tp, shard, threads, unroll, limit) for m in rows}
+        asked = {m: default_config(m, tp, shard, threads, unroll, limit) for m in rows}
     elif not isinstance(ctas, Mapping):
-        ctas = dict.fromkeys(rows, ctas)
-    missing = rows - set(ctas)
+        asked = dict.fromkeys(rows, ctas)
+    else:
+        asked = ctas
+    missing = rows - set(asked)
     if missing:
         raise ValueError(f"no CTA count for rows {sorted(missing)}")
     configs = {}
     for m in sorted(rows):
-        entry = ctas[m]
-        config = (entry if isinstance(entry, GatherConfig)
-                  else GatherConfig(int(entry), threads,
+        wanted = asked[m]
+        config = (wanted if isinstance(wanted, GatherConfig)
+                  else GatherConfig(int(wanted), threads,
                                     DEFAULT_UNROLL if unroll is None else unroll))
         most = limit(config)
         if config.ctas > most and clamped is not None and most >= 1:

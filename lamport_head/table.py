@@ -30,7 +30,7 @@ section and first-use tuning measures one for that V, beside the other). ``vocab
 optional in the file for tables written before sections carried it: such a section
 is taken as V = ``KIMI_K2_VOCAB`` (163840, the tuner's default ``--vocab``), which
 ``show`` says. Two sections of one file for the same key are ambiguous: the loader
-rejects them, naming the file and both entries. ``plan``/``section`` without a
+rejects them, naming the file and both entries. ``entries``/``section`` without a
 vocabulary take the one section for (GPU, TP, DCP) when there is exactly one, and
 raise ``TableError`` naming the choices when there are several.
 
@@ -82,10 +82,12 @@ class TableError(ValueError):
 
 
 @dataclass(frozen=True)
-class RowPlan:
-    """One row count's entry: how to launch it (``config``), whether to serve it, and
-    whether it was measured or filled in (``fill``). ``ctas``, ``threads`` and
-    ``unroll`` read the config (the public contract names ``.ctas``)."""
+class TableRow:
+    """The table's entry for one row count: how to launch it (``config``), whether to
+    serve it, and whether it was measured or filled in (``fill``). ``ctas``,
+    ``threads`` and ``unroll`` read the config (the public contract names ``.ctas``).
+    Not a plan: a plan is ``{rows: GatherConfig}`` (``plan.plan``'s answer), and the
+    one served from a section is its enabled entries' configs."""
 
     config: GatherConfig
     enabled: bool
@@ -104,22 +106,26 @@ class RowPlan:
         return self.config.unroll
 
 
+RowPlan = TableRow  # deprecated: TableRow's 0.3 name, kept until 0.4
+
+
 def fill(measured):
-    """The serving plan ``{rows: RowPlan}`` from the measured rows (a range counts as
-    measured for each of its rows). A row between two measured rows takes the plan of
-    the measured row above it (its CTAs were found for at least as many rows, so they
-    cover the bytes), marked ``filled``, enabled only when both neighbours are
-    enabled. Rows below the smallest measured row have no lower neighbour, and rows
-    past the largest have no upper one: both stay stock (absent). When the smallest
-    measured row is 1 there is no row below it."""
+    """The table's entries ``{rows: TableRow}`` serving reads, from the measured rows
+    (``{rows: TableRow}``; a range counts as measured for each of its rows). A row
+    between two measured rows takes the entry of the measured row above it (its CTAs
+    were found for at least as many rows, so they cover the bytes), marked
+    ``filled``, enabled only when both neighbours are enabled. Rows below the smallest
+    measured row have no lower neighbour, and rows past the largest have no upper one:
+    both stay stock (absent). When the smallest measured row is 1 there is no row
+    below it."""
     rows = sorted(measured)
-    plan = dict(measured)
+    entries = dict(measured)
     for below, above in zip(rows, rows[1:]):
         if above - below > 1:
             enabled = measured[below].enabled and measured[above].enabled
             gap = replace(measured[above], enabled=enabled, filled=True)
-            plan.update(dict.fromkeys(range(below + 1, above), gap))
-    return dict(sorted(plan.items()))
+            entries.update(dict.fromkeys(range(below + 1, above), gap))
+    return dict(sorted(entries.items()))
 
 
 def normalize(name: str) -> str:
@@ -212,7 +218,7 @@ def _row(entry, where):
             v = entry[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
                 raise TableError(f"{where}: {key} must be a non-negative number, got {v!r}")
-    return RowPlan(config, entry["enabled"])
+    return TableRow(config, entry["enabled"])
 
 
 @dataclass
@@ -222,7 +228,7 @@ class Section:
     dcp: int
     emulated: bool
     provenance: dict
-    rows: dict  # measured row count -> RowPlan (ranges expanded); Table.plan fills gaps
+    rows: dict  # measured row count -> TableRow (ranges expanded); Table.entries fills gaps
     raw: dict  # the section as written
     source: str = ""  # the file it was read from
     vocab: int = LEGACY_VOCAB  # the full vocabulary V its rows were measured at
@@ -250,8 +256,8 @@ def _label(section):
 
 
 class Table:
-    """A validated table. ``plan(device_name, tp, dcp, vocab=None)`` -> ``{rows:
-    RowPlan}``. ``path`` is its file (the highest layer's, for a layered view);
+    """A validated table. ``entries(device_name, tp, dcp, vocab=None)`` -> ``{rows:
+    TableRow}``. ``path`` is its file (the highest layer's, for a layered view);
     ``layers`` every file read, lowest first. No two sections share a
     ``section_key``."""
 
@@ -290,14 +296,17 @@ class Table:
                       if normalize(s.device) == normalize(device_name) and s.tp == tp
                       and s.dcp == dcp and s.emulated == emulated and s.vocab == vocab)
 
-    def plan(self, device_name, tp, dcp=1, *, emulated=False, vocab=None, stock=None):
-        """The serving plan, gaps between measured rows filled (``fill``); ``{}`` for an
-        unknown device, (tp, dcp), vocabulary or stock. Emulated sections are only
-        returned when asked for with ``emulated=True``. ``vocab``: the full vocabulary V
-        served (TP x shard width); ``stock``: the engine's gather the route replaces;
-        None takes the one section there is (``section``)."""
+    def entries(self, device_name, tp, dcp=1, *, emulated=False, vocab=None, stock=None):
+        """The section's entries ``{rows: TableRow}``, enabled or not, gaps between
+        measured rows filled (``fill``); ``{}`` for an unknown device, (tp, dcp),
+        vocabulary or stock. Emulated sections are only returned when asked for with
+        ``emulated=True``. ``vocab``: the full vocabulary V served (TP x shard width);
+        ``stock``: the engine's gather the route replaces; None takes the one section
+        there is (``section``)."""
         s = self.section(device_name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
         return fill(s.rows) if s else {}
+
+    plan = entries  # deprecated: the 0.3 name of ``entries``, kept until 0.4
 
 
 def _syntax_error(path, text, exc):
@@ -405,7 +414,7 @@ def _section(device, sec, where):
     rows = sec.get("rows")
     if not isinstance(rows, dict) or not rows:
         raise TableError(f"{where}: rows must be a non-empty mapping")
-    plan, spans = {}, []
+    measured, spans = {}, []
     for key, entry in rows.items():
         lo, hi = row_span(key, f"{where} rows[{key!r}]")
         for other, (a, b) in spans:
@@ -413,8 +422,8 @@ def _section(device, sec, where):
                 raise TableError(f"{where}: rows {key!r} overlap rows {other!r}")
         spans.append((key, (lo, hi)))
         row = _row(entry, f"{where} rows[{key!r}]")
-        plan.update(dict.fromkeys(range(lo, hi + 1), row))
-    return Section(device, tp, dcp, emulated, provenance, dict(sorted(plan.items())), sec,
+        measured.update(dict.fromkeys(range(lo, hi + 1), row))
+    return Section(device, tp, dcp, emulated, provenance, dict(sorted(measured.items())), sec,
                    vocab=vocab, stock=stock)
 
 

@@ -239,17 +239,17 @@ class CollectiveTarget:
     def limit(self, threads, unroll):
         return int(self._reduce(128, torch.distributed.ReduceOp.MIN))
 
-    def lamport(self, rows, plan):
+    def lamport(self, rows, config):
         import math
 
         from lamport_head.tuning.harness import Timing
 
-        self.timed.append((rows, plan.ctas))
+        self.timed.append((rows, config.ctas))
         if self.fail == "nobuild" or (self.fail == "nobuild64" and rows == 64):
             self._reduce(0, torch.distributed.ReduceOp.MAX)  # the same collectives
             return None  # a failed trial on every rank (built nothing, verified nothing)
         best = min(8 * rows, 128)
-        us = self._reduce(3 + rows / 2 + abs(math.log2(plan.ctas / best)),
+        us = self._reduce(3 + rows / 2 + abs(math.log2(config.ctas / best)),
                           torch.distributed.ReduceOp.MAX)
         return Timing(us, us, 1.0)
 

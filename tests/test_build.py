@@ -70,8 +70,8 @@ def _install_limit(monkeypatch, tp, sharing, config):
     """The CTAs install's build serves ``config``'s kernel with, asked for far more."""
     monkeypatch.setattr(head_gather, "HeadGather",
                         functools.partial(head_gather.HeadGather, mailbox=_box(tp, sharing)))
-    plan = {1: types.SimpleNamespace(config=GatherConfig(1 << 16, config.threads, config.unroll))}
-    gather = install._build(None, "cpu", tp, 0, SHARD, plan, 10.0)
+    entries = {1: types.SimpleNamespace(config=GatherConfig(1 << 16, config.threads, config.unroll))}
+    gather = install._build(None, "cpu", tp, 0, SHARD, entries, 10.0)
     try:
         assert gather.mode == "serving"
         (asked, limit), = gather.clamped.values()

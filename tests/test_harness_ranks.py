@@ -31,7 +31,7 @@ from lamport_head.tuning.support.reference import reference_gather
 from lamport_head.config import GatherConfig
 
 ROWS, SHARD = 2, 64
-PLAN = GatherConfig(4, 256, 4)
+CONFIG = GatherConfig(4, 256, 4)
 
 
 class _Event:
@@ -185,7 +185,7 @@ def _outcome(fn, *args):
 
 
 def _trial_worker(rank, tp, fail):
-    """stock(ROWS) then lamport(ROWS, PLAN) on the real DistributedTarget; then one
+    """stock(ROWS) then lamport(ROWS, CONFIG) on the real DistributedTarget; then one
     more collective: every rank's outcomes, gathered (a rank out of step hangs it)."""
     from lamport_head.collective import all_gather_objects
     from lamport_head.tuning.support.procs import Ranks
@@ -196,7 +196,7 @@ def _trial_worker(rank, tp, fail):
     target = DistributedTarget(Ranks(torch.device("cpu"), rank, tp, True, "gloo"), tp * SHARD,
                                calls=4, reps=2, replays=3)
     stock = _outcome(target.stock, ROWS)
-    lamport = _outcome(target.lamport, ROWS, PLAN) if stock == "timing" else "skipped"
+    lamport = _outcome(target.lamport, ROWS, CONFIG) if stock == "timing" else "skipped"
     return all_gather_objects({"stock": stock, "lamport": lamport, "closed": len(closes)})
 
 
@@ -316,9 +316,9 @@ def _overlap_worker(rank, tp, fail):
     target = DistributedTarget(Ranks(torch.device("cpu"), rank, tp, True, "gloo"), tp * SHARD,
                                calls=4, reps=2, replays=3)
     head = LmHead(ROWS, 32, SHARD, "cpu", seed=rank)
-    both = target.lm_head_overlap(ROWS, PLAN, head)
+    both = target.lm_head_overlap(ROWS, CONFIG, head)
     on = _outcome(lambda: both)
-    off = _outcome(target.lm_head_overlap, ROWS, PLAN, head, False)
+    off = _outcome(target.lm_head_overlap, ROWS, CONFIG, head, False)
     return all_gather_objects({"on": on, "off": off, "closed": len(closes),
                                "pair": list(both) if both else None})
 
@@ -369,18 +369,18 @@ def _identity_worker(rank, tp, cache):
         return launcher(kernel, device, *flag)
 
     seam.compiled, seam.launcher = compiling, launching
-    limits = firstuse.FirstUseLimits(ctas=(PLAN.ctas,), threads=(PLAN.threads,),
-                                     unroll=(PLAN.unroll,), calls=2, reps=1, replays=1)
+    limits = firstuse.FirstUseLimits(ctas=(CONFIG.ctas,), threads=(CONFIG.threads,),
+                                     unroll=(CONFIG.unroll,), calls=2, reps=1, replays=1)
     outcome = firstuse.measure(None, "cpu", tp, rank, 1, SHARD, [ROWS], True, "NVIDIA H200",
                                limits=limits)
     (result,) = outcome.results
     phase[0] = "serve"
-    gather = install._build(None, "cpu", tp, rank, SHARD, {ROWS: result.plan}, 10.0)
+    gather = install._build(None, "cpu", tp, rank, SHARD, {ROWS: result.entry}, 10.0)
     served = [[m, c.label()] for m, c in gather.configs.items()]
     gather._watcher.stop()
     gather.close()
     written = yaml.safe_load(open(user_path()).read())
-    return {"launchers": launchers, "tuned": [result.rows, result.plan.config.label()],
+    return {"launchers": launchers, "tuned": [result.rows, result.entry.config.label()],
             "served": served, "written": sorted({str(v) for v in _find(written, "kernel")})}
 
 
@@ -406,7 +406,7 @@ def test_a_tuned_rows_kernel_is_the_kernel_install_builds_for_it(tmp_path):
 
     results = spawn(_identity_worker, 2, tmp_path, str(tmp_path / "cache"), deadline_s=120)
     for r in results:
-        assert r["tuned"] == [ROWS, PLAN.label()] and r["served"] == [[ROWS, PLAN.label()]]
+        assert r["tuned"] == [ROWS, CONFIG.label()] and r["served"] == [[ROWS, CONFIG.label()]]
         tuned = {key for phase, key, _ in r["launchers"] if phase == "tune"}
         served = {key for phase, key, _ in r["launchers"] if phase == "serve"}
         assert len(served) == 1 and served == tuned, (served, tuned)

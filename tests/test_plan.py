@@ -137,7 +137,7 @@ def test_install_serves_a_table_row_over_the_limit_at_the_limit(monkeypatch, cap
     import logging
 
     from lamport_head import install
-    from lamport_head.table import RowPlan
+    from lamport_head.table import TableRow
 
     monkeypatch.setattr(build, "KERNELS", CpuKernels(1056))  # limit 792 per rank
     monkeypatch.setattr(build, "choose_backend", lambda group, device, backend: ("ipc", 1))
@@ -157,9 +157,9 @@ def test_install_serves_a_table_row_over_the_limit_at_the_limit(monkeypatch, cap
     monkeypatch.setattr(build, "MAILBOXES", {"ipc": Box})
     monkeypatch.setattr(build, "agree", lambda error, group, device, what: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    rows = {1: RowPlan(GatherConfig(900), True), 8: RowPlan(GatherConfig(64), True)}
+    entries = {1: TableRow(GatherConfig(900), True), 8: TableRow(GatherConfig(64), True)}
     with caplog.at_level(logging.WARNING, logger="lamport_head"):
-        gather = install._build(None, "cpu", TP, 0, SHARD, rows, 2.0)
+        gather = install._build(None, "cpu", TP, 0, SHARD, entries, 2.0)
     assert gather.ctas == {1: 792, 8: 64} and gather.clamped == {1: (900, 792)}
     assert built["armed"]
     lines = [r.getMessage() for r in caplog.records if "co-resident" in r.getMessage()]

@@ -106,7 +106,7 @@ devices:
 """
 
 
-def test_show_prints_plan(tmp_path, capsys):
+def test_show_prints_entries(tmp_path, capsys):
     p = tmp_path / "t.yaml"
     p.write_text(SHOW_TABLE)
     assert cli.main(["show", "--table", str(p), "--device", "nvidia h200", "--tp", "8"]) == 0
@@ -161,7 +161,7 @@ def test_show_marks_filled_rows(tmp_path, capsys):
              if line.strip() and line.split()[0][0].isdigit()}
     assert list(lines) == ["1-4", "5-7", "8"]
     assert "filled (not measured) from rows 8" in lines["5-7"]
-    assert lines["5-7"].split()[1:5] == ["32", "256", "4", "no"]  # row 8's plan, disabled
+    assert lines["5-7"].split()[1:5] == ["32", "256", "4", "no"]  # row 8's entry, disabled
     assert "filled" not in lines["1-4"] and "filled" not in lines["8"]
 
 
@@ -182,11 +182,11 @@ def _results():
     import math
 
     from lamport_head.config import GatherConfig
-    from lamport_head.table import RowPlan
+    from lamport_head.table import TableRow
     from lamport_head.tuning.sweep import RowResult
 
-    return [RowResult(1, RowPlan(GatherConfig(16, 256, 4), False), 6.97, 2.15, 6.97, math.nan),
-            RowResult(8, RowPlan(GatherConfig(48, 128, 2), True), 25.52, 30.0, 25.52, math.nan)]
+    return [RowResult(1, TableRow(GatherConfig(16, 256, 4), False), 6.97, 2.15, 6.97, math.nan),
+            RowResult(8, TableRow(GatherConfig(48, 128, 2), True), 25.52, 30.0, 25.52, math.nan)]
 
 
 def _plot_texts(monkeypatch, records, emulated, tmp_path):
@@ -221,7 +221,7 @@ def test_tune_emulated_summary_table_and_plot_have_no_stock_or_speedup(monkeypat
         assert word not in printed, word
     rows = tune.section_rows(results, emulated=True)
     assert rows[1] == {"ctas": 16, "enabled": False, "threads": 256, "unroll": 4,
-                       "lamport_us": 6.97}  # every knob of the plan, no stock_us
+                       "lamport_us": 6.97}  # every knob of the entry, no stock_us
     assert rows[8]["enabled"] is False and "stock_us" not in rows[8]  # never served
     texts = _plot_texts(monkeypatch, tune.plot_records(results, True), True, tmp_path)
     assert "gather" in texts and "(emulated)" in texts

@@ -11,7 +11,7 @@ import yaml
 from spawn import spawn
 
 from lamport_head.config import GatherConfig, cta_choices
-from lamport_head.table import RowPlan, load_table
+from lamport_head.table import TableRow, load_table
 from lamport_head.tuning import sweep
 from lamport_head.tuning.harness import Timing
 from lamport_head.tuning.writer import measured_rows, merge_section
@@ -30,12 +30,13 @@ class CostModel:
     def limit(self, threads, unroll):
         return self.limit_ctas
 
-    def lamport(self, rows, plan):
-        self.timed.append((rows, plan.ctas, plan.threads, plan.unroll))
-        if (plan.ctas, plan.threads, plan.unroll) in self.bad:
+    def lamport(self, rows, config):
+        self.timed.append((rows, config.ctas, config.threads, config.unroll))
+        if (config.ctas, config.threads, config.unroll) in self.bad:
             return None  # failed verification
         best = min(4 * rows, self.limit_ctas)
-        us = 3 + abs(math.log2(plan.ctas / best)) + (plan.threads != 256) + (plan.unroll != 4) + rows / 8
+        us = (3 + abs(math.log2(config.ctas / best)) + (config.threads != 256)
+              + (config.unroll != 4) + rows / 8)
         return Timing(us + 5, us, 4.0, us * 1.01, 0.1)
 
     def stock(self, rows):
@@ -53,8 +54,8 @@ def test_grid_finds_the_argmin_and_times_each_config_once(tmp_path):
     target = CostModel(limit=64)
     r = sweep.tune_rows(target, 4, device="gpu x", tp=8, dcp=1, vocab=V, trials=10_000,
                         storage=storage(tmp_path))
-    assert (r.plan.ctas, r.plan.threads, r.plan.unroll) == (16, 256, 4)
-    assert r.lamport_us == pytest.approx(3.5) and r.stock_us == 14 and r.plan.enabled
+    assert (r.entry.ctas, r.entry.threads, r.entry.unroll) == (16, 256, 4)
+    assert r.lamport_us == pytest.approx(3.5) and r.stock_us == 14 and r.entry.enabled
     assert len(target.timed) == len(set(target.timed)) == len(sweep.grid(target))
 
 
@@ -62,16 +63,16 @@ def test_margin_decides_enabled(tmp_path):
     target = CostModel(limit=64)
     r = sweep.tune_rows(target, 64, device="g", tp=8, dcp=1, vocab=V, trials=10_000, storage=storage(tmp_path),
                         margin=0.0)
-    assert r.plan.enabled  # 3 + 8 + penalty(64 vs 256 -> 2) = 13 < 74
+    assert r.entry.enabled  # 3 + 8 + penalty(64 vs 256 -> 2) = 13 < 74
     r = sweep.tune_rows(target, 64, device="g2", tp=8, dcp=1, vocab=V, trials=10_000,
                         storage=storage(tmp_path), margin=0.9)
-    assert not r.plan.enabled  # must be under 7.4 µs
+    assert not r.entry.enabled  # must be under 7.4 µs
 
 
 def test_failed_verification_is_never_chosen(tmp_path):
     target = CostModel(limit=64, bad={(16, 256, 4)})
     r = sweep.tune_rows(target, 4, device="g", tp=8, dcp=1, vocab=V, trials=10_000, storage=storage(tmp_path))
-    assert (r.plan.ctas, r.plan.threads, r.plan.unroll) != (16, 256, 4)
+    assert (r.entry.ctas, r.entry.threads, r.entry.unroll) != (16, 256, 4)
 
 
 def test_resume_times_nothing_twice(tmp_path):
@@ -96,9 +97,9 @@ def test_resume_with_other_threads_reports_only_what_it_timed(tmp_path):
     second = CostModel(limit=16)
     r = sweep.tune_rows(second, 4, device="g", tp=8, dcp=1, vocab=V, trials=100,
                         storage=storage(tmp_path), threads=(128,), unroll=(4,))
-    chosen = (4, r.plan.ctas, r.plan.threads, r.plan.unroll)
-    assert r.plan.threads == 128 and chosen in second.timed
-    assert r.lamport_us == pytest.approx(second.lamport(4, r.plan).gpu_us)
+    chosen = (4, r.entry.ctas, r.entry.threads, r.entry.unroll)
+    assert r.entry.threads == 128 and chosen in second.timed
+    assert r.lamport_us == pytest.approx(second.lamport(4, r.entry.config).gpu_us)
 
 
 def test_study_key_separates_vocab_and_kernel(tmp_path):
@@ -148,12 +149,12 @@ def test_measured_rows_one_entry_each_and_yaml_round_trip(tmp_path):
     merge_section(path, "GPU X", 8, 1, rows, prov, emulated=True)
     merge_section(path, "GPU X", 8, 1, rows, prov, emulated=True)  # replaces, never duplicates
     t = load_table(path)
-    assert t.plan("Other GPU", 2, 1)[1].ctas == 1  # untouched
-    assert t.plan("GPU X", 8, 1) == {}  # emulated: never served
-    plan = t.plan("GPU X", 8, 1, emulated=True)
-    assert plan[2].ctas == 8 and plan[16].enabled and not plan[16].filled
-    assert plan[12] == RowPlan(GatherConfig(12, 256, 4), True, filled=True)  # served from row 16
-    assert 1 not in plan and 17 not in plan  # outside the measured rows: stock
+    assert t.entries("Other GPU", 2, 1)[1].ctas == 1  # untouched
+    assert t.entries("GPU X", 8, 1) == {}  # emulated: never served
+    entries = t.entries("GPU X", 8, 1, emulated=True)
+    assert entries[2].ctas == 8 and entries[16].enabled and not entries[16].filled
+    assert entries[12] == TableRow(GatherConfig(12, 256, 4), True, filled=True)  # from row 16
+    assert 1 not in entries and 17 not in entries  # outside the measured rows: stock
     assert len(t.sections) == 2
     assert not list(tmp_path.glob(".head_gather.yaml.*"))  # no temporary left behind
 
@@ -175,12 +176,12 @@ class RankCost(CostModel):
         super().__init__(limit=16)
         self.rank = rank
 
-    def lamport(self, rows, plan):
-        t = super().lamport(rows, plan)
+    def lamport(self, rows, config):
+        t = super().lamport(rows, config)
         if t is None:
             return None
         # rank 1 is slow at exactly the config rank 0 likes best
-        extra = 5.0 if (self.rank == 1 and plan.ctas == 4) else 0.0
+        extra = 5.0 if (self.rank == 1 and config.ctas == 4) else 0.0
         local = torch.tensor([t.gpu_us + extra], dtype=torch.float64)
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
         return Timing(t.eager_us, local.item(), t.host_us)
@@ -190,7 +191,7 @@ def _agree_worker(rank, world, db):
     target = RankCost(rank)
     r = sweep.tune_rows(target, 1, device="g", tp=world, dcp=1, vocab=V, trials=40, storage=db,
                         comm=sweep.DistComm(None))
-    return {"ctas": r.plan.ctas, "us": r.lamport_us, "timed": target.timed}
+    return {"ctas": r.entry.ctas, "us": r.lamport_us, "timed": target.timed}
 
 
 def test_ranks_agree_on_one_choice(tmp_path):
@@ -301,10 +302,11 @@ class CollectiveCost(CostModel):
     def limit(self, threads, unroll):
         return int(self._reduce(self.limit_ctas, dist.ReduceOp.MIN))
 
-    def lamport(self, rows, plan):
-        t = super().lamport(rows, plan)
+    def lamport(self, rows, config):
+        t = super().lamport(rows, config)
         us = self._reduce(t.gpu_us, dist.ReduceOp.MAX)
-        if self.rank == self.fail_rank and (plan.ctas, plan.threads, plan.unroll) == self.fail_at:
+        if (self.rank == self.fail_rank
+                and (config.ctas, config.threads, config.unroll) == self.fail_at):
             return None  # this rank's verification failed; its peers saw a figure
         return Timing(t.eager_us, us, t.host_us)
 
@@ -319,7 +321,7 @@ def _collective_worker(rank, world, db, fail_rank):
                         comm=sweep.DistComm(None), threads=(256,), unroll=(2, 4),
                         on_trial=lambda rows, config, timing: seen.append(
                             [list(astuple(config)), timing and timing.gpu_us]))
-    return {"plan": [r.plan.ctas, r.plan.enabled, r.plan.threads, r.plan.unroll],
+    return {"entry": [r.entry.ctas, r.entry.enabled, r.entry.threads, r.entry.unroll],
             "us": [r.lamport_us, r.stock_us], "trials": r.trials, "seen": seen}
 
 
@@ -395,10 +397,10 @@ def _broken_progress_worker(rank, world):
             raise BrokenPipeError("stderr closed")
 
     try:
-        plan = sweep.tune_rows(CollectiveCost(rank), 4, device="g", tp=world, dcp=1, vocab=V,
+        result = sweep.tune_rows(CollectiveCost(rank), 4, device="g", tp=world, dcp=1, vocab=V,
                                trials=6, storage=None, comm=sweep.DistComm(None),
                                threads=(256,), unroll=(4,), ctas=(8, 16), on_trial=progress)
-        what = [plan.plan.ctas, plan.plan.enabled, plan.timed]
+        what = [result.entry.ctas, result.entry.enabled, result.timed]
     except Exception as exc:
         what = f"{type(exc).__name__}: {exc}"
     return all_gather_objects(what)
@@ -419,10 +421,10 @@ def test_every_rank_takes_part_in_every_collective(tmp_path, world, fail_rank):
     assert len(first["seen"]) == 2 * len(cta_choices(16))  # the whole grid, once
     assert first["trials"] == len(first["seen"]) - (fail_rank is not None)  # completed ones
     if fail_rank is None:
-        assert first["plan"] == [16, True, 256, 4]  # the cost model's argmin
+        assert first["entry"] == [16, True, 256, 4]  # the cost model's argmin
     else:
         assert [[16, 256, 4], None] in first["seen"]  # failed on every rank
-        assert first["plan"][0] != 16
+        assert first["entry"][0] != 16
 
 
 def test_an_emulated_timeout_while_measured_is_a_failed_trial(monkeypatch):
@@ -433,7 +435,7 @@ def test_an_emulated_timeout_while_measured_is_a_failed_trial(monkeypatch):
 
     target = EmulatedTarget.__new__(EmulatedTarget)
 
-    def measure(rows, plan):
+    def measure(rows, config):
         raise GatherTimeout(0, (3,), 11)
 
     monkeypatch.setattr(target, "_measure", measure)
@@ -450,7 +452,7 @@ target = CostModel(limit=16, bad={{(8, 256, 4)}})
 r = sweep.tune_rows(target, 4, device="g", tp=8, dcp=1, vocab=V, trials=10, storage=None,
                     threads=(256,), unroll=(4,), ctas=(4, 8, 16, 32), kernel="k")
 print(json.dumps({{"optuna": "optuna" in sys.modules, "timed": target.timed,
-                  "result": [r.plan.ctas, r.plan.enabled, r.lamport_us, r.stock_us,
+                  "result": [r.entry.ctas, r.entry.enabled, r.lamport_us, r.stock_us,
                              r.lamport_gpu_us, r.trials, r.timed]}}))
 """
 
@@ -474,7 +476,7 @@ def test_a_walk_without_storage_never_imports_optuna_and_matches_the_study(tmp_p
                         ctas=(4, 8, 16, 32), kernel="k")
     assert walked["timed"] == [list(t) for t in target.timed] == [
         [4, 4, 256, 4], [4, 8, 256, 4], [4, 16, 256, 4]]  # the grid, in order, once each
-    assert walked["result"] == [r.plan.ctas, r.plan.enabled, r.lamport_us, r.stock_us,
+    assert walked["result"] == [r.entry.ctas, r.entry.enabled, r.lamport_us, r.stock_us,
                                 r.lamport_gpu_us, r.trials, r.timed]
     assert walked["result"][:2] == [16, True] and walked["result"][5:] == [2, 3]
 

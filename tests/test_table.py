@@ -4,7 +4,7 @@ rejected with a TableError naming the file and the entry."""
 import pytest
 
 from lamport_head.config import GatherConfig
-from lamport_head.table import RowPlan, TableError, fill, load_table, parse
+from lamport_head.table import TableError, TableRow, fill, load_table, parse
 
 GOOD = """\
 schema: 1
@@ -31,22 +31,22 @@ devices:
 
 def test_good_table_expands_ranges(tmp_path):
     t = parse(GOOD, "good.yaml")
-    plan = t.plan("nvidia  h200", 8, 1)
-    assert plan[1] == RowPlan(GatherConfig(8), True)
-    assert plan[3] == RowPlan(GatherConfig(16, 512, 2), True)
-    assert plan[64] == RowPlan(GatherConfig(32), False) and 65 not in plan
-    assert sorted(plan) == list(range(1, 65))
-    assert t.plan("NVIDIA H200", 8, 1, emulated=True) == {1: RowPlan(GatherConfig(4), True)}
-    assert t.plan("NVIDIA H200", 4, 2) == {1: RowPlan(GatherConfig(1), True),
-                                           2: RowPlan(GatherConfig(1), True)}
-    assert t.plan("NVIDIA H100", 8, 1) == {} and t.plan("NVIDIA H200", 2, 1) == {}
+    entries = t.entries("nvidia  h200", 8, 1)
+    assert entries[1] == TableRow(GatherConfig(8), True)
+    assert entries[3] == TableRow(GatherConfig(16, 512, 2), True)
+    assert entries[64] == TableRow(GatherConfig(32), False) and 65 not in entries
+    assert sorted(entries) == list(range(1, 65))
+    assert t.entries("NVIDIA H200", 8, 1, emulated=True) == {1: TableRow(GatherConfig(4), True)}
+    assert t.entries("NVIDIA H200", 4, 2) == {1: TableRow(GatherConfig(1), True),
+                                              2: TableRow(GatherConfig(1), True)}
+    assert t.entries("NVIDIA H100", 8, 1) == {} and t.entries("NVIDIA H200", 2, 1) == {}
 
 
 def test_env_override_and_packaged(tmp_path, monkeypatch):
     p = tmp_path / "t.yaml"
     p.write_text(GOOD)
     monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(p))
-    assert load_table().plan("NVIDIA H200", 8, 1)[1].ctas == 8
+    assert load_table().entries("NVIDIA H200", 8, 1)[1].ctas == 8
     monkeypatch.delenv("LAMPORT_HEAD_TABLE")
     assert load_table().path.endswith("head_gather.yaml")  # the packaged one loads
 
@@ -140,7 +140,7 @@ def test_missing_file_is_a_table_error(tmp_path):
 
 def test_quoted_words_are_fine():
     t = parse(section("1: {ctas: 8, enabled: true}").replace("GPU X", "'on'"))
-    assert t.plan("on", 8, 1)[1].ctas == 8
+    assert t.entries("on", 8, 1)[1].ctas == 8
 
 
 def test_huge_range_is_rejected_before_it_is_expanded():
@@ -153,7 +153,7 @@ def test_huge_range_is_rejected_before_it_is_expanded():
 
 
 def test_range_up_to_the_limit_loads():
-    assert len(parse(section("1-1024: {ctas: 8, enabled: true}")).plan("GPU X", 8, 1)) == 1024
+    assert len(parse(section("1-1024: {ctas: 8, enabled: true}")).entries("GPU X", 8, 1)) == 1024
 
 
 FILL = """\
@@ -171,28 +171,40 @@ devices:
 
 
 def test_gaps_fill_from_the_row_above():
-    plan = parse(FILL).plan("GPU X", 8, 1)
-    assert 1 not in plan  # below the smallest measured row: no lower neighbour, stock
-    assert plan[2] == RowPlan(GatherConfig(2), True)  # measured rows are served as written
-    assert plan[3] == RowPlan(GatherConfig(4, 128), True, filled=True)  # both neighbours enabled
+    entries = parse(FILL).entries("GPU X", 8, 1)
+    assert 1 not in entries  # below the smallest measured row: no lower neighbour, stock
+    assert entries[2] == TableRow(GatherConfig(2), True)  # measured rows are served as written
+    assert entries[3] == TableRow(GatherConfig(4, 128), True, filled=True)  # both neighbours on
     for m in (5, 6, 7):  # enabled below, disabled above: stays disabled
-        assert plan[m] == RowPlan(GatherConfig(8), False, filled=True)
+        assert entries[m] == TableRow(GatherConfig(8), False, filled=True)
     for m in range(9, 16):  # disabled below, enabled above: stays disabled
-        assert plan[m] == RowPlan(GatherConfig(16), False, filled=True)
+        assert entries[m] == TableRow(GatherConfig(16), False, filled=True)
     # a range: all measured
-    assert all(plan[m] == RowPlan(GatherConfig(16), True) for m in range(16, 21))
-    assert all(plan[m] == RowPlan(GatherConfig(32, 256, 8), True, filled=True)
+    assert all(entries[m] == TableRow(GatherConfig(16), True) for m in range(16, 21))
+    assert all(entries[m] == TableRow(GatherConfig(32, 256, 8), True, filled=True)
                for m in range(21, 32))
-    assert max(plan) == 32  # past the largest measured row: stock
-    assert sorted(plan) == list(range(2, 33))
+    assert max(entries) == 32  # past the largest measured row: stock
+    assert sorted(entries) == list(range(2, 33))
+
+
+def test_the_0_3_names_stay_until_0_4():
+    """Issue 30 item 4 renamed ``RowPlan`` to ``TableRow`` and ``Table.plan`` to
+    ``Table.entries`` (a plan is ``{rows: GatherConfig}`` only); the README's
+    ``Table.plan`` and the old class name keep answering alike until 0.4."""
+    from lamport_head.table import RowPlan
+
+    t = parse(FILL)
+    assert RowPlan is TableRow
+    assert t.plan("GPU X", 8, 1) == t.entries("GPU X", 8, 1) and t.plan("GPU X", 8, 1)
+    assert t.plan("GPU Y", 8, 1) == {}
 
 
 def test_fill_from_row_one_leaves_nothing_below():
-    four, eight = RowPlan(GatherConfig(4), True), RowPlan(GatherConfig(8), True)
-    plan = fill({1: four, 4: eight})
-    gap = RowPlan(GatherConfig(8), True, filled=True)
-    assert plan == {1: four, 2: gap, 3: gap, 4: eight}
-    off = RowPlan(GatherConfig(1), False)
+    four, eight = TableRow(GatherConfig(4), True), TableRow(GatherConfig(8), True)
+    entries = fill({1: four, 4: eight})
+    gap = TableRow(GatherConfig(8), True, filled=True)
+    assert entries == {1: four, 2: gap, 3: gap, 4: eight}
+    off = TableRow(GatherConfig(1), False)
     assert fill({}) == {} and fill({5: off}) == {5: off}
 
 
@@ -209,7 +221,7 @@ def test_layers_higher_replaces_lower(tmp_path, monkeypatch):
 
     shipped = next(s for s in load_table(packaged_path()).sections)
     assert layer_paths() == [packaged_path()]  # no user table yet, no env
-    assert load_table().plan(shipped.device, shipped.tp, shipped.dcp, emulated=shipped.emulated)
+    assert load_table().entries(shipped.device, shipped.tp, shipped.dcp, emulated=shipped.emulated)
     user = user_path()
     user.parent.mkdir(parents=True, exist_ok=True)
     # the user's section for the shipped key is spelled in another case: still the same key
@@ -217,18 +229,18 @@ def test_layers_higher_replaces_lower(tmp_path, monkeypatch):
                           (shipped.device.lower(), shipped.tp, 5, shipped.emulated)))
     t = load_table()
     assert t.layers == [str(packaged_path()), str(user)]
-    assert t.plan("GPU X", 8, 1)[1].ctas == 2
-    assert t.plan(shipped.device, shipped.tp, 1, emulated=shipped.emulated) == {
-        1: RowPlan(GatherConfig(5), True)}
+    assert t.entries("GPU X", 8, 1)[1].ctas == 2
+    assert t.entries(shipped.device, shipped.tp, 1, emulated=shipped.emulated) == {
+        1: TableRow(GatherConfig(5), True)}
     assert t.section(shipped.device, shipped.tp, 1, emulated=shipped.emulated).source == str(user)
     env = tmp_path / "env.yaml"
     env.write_text(layer(("GPU X", 8, 3, False)))
     monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(env))
     t = load_table()
     assert t.layers == [str(packaged_path()), str(user), str(env)] and t.path == str(env)
-    assert t.plan("GPU X", 8, 1)[1].ctas == 3  # the env layer wins
+    assert t.entries("GPU X", 8, 1)[1].ctas == 3  # the env layer wins
     assert t.section("GPU X", 8, 1).source == str(env)
-    assert t.plan("GPU Z", 4, 1)[1].ctas == 4  # a section only the user has stays
+    assert t.entries("GPU Z", 4, 1)[1].ctas == 4  # a section only the user has stays
     keys = [(s.device.lower(), s.tp, s.dcp, s.emulated) for s in t.sections]
     assert len(keys) == len(set(keys))  # one section per key
     one = load_table(env)  # a path reads that one file
@@ -308,22 +320,22 @@ devices:
 
 
 def test_sections_are_keyed_by_vocabulary():
-    """Issue 32 item 3: one section per vocabulary V; ``plan(..., vocab=V)`` serves the
+    """Issue 32 item 3: one section per vocabulary V; ``entries(..., vocab=V)`` serves the
     section measured at V and nothing measured at another V."""
     t = parse(VOCABS, "v.yaml")
-    assert t.plan("NVIDIA H200", 8, 1, vocab=128256)[1].ctas == 8
-    assert t.plan("NVIDIA H200", 8, 1, vocab=163840)[1].ctas == 16
-    assert t.plan("NVIDIA H200", 8, 1, vocab=151936) == {}  # Qwen's V: not measured, not served
+    assert t.entries("NVIDIA H200", 8, 1, vocab=128256)[1].ctas == 8
+    assert t.entries("NVIDIA H200", 8, 1, vocab=163840)[1].ctas == 16
+    assert t.entries("NVIDIA H200", 8, 1, vocab=151936) == {}  # Qwen's V: not measured, not served
     assert t.section("NVIDIA H200", 8, 1, vocab=151936) is None
     assert t.vocabs("NVIDIA H200", 8, 1) == [128256, 163840]
 
 
 def test_no_vocabulary_asked_takes_the_one_section_or_names_the_choices():
     t = parse(VOCABS, "v.yaml")
-    assert t.plan("NVIDIA H200", 4, 1)[1].ctas == 32  # one section for (GPU, TP, DCP): it
-    assert t.plan("NVIDIA H200", 2, 1) == {}
+    assert t.entries("NVIDIA H200", 4, 1)[1].ctas == 32  # one section for (GPU, TP, DCP): it
+    assert t.entries("NVIDIA H200", 2, 1) == {}
     with pytest.raises(TableError) as err:
-        t.plan("NVIDIA H200", 8, 1)
+        t.entries("NVIDIA H200", 8, 1)
     assert str(err.value) == (
         "v.yaml: 2 sections for NVIDIA H200, tp=8, dcp=1, one per vocabulary and stock: "
         "v.yaml: NVIDIA H200 tp=8 dcp=1 vocab=128256 stock=nccl-all-gather; v.yaml: NVIDIA "
@@ -339,8 +351,8 @@ def test_a_section_without_vocab_is_taken_as_the_tuners_default():
     (old,) = [s for s in t.sections if s.tp == 4]
     assert LEGACY_VOCAB == KIMI_K2_VOCAB == 163840
     assert old.vocab == 163840 and not old.vocab_written
-    assert t.plan("NVIDIA H200", 4, 1, vocab=163840)[1].ctas == 32
-    assert t.plan("NVIDIA H200", 4, 1, vocab=128256) == {}
+    assert t.entries("NVIDIA H200", 4, 1, vocab=163840)[1].ctas == 32
+    assert t.entries("NVIDIA H200", 4, 1, vocab=128256) == {}
     assert all(s.vocab_written for s in t.sections if s.tp == 8)
 
 
@@ -356,13 +368,13 @@ def test_a_higher_layer_replaces_a_lower_one_only_for_the_same_vocabulary(tmp_pa
                    "      vocab: 128256\n      rows:\n        1: {ctas: 2, enabled: true}\n")
     monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(env))
     t = load_table()
-    assert t.plan("NVIDIA H200", 8, 1, vocab=163840)[1].ctas == 64  # the same V: replaced
+    assert t.entries("NVIDIA H200", 8, 1, vocab=163840)[1].ctas == 64  # the same V: replaced
     assert t.section("NVIDIA H200", 8, 1, vocab=163840).source == str(env)
-    assert t.plan("NVIDIA H200", 8, 1, vocab=128256)[1].ctas == 8  # another V: kept
+    assert t.entries("NVIDIA H200", 8, 1, vocab=128256)[1].ctas == 8  # another V: kept
     assert t.section("NVIDIA H200", 8, 1, vocab=128256).source == str(user)
     # the user's tp-4 section has no vocab (163840): the env's tp-4 one at 128256 is beside it
-    assert t.plan("NVIDIA H200", 4, 1, vocab=163840)[1].ctas == 32
-    assert t.plan("NVIDIA H200", 4, 1, vocab=128256)[1].ctas == 2
+    assert t.entries("NVIDIA H200", 4, 1, vocab=163840)[1].ctas == 32
+    assert t.entries("NVIDIA H200", 4, 1, vocab=128256)[1].ctas == 2
 
 
 def test_the_writer_writes_vocab_and_replaces_only_the_same_vocabulary(tmp_path):
@@ -381,7 +393,7 @@ def test_the_writer_writes_vocab_and_replaces_only_the_same_vocabulary(tmp_path)
     sections = yaml.safe_load(path.read_text())["devices"]["GPU X"]
     assert [(s["vocab"], s["rows"][1]["ctas"]) for s in sections] == [(128256, 3), (163840, 4)]
     t = load_table(path)
-    assert t.plan("GPU X", 2, 1, vocab=163840)[1].ctas == 4
+    assert t.entries("GPU X", 2, 1, vocab=163840)[1].ctas == 4
 
 
 def test_show_prints_each_sections_vocabulary(tmp_path, capsys):
@@ -427,11 +439,11 @@ def test_sections_are_keyed_by_the_stock_they_were_measured_against():
     multimem = t.section("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK)
     assert (nccl.stock, nccl.rows[1].ctas) == (NCCL_STOCK, 16) and "stock" not in nccl.raw
     assert (multimem.stock, multimem.rows[1].enabled) == (MULTIMEM_STOCK, False)
-    assert t.plan("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK)[1].ctas == 8
+    assert t.entries("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK)[1].ctas == 8
     only_nccl = parse(STOCKS.split("    - tp: 8\n      vocab: 163840\n      stock")[0], "n.yaml")
-    assert only_nccl.plan("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK) == {}
+    assert only_nccl.entries("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK) == {}
     with pytest.raises(TableError, match="one per vocabulary and stock"):
-        t.plan("NVIDIA H200", 8, 1, vocab=163840)
+        t.entries("NVIDIA H200", 8, 1, vocab=163840)
 
 
 def test_a_stock_the_loader_does_not_know_and_a_repeated_stock_are_refused():
@@ -457,8 +469,8 @@ def test_the_writer_writes_stock_and_replaces_only_the_same_stock(tmp_path):
         ("", 16), (MULTIMEM_STOCK, 32)]
     merge_section(path, "NVIDIA H200", 8, 1, {1: {"ctas": 4, "enabled": True}}, {}, vocab=163840)
     t = load_table(path)
-    assert t.plan("NVIDIA H200", 8, 1, vocab=163840, stock="nccl-all-gather")[1].ctas == 4
-    assert t.plan("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK)[1].ctas == 32
+    assert t.entries("NVIDIA H200", 8, 1, vocab=163840, stock="nccl-all-gather")[1].ctas == 4
+    assert t.entries("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK)[1].ctas == 32
 
 
 def test_show_prints_each_sections_stock(tmp_path, capsys):

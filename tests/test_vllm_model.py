@@ -112,7 +112,8 @@ def _serve(monkeypatch, tmp_path):
                      "      rows:\n        1-2: {ctas: 4, enabled: true}\n")
     monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(table))
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
-    monkeypatch.setattr(install, "_build", lambda g, d, tp, r, shard, plan, budget_s: FakeGather(plan))
+    monkeypatch.setattr(install, "_build",
+                        lambda g, d, tp, r, shard, entries, budget_s: FakeGather(entries))
     monkeypatch.setattr(install, "all_gather_objects", lambda obj, group=None: [obj])  # one rank
 
 

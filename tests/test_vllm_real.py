@@ -110,7 +110,8 @@ def _scenarios(rank, tmp):
             return torch.cat(parts, dim=1)
 
     install._device_name = lambda device: "NVIDIA H200"
-    install._build = lambda group, device, tp, r, shard, plan, budget_s: StandIn(group, tp, plan)
+    install._build = (lambda group, device, tp, r, shard, entries, budget_s:
+                      StandIn(group, tp, entries))
 
     full = torch.Generator().manual_seed(7)
 

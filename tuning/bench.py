@@ -31,11 +31,12 @@ from . import goals, report
 from .targets import make_target
 
 
-def plan_for(target, rows, table_plan, threads=config.DEFAULT_THREADS, unroll=None):
-    """The GatherConfig to time ``rows`` with: the table's, else the default heuristic's
+def config_for(target, rows, entries, threads=config.DEFAULT_THREADS, unroll=None):
+    """The GatherConfig to time ``rows`` with: its entry's in ``entries`` (a section's
+    ``{rows: TableRow}``, enabled or not), else the default heuristic's
     (``config.default_config``: unroll None chooses it per row count, as serving does)."""
-    if rows in table_plan:
-        return table_plan[rows].config
+    if rows in entries:
+        return entries[rows].config
     return config.default_config(rows, target.tp, target.shard, threads, unroll,
                                  lambda c: target.limit(c.threads, c.unroll))
 
@@ -62,8 +63,8 @@ def run(args):
     target, device, root = chosen.target, chosen.device, chosen.root
     mode = report.mode_of(chosen.emulated, chosen.world)
     name = torch.cuda.get_device_name(device)
-    table_plan = load_table(args.table).plan(name, target.tp, args.dcp, emulated=chosen.emulated,
-                                             vocab=args.vocab)
+    entries = load_table(args.table).entries(name, target.tp, args.dcp,
+                                             emulated=chosen.emulated, vocab=args.vocab)
     runner = make_runner(chosen, args)
     tp, vocab = target.tp, args.vocab
     ranks_here = tp if chosen.emulated else 1  # ranks whose bytes cross this GPU's memory
@@ -79,7 +80,7 @@ def run(args):
     records = []
     try:
         with _term_interrupts(chosen.world == 1):
-            _measure_rows(args, target, runner, table_plan, records, root, mode, out,
+            _measure_rows(args, target, runner, entries, records, root, mode, out,
                           ranks_here, bandwidth)
         cut = False
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from `timeout`: report what was measured
@@ -110,18 +111,18 @@ def _term_interrupts(enabled):
         signal.signal(signal.SIGTERM, previous)
 
 
-def _measure_rows(args, target, runner, table_plan, records, root, mode, out, ranks_here,
+def _measure_rows(args, target, runner, entries, records, root, mode, out, ranks_here,
                   bandwidth):
     """Measure each row count into ``records`` (appended as each is done), the CSV
     rewritten after each."""
     tp, vocab = target.tp, args.vocab
     for rows in args.rows:
-        chosen_plan = plan_for(target, rows, table_plan)
-        default = plan_for(target, rows, {})
-        record = {"rows": rows, "ctas": chosen_plan.ctas, "threads": chosen_plan.threads,
-                  "unroll": chosen_plan.unroll,
-                  "plan": "table" if rows in table_plan else "default"}
-        record.update(runner.row(rows, chosen_plan, default))
+        benchmarked = config_for(target, rows, entries)
+        default = config_for(target, rows, {})
+        record = {"rows": rows, "ctas": benchmarked.ctas, "threads": benchmarked.threads,
+                  "unroll": benchmarked.unroll,
+                  "plan": "table" if rows in entries else "default"}
+        record.update(runner.row(rows, benchmarked, default))
         report.derive(record, tp=tp, vocab=vocab, ranks_here=ranks_here, bandwidth_gbs=bandwidth)
         records.append(record)
         if root:

@@ -196,7 +196,7 @@ def write_csv(path, records, stock, **scalars):
 
 def run(args):
     """``lamport-head bench --drafter``; the exit status (1: a figure not measured)."""
-    from .bench import _say, make_runner, plan_for
+    from .bench import _say, config_for, make_runner
 
     chosen = make_target("bench", args.tp, args.vocab)
     root, tp, k = chosen.root, chosen.target.tp, args.draft_tokens
@@ -210,8 +210,8 @@ def run(args):
     table = load_table(args.table)
     vocabs = {"target": args.vocab, "draft": args.draft_vocab, "cand": tp * cand}
     targets = {key: runner.target_for(v) for key, v in vocabs.items()}
-    plans = {key: table.plan(name, tp, args.dcp, emulated=chosen.emulated, vocab=v)
-             for key, v in vocabs.items()}
+    entries = {key: table.entries(name, tp, args.dcp, emulated=chosen.emulated, vocab=v)
+               for key, v in vocabs.items()}
     ranks_here = tp if chosen.emulated else 1
     bandwidth = runner.bandwidth_gbs()
     op = runner.op_us()
@@ -232,7 +232,7 @@ def run(args):
         record = {"rows": m, "target_rows": gathers[0].rows, "op_us": op}
         for g in gathers:
             target = targets[g.key]
-            figures = runner.gather(target, g.rows, plan_for(target, g.rows, plans[g.key]))
+            figures = runner.gather(target, g.rows, config_for(target, g.rows, entries[g.key]))
             record[f"{g.key}_us"] = figures["gpu_us"]
             if stock:
                 record[f"{g.key}_nccl_us"] = figures["stock_gpu_us"]

@@ -99,7 +99,7 @@ def make_target(ranks, vocab, limits=FIRST_USE_LIMITS, stock=None):
 
 @dataclass
 class Outcome:
-    plan: dict  # {rows: RowPlan}: the enabled rows of ``rows`` after the fill rule
+    entries: dict  # {rows: TableRow}: the enabled entries of ``rows`` after the fill rule
     results: list  # tuning.sweep.RowResult per measured row count
     emulated: bool
     seconds: float
@@ -189,6 +189,6 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
     path, error = attempt(write) if writes else (None, None)
     agree(error, group, device, "to write the user table")
     path = str(user_path())  # the file this rank's host serves from (its writer's)
-    measured = {r.rows: r.plan for r in results}
-    plan = {m: p for m, p in fill(measured).items() if p.enabled and m in set(rows)}
-    return Outcome(plan, results, emulated, seconds, path)
+    measured = {r.rows: r.entry for r in results}
+    entries = {m: e for m, e in fill(measured).items() if e.enabled and m in set(rows)}
+    return Outcome(entries, results, emulated, seconds, path)

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 
 from lamport_head.config import CTA_STEPS, SWEEP_THREADS, SWEEP_UNROLL, GatherConfig, sweep_grid
 from lamport_head.provenance import digest, kernel_identity
-from lamport_head.table import RowPlan
+from lamport_head.table import TableRow
 
 
 @dataclass
 class RowResult:
     rows: int
-    plan: RowPlan  # the best verified configuration; enabled = beats stock by margin
+    entry: TableRow  # the best verified configuration; enabled = beats stock by margin
     lamport_us: float
     stock_us: float
     lamport_gpu_us: float = math.nan
@@ -221,11 +221,11 @@ class _Root:
         trial in trial order; the first fastest wins."""
         base = getattr(stock, objective)
         if not finished:
-            return RowResult(rows, RowPlan(GatherConfig(1), False), math.inf, base, math.nan,
+            return RowResult(rows, TableRow(GatherConfig(1), False), math.inf, base, math.nan,
                              stock.gpu_us, 0, timed)
         config, value, gpu_us = min(finished, key=lambda f: f[1])
         enabled = value < base * (1 - margin)
-        return RowResult(rows, RowPlan(config, enabled), value, base, gpu_us, stock.gpu_us,
+        return RowResult(rows, TableRow(config, enabled), value, base, gpu_us, stock.gpu_us,
                          len({c for c, _, _ in finished}), timed)
 
 

@@ -36,8 +36,8 @@ def measured_rows(results):
     The tuner writes only what it measured; serving fills the gaps (table.fill)."""
     table = {}
     for r in sorted(results, key=lambda r: r.rows):
-        knobs = r.plan.config.values()  # every field: a new knob is written as it is
-        entry = {"ctas": knobs.pop("ctas"), "enabled": r.plan.enabled, **knobs}
+        knobs = r.entry.config.values()  # every field: a new knob is written as it is
+        entry = {"ctas": knobs.pop("ctas"), "enabled": r.entry.enabled, **knobs}
         if math.isfinite(r.lamport_us):
             entry["lamport_us"] = round(r.lamport_us, 2)
         entry["stock_us"] = round(r.stock_us, 2)

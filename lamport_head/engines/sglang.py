@@ -30,7 +30,7 @@ logits gather"). SGLang later hands the draft model the target's lm_head weight
 (``set_embed_and_head`` for EAGLE, after load): a gather sees only ``[M, width]``
 shards, so a width it was not built for goes to SGLang's gatherer, bitwise.
 
-The checks, the table plan, the ranks' agreement and the build are the engine-neutral
+The checks, the table's entries, the ranks' agreement and the build are the engine-neutral
 install core's (``install.install`` on a ``GatherSite`` naming ``_logits_gatherer``):
 the same fail-stop order, the same log lines as vLLM's. What is SGLang's own:
 finding the processor and its lm_head, and leaving stock every configuration whose

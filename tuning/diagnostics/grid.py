@@ -26,7 +26,7 @@ from lamport_head.head_gather import GatherTimeout
 from lamport_head.tuning.support.reference import planted
 from lamport_head.settings import BENCH_BUDGET_S
 
-from ..bench import plan_for
+from ..bench import config_for
 from ..floor import copy_bandwidth_gbs, floor_us, step_bytes
 from ..harness import EmulatedTarget, gated_gpu_us
 
@@ -94,12 +94,12 @@ def main(argv=None):
         for threads in _ints(args.threads):
             for unroll in _ints(args.unroll):
                 limit = target.limit(threads, unroll)
-                base = plan_for(target, rows, {}, threads, unroll).ctas  # the heuristic's
+                base = config_for(target, rows, {}, threads, unroll).ctas  # the heuristic's
                 for ctas in sorted({base, max(1, limit // 2), limit}):
                     config = GatherConfig(ctas, threads, unroll)
                     results.append((_time(target, rows, config, args.steps, args.reps, why),
                                     config))
-        default = plan_for(target, rows, {})
+        default = config_for(target, rows, {})
         timed = sorted((r for r in results if r[0] == r[0]), key=lambda r: r[0])
         mine = next((us for us, c in results if c == default), None)
         if mine is None:

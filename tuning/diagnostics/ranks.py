@@ -374,10 +374,10 @@ def install(args, ranks, calls):
     got = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device)
     from lamport_head.table import load_table
 
-    enabled = load_table(path).plan(torch.cuda.get_device_name(ranks.device), ranks.world, 1,
-                                    vocab=args.vocab)
+    entries = load_table(path).entries(torch.cuda.get_device_name(ranks.device), ranks.world, 1,
+                                       vocab=args.vocab)
     want_rows = () if args.fail_alloc_rank is not None else tuple(
-        sorted(m for m, p in enabled.items() if p.enabled))  # measured rows and filled gaps
+        sorted(m for m, e in entries.items() if e.enabled))  # measured rows and filled gaps
     bad = _bitwise(model, calls, min(args.calls, 60), ranks, want_rows)
     if args.contexts:
         seen = _gathered(ranks, _contexts(ranks))

@@ -22,8 +22,9 @@ class EmulatedGather:
 
     def __init__(self, device, tp, shard, rows, ctas=None, *, threads=DEFAULT_THREADS,
                  unroll=None, pdl=None, budget_s=SPIN_BUDGET_S):
-        """``rows`` and ``ctas`` as ``HeadGather`` takes them (``rows`` may map each
-        row count to its ``GatherConfig``)."""
+        """``rows`` and ``ctas`` as ``HeadGather`` takes them (``ctas``: the CTA count
+        or GatherConfig asked for per row; or ``rows`` a plan, each row count's
+        ``GatherConfig``)."""
         self.device = torch.device(device)
         if not isinstance(rows, Mapping):
             rows = frozenset(rows)
