@@ -2,8 +2,8 @@
 
 Public names (the README's "Use" section; each module's docstring holds its design):
 ``HeadGather``, ``install_logits_gather``, ``table`` (``load_table``, ``Table``,
-``TableRow``, ``TableError``; ``RowPlan`` and ``Table.plan``, the 0.3 names of
-``TableRow`` and ``Table.entries``, until 0.4). Heavy modules load lazily so that
+``TableRow``, ``TableError``; ``RowPlan`` and ``Table.plan``, the public
+contract's names of ``TableRow`` and ``Table.entries``, kept). Heavy modules load lazily so that
 ``import lamport_head`` is cheap and works without a GPU or vLLM.
 
 ``__version__`` is the installed distribution's (pyproject.toml is the one source);

@@ -106,7 +106,7 @@ class TableRow:
         return self.config.unroll
 
 
-RowPlan = TableRow  # deprecated: TableRow's 0.3 name, kept until 0.4
+RowPlan = TableRow  # the public contract's name of TableRow (DESIGN.md): kept
 
 
 def fill(measured):
@@ -306,7 +306,7 @@ class Table:
         s = self.section(device_name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
         return fill(s.rows) if s else {}
 
-    plan = entries  # deprecated: the 0.3 name of ``entries``, kept until 0.4
+    plan = entries  # the public contract's name of ``entries`` (DESIGN.md): kept
 
 
 def _syntax_error(path, text, exc):

@@ -187,16 +187,19 @@ def test_gaps_fill_from_the_row_above():
     assert sorted(entries) == list(range(2, 33))
 
 
-def test_the_0_3_names_stay_until_0_4():
+def test_the_public_contracts_names_answer_as_the_new_ones():
     """Issue 30 item 4 renamed ``RowPlan`` to ``TableRow`` and ``Table.plan`` to
-    ``Table.entries`` (a plan is ``{rows: GatherConfig}`` only); the README's
-    ``Table.plan`` and the old class name keep answering alike until 0.4."""
+    ``Table.entries`` inside the code (a plan is ``{rows: GatherConfig}`` only); the
+    public contract's names (DESIGN.md, the README) answer alike, each row with
+    ``.ctas`` and ``.enabled``."""
     from lamport_head.table import RowPlan
 
     t = parse(FILL)
     assert RowPlan is TableRow
     assert t.plan("GPU X", 8, 1) == t.entries("GPU X", 8, 1) and t.plan("GPU X", 8, 1)
     assert t.plan("GPU Y", 8, 1) == {}
+    assert all(isinstance(r.ctas, int) and isinstance(r.enabled, bool)
+               for r in t.plan("GPU X", 8, 1).values())
 
 
 def test_fill_from_row_one_leaves_nothing_below():
