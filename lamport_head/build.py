@@ -25,8 +25,7 @@ builds:
   one takes every rank to the same error within the deadline.
 
 The compiler and the driver are reached only through ``KERNELS`` (``DeviceKernels``),
-the seam a test replaces with a CPU stand-in (``head_gather.KERNELS`` names the same
-object).
+the seam a test replaces with a CPU stand-in.
 """
 
 from collections.abc import Mapping

@@ -36,6 +36,25 @@ class PeerFailed(RuntimeError):
     """Another rank failed a step this rank finished; every rank stops together."""
 
 
+_TOGETHER = "_lamport_head_raised_together"
+
+
+def raised_together(exc) -> bool:
+    """Whether ``exc`` was raised on every rank at the same step (``agree``, or a
+    failure a caller marked with ``together``): every rank is out of the collective
+    sequence alike, so every rank may take the same fallback. Any other exception
+    left this rank alone, its peers possibly inside a collective it will never join:
+    the only safe outcome is to stop (fail-stop), never a fallback of its own."""
+    return bool(getattr(exc, _TOGETHER, False))
+
+
+def together(exc):
+    """Mark ``exc`` as raised on every rank alike (a decision made from gathered facts,
+    the same everywhere); returns it, to be raised."""
+    setattr(exc, _TOGETHER, True)
+    return exc
+
+
 def _where(group, device):
     if dist.get_backend(group) == "gloo":
         return torch.device("cpu")
@@ -102,12 +121,13 @@ def agree(error, group=None, device="cpu", what="the step"):
     """Every rank calls this after a local step: raises on every rank if any failed.
 
     ``error``: the exception this rank caught (None when its step succeeded). The
-    failing rank re-raises its own error; the others raise ``PeerFailed``."""
+    failing rank re-raises its own error; the others raise ``PeerFailed``; both marked
+    ``raised_together``."""
     if all_min(error is None, group, device):
         return
     if error is not None:
-        raise error
-    raise PeerFailed(f"lamport-head: another rank failed {what}")
+        raise together(error)
+    raise together(PeerFailed(f"lamport-head: another rank failed {what}"))
 
 
 def attempt(fn, *args, **kwargs):

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from . import settings
-from .collective import all_gather_objects
+from .collective import all_gather_objects, raised_together
 from .table import NCCL_STOCK
 
 logger = logging.getLogger("lamport_head")
@@ -150,7 +150,7 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
     if len({v.agreed for v in votes}) > 1:
         logger.warning("lamport-head: logits gather stays stock: the TP ranks resolved "
                        "different HEAD_GATHER plans (different tables or environments, "
-                       "first-use tuning settings included)")
+                       "first-use tuning settings or the engine's gather kind included)")
         return ()
     keys = [v.key for v in votes]
     shared = None if None in keys else len(set(keys)) < tp  # several ranks on one GPU
@@ -165,6 +165,7 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
                               rank, dcp, shard, view.rows, shared, name, stock=stock_gather,
                               stock_kind=stock)
         except Exception as exc:
+            _alone(exc, "first-use tuning")
             logger.warning("lamport-head: logits gather stays stock: first-use tuning failed: "
                            "%s: %s", type(exc).__name__, exc)
             return ()
@@ -193,6 +194,7 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
     try:  # collective, fail-stop: every rank gets a gather or every rank raises
         gather = _build(group, device, tp, rank, shard, entries, view.budget_s)
     except Exception as exc:  # a capability fallback, taken by every rank together
+        _alone(exc, "building the gather")
         logger.warning("lamport-head: logits gather stays stock: %s: %s",
                        type(exc).__name__, exc)
         return ()
@@ -202,6 +204,19 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
                 "the GPU context", name, tp, dcp, served, where, view.budget_s,
                 settings.BUDGET_ENV)
     return served
+
+
+def _alone(exc, what):
+    """Re-raise ``exc`` unless every rank raised it at the same step
+    (``collective.raised_together``): a failure of this rank alone left its peers in
+    a collective it will never join (the engine's gather timed as stock; a step after
+    the last agreement), so stock on this rank alone would diverge from them. Raising
+    stops the worker, and the engine stops every rank (fail-stop)."""
+    if not raised_together(exc):
+        logger.error("lamport-head: %s failed on this rank alone (%s: %s): its peers may be "
+                     "inside a collective it cannot join; stopping this worker (fail-stop)",
+                     what, type(exc).__name__, exc)
+        raise exc
 
 
 def _site_refuses(site, tp, shard=None):
@@ -351,6 +366,8 @@ class _View:
     rows: tuple  # the rows first-use tuning measures among
     key: object  # mailbox.device_key: equal keys mean ranks sharing one GPU
     budget_s: float  # the serving gather's spin budget (settings.spin_budget_s)
+    stock: str  # the engine gather the route replaces (GatherSite.stock): what first-use
+    # tuning times, so every rank must name the same one
     vocabs: tuple = ()  # the vocabularies of real-rank sections for another V (for the log)
     stocks: tuple = ()  # the stocks of real-rank sections at this V against another stock (log)
 
@@ -358,7 +375,7 @@ class _View:
     def agreed(self):
         """What every rank must see alike."""
         return (_digest(self.entries), _digest(self.emulated_entries), self.real, self.emulated,
-                self.autotune, self.serve_emulated, self.rows, self.budget_s)
+                self.autotune, self.serve_emulated, self.rows, self.budget_s, self.stock)
 
 
 def _local_view(tp, dcp, device, name, rows, vocab, stock):
@@ -394,7 +411,7 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
         stocks = tuple(k for k in table.stocks(name, tp, dcp, vocab) if k != stock)
         return _View(entries, emulated_entries, real, emulated, on, settings.serve_emulated(),
                      tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key,
-                     settings.spin_budget_s(), others, stocks), None
+                     settings.spin_budget_s(), stock, others, stocks), None
     except TableError as exc:
         return None, str(exc)
     except Exception as exc:  # told to every rank by the agreement, never raised alone

@@ -50,7 +50,7 @@ def model(**overrides):
 
 def fake_cuda(monkeypatch_like, rank, case, launch=None):
     """Every CUDA-only piece of HeadGather's construction replaced on CPU: its kernels
-    (``build.KERNELS``, which ``head_gather.KERNELS`` names too: compile and occupancy)
+    (``build.KERNELS``: compile and occupancy)
     by a CPU stand-in whose launch fills the output with FAKE_BYTE (or is ``launch``),
     the device key, the mailbox by a CPU box whose connect() is a real gloo
     collective. ``case`` picks the failing step ("prepare": the compile)."""
@@ -98,7 +98,6 @@ def fake_cuda(monkeypatch_like, rank, case, launch=None):
 
     kernels = CpuKernels()
     set_(build, "KERNELS", kernels)
-    set_(head_gather, "KERNELS", kernels)  # the same object, as tests reach it there
     set_(build, "MAILBOXES", {"ipc": CpuRows, "symmetric": CpuRows})
     set_(mailbox, "device_key", lambda device: ("host", "the one GPU"))
     set_(head_gather, "_raw_stream", lambda index: 0)

@@ -478,8 +478,10 @@ def test_drafter_torchrun_path_times_the_same_shapes(tmp_path, monkeypatch, caps
         stocked.append((rows, self.shard)) or Timing(30.0, 20.0, 5.0)))
     chosen = Chosen(DistributedTarget(ranks, V), ranks.device, 2, True, False)
     monkeypatch.setattr(draftbench, "make_target", lambda command, tp, vocab: chosen)
-    monkeypatch.setattr(rankbench, "KERNELS", types.SimpleNamespace(arch=lambda d: 90,
-                                                                     pdl=lambda a: True))
+    from lamport_head import build
+
+    monkeypatch.setattr(build, "KERNELS", types.SimpleNamespace(arch=lambda d: 90,
+                                                                pdl=lambda a: True))
     monkeypatch.setattr(rankbench, "copy_bandwidth_gbs", lambda device: BANDWIDTH)
     monkeypatch.setattr(rankbench, "median_eager", lambda *a: (2.0, 1.0))
     monkeypatch.setattr(rankbench, "agree", lambda *a: None)

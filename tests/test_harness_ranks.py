@@ -8,7 +8,7 @@ at install with the real harness, one rank's ``planted`` out of memory: every ra
 stock with one warning, nobody hangs (spawn's deadline), still in step.
 
 What is faked and why: HeadGather's CUDA-only construction (helpers.fake_cuda:
-its kernels through the seam ``head_gather.KERNELS``, the mailbox, the device key)
+its kernels through the seam ``build.KERNELS``, the mailbox, the device key)
 with a kernel stand-in that writes the gathered bytes (every rank plants the same
 shard: same seed, same calls), and the CUDA timing machinery (events, side streams,
 graphs) as CPU no-ops. The kernel stand-in waits for its peers' shards as the real
@@ -345,14 +345,14 @@ def _identity_worker(rank, tp, cache):
     with."""
     import yaml
 
-    from lamport_head import head_gather, install
+    from lamport_head import build, install
     from lamport_head.table import user_path
     from lamport_head.tuning import firstuse
 
     os.environ.update(LAMPORT_HEAD_CACHE=cache)
     _cpu_ranks(rank, tp, None)
     phase, kernels, launchers = ["tune"], {}, []
-    seam = head_gather.KERNELS  # the seam's object (helpers.fake_cuda's stand-in)
+    seam = build.KERNELS  # the seam's object (helpers.fake_cuda's stand-in)
     compiled, launcher = seam.compiled, seam.launcher
 
     def compiling(tp_, shard, config, *args, **kwargs):  # one kernel per compile key, as
@@ -413,3 +413,61 @@ def test_a_tuned_rows_kernel_is_the_kernel_install_builds_for_it(tmp_path):
         assert {tuple(f) for phase, _, f in r["launchers"] if phase == "tune"} == {(0,)}
         assert {tuple(f) for phase, _, f in r["launchers"] if phase == "serve"} == {(1,)}
         assert r["written"] == [provenance.kernel_identity()]
+
+
+def _alone_worker(rank, tp, cache, at_call):
+    """install_logits_gather with first-use tuning timing the engine's own gather, which
+    runs out of memory on rank 1 at its ``at_call``-th call, before its collective: a
+    failure of that rank alone (its peer is inside the engine's all-gather). What
+    install does on each rank: returns (what it served) or raises (the worker stops)."""
+    from lamport_head import provenance
+    from lamport_head.engines.vllm import install_logits_gather
+    from lamport_head.tuning import firstuse
+
+    os.environ.pop("LAMPORT_HEAD_TABLE", None)
+    os.environ.update(LAMPORT_HEAD_AUTOTUNE="1", LAMPORT_HEAD_CACHE=cache)
+    _cpu_ranks(rank, tp)
+    provenance.facts = lambda: {"driver": "580.1", "cuda": "13.0", "torch": "2.13.0",
+                              "cutlass_dsl": "4.8.0", "lamport_head": "0.1.0",
+                              "kernel": "abcdef123456"}
+    make_target = firstuse.make_target
+
+    def real_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None):
+        target = make_target(ranks, vocab, limits, stock)
+        target._limits.update({(t, u): 128 for t in limits.threads for u in (4, 8)})
+        return target
+
+    firstuse.make_target = real_target
+    calls = itertools.count(1)
+
+    def engine_gather(x):
+        if rank == 1 and next(calls) == at_call:
+            raise torch.OutOfMemoryError("injected: the engine's gather ran out of memory")
+        return _engine_gather(x)
+
+    seen = capture_log()
+    m = model(lm__tp_size=tp)
+    m.logits_processor._gather_logits = engine_gather
+    try:
+        served = install_logits_gather(m, None, tp, rank, "cpu")
+    except Exception as exc:  # what stops the worker: the engine then stops every rank
+        return {"raised": f"{type(exc).__name__}: {exc}", "log": seen}
+    return {"served": list(served), "log": seen}
+
+
+@pytest.mark.parametrize("at_call", [1, 5])
+def test_the_engines_gather_failing_on_one_rank_stops_that_worker_not_stock_alone(tmp_path,
+                                                                                 at_call):
+    """Issue 32 item 4 (review): first-use tuning times the engine's own gather, which
+    allocates per call; one failing on one rank alone (call 1: the stock timing's
+    first; 5: in the first trial's verification) leaves its peer inside the engine's
+    collective. That rank must not take stock alone (its peers would diverge from it):
+    install re-raises there, so the worker stops; the peer's collective then fails as
+    the rank leaves, and it stops too. Nothing is written."""
+    results = spawn(_alone_worker, 2, tmp_path, str(tmp_path / "cache"), at_call,
+                    deadline_s=120)
+    assert results[1]["raised"] == ("OutOfMemoryError: injected: the engine's gather ran out "
+                                    "of memory"), results[1]
+    assert any("failed on this rank alone" in line for line in results[1]["log"])
+    assert "served" not in results[0], results[0]  # never stock alone, never served
+    assert not (tmp_path / "cache" / "head_gather.yaml").exists()

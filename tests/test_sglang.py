@@ -23,6 +23,7 @@ import torch.distributed as dist
 from spawn import spawn
 from helpers import FAKE_BYTE, capture_log, fake_cuda, same_bits
 from tables import TWO_RANKS as TABLE
+from tables import sections
 
 from lamport_head import install
 from lamport_head.engines import sglang as sgl
@@ -443,25 +444,27 @@ def _draft_worker(rank, nprocs, table, case):
     draft runners (SGLang builds one; each shape here in turn): one whose head has the
     target's shard width, one of another vocabulary. ``case`` "compile@1": the draft
     head's kernel fails to compile on rank 1 (only that width)."""
-    from lamport_head import head_gather
+    from lamport_head import build
 
     os.environ["LAMPORT_HEAD_TABLE"] = table
     fake_cuda(setattr, rank, "ok")
     if case == "compile@1":
-        compiled = head_gather.KERNELS.compiled
+        compiled = build.KERNELS.compiled
 
         def failing(tp, shard, *args, **kwargs):
             if shard == DRAFT_SHARD and rank == 1:
                 raise RuntimeError("injected: the draft head's kernel failed to compile")
             return compiled(tp, shard, *args, **kwargs)
 
-        head_gather.KERNELS.compiled = failing
+        build.KERNELS.compiled = failing
     seen = capture_log()
     fake_sglang(sys.modules.__setitem__, requests=2, group=dist.group.WORLD, topk=1)
     sgl.register()
     HookRegistry.apply_to(ModelRunner)
     target = ModelRunner(tp=nprocs)
     target.load_model()
+    if case == "lookup@1" and rank == 1:  # its target's TP group lookup failed alone
+        sgl._target = sgl._target._replace(group=None)
     g = target.model.logits_processor.head_gather
     out = {"log": {}}
     for name, width in (("same", SHARD), ("other", DRAFT_SHARD)):
@@ -488,13 +491,15 @@ def _draft_worker(rank, nprocs, table, case):
     return out
 
 
-@pytest.mark.parametrize("case", ["ok", "compile@1"])
+@pytest.mark.parametrize("case", ["ok", "compile@1", "lookup@1"])
 def test_plugin_routes_the_draft_workers_model(tmp_path, case):
     """SGLang's EAGLE draft worker (``is_draft_worker``), on 2 ranks through the hook: a
     head of the target's shard width takes the target's gather (no second build); a
     head of another vocabulary its own install, at its rows, agreed: a compile that
     fails on rank 1 only leaves every rank on SGLang's gather for that drafter, the
-    target's gather untouched; rank 0's summary names every routed path."""
+    target's gather untouched; rank 0's summary names every routed path. A rank that
+    cannot share alone (``lookup@1``: its target's group unknown) takes every rank to
+    the drafter's own install (sharing skips a collective: all or none)."""
     from tables import sections
 
     table = tmp_path / "t.yaml"
@@ -502,12 +507,13 @@ def test_plugin_routes_the_draft_workers_model(tmp_path, case):
     results = spawn(_draft_worker, 2, tmp_path, str(table), case)
     for rank, r in enumerate(results):
         same, other = r["same"], r["other"]
-        assert same == {"served": [1, 2], "shared": True, "kernel": True, "one_stock": False,
+        shared = case != "lookup@1"
+        assert same == {"served": [1, 2], "shared": shared, "kernel": True, "one_stock": False,
                         "three_stock": True, "stock_kept": False, "polled": [True]}, same
-        assert "through the gather already built" in " ".join(r["log"]["same"])
+        assert ("through the gather already built" in " ".join(r["log"]["same"])) == shared
         assert r["target"] == {"same": True, "kernel": True}
         summaries = [x for x in r["log"]["other"] if x.startswith("lamport-head summary")]
-        if case == "ok":
+        if case in ("ok", "lookup@1"):
             assert other == {"served": [1, 2], "shared": False, "kernel": True,
                              "one_stock": False, "three_stock": True, "stock_kept": False,
                              "polled": [True]}, other
@@ -638,10 +644,11 @@ class MultimemAllGatherer(StockGatherer):
 
 
 def _stock_kind_worker(rank, nprocs, table, case):
+    from lamport_head.collective import together
     from lamport_head.tuning import firstuse
 
     os.environ["LAMPORT_HEAD_TABLE"] = table
-    if case == "measure":
+    if case in ("measure", "mixed"):
         os.environ["LAMPORT_HEAD_AUTOTUNE"] = "1"
     fake_cuda(setattr, rank, "ok")
     seen = capture_log()
@@ -649,12 +656,15 @@ def _stock_kind_worker(rank, nprocs, table, case):
 
     def measure(*args, stock=None, stock_kind=None, **kwargs):
         asked.append((stock_kind, stock is gatherer))
-        raise RuntimeError("measured elsewhere")  # every rank: stays stock, one line
+        # raised on every rank alike, as first-use tuning's failures are: stays stock
+        raise together(RuntimeError("measured elsewhere"))
 
     firstuse.measure = measure
     m = CausalLM(nprocs)
     lp = m.logits_processor
     gatherer = lp._logits_gatherer = MultimemAllGatherer()
+    if case == "mixed" and rank == 1:  # SGLang disabled it on this rank only: NCCL here
+        gatherer._state = None
     served = sgl.install_sglang_logits_gather(m, dist.group.WORLD, nprocs, rank, "cpu")
     return {"served": list(served), "asked": asked, "log": seen,
             "kind": sgl.stock_kind(gatherer), "disabled": sgl.stock_kind(
@@ -662,17 +672,26 @@ def _stock_kind_worker(rank, nprocs, table, case):
             "routed": lp._logits_gatherer is not gatherer}
 
 
-@pytest.mark.parametrize("case", ["nccl-table", "multimem-table", "measure"])
+@pytest.mark.parametrize("case", ["nccl-table", "multimem-table", "measure", "mixed"])
 def test_a_section_measured_against_nccl_is_not_served_in_place_of_sglangs_multimem(tmp_path, case):
     """Issue 32 item 4: where SGLang built its multimem one-shot gatherer, only a section
     measured against that stock is served; an NCCL-measured one reads as missing, and
-    first-use tuning is handed SGLang's own gatherer to time, with its kind."""
-    text = TABLE if case != "multimem-table" else TABLE.replace(
-        "      dcp: 1\n", "      dcp: 1\n      stock: multimem-all-gather\n")
+    first-use tuning is handed SGLang's own gatherer to time, with its kind. Ranks whose
+    gatherers differ in kind (``mixed``: no section for this V, so both would measure)
+    never time different collectives: every rank stays stock."""
+    text = {"multimem-table": TABLE.replace(
+        "      dcp: 1\n", "      dcp: 1\n      stock: multimem-all-gather\n"),
+        "mixed": sections((192, 1024))}.get(case, TABLE)
     table = tmp_path / "t.yaml"
     table.write_text(text)
-    for r in spawn(_stock_kind_worker, 2, tmp_path, str(table), case):
-        assert r["kind"] == "multimem-all-gather" and r["disabled"] == "nccl-all-gather"
+    for rank, r in enumerate(spawn(_stock_kind_worker, 2, tmp_path, str(table), case)):
+        assert r["disabled"] == "nccl-all-gather"
+        assert r["kind"] == ("nccl-all-gather" if case == "mixed" and rank == 1
+                             else "multimem-all-gather")
+        if case == "mixed":
+            assert r["served"] == [] and r["asked"] == [], r
+            assert "resolved different HEAD_GATHER plans" in " ".join(r["log"]), r["log"]
+            continue
         if case == "multimem-table":
             assert r["served"] == [1, 2, 4] and r["routed"] and r["asked"] == []
         else:

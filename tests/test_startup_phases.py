@@ -30,7 +30,7 @@ from helpers import capture_log, fake_cuda, fake_symmetric_memory, model
 from spawn import spawn
 from tables import TWO_RANKS as TABLE
 
-from lamport_head import build, head_gather, mailbox, settings
+from lamport_head import build, mailbox, settings
 
 WAIT_S = 2.0  # how long a rank waits for the rendezvous in this test (RENDEZVOUS_WAIT_S)
 SYMMETRIC_PHASES = ("handles", "fds", "map", "after")
@@ -137,7 +137,7 @@ def _block_ipc(rank, phase, blocking):
 
         mailbox.device_key = device_key
     elif phase == "prepare":
-        head_gather.KERNELS.compiled = blocked(head_gather.KERNELS.compiled)
+        build.KERNELS.compiled = blocked(build.KERNELS.compiled)
     elif phase == "alloc":
         mailbox.IpcMailbox._allocate = blocked(mailbox.IpcMailbox._allocate)
     elif phase == "export":

@@ -78,7 +78,7 @@ def _rank(rank, world, run, cache, table, models):
     from vllm.v1.worker.gpu_worker import Worker
 
     from helpers import fake_cuda
-    from lamport_head import head_gather, mailbox
+    from lamport_head import build, mailbox
     from lamport_head.engines import vllm as engine
 
     configure_logging(LoggingConfig())  # what vLLM's worker_main does first in a worker
@@ -97,7 +97,7 @@ def _rank(rank, world, run, cache, table, models):
 
     fake_cuda(setattr, rank, "ok", launch=launch)
     mailbox.device_key = lambda device: ("host", f"gpu{rank}")  # one GPU per rank
-    kernels = head_gather.KERNELS
+    kernels = build.KERNELS
     compiled = kernels.compiled
 
     def compile_or_fail(tp, shard, *args, **kwargs):  # the drafter's compile, rank 1 only

@@ -33,7 +33,8 @@ import time
 import torch
 
 from lamport_head.tuning.support.emulate import EmulatedGather
-from lamport_head.head_gather import KERNELS, GatherTimeout
+from lamport_head import build
+from lamport_head.head_gather import GatherTimeout
 from lamport_head.tuning.support.reference import planted
 
 from .floor import copy_bandwidth_gbs
@@ -77,7 +78,7 @@ class EmulatedRunner:
         self.target, self.hidden, self.budget_s = target, hidden, budget_s
         self.device, self.tp, self.shard = target.device, target.tp, target.shard
         self.steps, self.reps, self.calls = steps, reps, calls
-        self.pdl = KERNELS.pdl(KERNELS.arch(self.device))
+        self.pdl = build.KERNELS.pdl(build.KERNELS.arch(self.device))
         self.streams = [torch.cuda.Stream(self.device) for _ in range(self.tp)]
         self.notes = []
 

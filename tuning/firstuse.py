@@ -18,8 +18,11 @@ of either reads its section and measures nothing.
 
 Fail-stop: every step that can fail on one rank runs inside ``attempt`` and is
 agreed (``agree``) before the next collective; the harness raises on every rank
-together. Any failure raises on every rank at the same step; install catches it
-and leaves every rank stock with one warning.
+together. Such a failure raises on every rank at the same step, marked
+``collective.raised_together``; install catches it and leaves every rank stock with one
+warning. A failure of one rank alone (the engine's own gather, timed as stock, failing
+on one rank: its peers are inside that collective) is not marked: install lets it stop
+the worker, and the engine stops every rank.
 
 Processes sharing one GPU (detected by install from the ranks' device keys) time-
 slice it: their figures are not performance. The section is written
@@ -35,7 +38,7 @@ import time
 from dataclasses import dataclass
 
 from lamport_head import provenance
-from lamport_head.collective import agree, attempt
+from lamport_head.collective import agree, attempt, together
 from lamport_head.config import default_config
 from lamport_head.kernels.protocol import DEFAULT_THREADS
 from lamport_head.table import NCCL_STOCK, fill, normalize, user_path
@@ -141,7 +144,10 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
     # Collective, the same answer on every rank. Ranks that can have no mailbox (several
     # hosts, nothing forced) raise here on every rank and nothing is written: measured,
     # every trial would fail alike and the section would read as a measured "all stock".
-    choose_backend(group, torch.device(device))
+    try:
+        choose_backend(group, torch.device(device))
+    except Exception as exc:  # decided from gathered facts: the same error on every rank
+        raise together(exc)
     comm = DistComm(group)
     results = []
     for m in rows_to_measure(rows):
@@ -164,9 +170,10 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
     unmeasured = [r.rows for r in results if not r.trials]
     results = [r for r in results if r.trials]
     if not results:
-        raise RuntimeError(f"no configuration could be built and verified for rows "
-                           f"{unmeasured} ({len(limits.ctas)} CTA counts each): nothing "
-                           "written; the next start measures again")
+        raise together(RuntimeError(
+            f"no configuration could be built and verified for rows {unmeasured} "
+            f"({len(limits.ctas)} CTA counts each): nothing written; the next start "
+            "measures again"))
 
     def write():
         from .writer import measured_rows, merge_section

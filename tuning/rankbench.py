@@ -22,7 +22,7 @@ import math
 import torch
 
 from lamport_head.collective import agree, all_max, all_min, attempt
-from lamport_head.head_gather import KERNELS
+from lamport_head import build
 
 from .emubench import MEASURED
 from .floor import copy_bandwidth_gbs
@@ -39,7 +39,7 @@ class RanksRunner:
         target.budget_s = budget_s  # every gather the target builds waits at most this
         self.group, self.device = target.group, target.device
         self.mode = SHARED if target.emulated else RANKS
-        self.pdl = KERNELS.pdl(KERNELS.arch(self.device))
+        self.pdl = build.KERNELS.pdl(build.KERNELS.arch(self.device))
         self.notes = []
 
     def _local(self, fn, what):

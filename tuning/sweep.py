@@ -26,6 +26,7 @@ import logging
 import math
 from dataclasses import dataclass
 
+from lamport_head.collective import together
 from lamport_head.config import CTA_STEPS, SWEEP_THREADS, SWEEP_UNROLL, GatherConfig, sweep_grid
 from lamport_head.provenance import digest, kernel_identity
 from lamport_head.table import TableRow
@@ -146,7 +147,7 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
     # then use the root's grid, so they measure the same configurations.
     space, limits = comm.broadcast(_space(target, threads, unroll, ctas))
     if not space:  # the same broadcast answer on every rank: every rank raises here
-        raise _no_fit(limits, ctas)
+        raise together(_no_fit(limits, ctas))
     stock = target.stock(rows)
     root = None
     if comm.is_root:
@@ -166,7 +167,8 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
             order = ("error", failure) if failure else root.guard(root.next_order)
         order = comm.broadcast(order)
         if order[0] == "error":  # the study failed on the root: every rank stops together
-            raise RuntimeError(f"lamport-head tune: the Optuna study failed on rank 0: {order[1]}")
+            raise together(RuntimeError(
+                f"lamport-head tune: the Optuna study failed on rank 0: {order[1]}"))
         if order[0] == "stop":
             break
         config = order[1]
@@ -188,7 +190,8 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
         else None
     result = comm.broadcast(result)
     if isinstance(result, tuple):  # ("error", why)
-        raise RuntimeError(f"lamport-head tune: the Optuna study failed on rank 0: {result[1]}")
+        raise together(RuntimeError(
+            f"lamport-head tune: the Optuna study failed on rank 0: {result[1]}"))
     return result
 
 

@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 
 from .. import install
+from ..collective import all_min
 from ..table import MULTIMEM_STOCK, NCCL_STOCK
 from . import collect_log, measure_first_use
 
@@ -364,6 +365,10 @@ def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
             or shared_gather.tp != tp or shared_gather.shard != width):
         shared_gather = None
     device = weight.device if torch.is_tensor(weight) else "cpu"
+    # Sharing skips the collective install its peers would run: every rank shares or
+    # none does (a rank whose target lookup failed alone must not skip it).
+    if not all_min(shared_gather is not None, group, device):
+        shared_gather = None
     with collect_log() as lines:
         if shared_gather is not None:
             served = install.reroute(site, shared_gather, label=f"the SGLang drafter {name}")
