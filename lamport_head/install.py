@@ -21,9 +21,11 @@ GPU model, TP, DCP and vocabulary (V = TP x the head's shard width: a section me
 at another V is none) or the user table's is stale, the agreed view says so on
 every rank alike, and first-use tuning (``measure``, collective and fail-stop)
 measures, writes the user table and hands back the entries to build; what follows it
-reads the agreed view, never the environment again. Never raises into serving: a
-missing table entry, a non-CUDA device or a failed build leaves the stock gather with
-one log line. No rank switches to stock alone: the stock path is itself a collective.
+reads the agreed view, never the environment again. A missing table entry, a
+non-CUDA device or a build or measurement every rank failed together leaves the stock
+gather with one log line. No rank switches to stock alone: the stock path is itself a
+collective, so a failure of this rank alone (``collective.raised_together`` false)
+raises and stops the worker (fail-stop: the engine stops every rank).
 """
 
 import logging
@@ -113,9 +115,10 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
     rows, shared, name)`` returning an outcome with ``entries`` (the enabled
     ``{rows: TableRow}``), ``results``, ``emulated``, ``seconds``, ``path``.
 
-    Never raises, and never leaves a peer in a collective: it returns before the
-    first collective only on facts every rank shares by construction (the site, an
-    earlier install, itself agreed, tp). Whatever a rank reads or fails at alone (its
+    Raises only for a failure of this rank alone, after which it must not go on
+    (``_alone``: the worker stops, and the engine with it), and never leaves a peer in
+    a collective otherwise: it returns before the first collective only on facts every
+    rank shares by construction (the site, an earlier install, itself agreed, tp). Whatever a rank reads or fails at alone (its
     device, its tables, its environment: DISABLE, FORCE, first-use tuning settings)
     travels in its ``_Vote``; every rank reaches the agreement and all take the
     decision from the same gathered votes."""

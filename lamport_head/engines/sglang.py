@@ -338,8 +338,8 @@ def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
       the draft TP group, agreed, fail-stop as the target's; its outcome never
       touches the target's gather.
 
-    Served: its runner's ``forward`` polls the gather (graph replays). Never raises,
-    like ``install_sglang_logits_gather``."""
+    Served: its runner's ``forward`` polls the gather (graph replays). Raises only as
+    ``install_sglang_logits_gather`` does (a failure of this rank alone: fail-stop)."""
     target = _target if target is None else target
     model = getattr(runner, "model", runner)
     name = type(model).__name__

@@ -194,7 +194,8 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None, *,
     ``rows``: the row counts the server's decode steps gather (``rows_from_vllm``);
     None: the table's rows. Returns the rows served; ``()`` means the stock gather.
     Collective over ``group`` once a processor is found (``install.install``: every
-    rank takes the same outcome); never raises. ``group``: where the ranks agree (a
+    rank takes the same outcome); raises only for a failure of this rank alone, which
+    must stop the worker (``install``'s fail-stop). ``group``: where the ranks agree (a
     CPU group where there is one); ``device_group``: the stock all-gather's group,
     which first-use tuning times (default ``group``)."""
     lp, head, where = find_gather_target(model, force=True)  # FORCE is decided agreed
@@ -291,7 +292,7 @@ def install_drafter_gather(draft, target, group, tp, rank, device, dcp=1, rows=N
       the drafter's rows or every rank keeps its stock gather; the target's outcome is
       not touched either way (its gather and mailbox are its own).
 
-    Never raises, like ``install_logits_gather``."""
+    Raises only as ``install_logits_gather`` does (a failure of this rank alone)."""
     name = type(draft).__name__
     through, around = (tuple(p) for p in paths)
     lp, head, where = find_drafter_target(draft, force=True)  # FORCE is decided agreed
@@ -633,8 +634,8 @@ def wrap_worker(worker_cls):
     @functools.wraps(original)
     def load_model(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        # No catch-all here: install_logits_gather never raises (every rank takes the
-        # agreed outcome, stock included), so an exception means this rank could not
+        # No catch-all here: install_logits_gather raises only when this rank failed
+        # alone (every rank takes the agreed outcome, stock included): this rank could not
         # finish while its peers may wait in one of install's collectives. Swallowing
         # it would send this rank alone into vLLM's collectives; letting it stop the
         # worker is the fail-stop outcome (the engine stops every rank).
