@@ -316,3 +316,276 @@ def test_summary_names_the_candidate_path():
     assert engine.candidate_path(type("Config", (), {"speculative_config": spec})) == (
         "drafter get_top_tokens x 3")
     assert engine.candidate_path(type("Config", (), {"speculative_config": None})) is None
+
+
+# ---- the plugin finds compute_candidates' caller (a real DFlash2 drafter) -------------
+#
+# The real ``DFlash2Qwen3ForCausalLM`` (and a real ``Qwen3ForCausalLM`` target), dummy
+# weights, configs written here, built on 2 gloo ranks inside the real ``Worker.load_model``
+# the real plugin loader wrapped. vLLM 0.33 serves DFlash2 only on Model Runner V2, which
+# needs Triton (absent on CPU), and its config validation refuses DFlash2 on V1: so the
+# speculative config is set after VllmConfig's validation and a runner stand-in's
+# ``load_model`` builds the two real models as V2's would (``get_model``,
+# ``get_draft_model``). ``compute_candidates`` runs vLLM's code; only the processor's
+# ``_apply_head`` is stood in per call (planted logits), as above.
+
+DFLASH_K, DFLASH_SEQS, DFLASH_STEPS = 5, 2, 2  # candidate rows 1 .. 2 x 2 = 4
+DFLASH_TABLE = sections((2 * 16, 2 * 40))  # k = 5: values BF16 width 16, ids int64 width 40
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": HIDDEN,
+         "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
+         "head_dim": 8, "num_hidden_layers": 2, "vocab_size": VOCAB,
+         "max_position_embeddings": 128, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
+         "tie_word_embeddings": False}
+
+
+def _dflash2(top_k):
+    return dict(QWEN3, architectures=["DFlash2DraftModel"], num_hidden_layers=1, block_size=4,
+                dflash_config={"selector_rank": 4, "selector_top_k": top_k,
+                               "target_layer_ids": [0, 1], "mask_token_id": VOCAB - 1,
+                               "conv_kernel_size": 2, "conv_group_size": 8})
+
+
+DFLASH_SCENARIOS = {"dflash2": DFLASH_K,  # k = 5: both widths in the table: routed
+                    "no_section": 3}  # k = 3: widths 8 and 24, no section: stock
+
+
+def _planted(g, world, rank, m, shard):
+    """This rank's [m, shard] BF16 logits: ties across and within ranks, a -0.0 max on
+    one rank against +0.0 on the other, a NaN, -Inf and signed zeros sprinkled."""
+    import torch
+
+    x = torch.randn(world, m, shard, generator=g).to(torch.bfloat16) - 4
+    x[:, :, 7::31] = float("-inf")
+    x[:, :, 5::37] = -0.0
+    x[:, :, 6::41] = 0.0
+    x[:, 0, 100] = x[:, 0, 300] = 3.5
+    if m > 1:
+        x[:, 1, :] = -x[:, 1, :].abs() - 1
+        x[0, 1, 9], x[1, 1, 9] = -0.0, 0.0
+    if m > 2:
+        x[1, 2, 17] = float("nan")
+    if m > 3:
+        x[:, 3, 40] = x[:, 3, 41] = 9.0
+    return x[rank].clone()
+
+
+def _dflash_rank(rank, world, run, table, models):
+    as_vllm_rank(run, rank, LAMPORT_HEAD_TABLE=table, LAMPORT_HEAD_AUTOTUNE="0",
+                 LAMPORT_HEAD_CACHE=str(run / "cache"))
+    import contextlib
+    import ctypes
+
+    import torch
+    import torch.distributed as dist
+    import vllm.plugins
+    from vllm.config import (LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig, VllmConfig, set_current_vllm_config)
+    from vllm.config.logging import LoggingConfig
+    from vllm.distributed import parallel_state as ps
+    from vllm.logger import configure_logging
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+    from vllm.model_executor.models.qwen3_dflash2 import DFlash2Qwen3ForCausalLM
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from helpers import fake_cuda, same_bits
+    from lamport_head import mailbox
+    from lamport_head.tuning.support.reference import scrub
+
+    configure_logging(LoggingConfig())
+    launches, group = [], []
+
+    def launch(shard, out, peers, r, ctas, budget, status, stream):
+        """The kernel's stand-in: the all-gather it does (sentinel words scrubbed)."""
+        launches.append(list(shard.shape))
+        parts = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(parts, shard.contiguous(), group=group[0])
+        full = scrub(torch.cat(parts, dim=1)).contiguous()
+        ctypes.memmove(out, full.data_ptr(), full.numel() * 2)
+
+    fake_cuda(setattr, rank, "ok", launch=launch)
+    mailbox.device_key = lambda device: ("host", f"gpu{rank}")
+    vllm.plugins.load_general_plugins()  # the real entry point wraps Worker.load_model
+
+    class Runner:
+        """V2's runner's two models (it needs Triton), built in its load_model."""
+
+        def __init__(self, config):
+            self.config = config
+
+        def load_model(self, load_dummy_weights=False):
+            before = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)  # as vLLM's loader sets the model dtype
+            try:
+                self.model = Qwen3ForCausalLM(vllm_config=self.config)
+                self.draft = DFlash2Qwen3ForCausalLM(vllm_config=self.config)
+            finally:
+                torch.set_default_dtype(before)
+
+        def get_model(self):
+            return self.model
+
+        def get_draft_model(self):
+            return self.draft
+
+    def load(name):
+        target = ModelConfig(model=models["target"], skip_tokenizer_init=True, dtype="bfloat16",
+                             enforce_eager=True, max_model_len=128)
+        parallel = ParallelConfig(tensor_parallel_size=world)
+        spec = SpeculativeConfig(model=models[name], method="dflash",
+                                 num_speculative_tokens=DFLASH_STEPS, target_model_config=target,
+                                 target_parallel_config=parallel)
+        config = VllmConfig(model_config=target, load_config=LoadConfig(load_format="dummy"),
+                            parallel_config=parallel,
+                            scheduler_config=SchedulerConfig(
+                                max_num_seqs=DFLASH_SEQS, max_num_batched_tokens=128,
+                                max_model_len=128, is_encoder_decoder=False))
+        config.speculative_config = spec  # after validation: V1 refuses DFlash2 (see above)
+        with set_current_vllm_config(config):
+            if not group:
+                ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
+                                                backend="gloo",
+                                                distributed_init_method=f"file://{run}/init")
+                ps.initialize_model_parallel(tensor_model_parallel_size=world)
+                group.append(ps.get_tp_group().cpu_group)
+        worker = Worker.__new__(Worker)
+        worker.vllm_config, worker.device = config, torch.device("cpu")
+        worker.model_runner = Runner(config)
+        worker._maybe_get_memory_pool_context = lambda tag: contextlib.nullcontext()
+        worker._scoped_allocator_max_split = lambda **kw: contextlib.nullcontext()
+        worker.load_model()  # vLLM's; then the plugin's installs
+        return worker.model_runner.draft
+
+    g = torch.Generator().manual_seed(29)
+    out = {"rank": rank}
+    for name, top_k in DFLASH_SCENARIOS.items():
+        print(f"=== {name}", flush=True)
+        draft = load(name)
+        lp = draft.candidate_logits_processor
+        shard = draft.lm_head.weight.shape[0]
+        runs = {}
+        for m in ROWS:
+            logits = _planted(g, world, rank, m, shard)
+            hidden = torch.zeros(m, HIDDEN, dtype=torch.bfloat16)
+            lp._apply_head = lambda lm_head, h, bias: logits.clone()  # vLLM masks in place
+            del launches[:]
+            routed = draft.compute_candidates(hidden)
+            launched = launches[:]
+            wrapper = vars(lp).pop("get_top_k_tokens", None)  # vLLM's own method
+            try:
+                stock = draft.compute_candidates(hidden)
+            finally:
+                if wrapper is not None:
+                    lp.get_top_k_tokens = wrapper
+            runs[m] = [all(same_bits(a, b) for a, b in zip(routed, stock)),
+                       [list(t.shape) for t in routed], sorted(w for _, w in launched)]
+        out[name] = {"k": draft.model.candidate_selector.top_k, "runs": runs,
+                     "wrapped": wrapper is not None}
+    print("=== end", flush=True)
+    dist.barrier(group=group[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def dflash(tmp_path_factory):
+    import json
+
+    require_vllm()
+    tmp = tmp_path_factory.mktemp("vllm_dflash2")
+    (tmp / "table.yaml").write_text(DFLASH_TABLE)
+    models = {}
+    for name, config in [("target", QWEN3)] + [(n, _dflash2(k))
+                                               for n, k in DFLASH_SCENARIOS.items()]:
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(json.dumps(config))
+        models[name] = str(tmp / name)
+    return spawn_vllm_ranks(_dflash_rank, 2, tmp, tmp, str(tmp / "table.yaml"), models)
+
+
+def _summary_of(log, name):
+    import re
+
+    parts = re.split(r"^=== (\w+)\n", log, flags=re.M)
+    lines = [line for line in dict(zip(parts[1::2], parts[2::2]))[name].splitlines()
+             if "lamport-head summary:" in line]
+    assert len(lines) == 1, (name, lines)
+    return lines[0].split("lamport-head summary: ", 1)[1]
+
+
+def test_plugin_routes_dflash2_compute_candidates(dflash):
+    """The plugin finds DFlash2's caller (CANDIDATE_CALLERS), k from its checkpoint's
+    selector_top_k, and routes compute_candidates for rows 1 .. max_num_seqs x steps:
+    ids and values bitwise vLLM's, one launch per payload on the table's rows."""
+    results, logs = dflash
+    rows = [m for m in SERVED if m <= DFLASH_SEQS * DFLASH_STEPS]  # 1, 2, 4 of 1 .. 4
+    for r in results:
+        s = r["dflash2"]
+        assert s["k"] == DFLASH_K and s["wrapped"]
+        for m, (equal, shapes, launched) in s["runs"].items():
+            m = int(m)
+            assert equal, m
+            assert shapes == [[m, DFLASH_K], [m, DFLASH_K]], m
+            assert launched == ([16, 40] if m in rows else []), (m, launched)
+    assert _summary_of(logs[0], "dflash2").endswith(
+        f"; drafter get_top_k_tokens: Lamport candidate gathers for rows {rows} (packed width "
+        f"16), rows {rows} (packed width 40)")
+
+
+def test_dflash2_without_a_section_stays_stock(dflash):
+    results, logs = dflash
+    for r in results:
+        s = r["no_section"]
+        assert s["k"] == 3 and not s["wrapped"]  # no route registered: vLLM's method
+        for m, (equal, shapes, launched) in s["runs"].items():
+            assert equal and launched == [], m
+    line = _summary_of(logs[0], "no_section")
+    assert "; drafter get_top_k_tokens: stock candidate all-gather (" in line, line
+
+
+def test_candidate_callers_match_vllms_sources():
+    """Every CANDIDATE_CALLERS entry names a class of its vLLM source file whose
+    compute_candidates calls ``self.<processor>.get_top_k_tokens`` with ``self.<k>``
+    and return_log_probs as the entry says (read from the installed wheel's source)."""
+    import ast
+    import importlib.util
+    import pathlib
+
+    from lamport_head.engines import vllm as engine
+
+    require_vllm()
+    root = pathlib.Path(importlib.util.find_spec("vllm").origin).parent.parent
+    assert {c.model for c in engine.CANDIDATE_CALLERS} == {
+        "DFlash2Qwen3ForCausalLM", "LiLiCorrForCausalLM", "DFlash2BeamForCausalLM"}
+    for c in engine.CANDIDATE_CALLERS:
+        tree = ast.parse((root / c.source).read_text())
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == c.model)
+        method = next(n for n in cls.body
+                      if isinstance(n, ast.FunctionDef) and n.name == "compute_candidates")
+        calls = [n for n in ast.walk(method) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Attribute) and n.func.attr == "get_top_k_tokens"]
+        assert len(calls) == 1, c
+        call = calls[0]
+        assert ast.unparse(call.func.value) == f"self.{c.processor}", c
+        assert ast.unparse(call.args[2]) == f"self.{c.k}", c
+        flag = {k.arg: ast.unparse(k.value) for k in call.keywords}.get("return_log_probs")
+        assert flag == ("True" if c.log_probs else None), c
+
+
+def test_a_drafter_not_in_the_table_is_unchanged(caplog):
+    """No entry: None, no collective (group None would fail one), one debug line."""
+    import logging
+
+    import torch
+
+    from lamport_head.engines import vllm as engine
+
+    class Other(torch.nn.Module):
+        def compute_candidates(self, hidden):
+            raise AssertionError("not called")
+
+    draft = Other()
+    with caplog.at_level(logging.DEBUG, logger="lamport_head"):
+        assert engine.install_drafter_candidates(draft, None, 2, 0, "cpu") is None
+    said = [r.getMessage() for r in caplog.records if r.name == "lamport_head"]
+    assert said == ["lamport-head: no candidate gather to route: Other is not in "
+                    "CANDIDATE_CALLERS (compute_candidates: yes)"]
+    assert vars(draft).get("get_top_k_tokens") is None

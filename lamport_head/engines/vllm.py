@@ -484,6 +484,92 @@ def candidate_path(vllm_config):
     return f"drafter get_top_tokens x {1 if getattr(spec, 'parallel_drafting', False) else k}"
 
 
+class CandidateCaller(NamedTuple):
+    """One drafter model whose ``compute_candidates`` calls ``get_top_k_tokens``: the
+    model-specific knowledge of ``drafter_candidates``, checked against the real vLLM
+    modules by tests/test_vllm_candidates.py (every name below must resolve there)."""
+
+    model: str  # the draft model's class (matched along the model's MRO, nearest first)
+    source: str  # the vLLM 0.33 file defining it (and its compute_candidates)
+    processor: str  # the model's attribute holding the LogitsProcessor it calls
+    k: str  # dotted attribute path, from the model, to the k it passes (set from its config)
+    log_probs: bool  # the return_log_probs it passes (True: a log-partition gather too)
+
+
+CANDIDATE_CALLERS = (
+    CandidateCaller("DFlash2Qwen3ForCausalLM", "vllm/model_executor/models/qwen3_dflash2.py",
+                    "candidate_logits_processor", "model.candidate_selector.top_k", False),
+    CandidateCaller("LiLiCorrForCausalLM", "vllm/model_executor/models/lilicorr.py",
+                    "candidate_logits_processor", "model.lilicorr.candidate_topk", True),
+    CandidateCaller("DFlash2BeamForCausalLM", "vllm/models/beam/nvidia/dflash2.py",
+                    "logits_processor", "model.candidate_selector.top_k", False),
+)
+TOP_K_PATH = "drafter get_top_k_tokens"  # the summary's name for compute_candidates' gathers
+
+
+def candidate_caller(draft):
+    """``(caller, processor, payloads, why)`` for a drafter model: its ``CANDIDATE_CALLERS``
+    entry (None: not in the table, ``why`` says so), the LogitsProcessor its
+    ``compute_candidates`` calls and the ``top_k_payloads`` it all-gathers (k from the
+    model, the logits' dtype: the processor's ``head_dtype``, else the lm_head's), or
+    None with ``why`` when the entry's names do not resolve on this model. A pure
+    function of the model's class and config-set attributes: every rank answers alike."""
+    mro = [c.__name__ for c in type(draft).__mro__]
+    caller = next((c for name in mro for c in CANDIDATE_CALLERS if c.model == name), None)
+    name = type(draft).__name__
+    if caller is None:
+        return None, None, None, (f"{name} is not in CANDIDATE_CALLERS (compute_candidates: "
+                                  f"{'yes' if hasattr(draft, 'compute_candidates') else 'no'})")
+    processor = getattr(draft, caller.processor, None)
+    k = functools.reduce(lambda obj, attr: getattr(obj, attr, None), caller.k.split("."), draft)
+    head = getattr(draft, "lm_head", None)
+    head = getattr(head, "base_layer", head)
+    weight = getattr(head, "weight", None)
+    dtype = getattr(processor, "head_dtype", None) or getattr(weight, "dtype", None)
+    where = f"{name}.{caller.processor} ({caller.source})"
+    if not callable(getattr(draft, "compute_candidates", None)):
+        return caller, None, None, f"{name} has no compute_candidates"
+    if processor is None or not _is(processor, "LogitsProcessor"):
+        return caller, None, None, f"no LogitsProcessor at {where}"
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        return caller, None, None, f"{name}.{caller.k} is {k!r}, not a k"
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2):
+        return caller, None, None, f"the logits' dtype of {where} is not known ({dtype})"
+    return caller, processor, top_k_payloads(k, dtype, caller.log_probs), where
+
+
+def candidate_rows(vllm_config):
+    """The row counts ``compute_candidates`` gathers: a draft step's requests times the
+    draft tokens (vLLM 0.33's DFlash2 speculator: ``num_reqs x num_speculative_steps``),
+    1 .. ``max_num_seqs`` x ``num_speculative_tokens``, capped (``install.decode_rows``);
+    None when the config does not say."""
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if not isinstance(seqs, int) or seqs < 1:
+        return None
+    spec = getattr(vllm_config, "speculative_config", None)
+    return install.decode_rows(seqs, int(getattr(spec, "num_speculative_tokens", None) or 1))
+
+
+def install_drafter_candidates(draft, group, tp, rank, device, dcp=1, rows=None, *,
+                               device_group=None):
+    """Route a drafter's ``compute_candidates`` (``get_top_k_tokens``' all-gathers of
+    values, ids and, with log-probs, the log-partition) through Lamport gathers, for the
+    drafters ``CANDIDATE_CALLERS`` names: a ``Candidates`` (path ``TOP_K_PATH``), or
+    None for a drafter not in the table (unchanged, one debug line). Whether and what
+    to install is ``candidate_caller``'s answer, the same on every rank (the model's
+    class and config), so no rank enters ``install_candidate_gather``'s collectives
+    alone; that install is agreed and fail-stop. Raises only as it does."""
+    caller, processor, payloads, where = candidate_caller(draft)
+    if caller is None:
+        logger.debug("lamport-head: no candidate gather to route: %s", where)
+        return None
+    if processor is None:
+        logger.info("lamport-head: stock candidate all-gather for %s: %s", TOP_K_PATH, where)
+        return Candidates(TOP_K_PATH, (), where)
+    return install_candidate_gather([processor], group, tp, rank, device, dcp, rows, payloads,
+                                    path=TOP_K_PATH, device_group=device_group)
+
+
 def _cpu_group(coordinator):
     """A GroupCoordinator's CPU (gloo) group, or its device group when it has none."""
     cpu = getattr(coordinator, "cpu_group", None)
@@ -519,8 +605,13 @@ def _install_after_load(worker):
     candidates = None
     path = candidate_path(config)
     if draft is not None and path is not None:
-        candidates = _install_candidates(draft, model, cpu, tp, rank, worker.device, dcp,
-                                         drafter_rows(config), path, tp_group.device_group)
+        candidates = [_install_candidates(draft, model, cpu, tp, rank, worker.device, dcp,
+                                          drafter_rows(config), path, tp_group.device_group)]
+    if draft is not None:  # the drafter's compute_candidates, on every rank alike
+        top_k = install_drafter_candidates(draft, cpu, tp, rank, worker.device, dcp,
+                                           rows=candidate_rows(config),
+                                           device_group=tp_group.device_group)
+        candidates = (candidates or []) + ([top_k] if top_k is not None else [])
     if rank == 0:
         through, around = logits_paths(model, config)
         logger.info("lamport-head summary: %s", summary(type(model).__name__, tp, dcp, served,
@@ -579,11 +670,15 @@ def summary(model_name, tp, dcp, served, lines, through=("compute_logits",), aro
     drafter's ``Drafter`` (speculative decoding with a draft model): the target's paths
     are then named "target ...", and a clause names the drafter's paths, its rows and
     whose gather serves them (its own, or the target's), or why it stays stock.
-    ``candidates``: the drafter's candidate path's ``Candidates`` (said in place of the
-    drafter's words for that path)."""
-    if candidates is not None and drafter is not None:
+    ``candidates``: the drafter's candidate paths' ``Candidates`` (one, or a sequence:
+    ``get_top_tokens``, ``compute_candidates``' ``get_top_k_tokens``), each said in a
+    clause of its own, in place of the drafter's words for that path."""
+    candidates = ([candidates] if isinstance(candidates, Candidates)
+                  else list(candidates or ()))
+    if candidates and drafter is not None:
+        paths = {c.path for c in candidates}
         drafter = drafter._replace(around=tuple(a for a in drafter.around
-                                                if a.split(" (")[0] != candidates.path))
+                                                if a.split(" (")[0] not in paths))
     if drafter is not None:
         through = [f"target {p}" for p in through]
         around = [a for a in around if not a.startswith("the drafter's")]  # said below
@@ -600,7 +695,7 @@ def summary(model_name, tp, dcp, served, lines, through=("compute_logits",), aro
                if lines else "see the lines above")
         line = head + f"stock logits gather on all {tp} TP ranks ({why})"
     line = line if drafter is None else line + "; " + _drafter_clause(drafter)
-    return line if candidates is None else line + "; " + _candidates_clause(candidates)
+    return "; ".join([line] + [_candidates_clause(c) for c in candidates])
 
 
 def _candidates_clause(c):
