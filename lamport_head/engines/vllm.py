@@ -35,7 +35,11 @@ LogitsProcessor. vLLM's reduction code runs unchanged: the processors' candidate
 (instance attributes) mark their routes active while they run, and the LogitsProcessor
 module's ``tensor_model_parallel_all_gather``, replaced once by a dispatcher, sends a
 routed (cols, dtype) through the packed gather there and calls vLLM's otherwise. The
-decision is by the processor, shape and dtype only, the same on every rank.
+decision is by the processor, shape and dtype only, the same on every rank. Drafters
+whose ``compute_candidates`` calls ``get_top_k_tokens`` (DFlash2, DFlash2 beam,
+LiLiCorr: the one table ``CANDIDATE_CALLERS`` says which processor and k) get its
+values / ids / log-partition gathers routed the same way (``install_drafter_candidates``,
+rows ``candidate_rows``), decided by the model's class and config alone.
 
 Which processor (``find_gather_target``), found the way vLLM's own code finds a
 model's head:
