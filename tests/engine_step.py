@@ -15,6 +15,20 @@ the process because its GPU context did not stop), the seconds from the start of
 the step that failed to the error, and the lamport-head log lines (which name the missing
 ranks). Each rank checks its tokens against the reference on its own CPU (every
 rank builds every shard from the step's seed), so nothing needs a live peer.
+
+The drafter path (``--draft-vocab VD``, off by default; issue 32): a draft head of
+another vocabulary (an EAGLE3 head of 32000) gets its own gather, installed as the
+plugin installs a drafter's (``install_drafter_gather`` on a stand-in draft model, after
+the target's: a shard width other than the target's, so its own HeadGather, mailbox
+and table section, serving mode, the same budget). Each step then runs as vLLM's
+greedy EAGLE step does: the target's gather -> argmax -> host, then ``--draft-tokens K``
+times the draft gather of fresh data (its own seed per step and draft token) -> argmax
+-> host. The report adds ``draft_served`` (the draft gather's rows), ``draft_shared``
+(true would mean it rode the target's gather), ``draft_steps`` (steps whose K draft
+tokens all reached the host), ``draft_tokens`` (draft tokens on the host, one a row),
+``draft_wrong`` (how many of them differ from the reference) and ``failed_in`` (which
+gather raised). A fault at step S still comes before the target's gather of step S.
+Without ``--draft-vocab`` the loop, its table and its report are what they were.
 """
 
 import argparse
@@ -40,6 +54,11 @@ def _args(argv):
     p.add_argument("--stall-rank", type=int)
     p.add_argument("--stall-s", type=float, default=4.0)
     p.add_argument("--at", type=int, default=60)
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="the draft head's vocabulary VD (its own gather, shard VD/TP); 0: no "
+                        "drafter")
+    p.add_argument("--draft-tokens", type=int, default=3,
+                   help="draft gathers per step (K), after the target's")
     p.add_argument("--linger", type=float, default=0.0,
                    help="seconds a stopped rank stays alive (its context and box) before exiting")
     p.add_argument("--trace", action="store_true",
@@ -48,20 +67,29 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-def _shards(step, rows, tp, shard):
-    """Every rank's ``[rows, shard]`` BF16 logits of ``step`` (host; the same on every rank)."""
-    g = torch.Generator().manual_seed(1_000_003 * step + 7)
+def _shards(step, rows, tp, shard, seed=None):
+    """Every rank's ``[rows, shard]`` BF16 logits of ``step`` (host; the same on every
+    rank); ``seed`` (default: the step's) for a draft gather's own data."""
+    g = torch.Generator().manual_seed(1_000_003 * step + 7 if seed is None else seed)
     full = torch.randn(rows, tp * shard, generator=g).to(torch.bfloat16)
     return full, [full[:, r * shard:(r + 1) * shard].contiguous() for r in range(tp)]
 
 
-def _table(ranks, rows, vocab):
-    """A real-rank section serving ``rows`` at vocabulary ``vocab`` on this GPU (every
-    rank writes its own copy)."""
+def _draft_seed(step, k):
+    """The seed of draft token ``k``'s logits at ``step``: never a step's own seed
+    (those are 7 modulo 1_000_003; these are not, for k < 126)."""
+    return 1_000_003 * step + 7 + 7919 * (k + 1)
+
+
+def _table(ranks, rows, *vocabs):
+    """A real-rank section serving ``rows`` at each vocabulary of ``vocabs`` on this GPU
+    (every rank writes its own copy; tables are keyed by V, so the draft head's needs
+    its own section)."""
     name = torch.cuda.get_device_name(ranks.device)
-    text = (f"schema: 1\ndevices:\n  {name}:\n  - tp: {ranks.world}\n    dcp: 1\n"
-            f"    vocab: {vocab}\n    rows:\n"
-            + "".join(f"      {m}: {{ctas: 8, enabled: true}}\n" for m in rows))
+    text = (f"schema: 1\ndevices:\n  {name}:\n"
+            + "".join(f"  - tp: {ranks.world}\n    dcp: 1\n    vocab: {vocab}\n    rows:\n"
+                      + "".join(f"      {m}: {{ctas: 8, enabled: true}}\n" for m in rows)
+                      for vocab in dict.fromkeys(vocabs)))
     fd, path = tempfile.mkstemp(suffix=".yaml")
     os.write(fd, text.encode())
     os.close(fd)
@@ -79,7 +107,9 @@ def main(argv=None):
     ranks = init_ranks()
     rows = sorted(int(x) for x in args.rows.split(","))
     shard = args.vocab // ranks.world
-    os.environ["LAMPORT_HEAD_TABLE"] = _table(ranks, rows, args.vocab)
+    drafts = args.draft_tokens if args.draft_vocab else 0
+    os.environ["LAMPORT_HEAD_TABLE"] = _table(ranks, rows, args.vocab,
+                                              *([args.draft_vocab] if drafts else []))
     os.environ["LAMPORT_HEAD_BUDGET_S"] = str(args.budget)  # the user's setting, agreed
     lp = types.SimpleNamespace(logits_as_input=False, head_dtype=None, use_all_gather=True,
                                _gather_logits=lambda x: all_gather_logits(x, ranks.group))
@@ -87,11 +117,20 @@ def main(argv=None):
                                                     device=ranks.device), tp_size=ranks.world)
     model = types.SimpleNamespace(logits_processor=lp, lm_head=head)
     served = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device)
+    if drafts:  # the drafter's install follows the target's, as the plugin's does
+        dshard = args.draft_vocab // ranks.world
+        dlp, drafter = _install_drafter(ranks, model, dshard, drafts,
+                                        lambda x: all_gather_logits(x, ranks.group))
     # A rank stuck anywhere (a copy that never returns) shows where, then exits.
     faulthandler.dump_traceback_later(args.budget + args.stall_s + 40, exit=True)
 
     report = {"rank": ranks.rank, "served": list(served), "steps": 0, "wrong": 0,
               "wrong_steps": [], "error": None, "stopped_after_s": None}
+    if drafts:
+        report.update(draft_served=list(drafter.served), draft_shared=drafter.shared,
+                      draft_why=drafter.why, draft_steps=0, draft_tokens=0, draft_wrong=0,
+                      draft_wrong_at=[])
+    gather = "target"  # the gather of the step now running, for the report
     step, started = 0, time.monotonic()
     _report_before_the_watchdog_exits(report, lines, lambda: (step, started))
     if args.trace:
@@ -111,6 +150,7 @@ def main(argv=None):
             if args.trace and step >= args.at - 1:
                 print(f"trace rank {ranks.rank}: step {step} starts at {time.time():.3f}",
                       flush=True)
+            gather = "target"
             logits = lp._gather_logits(shards[ranks.rank].to(ranks.device))
             tokens = logits.argmax(dim=-1).cpu()  # the engine's copy of the tokens
             report["steps"] += 1
@@ -119,10 +159,25 @@ def main(argv=None):
             if not torch.equal(tokens, want):
                 report["wrong"] += 1
                 report["wrong_steps"].append(step)
+            for k in range(drafts):  # K greedy draft tokens, a gather each, at the step's rows
+                gather = f"draft {k}"
+                dfull, dshards = _shards(step, m, ranks.world, dshard, seed=_draft_seed(step, k))
+                dwant = dfull.float().argmax(dim=-1)
+                drafted = dlp._gather_logits(dshards[ranks.rank].to(ranks.device))
+                dtokens = drafted.argmax(dim=-1).cpu()  # the engine's copy of the draft
+                report["draft_tokens"] += dtokens.numel()
+                bad = int((dtokens != dwant).sum()) if dtokens.shape == dwant.shape else m
+                if bad:
+                    report["draft_wrong"] += bad
+                    report["draft_wrong_at"].append([step, k])
+            if drafts:
+                report["draft_steps"] += 1
     except Exception as exc:  # what the engine's worker would see
         report["stopped_after_s"] = round(time.monotonic() - started, 3)
         report["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         report["failed_step"] = step
+        if drafts:
+            report["failed_in"] = gather
         time.sleep(0.3)  # the watcher's line, if it is still on its way
         if args.trace:
             print(f"trace rank {ranks.rank}: raised at {time.time():.3f}", flush=True)
@@ -131,6 +186,24 @@ def main(argv=None):
     print("engine-step " + json.dumps(report), flush=True)
     sys.stdout.flush()
     os._exit(0)  # no teardown: a peer may be gone, and a stopped context cannot sync
+
+
+def _install_drafter(ranks, target, dshard, drafts, stock):
+    """The draft head's stand-in model (an EAGLE3 head: its own LogitsProcessor, whose
+    stock gather is ``stock``, and a vocab-parallel lm_head of ``dshard`` columns a
+    rank), routed as the plugin routes a drafter once the ``target`` is installed:
+    ``install_drafter_gather`` (collective: every rank calls it, in this order). Its
+    processor and the ``Drafter`` saying how it was served."""
+    from lamport_head.engines.vllm import install_drafter_gather
+
+    dlp = types.SimpleNamespace(logits_as_input=False, head_dtype=None, use_all_gather=True,
+                                _gather_logits=stock)
+    dhead = types.SimpleNamespace(weight=torch.zeros(dshard, 16, dtype=torch.bfloat16,
+                                                     device=ranks.device), tp_size=ranks.world)
+    draft = types.SimpleNamespace(logits_processor=dlp, lm_head=dhead)
+    drafter = install_drafter_gather(draft, target, None, ranks.world, ranks.rank, ranks.device,
+                                     paths=((f"drafter compute_logits x {drafts}",), ()))
+    return dlp, drafter
 
 
 def _report_before_the_watchdog_exits(report, lines, where):

@@ -14,6 +14,7 @@ from lamport_head.status import STOP_EXIT_CODE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiproc]
 VOCAB3 = "129024"  # splits into 3 shards of whole 16-byte fragments (163840 does not)
+DRAFT_VOCAB = "32000"  # an EAGLE3 draft head: 16000 a rank at TP 2, a multiple of 8
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -138,6 +139,57 @@ def test_engine_shaped_steps_never_put_a_wrong_token_on_a_host(n, fault):
         assert r["error"] is not None and r["steps"] <= at + 1, show(outs)
         ended = r["error"].startswith("ended by the watchdog")
         assert codes[r["rank"]] == (STOP_EXIT_CODE if ended else 0), show(outs)
+        assert r["stopped_after_s"] < budget + 1.0, show(outs)
+        assert any(f"rank(s) {bad}" in line for line in r["log"]), show(outs)
+    # the GPU serves the next process group
+    codes, outs, _ = launch(2, "--calls", "30")
+    assert codes == [0, 0], show(outs)
+
+
+@pytest.mark.parametrize("fault", ["kill", "stall"])
+def test_engine_shaped_drafter_steps_never_put_a_wrong_draft_token_on_a_host(fault):
+    """Issue 32's "Done when" for the drafter path: each step is the target's gather ->
+    argmax -> host, then K = 3 draft gathers of an EAGLE3 head (V = 32000: 16000 a rank
+    at TP 2, a width of its own, so the drafter's install builds its own gather, mailbox
+    and table section, serving mode, the same budget), each of fresh data -> argmax ->
+    host. The last rank is killed, or stalls on its host past the budget, at step 60,
+    before that step's target gather. Both gathers served on every rank (the Lamport
+    path, not stock); no host receives a wrong target or draft token, and every draft
+    token of the steps before the fault reached every host; every rank still running
+    stops in the target's gather within budget + 1 s, its log naming the missing rank
+    (or the watchdog ends it: exit 70); then a fresh group on this GPU serves bitwise."""
+    n, budget, at, k, bad = 2, 2.0, 60, 3, 1
+    rows = [1, 2, 4, 8]  # engine_step's default --rows: step s gathers rows[s % 4]
+    flag = ["--kill-rank", str(bad)] if fault == "kill" else ["--stall-rank", str(bad),
+                                                              "--stall-s", str(budget + 2)]
+    codes, outs, wall = launch(n, "--steps", "400", "--at", str(at), "--budget", str(budget),
+                               "--draft-vocab", DRAFT_VOCAB, "--draft-tokens", str(k), *flag,
+                               timeout=240, program=ENGINE_STEP)
+    reports = engine_reports(outs)
+    print(f"\n  ({wall:.0f} s wall)")
+    for r, code in zip(reports, codes):
+        print(f"  drafter {fault} n={n} rank {r['rank']} (exit {code}): target served "
+              f"{r['served']}, draft served {r.get('draft_served')} (shared: "
+              f"{r.get('draft_shared')}; {r.get('draft_why')}); {r['steps']} steps' tokens on "
+              f"the host, {r['wrong']} wrong; {r.get('draft_tokens')} draft tokens, "
+              f"{r.get('draft_wrong')} wrong; stopped {r.get('stopped_after_s')} s into step "
+              f"{r.get('failed_step')} ({r.get('failed_in')}): {r['error']}; "
+              f"log: {r.get('log', [])[-1:]}")
+    assert all(r["served"] for r in reports), show(outs)  # the Lamport path, not stock
+    assert all(r["draft_served"] and not r["draft_shared"] for r in reports), show(outs)
+    assert sum(r["wrong"] for r in reports) == 0, show(outs)
+    assert sum(r["draft_wrong"] for r in reports) == 0, show(outs)
+    for r in reports:  # every draft token of the steps before the fault reached the host
+        assert r["draft_steps"] >= at, show(outs)
+        assert r["draft_tokens"] == k * sum(rows[s % 4] for s in range(r["draft_steps"])), \
+            show(outs)
+    stopped = [r for r in reports if not r.get("killed")]
+    assert len(stopped) == (n - 1 if fault == "kill" else n)
+    for r in stopped:
+        assert r["error"] is not None and r["steps"] <= at + 1, show(outs)
+        ended = r["error"].startswith("ended by the watchdog")
+        assert codes[r["rank"]] == (STOP_EXIT_CODE if ended else 0), show(outs)
+        assert ended or r["failed_in"] == "target", show(outs)
         assert r["stopped_after_s"] < budget + 1.0, show(outs)
         assert any(f"rank(s) {bad}" in line for line in r["log"]), show(outs)
     # the GPU serves the next process group
