@@ -26,7 +26,6 @@ same shapes. Measurements only go through the runner (``bench.make_runner``, the
 seam CPU tests replace); what is printed is every CSV column (``COLUMNS``).
 """
 
-import csv
 import json
 import math
 from dataclasses import dataclass
@@ -185,13 +184,7 @@ def format_tables(records, stock):
 
 
 def write_csv(path, records, stock, **scalars):
-    keys = fields(stock)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        w.writeheader()
-        for r in records:
-            row = dict(scalars, **r)
-            w.writerow({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+    report.write_records(path, fields(stock), records, **scalars)
 
 
 def run(args):

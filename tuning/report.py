@@ -153,7 +153,12 @@ def format_table(caption, columns, records):
 
 def write_csv(path, mode, records, **scalars):
     """Every record as one CSV row with ``fields(mode)``; floats rounded to 4 places."""
-    keys = fields(mode)
+    write_records(path, fields(mode), records, **scalars)
+
+
+def write_records(path, keys, records, **scalars):
+    """Every record (with ``scalars`` added) as one CSV row of the columns ``keys``; floats
+    rounded to 4 places."""
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
