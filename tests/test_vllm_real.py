@@ -19,7 +19,7 @@ import re
 
 import pytest
 from engine_cpu import HOST_ISAS
-from helpers import as_vllm_rank, require_vllm, same_bits, spawn_vllm_ranks
+from helpers import as_vllm_rank, require_vllm, same_bits, spawn_vllm_ranks, vllm_ranks
 from tables import TWO_RANKS as TABLE
 
 SERVED = [1, 2, 4]
@@ -72,7 +72,6 @@ def _scenarios(rank, tmp):
 
     import vllm.plugins
     from vllm.config import VllmConfig
-    from vllm.distributed import parallel_state as ps
     from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -82,10 +81,7 @@ def _scenarios(rank, tmp):
     import lamport_head.install as install
     from lamport_head.engines import vllm as engine
 
-    ps.init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
-                                    distributed_init_method=f"file://{tmp}/init")
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    tp_group = ps.get_tp_group()
+    vllm_ranks(2, rank, tmp)
     out = {"rank": rank}
 
     # the real plugin loader, twice, and the entry point called again: wrapped once
