@@ -1,7 +1,8 @@
 """lamport-head: the tensor-parallel logits gather of LLM decode on a Lamport mailbox.
 
 Public names (the README's "Use" section; each module's docstring holds its design):
-``HeadGather``, ``install_logits_gather``, ``table`` (``load_table``, ``Table``,
+``HeadGather``, ``install_logits_gather`` (an ``Outcome``: rows served, or a ``Stock``
+reason and its message), ``table`` (``load_table``, ``Table``,
 ``TableRow``, ``TableError``; ``RowPlan`` and ``Table.plan``, the public
 contract's names of ``TableRow`` and ``Table.entries``, kept). Heavy modules load lazily so that
 ``import lamport_head`` is cheap and works without a GPU or vLLM.
@@ -21,6 +22,8 @@ _LAZY = {
     "HeadGather": ("head_gather", "HeadGather"),
     "GatherTimeout": ("head_gather", "GatherTimeout"),
     "install_logits_gather": ("engines.vllm", "install_logits_gather"),
+    "Outcome": ("outcome", "Outcome"),
+    "Stock": ("outcome", "Stock"),
 }
 
 __all__ = [*_LAZY, "table"]

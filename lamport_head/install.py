@@ -37,6 +37,7 @@ import torch
 
 from . import settings
 from .collective import all_gather_objects, raised_together
+from .outcome import Outcome, Stock
 from .table import NCCL_STOCK
 
 logger = logging.getLogger("lamport_head")
@@ -95,18 +96,18 @@ class _Vote(NamedTuple):
 
     agreed: object  # _View.agreed, or None with ``reason``
     key: object  # _View.key: equal keys mean ranks sharing one GPU
-    reason: object  # why this rank cannot serve (a local failure, DISABLE), or None
+    reason: object  # (Stock label, text): why this rank cannot serve (a local failure,
+    # DISABLE), or None
     force: bool  # LAMPORT_HEAD_FORCE as this rank's environment reads it
 
 
-def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_group=None):
-    """Route ``site`` through a HeadGather for the table's enabled rows; returns the
-    rows served, ``()`` meaning the engine's stock gather.
-    ``group``: where the ranks agree and the mailboxes are exchanged: the engine's
-    CPU (gloo) group where it has one, so a rank whose CUDA context broke still
-    reaches every agreement; ``device_group`` (default ``group``): the engine's
-    device group, on which first-use tuning times the stock all-gather it competes
-    with.
+def install(site, ranks, rows=None, *, measure):
+    """Route ``site`` through a HeadGather for the table's enabled rows over ``ranks``
+    (an ``outcome.Ranks``: ``group`` where the ranks agree and the mailboxes are
+    exchanged, ``device_group`` where first-use tuning times the engine's stock gather);
+    an ``outcome.Outcome``: the rows served, or why the engine's stock gather stays
+    (``Stock``), the same on every rank. One log line says the same for people; no
+    caller reads it.
     ``rows``: the row counts the server's decode steps gather; served rows are
     limited to them, so the mailbox's cap follows, and first-use tuning measures
     among them. None: the table's rows, and ``settings.DEFAULT_ROWS`` for first-use
@@ -122,56 +123,54 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
     device, its tables, its environment: DISABLE, FORCE, first-use tuning settings)
     travels in its ``_Vote``; every rank reaches the agreement and all take the
     decision from the same gathered votes."""
+    group, tp, rank, device, dcp = ranks.group, ranks.tp, ranks.rank, ranks.device, ranks.dcp
     lp, where = site.processor, site.where
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call installed one: keep it
-        return tuple(sorted(installed.rows))
+        return Outcome.serving(installed.rows)
     if tp <= 1:
-        logger.info("lamport-head: tp=%d has no logits gather to replace", tp)
-        return ()
+        return stock(Stock.NO_GATHER, f"tp={tp} has no logits gather to replace")
     why = _site_refuses(site, tp)
     if why is not None:
-        logger.info("lamport-head: stock logits gather: %s", why)
-        return ()
+        return stock(Stock.SITE, why)
     shard = site.weight.shape[0]
     vocab = tp * shard  # the full (padded) vocabulary: a table section is measured at one V
     # the gather the route replaces: what a section must have been measured against, and
     # what first-use tuning times (the engine's own callable, before routing)
-    stock, stock_gather = site.stock, getattr(lp, site.attr)
-    name, view, vote = _bounded_vote(tp, dcp, device, rows, vocab, stock)
+    stock_kind, stock_gather = site.stock, getattr(lp, site.attr)
+    name, view, vote = _bounded_vote(tp, dcp, device, rows, vocab, stock_kind)
     # Collective 1: agree on the entries and on whether to measure first. Every rank gets
     # here, whatever it read or failed at: a rank deciding alone would be missing from
     # the mailbox's (or the sweep's) collectives its peers enter next.
     votes = [_Vote(*v) for v in all_gather_objects(tuple(vote), group)]
-    if site.kept is not None and not _agree_force(votes, site.kept):
-        return ()
+    if site.kept is not None:
+        refused = _agree_force(votes, site.kept)
+        if refused is not None:
+            return refused
     reasons = [(r, v.reason) for r, v in enumerate(votes) if v.reason]
     if reasons:
-        mine = vote.reason or f"rank {reasons[0][0]}: {reasons[0][1]}"
-        logger.warning("lamport-head: logits gather stays stock: %s", mine)
-        return ()
+        kind = (Stock.DISABLED if any(r[0] == Stock.DISABLED.label for _, r in reasons)
+                else Stock.RANK)
+        mine = vote.reason[1] if vote.reason else f"rank {reasons[0][0]}: {reasons[0][1][1]}"
+        return stock(kind, mine)
     if len({v.agreed for v in votes}) > 1:
-        logger.warning("lamport-head: logits gather stays stock: the TP ranks resolved "
-                       "different HEAD_GATHER plans (different tables or environments, "
-                       "first-use tuning settings or the engine's gather kind included)")
-        return ()
+        return stock(Stock.PLANS_DIFFER, "the TP ranks resolved different HEAD_GATHER plans "
+                     "(different tables or environments, first-use tuning settings or the "
+                     "engine's gather kind included)")
     keys = [v.key for v in votes]
     shared = None if None in keys else len(set(keys)) < tp  # several ranks on one GPU
     choice, entries = _choose(view, shared)
     if choice == "unknown":
-        logger.warning("lamport-head: logits gather stays stock: first-use tuning cannot tell "
-                       "whether the TP ranks share a GPU (no device key)")
-        return ()
+        return stock(Stock.NO_DEVICE_KEY, "first-use tuning cannot tell whether the TP ranks "
+                     "share a GPU (no device key)")
     if choice == "tune":
         try:  # collective, fail-stop: every rank gets the same outcome or every rank raises
-            outcome = measure(device_group if device_group is not None else group, device, tp,
-                              rank, dcp, shard, view.rows, shared, name, stock=stock_gather,
-                              stock_kind=stock)
+            outcome = measure(ranks.timing_group, device, tp, rank, dcp, shard, view.rows,
+                              shared, name, stock=stock_gather, stock_kind=stock_kind)
         except Exception as exc:
             _alone(exc, "first-use tuning")
-            logger.warning("lamport-head: logits gather stays stock: first-use tuning failed: "
-                           "%s: %s", type(exc).__name__, exc)
-            return ()
+            return stock(Stock.TUNING_FAILED,
+                         f"first-use tuning failed: {type(exc).__name__}: {exc}")
         logger.info("lamport-head: first-use tuning on %s (tp=%d, dcp=%d, %s): measured rows "
                     "%s in %.1f s, wrote %s%s; vocab=%d%s", name, tp, dcp, view.real,
                     [r.rows for r in outcome.results], outcome.seconds, outcome.path,
@@ -182,31 +181,38 @@ def install(site, group, tp, rank, device, dcp=1, rows=None, *, measure, device_
             # have changed on one rank while the ranks measured.
             choice = "emulated" if view.serve_emulated else "unserved"
     if choice == "unserved":
-        logger.info("lamport-head: stock logits gather: the ranks share one GPU, so the %s "
-                    "section for %s, tp=%d, dcp=%d is emulated: true, never served (%s=1 "
-                    "serves it, to test this mode only)", name, name, tp, dcp,
-                    settings.SERVE_EMULATED_ENV)
-        return ()
+        return stock(Stock.EMULATED, f"the ranks share one GPU, so the {name} section for "
+                     f"tp={tp}, dcp={dcp} is emulated: true, never served "
+                     f"({settings.SERVE_EMULATED_ENV}=1 serves it, to test this mode only)")
     if choice == "emulated":
         logger.warning("lamport-head: serving an emulated section (processes sharing one GPU: "
                        "not performance) because %s is set", settings.SERVE_EMULATED_ENV)
     if not entries:
-        logger.info("lamport-head: no enabled HEAD_GATHER rows for %s, tp=%d, dcp=%d, vocab=%d, "
-                    "stock=%s%s; stock logits gather", name, tp, dcp, vocab, stock, _others(view))
-        return ()
+        return stock(Stock.NO_ROWS, f"no enabled HEAD_GATHER rows for {name}, tp={tp}, "
+                     f"dcp={dcp}, vocab={vocab}, stock={stock_kind}{_others(view)}")
     try:  # collective, fail-stop: every rank gets a gather or every rank raises
         gather = _build(group, device, tp, rank, shard, entries, view.budget_s)
     except Exception as exc:  # a capability fallback, taken by every rank together
         _alone(exc, "building the gather")
-        logger.warning("lamport-head: logits gather stays stock: %s: %s",
-                       type(exc).__name__, exc)
-        return ()
+        return stock(Stock.BUILD_FAILED, f"building the gather failed: "
+                     f"{type(exc).__name__}: {exc}")
     served = _route(site, gather)
     logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d) for rows %s, "
                 "routed at %s; spin budget %g s (%s), agreed by every rank; a give-up stops "
-                "the GPU context", name, tp, dcp, served, where, view.budget_s,
+                "the GPU context", name, tp, dcp, list(served.rows), where, view.budget_s,
                 settings.BUDGET_ENV)
     return served
+
+
+def stock(reason, message, where=None):
+    """``Outcome.stock(reason, message)``, with its one line for people (at the
+    reason's level). ``where``: what stays stock, when it is not the logits gather."""
+    what = where or "logits gather"
+    # a WARNING asks a person to act ("stays stock"); an INFO line states the configuration
+    form = ("lamport-head: %s stays stock: %s [%s]" if reason.level >= logging.WARNING
+            else "lamport-head: stock %s: %s [%s]")
+    logger.log(reason.level, form, what, message, reason.label)
+    return Outcome.stock(reason, message)
 
 
 def _alone(exc, what):
@@ -240,19 +246,19 @@ def _site_refuses(site, tp, shard=None):
     return None
 
 
-def _route(site, gather):
+def _route(site, gather, shared=False):
     """Route ``site``'s gather attribute through ``gather`` (an instance attribute: other
-    processors keep theirs); the rows served."""
-    stock = getattr(site.processor, site.attr)
+    processors keep theirs); the serving ``Outcome``."""
+    engine = getattr(site.processor, site.attr)
     site.processor.head_gather = gather
-    setattr(site.processor, site.attr, partial(gather, stock=stock))
-    return tuple(sorted(gather.rows))
+    setattr(site.processor, site.attr, partial(gather, stock=engine))
+    return Outcome.serving(gather.rows, shared=shared)
 
 
 def reroute(site, gather, *, label=None):
     """Route a new processor (the engine replaced its model, e.g. after a weight update)
-    through the ``gather`` its first model was served by; the rows served, ``()``
-    meaning the engine's stock gather, with one line either way. ``label``: what the
+    through the ``gather`` its first model was served by: an ``Outcome`` (``shared``
+    when ``label`` names another site), with one line either way. ``label``: what the
     site is, for the lines, when it is not a replacement model (a vLLM drafter whose
     head has the target's shard width shares the target's gather: no second mailbox).
 
@@ -264,19 +270,20 @@ def reroute(site, gather, *, label=None):
     processor). Never raises."""
     installed = getattr(site.processor, "head_gather", None)
     if installed is gather:  # the same processor (weights updated in place): still routed
-        return tuple(sorted(gather.rows))
-    why = site.kept or _site_refuses(site, gather.tp, gather.shard)
+        return Outcome.serving(gather.rows, shared=label is not None)
+    if site.kept is not None:
+        return stock(Stock.OWN_GATHER, site.kept, f"logits gather on {label or 'the new model'}")
+    why = _site_refuses(site, gather.tp, gather.shard)
     if why is not None:
-        logger.info("lamport-head: stock logits gather on %s: %s", label or "the new model", why)
-        return ()
-    served = _route(site, gather)
+        return stock(Stock.SITE, why, f"logits gather on {label or 'the new model'}")
+    served = _route(site, gather, shared=label is not None)
     if label is None:
         logger.info("lamport-head: the new model's gather routed again at %s: the gather built "
-                    "at install serves rows %s", site.where, served)
+                    "at install serves rows %s", site.where, list(served.rows))
     else:
         logger.info("lamport-head: %s routed at %s through the gather already built (the same "
                     "shard width: no second mailbox, no collective); it serves rows %s", label,
-                    site.where, served)
+                    site.where, list(served.rows))
     return served
 
 
@@ -315,7 +322,8 @@ def _bounded_vote(tp, dcp, device, rows, vocab, stock):
         return within(RENDEZVOUS_WAIT_S, "reading the tables and settings (install's vote)",
                       _local_vote, tp, dcp, device, rows, vocab, stock)
     except TimeoutError as exc:
-        return None, None, _Vote(None, None, f"TimeoutError: {exc}", settings.forced())
+        return None, None, _Vote(None, None, (Stock.RANK.label, f"TimeoutError: {exc}"),
+                                 settings.forced())
 
 
 def _local_vote(tp, dcp, device, rows, vocab, stock):
@@ -326,34 +334,34 @@ def _local_vote(tp, dcp, device, rows, vocab, stock):
     try:
         name = _device_name(device)
     except Exception as exc:
-        return None, None, _Vote(None, None, f"cannot name the GPU model of {device}: "
-                                             f"{type(exc).__name__}: {exc}", force)
+        return None, None, _Vote(None, None, (Stock.RANK.label, f"cannot name the GPU model of "
+                                             f"{device}: {type(exc).__name__}: {exc}"), force)
     if name is None:
-        return None, None, _Vote(None, None, f"{device} is not a CUDA device", force)
+        return None, None, _Vote(None, None, (Stock.RANK.label, f"{device} is not a CUDA device"),
+                                 force)
     view, reason = _local_view(tp, dcp, device, name, rows, vocab, stock)
+    reason = reason and (Stock.RANK.label, reason)
     if settings.disabled():
         # An environment variable may reach some ranks only: it travels with the vote.
-        view, reason = None, f"disabled by {settings.DISABLE_ENV}"
+        view, reason = None, (Stock.DISABLED.label, f"disabled by {settings.DISABLE_ENV}")
     return name, view, _Vote(view and view.agreed, view and view.key, reason, force)
 
 
 def _agree_force(votes, why):
     """For a processor whose class has its own gather (``why``: the site's text saying
-    it keeps it): True when every rank's LAMPORT_HEAD_FORCE is set. Not set anywhere:
-    the processor keeps its gather (one line). Set on some ranks only: every rank
-    keeps it, with a warning naming them, as a LAMPORT_HEAD_DISABLE that reached some
-    ranks only takes every rank to stock.
+    it keeps it): None when every rank's LAMPORT_HEAD_FORCE is set (route it), else the
+    stock ``Outcome``. Not set anywhere: the processor keeps its gather. Set on some
+    ranks only: every rank keeps it, the line naming them, as a LAMPORT_HEAD_DISABLE
+    that reached some ranks only takes every rank to stock.
     The same answer on every rank: ``votes`` are the gathered ones."""
     on = [r for r, v in enumerate(votes) if v.force]
     if len(on) == len(votes):
-        return True
+        return None
     if not on:
-        logger.info("lamport-head: stock logits gather: %s", why)
-        return False
+        return stock(Stock.OWN_GATHER, why)
     off = [r for r, v in enumerate(votes) if not v.force]
-    logger.warning("lamport-head: logits gather stays stock: %s=1 reached TP rank(s) %s but not "
-                   "%s (every rank must say the same): %s", settings.FORCE_ENV, on, off, why)
-    return False
+    return stock(Stock.FORCE_PARTIAL, f"{settings.FORCE_ENV}=1 reached TP rank(s) {on} but not "
+                 f"{off} (every rank must say the same): {why}")
 
 
 @dataclass(frozen=True)

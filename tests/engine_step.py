@@ -116,7 +116,7 @@ def main(argv=None):
     head = types.SimpleNamespace(weight=torch.zeros(shard, 16, dtype=torch.bfloat16,
                                                     device=ranks.device), tp_size=ranks.world)
     model = types.SimpleNamespace(logits_processor=lp, lm_head=head)
-    served = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device)
+    served = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device).rows
     if drafts:  # the drafter's install follows the target's, as the plugin's does
         dshard = args.draft_vocab // ranks.world
         dlp, drafter = _install_drafter(ranks, model, dshard, drafts,
@@ -127,8 +127,8 @@ def main(argv=None):
     report = {"rank": ranks.rank, "served": list(served), "steps": 0, "wrong": 0,
               "wrong_steps": [], "error": None, "stopped_after_s": None}
     if drafts:
-        report.update(draft_served=list(drafter.served), draft_shared=drafter.shared,
-                      draft_why=drafter.why, draft_steps=0, draft_tokens=0, draft_wrong=0,
+        report.update(draft_served=list(drafter.served), draft_shared=drafter.outcome.shared,
+                      draft_why=drafter.outcome.message, draft_steps=0, draft_tokens=0, draft_wrong=0,
                       draft_wrong_at=[])
     gather = "target"  # the gather of the step now running, for the report
     step, started = 0, time.monotonic()
@@ -195,13 +195,15 @@ def _install_drafter(ranks, target, dshard, drafts, stock):
     ``install_drafter_gather`` (collective: every rank calls it, in this order). Its
     processor and the ``Drafter`` saying how it was served."""
     from lamport_head.engines.vllm import install_drafter_gather
+    from lamport_head.outcome import Ranks
 
     dlp = types.SimpleNamespace(logits_as_input=False, head_dtype=None, use_all_gather=True,
                                 _gather_logits=stock)
     dhead = types.SimpleNamespace(weight=torch.zeros(dshard, 16, dtype=torch.bfloat16,
                                                      device=ranks.device), tp_size=ranks.world)
     draft = types.SimpleNamespace(logits_processor=dlp, lm_head=dhead)
-    drafter = install_drafter_gather(draft, target, None, ranks.world, ranks.rank, ranks.device,
+    drafter = install_drafter_gather(draft, target, Ranks(None, ranks.world, ranks.rank,
+                                                          ranks.device),
                                      paths=((f"drafter compute_logits x {drafts}",), ()))
     return dlp, drafter
 

@@ -51,7 +51,7 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts, shard=64):
     firstuse.make_target = make_target
     seen = capture_log()
     m = model(lm__tp_size=nprocs, lm__weight=torch.zeros(shard, 16, dtype=torch.bfloat16))
-    served = install_logits_gather(m, None, nprocs, rank, "cpu")
+    served = install_logits_gather(m, None, nprocs, rank, "cpu").rows
     out = m.logits_processor._gather_logits(torch.zeros(1, shard, dtype=torch.bfloat16))
     routed = (sorted(set(out.view(torch.uint8).flatten().tolist())) if torch.is_tensor(out)
               else out)

@@ -64,7 +64,7 @@ def _worker(rank, nprocs, table, value, where):
 
     seen = capture_log()
     m = model(lm__tp_size=nprocs)
-    served = install_logits_gather(m, None, nprocs, rank, "cpu")
+    served = install_logits_gather(m, None, nprocs, rank, "cpu").rows
     routed = m.logits_processor._gather_logits(torch.zeros(1, 64, dtype=torch.bfloat16))
     return {"served": list(served), "warnings": [x for x in seen if "stays stock" in x],
             "routed": list(routed)}

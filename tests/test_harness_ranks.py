@@ -275,7 +275,7 @@ def _install_worker(rank, tp, cache, fail):
     m = model(lm__tp_size=tp)
     # first-use tuning times (and verifies against) the engine's own gather: a real one
     m.logits_processor._gather_logits = _engine_gather
-    served = install_logits_gather(m, None, tp, rank, "cpu")
+    served = install_logits_gather(m, None, tp, rank, "cpu").rows
     after = all_gather_objects(list(served))
     return {"served": list(served), "after": after,
             "warnings": [line for line in seen if "stays stock" in line]}
@@ -449,7 +449,7 @@ def _alone_worker(rank, tp, cache, at_call):
     m = model(lm__tp_size=tp)
     m.logits_processor._gather_logits = engine_gather
     try:
-        served = install_logits_gather(m, None, tp, rank, "cpu")
+        served = install_logits_gather(m, None, tp, rank, "cpu").rows
     except Exception as exc:  # what stops the worker: the engine then stops every rank
         return {"raised": f"{type(exc).__name__}: {exc}", "log": seen}
     return {"served": list(served), "log": seen}

@@ -28,8 +28,8 @@ def _install_worker(rank, nprocs, table, case, other_table):
     seen = capture_log()
     m = model(lm__tp_size=nprocs)
     other = model(lm__tp_size=nprocs)
-    served = install_logits_gather(m, None, nprocs, rank, "cpu")
-    again = install_logits_gather(m, None, nprocs, rank, "cpu")
+    served = install_logits_gather(m, None, nprocs, rank, "cpu").rows
+    again = install_logits_gather(m, None, nprocs, rank, "cpu").rows
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     routed = m.logits_processor._gather_logits(x)
     routed = (sorted(set(routed.view(torch.uint8).flatten().tolist())) if torch.is_tensor(routed)
@@ -105,6 +105,7 @@ def test_a_rank_whose_table_is_broken_takes_every_rank_to_stock(tmp_path):
         assert r["served"] == [] and r["routed"] == ["stock", 1]
     assert "bare 'on'" in results[1]["log"][-1]
     assert results[0]["log"][-1].startswith("lamport-head: logits gather stays stock: rank 1: ")
+    assert results[0]["log"][-1].endswith("[rank]")
 
 
 def test_disable_on_one_rank_takes_every_rank_to_stock(tmp_path):
@@ -137,7 +138,7 @@ def test_checks_leave_stock_without_collectives(overrides, monkeypatch):
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
     monkeypatch.setattr(install, "_build", lambda *a: built.append(a))
     m = model(**overrides)
-    assert install_logits_gather(m, None, 2, 0, "cpu") == ()
+    assert install_logits_gather(m, None, 2, 0, "cpu").rows == ()
     assert built == [] and not hasattr(m.logits_processor, "head_gather")
 
 
@@ -151,20 +152,20 @@ def solo_group(tmp_path):
 
 
 def test_no_logits_processor_tp1_cpu_and_disable(monkeypatch, tmp_path, caplog, solo_group):
-    assert install_logits_gather(types.SimpleNamespace(), None, 2, 0, "cpu") == ()
+    assert install_logits_gather(types.SimpleNamespace(), None, 2, 0, "cpu").rows == ()
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
-    assert install_logits_gather(model(lm__tp_size=1), None, 1, 0, "cpu") == ()
+    assert install_logits_gather(model(lm__tp_size=1), None, 1, 0, "cpu").rows == ()
     monkeypatch.setattr(install, "_device_name", lambda d: None)
     with caplog.at_level("INFO", logger="lamport_head"):
-        assert install_logits_gather(model(), None, 2, 0, "cpu") == ()
+        assert install_logits_gather(model(), None, 2, 0, "cpu").rows == ()
     assert "not a CUDA device" in caplog.text
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA B300")
     caplog.clear()
     with caplog.at_level("INFO", logger="lamport_head"):
-        assert install_logits_gather(model(), None, 2, 0, "cpu") == ()
+        assert install_logits_gather(model(), None, 2, 0, "cpu").rows == ()
     assert "no enabled HEAD_GATHER rows for NVIDIA B300" in caplog.text
     monkeypatch.setenv("LAMPORT_HEAD_DISABLE", "1")
-    assert install_logits_gather(model(), None, 2, 0, "cpu") == ()
+    assert install_logits_gather(model(), None, 2, 0, "cpu").rows == ()
 
 
 def test_malformed_table_warns_and_stays_stock(monkeypatch, tmp_path, caplog, solo_group):
@@ -173,7 +174,7 @@ def test_malformed_table_warns_and_stays_stock(monkeypatch, tmp_path, caplog, so
     monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(bad))
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
     with caplog.at_level("WARNING", logger="lamport_head"):
-        assert install_logits_gather(model(), None, 2, 0, "cpu") == ()
+        assert install_logits_gather(model(), None, 2, 0, "cpu").rows == ()
     assert str(bad) in caplog.text and "bare 'on'" in caplog.text
 
 
@@ -202,7 +203,7 @@ def _vote_worker(rank, nprocs, table, own, force_ranks, nameless_rank):
     m = model(lm__tp_size=nprocs)
     if own:
         m.logits_processor = OwnGather()
-    served = install_logits_gather(m, None, nprocs, rank, "cpu")
+    served = install_logits_gather(m, None, nprocs, rank, "cpu").rows
     routed = m.logits_processor._gather_logits(torch.zeros(1, 64, dtype=torch.bfloat16))
     routed = (sorted(set(routed.view(torch.uint8).flatten().tolist())) if torch.is_tensor(routed)
               else routed)
@@ -263,7 +264,7 @@ def _serving_worker(rank, nprocs, table):
 
     fake_cuda(setattr, rank, "ok")
     m = model(lm__tp_size=nprocs)
-    served = lamport_head.engines.vllm.install_logits_gather(m, None, nprocs, rank, "cpu")
+    served = lamport_head.engines.vllm.install_logits_gather(m, None, nprocs, rank, "cpu").rows
     tuner = sorted(n for n in sys.modules
                    if n.split(".")[0] == "optuna" or n.startswith(("lamport_head.cli",
                                                                      "lamport_head.tuning")))

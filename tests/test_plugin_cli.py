@@ -9,9 +9,13 @@ import pytest
 
 from lamport_head import cli
 from lamport_head.engines import vllm as plugin
+from lamport_head.engines.vllm import release, route
+from lamport_head.outcome import Outcome, Ranks, Stock
 
 
-def fake_vllm(monkeypatch):
+def fake_vllm(monkeypatch, version="0.33.0", drop=None):
+    """A stand-in vLLM holding every name ``release.RELIED`` lists (at ``version``),
+    but ``drop`` ("module:attribute") when given."""
     calls = []
 
     class Worker:
@@ -26,35 +30,61 @@ def fake_vllm(monkeypatch):
                                   world_size=4, rank_in_group=1)
     ps = types.SimpleNamespace(get_tp_group=lambda: group,
                                get_dcp_group=lambda: types.SimpleNamespace(world_size=2))
-    mods = {"vllm": types.ModuleType("vllm"), "vllm.v1": types.ModuleType("vllm.v1"),
-            "vllm.v1.worker": types.ModuleType("vllm.v1.worker"),
-            "vllm.v1.worker.gpu_worker": types.ModuleType("vllm.v1.worker.gpu_worker"),
-            "vllm.distributed": types.ModuleType("vllm.distributed")}
+    class LogitsProcessor:
+        def _gather_logits(self, x):
+            return x
+
+        def get_top_tokens(self):
+            pass
+
+        def get_top_k_tokens(self):
+            pass
+
+    mods = {name: types.ModuleType(name) for name in (
+        "vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu_worker", "vllm.distributed",
+        "vllm.model_executor", "vllm.model_executor.layers",
+        "vllm.model_executor.layers.logits_processor",
+        "vllm.model_executor.layers.vocab_parallel_embedding")}
+    mods["vllm"].__version__ = version
     mods["vllm.v1.worker.gpu_worker"].Worker = Worker
     mods["vllm.distributed"].parallel_state = ps
+    mods["vllm.distributed"].tensor_model_parallel_all_gather = lambda x, dim=-1: x
     mods["vllm.distributed.parallel_state"] = ps
+    lp = mods["vllm.model_executor.layers.logits_processor"]
+    lp.LogitsProcessor = LogitsProcessor
+    lp.tensor_model_parallel_all_gather = mods["vllm.distributed"].tensor_model_parallel_all_gather
+    mods["vllm.model_executor.layers.vocab_parallel_embedding"].ParallelLMHead = type(
+        "ParallelLMHead", (), {})
+    if drop is not None:
+        module, dotted = drop.split(":")
+        owner, _, attr = dotted.rpartition(".")
+        holder = mods[module]
+        for part in filter(None, owner.split(".")):
+            holder = getattr(holder, part)
+        delattr(holder, attr)
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(release, "_said", set())  # each test's lines, as a fresh process's
     return Worker, calls
 
 
 def test_plugin_installs_after_load_once(monkeypatch):
     Worker, calls = fake_vllm(monkeypatch)
-    monkeypatch.setattr(plugin, "install_logits_gather",
-                        lambda *a, **kw: calls.append(("install", a, kw)) or (1, 2))
+    monkeypatch.setattr(route, "_install_target",
+                        lambda *a: calls.append(("install", a)) or Outcome.serving((1, 2)))
     plugin.register()
     plugin.register()  # loading twice is harmless
     Worker().load_model(load_dummy_weights=True)
     # agreement on vLLM's CPU group, first-use timing on its device group; no
     # vllm_config: install's default rows
-    assert calls == [("load", True), ("install", ("the model", "tp-cpu-group", 4, 1, "cuda:1", 2),
-                                      {"rows": None, "device_group": "tp-device-group"})]
+    ranks = Ranks("tp-cpu-group", 4, 1, "cuda:1", 2, "tp-device-group")
+    assert calls == [("load", True), ("install", ("the model", ranks, None))]
     worker = Worker()
     worker.vllm_config = types.SimpleNamespace(
         scheduler_config=types.SimpleNamespace(max_num_seqs=8),
         speculative_config=types.SimpleNamespace(num_speculative_tokens=1))
     worker.load_model()
-    assert calls[-1][2]["rows"] == tuple(range(1, 17))  # 8 requests x (1 + 1 draft token)
+    assert calls[-1][1][2] == tuple(range(1, 17))  # 8 requests x (1 + 1 draft token)
 
 
 def test_plugin_lets_an_install_error_stop_the_worker(monkeypatch):
@@ -66,11 +96,81 @@ def test_plugin_lets_an_install_error_stop_the_worker(monkeypatch):
     def boom(*a, **kw):
         raise RuntimeError("rank left install alone")
 
-    monkeypatch.setattr(plugin, "install_logits_gather", boom)
+    monkeypatch.setattr(route, "_install_target", boom)
     plugin.register()
     with pytest.raises(RuntimeError, match="rank left install alone"):
         Worker().load_model()
     assert calls == [("load", False)]
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_release_outside_the_window_serves_with_one_warning(monkeypatch, caplog):
+    """Every relied-upon name present on an untested release: hooked, one WARNING line
+    per process (register runs in every process vLLM starts, and may run twice)."""
+    Worker, calls = fake_vllm(monkeypatch, version="0.35.0")
+    monkeypatch.setattr(route, "_install_target",
+                        lambda *a: calls.append(("install", a)) or Outcome.serving((1,)))
+    with caplog.at_level("INFO", logger="lamport_head"):
+        plugin.register()
+        plugin.register()
+        Worker().load_model()
+    assert [c[0] for c in calls] == ["load", "install"]
+    assert _warnings(caplog) == [
+        "lamport-head: vLLM 0.35.0 is not a release the plugin was tested on (0.33.0, 0.34.0); "
+        "every name it relies on is present, so it serves"]
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.35.0"])
+@pytest.mark.parametrize("drop", [name for name in (f"{m}:{a}" for m, a in release.RELIED)])
+def test_a_release_missing_a_relied_name_keeps_the_engine_running_on_stock(
+        monkeypatch, caplog, version, drop):
+    """One name gone: nothing is hooked, the worker loads as vLLM's own, one WARNING
+    line names the release and the name."""
+    Worker, calls = fake_vllm(monkeypatch, version=version, drop=drop)
+    original = getattr(Worker, "load_model", None)
+    monkeypatch.setattr(route, "_install_target", lambda *a: calls.append(("install", a)))
+    with caplog.at_level("INFO", logger="lamport_head"):
+        plugin.register()
+        plugin.register()
+    assert getattr(Worker, "load_model", None) is original
+    if original is not None:
+        Worker().load_model()
+        assert calls == [("load", False)]
+    assert _warnings(caplog) == [
+        f"lamport-head: vLLM {version} lacks {drop}, which the plugin relies on: every rank "
+        "keeps vLLM's own logits gather (the plugin is written for vLLM 0.33.0, 0.34.0)"]
+
+
+def test_a_worker_missing_a_relied_name_loads_on_stock(monkeypatch, caplog):
+    """A name read off the live worker (its runner's get_model) gone: checked before any
+    collective, the same on every rank; stock, one WARNING line, load_model returns."""
+    Worker, calls = fake_vllm(monkeypatch)
+    monkeypatch.setattr(route, "_install_target", lambda *a: calls.append(("install", a)))
+    plugin.register()
+    worker = Worker()
+    worker.model_runner = types.SimpleNamespace()  # a runner without get_model
+    with caplog.at_level("INFO", logger="lamport_head"):
+        assert worker.load_model() is None
+    assert calls == [("load", False)]
+    assert _warnings(caplog) == [
+        "lamport-head: vLLM 0.33.0 lacks Worker.model_runner.get_model, which the plugin relies "
+        "on: every rank keeps vLLM's own logits gather (the plugin is written for vLLM 0.33.0, "
+        "0.34.0)"]
+    assert route._install_after_load(worker).reason is Stock.ENGINE
+
+
+def test_register_says_why_it_cannot_hook(monkeypatch, caplog):
+    """vLLM present but its worker module failing to import: one WARNING line."""
+    fake_vllm(monkeypatch)
+    monkeypatch.setattr(release, "check", lambda *a, **k: release.Release("0.33.0", True))
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_worker", None)
+    with caplog.at_level("INFO", logger="lamport_head"):
+        assert plugin.register() is None
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and "no GPU worker to hook" in warned[0]
 
 
 def test_plugin_without_vllm_is_harmless(monkeypatch):

@@ -30,7 +30,7 @@ def _worker(rank, nprocs, table, refuse_rank):
         ranks.refuse_allocation()
     seen = capture_log()
     m = model(lm__tp_size=nprocs)
-    served = install_logits_gather(m, None, nprocs, rank, "cpu")
+    served = install_logits_gather(m, None, nprocs, rank, "cpu").rows
     return {"served": list(served), "log": [x for x in seen if "stays stock" in x]}
 
 

@@ -27,6 +27,7 @@ from tables import sections
 
 from lamport_head import install
 from lamport_head.engines import sglang as sgl
+from lamport_head.outcome import Outcome, Ranks, Stock
 
 SHARD = 64  # per-rank lm_head rows (a multiple of 8), padded vocab = TP * SHARD
 
@@ -124,8 +125,8 @@ def _sglang_worker(rank, nprocs, table, case):
     stock = lp._logits_gatherer
     vocab = lp.vocab_size
     group = dist.group.WORLD
-    served = sgl.install_sglang_logits_gather(m, group, nprocs, rank, "cpu")
-    again = sgl.install_sglang_logits_gather(m, group, nprocs, rank, "cpu")
+    served = sgl.install_sglang_logits_gather(m, group, nprocs, rank, "cpu").rows
+    again = sgl.install_sglang_logits_gather(m, group, nprocs, rank, "cpu").rows
     out = {"served": list(served), "again": list(again), "log": seen,
            "stock_kept": lp._logits_gatherer is stock}
 
@@ -197,8 +198,8 @@ def _replay_worker(rank, nprocs, table):
     os.environ["LAMPORT_HEAD_TABLE"] = table
     fake_cuda(setattr, rank, "ok")
     runner = ReplayingRunner(KimiK25(nprocs))
-    served = sgl.install_sglang_logits_gather(runner, dist.group.WORLD, nprocs, rank, "cpu")
-    sgl.install_sglang_logits_gather(runner, dist.group.WORLD, nprocs, rank, "cpu")  # again
+    served = sgl.install_sglang_logits_gather(runner, dist.group.WORLD, nprocs, rank, "cpu").rows
+    sgl.install_sglang_logits_gather(runner, dist.group.WORLD, nprocs, rank, "cpu").rows  # again
     g = runner.model.language_model.logits_processor.head_gather
     for _ in range(3):
         runner.forward(_shard(rank, 1))
@@ -254,11 +255,11 @@ def test_sglang_variants_stay_stock_with_one_line(flags, why, monkeypatch, caplo
         delattr(m.logits_processor, "use_attn_tp_group")
     stock = m.logits_processor._logits_gatherer
     with caplog.at_level("INFO", logger="lamport_head"):
-        assert sgl.install_sglang_logits_gather(m, "tp-group", 2, 0, "cpu") == ()
+        assert sgl.install_sglang_logits_gather(m, "tp-group", 2, 0, "cpu").rows == ()
     assert built == [] and m.logits_processor._logits_gatherer is stock
     assert len(caplog.records) == 1 and why in caplog.text
-    assert caplog.records[0].getMessage().startswith("lamport-head: SGLang logits gather "
-                                                     "stays stock: ")
+    assert caplog.records[0].getMessage().startswith("lamport-head: stock SGLang logits "
+                                                     "gather: ")
 
 
 @pytest.mark.parametrize("head", [
@@ -271,7 +272,7 @@ def test_sglang_checks_shared_with_vllm_leave_stock(head, monkeypatch):
     monkeypatch.setattr(install, "_build", lambda *a: built.append(a))
     m = CausalLM(2, head=head)
     stock = m.logits_processor._logits_gatherer
-    assert sgl.install_sglang_logits_gather(m, "tp-group", 2, 0, "cpu") == ()
+    assert sgl.install_sglang_logits_gather(m, "tp-group", 2, 0, "cpu").rows == ()
     assert built == [] and m.logits_processor._logits_gatherer is stock
 
 
@@ -281,20 +282,21 @@ def test_runner_defaults_come_from_sglang(monkeypatch):
     calls = []
     monkeypatch.setattr(sgl, "_sglang_tp", lambda: ("tp-cpu-group", 2, 1, "tp-device-group"))
     monkeypatch.setattr(install, "install",
-                        lambda site, *a, **kw: calls.append((site, a, kw)) or ())
+                        lambda site, *a, **kw: calls.append((site, a, kw))
+                        or Outcome.stock(Stock.NO_ROWS, "none"))
     model = CausalLM(2)
     base = model.lm_head
     model.lm_head = torch.nn.Module()  # a LoRA wrapper
     model.lm_head.base_layer = base
     runner = types.SimpleNamespace(model=model, is_draft_worker=False)
-    assert sgl.install_sglang_logits_gather(runner, dcp=2) == ()
+    assert sgl.install_sglang_logits_gather(runner, dcp=2).rows == ()
     site, args, kw = calls[0]
     # agreement on SGLang's CPU group, first-use timing on its device group
-    assert args == ("tp-cpu-group", 2, 1, base.weight.device, 2, None)  # rows: the table's
-    assert kw["device_group"] == "tp-device-group"
+    assert args == (Ranks("tp-cpu-group", 2, 1, base.weight.device, 2, "tp-device-group"),
+                    None)  # rows: the table's
     assert site.weight is base.weight and site.head_tp == base.tp_size  # the base layer's
     assert site.processor is model.logits_processor and site.attr == sgl.GATHERER
-    assert sgl.install_sglang_logits_gather(torch.nn.Linear(2, 2)) == ()  # no processor
+    assert sgl.install_sglang_logits_gather(torch.nn.Linear(2, 2)).rows == ()  # no processor
 
 
 class HookType(enum.Enum):
@@ -382,10 +384,11 @@ def sglang_modules(monkeypatch):
 def test_plugin_installs_after_load_model_once(sglang_modules, monkeypatch, caplog):
     calls, drafts = [], []
     monkeypatch.setattr(sgl, "install_sglang_logits_gather",
-                        lambda runner, dcp, rows: calls.append((runner, dcp, rows)) or (1,))
+                        lambda runner, dcp, rows: calls.append((runner, dcp, rows))
+                        or Outcome.serving((1,)))
     monkeypatch.setattr(sgl, "install_sglang_draft_gather", lambda runner, dcp, rows: (
         drafts.append((runner, dcp, rows))
-        or sgl.Drafter("Eagle", (1,), True, 128, "", 0, 2, dcp)))
+        or sgl.Drafter("Eagle", Outcome.serving((1,), shared=True), 128, 0, 2, dcp)))
     sgl.register()
     sgl.register()  # loaded twice in one process: one hook each
     assert [(t, h, k) for t, h, k in HookRegistry.hooks] == [
@@ -523,7 +526,8 @@ def test_plugin_routes_the_draft_workers_model(tmp_path, case):
             assert other == {"served": [], "shared": False, "kernel": False, "one_stock": True,
                              "three_stock": True, "stock_kept": True, "polled": []}, other
             assert any("stays stock" in x for x in r["log"]["other"])
-            tail = ("drafter CausalLM: SGLang's logits gather (PeerFailed: lamport-head: another "
+            tail = ("drafter CausalLM: SGLang's logits gather (build-failed: building the "
+                    "gather failed: PeerFailed: lamport-head: another "
                     "rank failed to build the gather (checks, compile, occupancy)); routed on "
                     "all 2 TP ranks: target logits gather")
             if rank == 1:  # the failing rank's own error; rank 0 hears it in the agreement
@@ -590,7 +594,7 @@ def test_plugin_serves_sglangs_rows_and_routes_a_new_model_again(tmp_path):
         assert len(r["new"]["log"]) == 1 and "routed again" in r["new"]["log"][0]
         assert r["fp32"]["one_stock"] and r["fp32"]["three_stock"]
         assert r["fp32"]["same_gather"] is False
-        why = "lamport-head: stock logits gather on the new model: FP32 lm_head logits"
+        why = "lamport-head: stock logits gather on the new model: FP32 lm_head logits [site]"
         assert r["fp32"]["log"] == [why]
 
 
@@ -603,7 +607,8 @@ def _logging_worker(rank, nprocs, out):
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 2)  # basicConfig's handler writes to stderr: the file
     fake_sglang(sys.modules.__setitem__)
-    sgl.install_sglang_logits_gather = lambda runner, dcp, rows: ()  # no ranks here
+    sgl.install_sglang_logits_gather = (  # no ranks here
+        lambda runner, dcp, rows: Outcome.stock(Stock.NO_GATHER, "no ranks"))
     sgl.register()  # load_plugins(): nothing configured logging yet
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S", force=True)  # SGLang's configure_logger
@@ -665,7 +670,7 @@ def _stock_kind_worker(rank, nprocs, table, case):
     gatherer = lp._logits_gatherer = MultimemAllGatherer()
     if case == "mixed" and rank == 1:  # SGLang disabled it on this rank only: NCCL here
         gatherer._state = None
-    served = sgl.install_sglang_logits_gather(m, dist.group.WORLD, nprocs, rank, "cpu")
+    served = sgl.install_sglang_logits_gather(m, dist.group.WORLD, nprocs, rank, "cpu").rows
     return {"served": list(served), "asked": asked, "log": seen,
             "kind": sgl.stock_kind(gatherer), "disabled": sgl.stock_kind(
                 types.SimpleNamespace(__class__=MultimemAllGatherer, _state=None)),

@@ -310,7 +310,7 @@ def _scenarios(rank, tp, run):
     out["names"] = _names(runner, lp, engine)
 
     mark("again")  # the explicit call on a runner already served: nothing rebuilt
-    out["again"] = {"served": list(engine.install_sglang_logits_gather(runner)),
+    out["again"] = {"served": list(engine.install_sglang_logits_gather(runner).rows),
                     "same": lp.head_gather is g,
                     "polled": len(runner.__dict__.get(engine.POLLED, []))}
 
@@ -338,7 +338,7 @@ def _scenarios(rank, tp, run):
 
     mark("explicit")  # the explicit call on a bare model, SGLang's TP group by default
     bare = load()
-    served = engine.install_sglang_logits_gather(bare)
+    served = engine.install_sglang_logits_gather(bare).rows
     bare_lp = bare.logits_processor
     eg = getattr(bare_lp, "head_gather", None)
     out["explicit"] = {"served": list(served), "own_gather": eg is not None and eg is not g}

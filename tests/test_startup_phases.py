@@ -176,7 +176,7 @@ def _worker(rank, nprocs, table, backend, phase, failing, blocking=None):
     seen = capture_log()
     m = model(lm__tp_size=nprocs)
     started = time.monotonic()
-    served = install_logits_gather(m, None, nprocs, rank, "cpu")
+    served = install_logits_gather(m, None, nprocs, rank, "cpu").rows
     took = time.monotonic() - started
     t = torch.tensor([1])
     dist.all_reduce(t)  # the program's next collective: every rank gets here

@@ -11,6 +11,7 @@ import torch
 from lamport_head import install
 from lamport_head.engines import vllm as plugin
 from lamport_head.engines.vllm import find_gather_target, install_logits_gather, owns_gather
+from lamport_head.outcome import Outcome, Stock
 
 STOCK_MODULE = "vllm.model_executor.layers.logits_processor"
 
@@ -124,7 +125,7 @@ def test_install_routes_what_the_model_calls(monkeypatch, tmp_path, caplog):
     lora = types.SimpleNamespace(base_layer=base)
     m = Lm(lora)
     with caplog.at_level("INFO", logger="lamport_head"):
-        assert install_logits_gather(m, None, 2, 0, "cpu") == (1, 2)
+        assert install_logits_gather(m, None, 2, 0, "cpu").rows == (1, 2)
     assert base._gather_logits(torch.zeros(1, 8)) == ("lamport", 1)  # what LoRA calls
     assert base._gather_logits(torch.zeros(3, 8)) == ("stock", 3)
     assert not hasattr(lora, "_gather_logits") and "routed at Lm.logits_processor.base_layer" in caplog.text
@@ -138,22 +139,29 @@ def test_install_routes_what_the_model_calls(monkeypatch, tmp_path, caplog):
     caplog.clear()
     own = Lm(Own())
     with caplog.at_level("INFO", logger="lamport_head"):
-        assert install_logits_gather(own, None, 2, 0, "cpu") == ()
+        assert install_logits_gather(own, None, 2, 0, "cpu").rows == ()
     assert own.logits_processor._gather_logits(torch.zeros(1, 8)) == ("own", 1)
     assert len(caplog.records) == 1 and "keeps it" in caplog.text
     monkeypatch.setenv("LAMPORT_HEAD_FORCE", "1")
     forced = Lm(Own())
-    assert install_logits_gather(forced, None, 2, 0, "cpu") == (1, 2)
+    assert install_logits_gather(forced, None, 2, 0, "cpu").rows == (1, 2)
     assert forced.logits_processor._gather_logits(torch.zeros(1, 8)) == ("lamport", 1)
     assert forced.logits_processor._gather_logits(torch.zeros(3, 8)) == ("own", 3)
 
 
+SERVED = Outcome.serving((1, 2))
+WHY = Outcome.stock(Stock.NO_ROWS, "why")
+
+
 def test_summary_line():
-    assert plugin.summary("M", 8, 1, (1, 2), []) == (
-        "M, tp=8, dcp=1: Lamport logits gather for rows [1, 2] on all 8 TP ranks, "
+    assert plugin.summary("vLLM 0.34.0", "M", 8, 1, SERVED) == (
+        "vLLM 0.34.0, M, tp=8, dcp=1: Lamport logits gather for rows [1, 2] on all 8 TP ranks, "
         "through compute_logits")
-    assert plugin.summary("M", 8, 1, (), ["lamport-head: stock logits gather: why"]) == (
-        "M, tp=8, dcp=1: stock logits gather on all 8 TP ranks (why)")
+    assert plugin.summary("vLLM 0.33.0", "M", 8, 1, WHY) == (
+        "vLLM 0.33.0, M, tp=8, dcp=1: stock logits gather on all 8 TP ranks (no-rows: why)")
+    others = [("drafter D comm.gather_logits", "its own mailbox")]
+    assert plugin.summary("vLLM 0.34.0", "M", 8, 1, SERVED, others=others).endswith(
+        "through compute_logits; drafter D comm.gather_logits: not routed (its own mailbox)")
 
 
 def test_attach_without_vllm_leaves_logging_alone(monkeypatch):
@@ -166,11 +174,16 @@ def test_attach_without_vllm_leaves_logging_alone(monkeypatch):
 
 
 def _config(sharded=False, v2=True, argmax=None):
-    """vLLM 0.33's config fields that decide which logits paths its runners take."""
+    """vLLM's config fields that decide which logits paths its runners take: 0.33's
+    (``use_v2_model_runner`` True or False), or 0.34's (``v2=None``: no such field, the
+    V2 runner being the only one)."""
     spec = None if argmax is None else types.SimpleNamespace(use_local_argmax_reduction=argmax)
-    return types.SimpleNamespace(
+    config = types.SimpleNamespace(
         parallel_config=types.SimpleNamespace(enable_batch_sharded_sampling=sharded),
-        use_v2_model_runner=v2, speculative_config=spec)
+        speculative_config=spec)
+    if v2 is not None:
+        config.use_v2_model_runner = v2
+    return config
 
 
 class Sharding(Lm):
@@ -187,17 +200,71 @@ def test_summary_names_only_the_paths_through_the_gather():
     assert plugin.logits_paths(plain, None) == (["compute_logits"], [])
     assert plugin.logits_paths(plain, _config(sharded=True)) == (["compute_logits"], [])
     assert plugin.logits_paths(sharding, _config(sharded=True, v2=False)) == (
-        ["compute_logits"], [])  # the V1 runner has no batch-sharded sampling
-    through, around = plugin.logits_paths(sharding, _config(sharded=True, argmax=True))
-    assert through == [] and [a.split(" (")[0] for a in around] == [
-        "compute_logits_local", "the drafter's get_top_tokens"]
-    line = plugin.summary("M", 8, 1, (1, 2), [], through, around)
-    assert line.startswith("M, tp=8, dcp=1: Lamport logits gather installed for rows [1, 2] on "
-                           "all 8 TP ranks, but no step takes it: compute_logits_local (")
+        ["compute_logits"], [])  # 0.33's V1 runner has no batch-sharded sampling
+    for v2 in (True, None):  # 0.33's V2 runner; 0.34, which has no other
+        through, around = plugin.logits_paths(sharding, _config(sharded=True, v2=v2, argmax=True))
+        assert through == [] and [a.split(" (")[0] for a in around] == [
+            "compute_logits_local", "the drafter's get_top_tokens"]
+    line = plugin.summary("vLLM 0.34.0", "M", 8, 1, SERVED, through, around)
+    assert line.startswith("vLLM 0.34.0, M, tp=8, dcp=1: Lamport logits gather installed for "
+                           "rows [1, 2] on all 8 TP ranks, but no step takes it: "
+                           "compute_logits_local (")
     assert line.endswith("skip the gather") and "through" not in line
     through, around = plugin.logits_paths(plain, _config(argmax=True))
-    assert plugin.summary("M", 8, 1, (1,), [], through, around) == (
-        "M, tp=8, dcp=1: Lamport logits gather for rows [1] on all 8 TP ranks, through "
-        "compute_logits; the drafter's get_top_tokens (use_local_argmax_reduction: an argmax "
-        "reduced across ranks) skips it")
-    assert "stock logits gather" in plugin.summary("M", 8, 1, (), ["why"], through, around)
+    assert plugin.summary("vLLM 0.33.0", "M", 8, 1, Outcome.serving((1,)), through, around) == (
+        "vLLM 0.33.0, M, tp=8, dcp=1: Lamport logits gather for rows [1] on all 8 TP ranks, "
+        "through compute_logits; the drafter's get_top_tokens (use_local_argmax_reduction: an "
+        "argmax reduced across ranks) skips it")
+    assert "stock logits gather" in plugin.summary("vLLM 0.33.0", "M", 8, 1, WHY, through, around)
+
+
+def _spec(**fields):
+    return types.SimpleNamespace(speculative_config=types.SimpleNamespace(**fields),
+                                 scheduler_config=types.SimpleNamespace(max_num_seqs=4),
+                                 parallel_config=types.SimpleNamespace(
+                                     enable_batch_sharded_sampling=True))
+
+
+def test_parallel_drafting_of_both_releases():
+    """0.33 says it on the speculative config; 0.34 leaves that None and says it on the
+    speculator's config class (DFlash): either way one pass drafts every token."""
+    old = _spec(num_speculative_tokens=3, parallel_drafting=True)
+    new = _spec(num_speculative_tokens=3, parallel_drafting=None,
+                speculator_config=types.SimpleNamespace(parallel_drafting=True))
+    serial = _spec(num_speculative_tokens=3, parallel_drafting=None,
+                   speculator_config=types.SimpleNamespace(parallel_drafting=False))
+    for config in (old, new):
+        assert plugin.drafter_rows(config) == tuple(range(1, 13))
+        assert plugin.drafter_paths(config) == (("drafter compute_logits x 1",), ())
+    assert plugin.drafter_rows(serial) == (1, 2, 3, 4)
+    assert plugin.drafter_paths(serial) == (("drafter compute_logits x 3",), ())
+
+
+def test_other_logits_collectives_are_named_never_routed():
+    """vLLM 0.34's collectives of draft logits that are no LogitsProcessor gather: each
+    named, with why it is not routed; none for a plain drafter."""
+    plain, sharding = Lm(stock_class()()), Sharding(stock_class()())
+
+    class DSpark(torch.nn.Module):
+        def compute_draft_logits_local(self, hidden):
+            return hidden
+
+    class SpecializedK3DSparkForCausalLM(torch.nn.Module):
+        pass
+
+    class VocabParallelMarkovHead:
+        markov_w2 = types.SimpleNamespace(tp_size=8)
+
+    muse = types.SimpleNamespace(model=types.SimpleNamespace(markov_head=VocabParallelMarkovHead()))
+    assert plugin.other_collectives(sharding, None, _spec(method="dspark")) == []
+    assert plugin.other_collectives(plain, torch.nn.Linear(1, 1), _spec(method="eagle3")) == []
+    [(path, why)] = plugin.other_collectives(sharding, DSpark(), _spec(method="dspark"))
+    assert path == "drafter DSpark compute_draft_logits_local" and "all_to_all_vocab_shards" in why
+    assert plugin.other_collectives(plain, DSpark(), _spec(method="dspark")) == []  # gathered
+    [(path, why)] = plugin.other_collectives(plain, SpecializedK3DSparkForCausalLM(),
+                                             _spec(method="dspark"))
+    assert "comm.gather_logits" in path and "own multicast mailbox" in why
+    [(path, why)] = plugin.other_collectives(plain, muse, _spec(method="dspark"))
+    assert "Markov sampler" in path and "sp_all_gather" in path
+    [(path, why)] = plugin.other_collectives(plain, torch.nn.Linear(1, 1), _spec(method="xpress"))
+    assert "3-D logits" in why

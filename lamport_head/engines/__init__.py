@@ -9,13 +9,11 @@ Imports point down: engines -> install core -> runtime -> kernels. The adapters 
 the only runtime code that may name the tuner, and only lazily (``measure_first_use``),
 so a serving process whose tables cover it never imports the tuner or optuna.
 
-Shared by both adapters: ``measure_first_use`` and ``collect_log`` (the install's log
-lines, for rank 0's summary). The bridge of our log lines into an engine's own
-handlers is that engine's adapter's (``vllm.attach_to_vllm``).
+Shared by both adapters: ``measure_first_use``. What an install did reaches an
+adapter as a value (``lamport_head.outcome.Outcome``), never as log text. The bridge
+of our log lines into an engine's own handlers is that engine's adapter's
+(``vllm.attach_to_vllm``).
 """
-
-import logging
-from contextlib import contextmanager
 
 
 def measure_first_use(*args, **kwargs):
@@ -24,18 +22,3 @@ def measure_first_use(*args, **kwargs):
     from lamport_head.tuning.firstuse import measure
 
     return measure(*args, **kwargs)
-
-
-@contextmanager
-def collect_log():
-    """The messages the ``lamport_head`` logger emits inside the block, as a list
-    (whatever handlers and level the logger has otherwise)."""
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("lamport_head")
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)

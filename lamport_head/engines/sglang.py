@@ -48,8 +48,9 @@ import torch
 
 from .. import install
 from ..collective import all_min
+from ..outcome import Outcome, Ranks, Stock
 from ..table import MULTIMEM_STOCK, NCCL_STOCK
-from . import collect_log, measure_first_use
+from . import measure_first_use
 
 logger = logging.getLogger("lamport_head")
 
@@ -195,22 +196,21 @@ def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None
     ``device`` to the lm_head weight's. Collective over the TP group when a table
     entry applies; call it on every TP rank after the model loads and before CUDA
     graph capture. ``rows``: the row counts its steps gather (``rows_from_sglang``);
-    None: the table's rows. Returns the rows served; ``()`` means SGLang's own gather."""
+    None: the table's rows. Returns an ``outcome.Outcome``: ``.rows`` served, or why
+    SGLang's own gather stays (``.reason``, ``.message``)."""
     model = model_or_runner
     if not isinstance(model, torch.nn.Module) and hasattr(model, "model"):
         model = model.model  # a ModelRunner
     owner, lp = find_logits_processor(model)
     if lp is None:
-        logger.info("lamport-head: no SGLang LogitsProcessor with %s found; stock logits "
-                    "gather", GATHERER)
-        return ()
+        return install.stock(Stock.NO_PROCESSOR,
+                             f"no SGLang LogitsProcessor with {GATHERER} found")
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call installed one: keep it
-        return tuple(sorted(installed.rows))
+        return Outcome.serving(installed.rows)
     why = _why_stock(lp)
     if why is not None:
-        logger.info("lamport-head: SGLang logits gather stays stock: %s", why)
-        return ()
+        return install.stock(Stock.SITE, why, "SGLang logits gather")
     site = _site(owner, lp)
     device_group = None
     if group is None or tp is None or rank is None:
@@ -221,9 +221,9 @@ def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None
         rank = sg_rank if rank is None else rank
     if device is None:
         device = site.weight.device if torch.is_tensor(site.weight) else "cpu"
-    served = install.install(site, group, tp, rank, device, dcp, rows,
-                             measure=measure_first_use, device_group=device_group)
-    if served:  # the core routed GATHERER: gather(logits, stock=SGLang's) for these rows
+    served = install.install(site, Ranks(group, tp, rank, device, dcp, device_group), rows,
+                             measure=measure_first_use)
+    if served.served:  # the core routed GATHERER: gather(logits, stock=SGLang's) for these rows
         if model is not model_or_runner and callable(getattr(model_or_runner, "forward", None)):
             poll_before_forward(model_or_runner, lp.head_gather)
         else:
@@ -303,24 +303,23 @@ _target = None  # the last target runner's outcome in this process (one schedule
 def _remember_target(runner, served):
     global _target
     owner, lp = find_logits_processor(getattr(runner, "model", None))
-    gather = getattr(lp, "head_gather", None) if served else None
+    gather = getattr(lp, "head_gather", None) if served.served else None
     group = None
     if gather is not None:
         try:
             group = _sglang_tp()[0]
         except Exception:  # no SGLang TP group (an explicit test bed): no sharing
             group = None
-    _target = Target(type(getattr(runner, "model", None)).__name__, tuple(served), gather, group)
+    _target = Target(type(getattr(runner, "model", None)).__name__, served.rows, gather, group)
 
 
 class Drafter(NamedTuple):
     """What the draft worker's install did, for the summary (the same on every rank)."""
 
     name: str  # the draft model's class
-    served: tuple  # rows its draft steps take through a Lamport gather (() = SGLang's)
-    shared: bool  # through the target's gather (the same group and shard width)
+    outcome: object  # its Outcome (.shared: through the target's gather, the same group
+    # and shard width)
     vocab: int  # its head's full (padded) vocabulary, TP x shard width (0: none found)
-    why: str  # why it stays stock ("" when served)
     rank: int  # this rank in the draft TP group (the summary is rank 0's)
     tp: int
     dcp: int
@@ -345,21 +344,21 @@ def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
     name = type(model).__name__
     group, tp, rank, device_group = _sglang_tp()
     owner, lp = find_logits_processor(model)
+    what = "SGLang drafter logits gather"
     if lp is None:
-        why = f"no LogitsProcessor with {GATHERER} in {name}"
-        logger.info("lamport-head: SGLang drafter logits gather stays stock: %s", why)
-        return Drafter(name, (), False, 0, why, rank, tp, dcp)
+        return Drafter(name, install.stock(Stock.NO_PROCESSOR,
+                                           f"no LogitsProcessor with {GATHERER} in {name}", what),
+                       0, rank, tp, dcp)
     site = _site(owner, lp)
     weight = site.weight
     width = weight.shape[0] if torch.is_tensor(weight) and weight.dim() == 2 else 0
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call routed it: keep it
-        return Drafter(name, tuple(sorted(installed.rows)), installed is getattr(
-            target, "gather", None), tp * width, "", rank, tp, dcp)
+        return Drafter(name, Outcome.serving(installed.rows, installed is getattr(
+            target, "gather", None)), tp * width, rank, tp, dcp)
     why = _why_stock(lp)
     if why is not None:
-        logger.info("lamport-head: SGLang drafter logits gather stays stock: %s", why)
-        return Drafter(name, (), False, tp * width, why, rank, tp, dcp)
+        return Drafter(name, install.stock(Stock.SITE, why, what), tp * width, rank, tp, dcp)
     shared_gather = getattr(target, "gather", None)
     if (shared_gather is None or getattr(target, "group", None) is not group
             or shared_gather.tp != tp or shared_gather.shard != width):
@@ -369,20 +368,14 @@ def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
     # none does (a rank whose target lookup failed alone must not skip it).
     if not all_min(shared_gather is not None, group, device):
         shared_gather = None
-    with collect_log() as lines:
-        if shared_gather is not None:
-            served = install.reroute(site, shared_gather, label=f"the SGLang drafter {name}")
-        else:
-            served = install.install(site, group, tp, rank, device, dcp, rows,
-                                     measure=measure_first_use, device_group=device_group)
-    why = ""
-    if served:
-        poll_before_forward(runner, lp.head_gather)
+    if shared_gather is not None:
+        served = install.reroute(site, shared_gather, label=f"the SGLang drafter {name}")
     else:
-        why = (lines[-1].removeprefix("lamport-head: ").removeprefix("stock logits gather: ")
-               .removeprefix("logits gather stays stock: ") if lines else "see the lines above")
-    return Drafter(name, tuple(served), shared_gather is not None and bool(served), tp * width,
-                   why, rank, tp, dcp)
+        served = install.install(site, Ranks(group, tp, rank, device, dcp, device_group), rows,
+                                 measure=measure_first_use)
+    if served.served:
+        poll_before_forward(runner, lp.head_gather)
+    return Drafter(name, served, tp * width, rank, tp, dcp)
 
 
 def summary(target, drafter):
@@ -395,38 +388,38 @@ def summary(target, drafter):
         first = f"target {target.name}: Lamport logits gather for rows {list(target.served)}"
     else:
         first = f"target {target.name}: SGLang's logits gather"
-    if drafter.served:
+    drafted = drafter.outcome
+    if drafted.served:
         whose = ("the target's Lamport logits gather (its head has the target's shard width)"
-                 if drafter.shared else f"its own Lamport logits gather (vocab {drafter.vocab})")
-        second = f"drafter {drafter.name}: {whose} for rows {list(drafter.served)}"
+                 if drafted.shared else f"its own Lamport logits gather (vocab {drafter.vocab})")
+        second = f"drafter {drafter.name}: {whose} for rows {list(drafted.rows)}"
     else:
-        second = f"drafter {drafter.name}: SGLang's logits gather ({drafter.why})"
+        second = (f"drafter {drafter.name}: SGLang's logits gather ({drafted.reason.label}: "
+                  f"{drafted.message})")
     routed = ([p for p, on in (("target logits gather", target is not None and target.served),
-                               ("drafter logits gather", drafter.served)) if on])
+                               ("drafter logits gather", drafted.served)) if on])
     return head + f"{first}; {second}; routed on all {drafter.tp} TP ranks: " + (
         ", ".join(routed) if routed else "none (SGLang's own gathers)")
 
 
 def reroute_new_model(runner):
     """Route ``runner.model`` through the gather its first model was served by (the
-    last in ``runner.lamport_head_gathers``, which its forward already polls); the rows
-    served, ``()`` for SGLang's gather, one line either way. No collective
+    last in ``runner.lamport_head_gathers``, which its forward already polls): an
+    ``Outcome``, one line either way. No collective
     (``install.reroute``): every rank holds the same new model and the gather agreed
     at load."""
     owner, lp = find_logits_processor(runner.model)
     gathers = runner.__dict__.get(POLLED, [])
+    what = "logits gather on the new model"
     if lp is None:
-        logger.info("lamport-head: SGLang's new model has no LogitsProcessor with %s: its "
-                    "gather is SGLang's", GATHERER)
-        return ()
+        return install.stock(Stock.NO_PROCESSOR, f"SGLang's new model has no LogitsProcessor "
+                             f"with {GATHERER}: its gather is SGLang's", what)
     if not gathers:  # stock at load, agreed by every rank then: stays so, no collective
-        logger.info("lamport-head: SGLang's new model keeps SGLang's logits gather, as the "
-                    "model it replaced did")
-        return ()
+        return install.stock(Stock.NOT_GATHERED, "the model it replaced kept SGLang's logits "
+                             "gather", what)
     why = _why_stock(lp)
     if why is not None:
-        logger.info("lamport-head: stock logits gather on the new model: %s", why)
-        return ()
+        return install.stock(Stock.SITE, why, what)
     return install.reroute(_site(owner, lp), gathers[-1])
 
 

@@ -371,7 +371,7 @@ def install(args, ranks, calls):
     if args.fail_alloc_rank == ranks.rank:
         refuse_allocation()
     model, stock_calls = _vllm_shaped(ranks, shard)
-    got = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device)
+    got = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device).rows
     from lamport_head.table import load_table
 
     entries = load_table(path).entries(torch.cuda.get_device_name(ranks.device), ranks.world, 1,
@@ -476,7 +476,8 @@ def autotune(args, ranks):
     model, stock_calls = _vllm_shaped(ranks, shard)
     torch.cuda.synchronize(ranks.device)
     start = time.monotonic()
-    served = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device, rows=rows)
+    served = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device,
+                                   rows=rows).rows
     seconds = time.monotonic() - start
     measured = any("first-use tuning on" in line for line in lines)
     calls = Calls(list(rows), ranks.world, shard, ranks.device)

@@ -1,0 +1,360 @@
+"""What to route in a loaded vLLM model and its config: the LogitsProcessor whose gather
+the model really calls (target, drafter), the row counts its steps gather, the paths
+its steps take through or around that gather, and the drafters' candidate callers.
+
+Pure functions of the model's classes, its config-set attributes and the vLLM config:
+every rank answers alike, so no answer here needs a collective. vLLM is not imported:
+its classes are recognized by module and name.
+"""
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from ... import install
+from ...settings import FORCE_ENV, forced
+
+GATHER = "_gather_logits"  # vLLM LogitsProcessor's gather: [M, V/TP] -> [M, V]
+_STOCK = ("vllm.model_executor.layers.logits_processor", "LogitsProcessor")
+
+def _language_model(model):
+    """``model.get_language_model()`` when it names another module, else None."""
+    get = getattr(model, "get_language_model", None)
+    if not callable(get):
+        return None
+    try:
+        inner = get()
+    except Exception:  # vLLM raises NotImplementedError when none is marked
+        return None
+    return None if inner is None or inner is model else inner
+
+
+def _gather_owner(processor):
+    """The class in the processor's MRO that defines ``_gather_logits`` (None: none does)."""
+    return next((c for c in type(processor).__mro__ if "_gather_logits" in vars(c)), None)
+
+
+def owns_gather(processor) -> bool:
+    """True when the processor's class overrides vLLM's stock ``_gather_logits``."""
+    owner = _gather_owner(processor)
+    return owner is not None and (owner.__module__, owner.__qualname__) != _STOCK
+
+
+def find_gather_target(model, force=None):
+    """``(processor, lm_head, text)``.
+
+    ``processor``: the object whose ``_gather_logits`` the model really calls (set as
+    an instance attribute to route it), or None to stay stock, ``text`` then saying
+    why. When found, ``lm_head`` is the vocab-parallel head (unwrapped from LoRA) and
+    ``text`` says where the processor sits and anything about how it is routed.
+    ``force``: route a processor whose class has its own gather; None reads this
+    process's ``LAMPORT_HEAD_FORCE``. A pure function of the model and ``force``."""
+    name = type(model).__name__
+    inner = _language_model(model)
+    owners = [(m, path) for m, path in ((inner, f"{name}.get_language_model()"), (model, name))
+              if m is not None]
+    found = next(((m, path) for m, path in owners
+                  if getattr(m, "logits_processor", None) is not None), None)
+    if found is None:
+        where = f"{name} or its language model" if inner is not None else name
+        return None, None, f"no logits_processor on {where}"
+    owner, path = found
+    head = getattr(owner, "lm_head", None)
+    if head is None:
+        head = next((getattr(m, "lm_head") for m, _ in owners
+                     if getattr(m, "lm_head", None) is not None), None)
+    return _resolve(owner.logits_processor, head, path + ".logits_processor", force)
+
+
+def _resolve(processor, head, path, force):
+    """``find_gather_target``'s answer for a processor found at ``path`` with its head:
+    LoRA's base layer, a class with its own gather (kept unless forced)."""
+    head = getattr(head, "base_layer", head)  # a LoRA-wrapped lm_head
+    notes = []
+    base = getattr(processor, "base_layer", None)
+    if base is not None and callable(getattr(base, "_gather_logits", None)):
+        notes.append(f"the base layer of {type(processor).__name__}, which calls its gather")
+        processor = base
+        path += ".base_layer"
+    if owns_gather(processor):
+        own = _gather_owner(processor).__qualname__
+        if not (forced() if force is None else force):
+            return None, None, (f"{path} ({type(processor).__name__}) has its own _gather_logits "
+                                f"({own}) and keeps it; {FORCE_ENV}=1 routes the table's rows "
+                                "through lamport-head instead")
+        notes.append(f"{FORCE_ENV}=1: replaces {own}._gather_logits for these rows; "
+                     "it keeps the others")
+    return processor, head, "; ".join([path] + notes)
+
+
+def _is(module, name):
+    """True when a class named ``name`` is in the module's MRO (vLLM is not imported)."""
+    return any(c.__name__ == name for c in type(module).__mro__)
+
+
+def find_drafter_target(model, force=None):
+    """``find_gather_target`` for a speculative drafter's model. EAGLE / EAGLE3 /
+    draft-model drafters hold ``logits_processor`` and ``lm_head`` on the model (or its
+    language model), as targets do. MTP drafters (``DeepSeekMTP`` and its kin) hold
+    the processor one level down (``model.model.logits_processor``) and call it with
+    each MTP layer's ``shared_head.head``: found as the model's only LogitsProcessor,
+    its head the model's ParallelLMHead(s), which must agree in shape and TP size (one
+    shard width: one gather)."""
+    processor, head, where = find_gather_target(model, force)
+    if processor is not None or not where.startswith("no logits_processor"):
+        return processor, head, where
+    name = type(model).__name__
+    found = [(n, m) for n, m in model.named_modules() if _is(m, "LogitsProcessor")]
+    if len(found) != 1:
+        return None, None, (f"{len(found)} LogitsProcessors in {name}" if found else where)
+    heads = [(n, m) for n, m in model.named_modules() if _is(m, "ParallelLMHead")]
+    kinds = {(tuple(getattr(getattr(m, "weight", None), "shape", ())), getattr(m, "tp_size", 1))
+             for _, m in heads}
+    if len(kinds) != 1:
+        return None, None, (f"{name}.{found[0][0]}: its heads {[n for n, _ in heads]} do not "
+                            "share one shape" if heads else f"{name}: no ParallelLMHead")
+    return _resolve(found[0][1], heads[0][1], f"{name}.{found[0][0]}", force)
+
+
+def parallel_drafting(spec):
+    """Whether one draft pass drafts every token: vLLM 0.33's
+    ``speculative_config.parallel_drafting``; 0.34 deprecates that field (None) for the
+    speculator's class attribute ``speculative_config.speculator_config.parallel_drafting``
+    (DFlash and its kin)."""
+    said = getattr(spec, "parallel_drafting", None)
+    if said is None:
+        said = getattr(getattr(spec, "speculator_config", None), "parallel_drafting", False)
+    return bool(said)
+
+
+def rows_from_vllm(vllm_config):
+    """The row counts a vLLM server's decode steps can gather: 1 .. max running
+    requests x (1 + speculative tokens per request), capped (``install.decode_rows``); None when
+    the config does not say."""
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if not isinstance(seqs, int) or seqs < 1:
+        return None
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = (getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
+    return install.decode_rows(seqs, 1 + int(k))
+
+
+
+def draft_model(runner):
+    """The drafter's model the runner loaded (V1 ``drafter.model``, V2
+    ``speculator.model``; vLLM unwraps CUDA-graph wrappers), or None: no speculative
+    decoding, or a drafter with no model (n-gram, suffix decoding)."""
+    get = getattr(runner, "get_draft_model", None)
+    return get() if callable(get) else None
+
+
+def drafter_rows(vllm_config):
+    """The row counts one draft step's ``compute_logits`` gathers: the requests of a
+    step (1 .. ``max_num_seqs``), times the draft tokens with parallel drafting (one
+    pass drafts every token), capped (``install.decode_rows``); None when the config
+    does not say."""
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if not isinstance(seqs, int) or seqs < 1:
+        return None
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = int(getattr(spec, "num_speculative_tokens", None) or 1)
+    return install.decode_rows(seqs, k if parallel_drafting(spec) else 1)
+
+
+def drafter_paths(vllm_config):
+    """``(through, around)`` for the drafter's logits in vLLM 0.33 (V1
+    ``llm_base_proposer._greedy_sample`` / ``_sample_draft_tokens``, V2
+    ``speculator.sample_draft``): ``compute_logits`` once per draft token (once per
+    step with parallel drafting), unless ``use_local_argmax_reduction`` sends greedy
+    drafting to ``get_top_tokens``, an all-gather of (value, index) candidates, not of
+    logits (routed by ``install_candidate_gather``); probabilistic draft sampling
+    (``draft_sample_method``) still takes ``compute_logits`` for batches that are not
+    all greedy."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = int(getattr(spec, "num_speculative_tokens", None) or 1)
+    calls = 1 if parallel_drafting(spec) else k
+    logits = f"drafter compute_logits x {calls}"
+    if not getattr(spec, "use_local_argmax_reduction", False):
+        return (logits,), ()
+    top = (f"drafter get_top_tokens x {calls} (use_local_argmax_reduction: (value, index) "
+           "candidates, not logits)")
+    if getattr(spec, "draft_sample_method", "greedy") == "greedy":
+        return (), (top,)
+    return (logits + " (probabilistic drafting of batches not all greedy)",), (top,)
+
+
+
+def pair_payloads():
+    """``get_top_tokens``' all-gather: fp32 ``(value, global index)`` pairs, ``[M, 2]``."""
+    return ((2, torch.float32),)
+
+
+def top_k_payloads(k, dtype, log_probs=False):
+    """``get_top_k_tokens``' all-gathers: ``values [M, k]`` in the logits' ``dtype``,
+    ``ids [M, k]`` int64, and with ``return_log_probs`` ``log_partition [M, 1]`` fp32."""
+    return ((int(k), dtype), (int(k), torch.int64)) + (((1, torch.float32),) if log_probs
+                                                      else ())
+
+
+
+def candidate_path(vllm_config):
+    """The drafter's candidate path vLLM 0.33 takes with ``use_local_argmax_reduction``
+    ("drafter get_top_tokens x k": greedy drafting; ``drafter_paths`` names it too), or
+    None."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if not getattr(spec, "use_local_argmax_reduction", False):
+        return None
+    k = int(getattr(spec, "num_speculative_tokens", None) or 1)
+    return f"drafter get_top_tokens x {1 if parallel_drafting(spec) else k}"
+
+
+class CandidateCaller(NamedTuple):
+    """One drafter model whose ``compute_candidates`` calls ``get_top_k_tokens``: the
+    model-specific knowledge of ``drafter_candidates``, checked against the real vLLM
+    modules by tests/test_vllm_candidates.py (every name below must resolve there)."""
+
+    model: str  # the draft model's class (matched along the model's MRO, nearest first)
+    source: str  # the vLLM 0.33 file defining it (and its compute_candidates)
+    processor: str  # the model's attribute holding the LogitsProcessor it calls
+    k: str  # dotted attribute path, from the model, to the k it passes (set from its config)
+    log_probs: bool  # the return_log_probs it passes (True: a log-partition gather too)
+
+
+CANDIDATE_CALLERS = (
+    CandidateCaller("DFlash2Qwen3ForCausalLM", "vllm/model_executor/models/qwen3_dflash2.py",
+                    "candidate_logits_processor", "model.candidate_selector.top_k", False),
+    CandidateCaller("LiLiCorrForCausalLM", "vllm/model_executor/models/lilicorr.py",
+                    "candidate_logits_processor", "model.lilicorr.candidate_topk", True),
+    CandidateCaller("DFlash2BeamForCausalLM", "vllm/models/beam/nvidia/dflash2.py",
+                    "logits_processor", "model.candidate_selector.top_k", False),
+)
+TOP_K_PATH = "drafter get_top_k_tokens"  # the summary's name for compute_candidates' gathers
+
+
+def candidate_caller(draft):
+    """``(caller, processor, payloads, why)`` for a drafter model: its ``CANDIDATE_CALLERS``
+    entry (None: not in the table, ``why`` says so), the LogitsProcessor its
+    ``compute_candidates`` calls and the ``top_k_payloads`` it all-gathers (k from the
+    model, the logits' dtype: the processor's ``head_dtype``, else the lm_head's), or
+    None with ``why`` when the entry's names do not resolve on this model. A pure
+    function of the model's class and config-set attributes: every rank answers alike."""
+    mro = [c.__name__ for c in type(draft).__mro__]
+    caller = next((c for name in mro for c in CANDIDATE_CALLERS if c.model == name), None)
+    name = type(draft).__name__
+    if caller is None:
+        return None, None, None, (f"{name} is not in CANDIDATE_CALLERS (compute_candidates: "
+                                  f"{'yes' if hasattr(draft, 'compute_candidates') else 'no'})")
+    processor = getattr(draft, caller.processor, None)
+    k = functools.reduce(lambda obj, attr: getattr(obj, attr, None), caller.k.split("."), draft)
+    head = getattr(draft, "lm_head", None)
+    head = getattr(head, "base_layer", head)
+    weight = getattr(head, "weight", None)
+    dtype = getattr(processor, "head_dtype", None) or getattr(weight, "dtype", None)
+    where = f"{name}.{caller.processor} ({caller.source})"
+    if not callable(getattr(draft, "compute_candidates", None)):
+        return caller, None, None, f"{name} has no compute_candidates"
+    if processor is None or not _is(processor, "LogitsProcessor"):
+        return caller, None, None, f"no LogitsProcessor at {where}"
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        return caller, None, None, f"{name}.{caller.k} is {k!r}, not a k"
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2):
+        return caller, None, None, f"the logits' dtype of {where} is not known ({dtype})"
+    return caller, processor, top_k_payloads(k, dtype, caller.log_probs), where
+
+
+def candidate_rows(vllm_config):
+    """The row counts ``compute_candidates`` gathers: a draft step's requests times the
+    draft tokens (vLLM 0.33's DFlash2 speculator: ``num_reqs x num_speculative_steps``),
+    1 .. ``max_num_seqs`` x ``num_speculative_tokens``, capped (``install.decode_rows``);
+    None when the config does not say."""
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if not isinstance(seqs, int) or seqs < 1:
+        return None
+    spec = getattr(vllm_config, "speculative_config", None)
+    return install.decode_rows(seqs, int(getattr(spec, "num_speculative_tokens", None) or 1))
+
+
+
+def logits_paths(model, vllm_config):
+    """``(through, around)``: the entry points vLLM's runners call for this model's
+    logits that go through the routed ``_gather_logits``, and those that skip it, each
+    named with the setting that sends vLLM there.
+
+    - ``compute_logits`` (sampling; speculative verification included) gathers the
+      full-vocab logits: through, unless batch-sharded sampling takes sampling.
+    - ``compute_logits_local``: with ``parallel_config.enable_batch_sharded_sampling``,
+      the V2 runner (0.33: ``use_v2_model_runner``; 0.34 has no other runner and no such
+      field) and a model that has it, each rank samples its share of the requests from
+      an all-to-all of vocab-local logits (``all_to_all_vocab_shards``): no gather.
+    - ``get_top_tokens``: with ``speculative_config.use_local_argmax_reduction`` the
+      drafter's greedy drafts all-gather (value, index) pairs, not logits."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    spec = getattr(vllm_config, "speculative_config", None)
+    sharded = (bool(getattr(parallel, "enable_batch_sharded_sampling", False))
+               and bool(getattr(vllm_config, "use_v2_model_runner", True))
+               and hasattr(model, "compute_logits_local"))
+    around = []
+    if sharded:
+        around.append("compute_logits_local (enable_batch_sharded_sampling: an all-to-all of "
+                      "vocab-local logits, all_to_all_vocab_shards)")
+    if getattr(spec, "use_local_argmax_reduction", False):
+        around.append("the drafter's get_top_tokens (use_local_argmax_reduction: an argmax "
+                      "reduced across ranks)")
+    return ([] if sharded else ["compute_logits"]), around
+
+
+
+def _mro(obj):
+    return [c.__name__ for c in type(obj).__mro__]
+
+
+def other_collectives(model, draft, vllm_config):
+    """``[(path, why), ...]``: the logits collectives of a step that no Lamport gather
+    serves, each with why it is not routed (the summary names them, never as routed).
+    From the models' classes and attributes and the config, the same on every rank.
+
+    - DSpark's sharded sequential draft sampling (vLLM 0.34,
+      ``spec_decode/dspark/speculator.py``): with batch-sharded sampling on a target
+      that samples vocab-local, a DSpark drafter with ``compute_draft_logits_local``
+      drafts from an all-to-all of vocab shards (``all_to_all_vocab_shards``).
+    - Kimi K3's specialized drafter (``SpecializedK3DSparkForCausalLM``): its draft
+      logits go through its own multicast mailbox (``comm.gather_logits``, built at
+      load: ``_drafter_comm.logits``) for the shapes it accepts; the others fall to the
+      LogitsProcessor's gather, which the drafter's install routes.
+    - Muse Spark's Markov sampler (``VocabParallelMarkovHead`` with a vocab-sharded
+      ``markov_w2``): its own all-gather of the draft vocabulary shard
+      (``sp_all_gather``), outside any LogitsProcessor.
+    - XPress drafts gather 3-D logits ``[requests, 1 + k, V/TP]``; the Lamport gather
+      serves 2-D logits, so vLLM's own gather serves those.
+    DeepSeek V4.1's processor, whose class has its own gather, is the target's
+    outcome (``Stock.OWN_GATHER``), not repeated here."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = str(getattr(spec, "method", "") or "")
+    parallel = getattr(vllm_config, "parallel_config", None)
+    sharded = (bool(getattr(parallel, "enable_batch_sharded_sampling", False))
+               and hasattr(model, "compute_logits_local"))
+    out = []
+    if draft is None:
+        return out
+    name = type(draft).__name__
+    if method == "dspark" and sharded and hasattr(draft, "compute_draft_logits_local"):
+        out.append((f"drafter {name} compute_draft_logits_local",
+                    "DSpark's sharded sequential sampling: an all-to-all of vocab shards "
+                    "(all_to_all_vocab_shards), not a gather; a later lamport-head release"))
+    comm = getattr(draft, "_drafter_comm", None)
+    if "SpecializedK3DSparkForCausalLM" in _mro(draft) or getattr(comm, "logits", None):
+        out.append((f"drafter {name} comm.gather_logits",
+                    "Kimi K3's own multicast mailbox for the rows it accepts; its other rows "
+                    "fall to the LogitsProcessor's gather"))
+    head = getattr(getattr(draft, "model", None), "markov_head", None)
+    if (type(head).__name__ == "VocabParallelMarkovHead"
+            and getattr(getattr(head, "markov_w2", None), "tp_size", 1) > 1):
+        out.append((f"drafter {name} Markov sampler sp_all_gather",
+                    "Muse Spark's own all-gather of the draft vocabulary shard, outside any "
+                    "LogitsProcessor"))
+    if method == "xpress":
+        out.append((f"drafter {name} compute_draft_logits",
+                    "3-D logits [requests, 1 + k, V/TP]: vLLM's own gather (the Lamport "
+                    "gather serves 2-D logits)"))
+    return out

@@ -1,0 +1,122 @@
+"""Which vLLM releases the adapter is written for, and whether the running one still has
+every name the adapter relies on.
+
+``RELEASES`` is the window: the releases the test bed runs the real-vLLM tests on
+(tests/helpers.py reads it from here). ``check()`` looks up ``RELIED`` (the module-level
+names: classes, methods, module globals) in the running vLLM, ``check(worker)`` also the
+names the hook reads off a live worker. Every rank runs the same vLLM, so the answer is
+the same on every rank: a rank acting on it alone never leaves a peer in a collective.
+Invariant: the adapter consults ``check`` before its first collective, and a release
+missing any name serves stock (the speed-up is lost, never the engine).
+"""
+
+import importlib
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger("lamport_head")
+
+RELEASES = ("0.33.0", "0.34.0")  # the vLLM releases tested (the README names them too)
+
+# (module, dotted attribute): every module-level name of vLLM the adapter calls, wraps,
+# replaces or recognizes
+RELIED = (
+    ("vllm.v1.worker.gpu_worker", "Worker.load_model"),  # wrapped: the install hook
+    ("vllm.distributed.parallel_state", "get_tp_group"),  # the TP group of a worker
+    ("vllm.distributed", "tensor_model_parallel_all_gather"),  # the candidates' stock
+    ("vllm.model_executor.layers.logits_processor", "LogitsProcessor._gather_logits"),
+    ("vllm.model_executor.layers.logits_processor", "LogitsProcessor.get_top_tokens"),
+    ("vllm.model_executor.layers.logits_processor", "LogitsProcessor.get_top_k_tokens"),
+    # replaced by the candidates' dispatcher: the candidate methods look it up here
+    ("vllm.model_executor.layers.logits_processor", "tensor_model_parallel_all_gather"),
+    ("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
+)
+# what the hook reads off a loaded worker (attribute paths from the worker)
+RELIED_ON_WORKER = ("model_runner.get_model", "device")
+RELIED_ON_GROUP = ("world_size", "rank_in_group", "device_group")  # vLLM's GroupCoordinator
+
+
+@dataclass(frozen=True)
+class Release:
+    """The running vLLM as the adapter sees it: its ``version``, whether the window
+    holds it (``tested``), and the relied-upon names it lacks (``missing``, as
+    ``module:attribute``)."""
+
+    version: str
+    tested: bool
+    missing: tuple = ()
+
+    @property
+    def usable(self):
+        return not self.missing
+
+    def __str__(self):
+        return f"vLLM {self.version}"
+
+
+def version():
+    """The running vLLM's version string (``vllm.__version__``: what vLLM itself reports;
+    the installed metadata when the module does not say)."""
+    import vllm
+
+    found = getattr(vllm, "__version__", None)
+    if not found:
+        from importlib.metadata import version as installed
+
+        found = installed("vllm")
+    return str(found)
+
+
+def _has(obj, dotted):
+    for part in dotted.split("."):
+        try:
+            obj = getattr(obj, part)
+        except Exception:  # a property raising counts as missing
+            return False
+    return True
+
+
+def check(worker=None, group=None):
+    """The running release: its version and the relied-upon names it lacks (``RELIED``;
+    with ``worker``, ``RELIED_ON_WORKER`` on it, and with ``group``, vLLM's TP group
+    coordinator, ``RELIED_ON_GROUP`` on it). Never raises: a module that fails to
+    import counts its names as missing."""
+    missing = []
+    for module, dotted in RELIED:
+        try:
+            found = _has(importlib.import_module(module), dotted)
+        except Exception:
+            found = False
+        if not found:
+            missing.append(f"{module}:{dotted}")
+    if worker is not None:
+        missing += [f"{type(worker).__name__}.{d}" for d in RELIED_ON_WORKER
+                    if not _has(worker, d)]
+    if group is not None:
+        missing += [f"{type(group).__name__}.{d}" for d in RELIED_ON_GROUP if not _has(group, d)]
+    try:
+        found = version()
+    except Exception as exc:
+        found = f"unknown ({type(exc).__name__})"
+    return Release(found, found in RELEASES, tuple(missing))
+
+
+_said = set()  # (version, missing) lines said in this process: one each
+
+
+def say(release):
+    """One WARNING line per process for a release outside the window or missing names
+    (nothing for a tested, complete one); returns ``release``."""
+    key = (release.version, release.missing)
+    if key in _said or (release.tested and release.usable):
+        return release
+    _said.add(key)
+    window = ", ".join(RELEASES)
+    if not release.usable:
+        logger.warning("lamport-head: %s lacks %s, which the plugin relies on: every rank keeps "
+                       "vLLM's own logits gather (the plugin is written for vLLM %s)", release,
+                       ", ".join(release.missing), window)
+    else:
+        logger.warning("lamport-head: %s is not a release the plugin was tested on (%s); every "
+                       "name it relies on is present, so it serves", release, window)
+    return release

@@ -1,0 +1,71 @@
+"""Rank 0's one summary line for a vLLM TP group: the engine's release, then every
+logits collective a step takes and whether a Lamport gather serves it.
+
+Built from values only (the installs' ``Outcome``s, ``find``'s paths): rewording a log
+line changes no summary (tests/test_outcome.py). Every rank takes the same outcomes
+(install's are agreed), so rank 0's line speaks for the group.
+"""
+
+
+def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), around=(),
+            drafter=None, candidates=(), others=()):
+    """The line. ``release``: the running vLLM (``release.Release`` or its text);
+    ``outcome``: the target's ``Outcome``; ``through``/``around``: ``find.logits_paths``
+    (served rows are named only with the paths that really take the gather, and said
+    unused when none does); ``drafter``: the drafter's ``route.Drafter`` (the target's
+    paths are then named "target ...", and a clause names the drafter's paths, its rows
+    and whose gather serves them, or why it stays stock); ``candidates``: the
+    ``candidates.Candidates`` of the drafter's candidate paths, each in a clause of its
+    own in place of the drafter's words for that path; ``others``: ``(path, why)`` for
+    logits collectives no Lamport gather serves (``find.other_collectives``), each
+    named as not routed."""
+    candidates = list(candidates or ())
+    if candidates and drafter is not None:
+        paths = {c.path for c in candidates}
+        drafter = drafter._replace(around=tuple(a for a in drafter.around
+                                                if a.split(" (")[0] not in paths))
+    if drafter is not None:
+        through = [f"target {p}" for p in through]
+        around = [a for a in around if not a.startswith("the drafter's")]  # said below
+    head = f"{release}, {model_name}, tp={tp}, dcp={dcp}: "
+    skip = f"{' and '.join(around)} skip{'s' if len(around) == 1 else ''}"
+    if outcome.served and not through:
+        line = head + (f"Lamport logits gather installed for rows {list(outcome.rows)} on all "
+                       f"{tp} TP ranks, but no step takes it: {skip} the gather")
+    elif outcome.served:
+        line = head + (f"Lamport logits gather for rows {list(outcome.rows)} on all {tp} TP "
+                       f"ranks, through {' and '.join(through)}" + (f"; {skip} it" if around
+                                                                    else ""))
+    else:
+        line = head + f"stock logits gather on all {tp} TP ranks ({_why(outcome)})"
+    line = line if drafter is None else line + "; " + _drafter_clause(drafter)
+    clauses = [_candidates_clause(c) for c in candidates]
+    clauses += [f"{path}: not routed ({why})" for path, why in others]
+    return "; ".join([line] + clauses)
+
+
+def _why(outcome):
+    return f"{outcome.reason.label}: {outcome.message}"
+
+
+def _candidates_clause(c):
+    """The summary's words for a candidate path (``Candidates``)."""
+    if not c.served:
+        stock = c.stock
+        return f"{c.path}: stock candidate all-gather ({_why(stock) if stock else 'none built'})"
+    gathers = ", ".join(f"rows {list(rows)} (packed width {width})" for width, rows in c.served)
+    return f"{c.path}: Lamport candidate gather{'s' if len(c.served) > 1 else ''} for {gathers}"
+
+
+def _drafter_clause(d):
+    """The summary's words for the drafter (``route.Drafter``)."""
+    skip = "".join(f"; {a} skips it" for a in d.around)
+    if d.outcome.served:
+        whose = ("the target's Lamport logits gather (its head has the target's shard width)"
+                 if d.outcome.shared else f"its own Lamport logits gather (vocab {d.vocab})")
+        return (f"drafter {d.name}: {whose} for rows {list(d.outcome.rows)}, through "
+                f"{' and '.join(d.through)}{skip}")
+    if not d.through:
+        return f"drafter {d.name}: no draft step gathers logits{skip}"
+    return (f"drafter {d.name}: stock logits gather for {' and '.join(d.through)} "
+            f"({_why(d.outcome)}){skip}")

@@ -1,0 +1,107 @@
+"""What an install did, as a value: ``Outcome`` (the rows served, or why the engine's
+stock gather stays, from the closed set ``Stock``) and ``Ranks`` (the TP group an
+install runs on, the one object the adapters pass along).
+
+Invariant: an adapter decides and describes from these values only, never from the
+log lines an install emits (those are for people and may be reworded at will;
+tests/test_outcome.py rewords every one and checks that no summary changes).
+"""
+
+import enum
+import logging
+from dataclasses import dataclass
+
+
+class Stock(enum.Enum):
+    """Why the engine's own gather stays: the closed set every stock ``Outcome`` names.
+    Each member's value is ``(name, level)``: its stable name and the level of its one
+    log line (WARNING where a person is expected to act, INFO where stock is the
+    configuration's answer)."""
+
+    NO_GATHER = ("no-gather", logging.INFO)  # tp = 1: nothing to replace
+    NO_PROCESSOR = ("no-processor", logging.INFO)  # no LogitsProcessor found in the model
+    OWN_GATHER = ("own-gather", logging.INFO)  # its class keeps its own gather (not forced)
+    FORCE_PARTIAL = ("force-partial", logging.WARNING)  # LAMPORT_HEAD_FORCE on some ranks only
+    SITE = ("site", logging.INFO)  # not a BF16 vocab-parallel head gathered by all-gather
+    DISABLED = ("disabled", logging.WARNING)  # LAMPORT_HEAD_DISABLE on some rank
+    RANK = ("rank", logging.WARNING)  # a rank could not take part (not CUDA, its tables, ...)
+    PLANS_DIFFER = ("plans-differ", logging.WARNING)  # ranks resolved different plans
+    NO_DEVICE_KEY = ("no-device-key", logging.WARNING)  # first use cannot tell GPU sharing
+    TUNING_FAILED = ("tuning-failed", logging.WARNING)  # first-use tuning failed on every rank
+    EMULATED = ("emulated", logging.INFO)  # ranks share one GPU: the emulated section only
+    NO_ROWS = ("no-rows", logging.INFO)  # no enabled table rows for this GPU, TP, DCP, V
+    BUILD_FAILED = ("build-failed", logging.WARNING)  # building the gather failed on every rank
+    ENGINE = ("engine", logging.WARNING)  # the engine's release lacks a name the adapter uses
+    NOT_GATHERED = ("not-gathered", logging.INFO)  # no step of this path gathers logits
+    ROWS_OUTSIDE = ("rows-outside", logging.INFO)  # the shared gather serves none of its rows
+
+    @property
+    def label(self):
+        return self.value[0]
+
+    @property
+    def level(self):
+        return self.value[1]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One install's result, the same on every rank of the TP group: ``rows`` served
+    through a Lamport gather (sorted), or ``()`` with ``reason`` and ``message`` saying
+    why the engine's stock gather stays. ``shared``: served by a gather built for
+    another site (no second mailbox)."""
+
+    rows: tuple = ()
+    reason: object = None  # a Stock when rows is empty, else None
+    message: str = ""
+    shared: bool = False
+
+    def __post_init__(self):
+        if bool(self.rows) == (self.reason is not None):
+            raise ValueError(f"an Outcome either serves rows or names a Stock reason "
+                             f"(rows={self.rows!r}, reason={self.reason!r})")
+        if self.reason is not None and not isinstance(self.reason, Stock):
+            raise TypeError(f"reason must be a Stock, not {type(self.reason).__name__}")
+
+    @property
+    def served(self):
+        return bool(self.rows)
+
+    @classmethod
+    def serving(cls, rows, shared=False):
+        return cls(tuple(sorted(rows)), shared=shared)
+
+    @classmethod
+    def stock(cls, reason, message):
+        return cls((), reason, message)
+
+    def within(self, rows):
+        """This outcome for a site gathering only ``rows`` (None: any): served rows
+        outside them dropped, ``ROWS_OUTSIDE`` when none is left."""
+        if not self.rows or rows is None:
+            return self
+        kept = tuple(m for m in self.rows if m in rows)
+        if kept:
+            return Outcome(kept, shared=self.shared)
+        return Outcome.stock(Stock.ROWS_OUTSIDE, f"the gather's rows {list(self.rows)} hold none "
+                                                 f"of its rows 1..{max(rows)}")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The TP group an install runs on, as every adapter passes it: ``group`` where the
+    ranks agree and exchange mailboxes (the engine's CPU group where it has one, so a
+    rank whose CUDA context broke still reaches every agreement), ``device_group`` the
+    engine's device group (first-use tuning times its stock gather there; None:
+    ``group``), ``tp`` ranks of which this is ``rank``, on ``device``, DCP size ``dcp``."""
+
+    group: object
+    tp: int
+    rank: int
+    device: object
+    dcp: int = 1
+    device_group: object = None
+
+    @property
+    def timing_group(self):
+        return self.device_group if self.device_group is not None else self.group
