@@ -199,7 +199,7 @@ def install(site, ranks, rows=None, *, measure):
     served = _route(site, gather)
     logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d) for rows %s, "
                 "routed at %s; spin budget %g s (%s), agreed by every rank; a give-up stops "
-                "the GPU context", name, tp, dcp, list(served.rows), where, view.budget_s,
+                "the GPU context", name, tp, dcp, served.rows, where, view.budget_s,
                 settings.BUDGET_ENV)
     return served
 
@@ -279,11 +279,11 @@ def reroute(site, gather, *, label=None):
     served = _route(site, gather, shared=label is not None)
     if label is None:
         logger.info("lamport-head: the new model's gather routed again at %s: the gather built "
-                    "at install serves rows %s", site.where, list(served.rows))
+                    "at install serves rows %s", site.where, served.rows)
     else:
         logger.info("lamport-head: %s routed at %s through the gather already built (the same "
                     "shard width: no second mailbox, no collective); it serves rows %s", label,
-                    site.where, list(served.rows))
+                    site.where, served.rows)
     return served
 
 

@@ -56,6 +56,8 @@ def _scenarios(rank, world, run):
 
     from helpers import capture_log, fake_cuda, same_bits
     from lamport_head.engines import vllm as engine
+    from lamport_head.engines.vllm import candidates as seam  # its routes, for the raw checks
+    from lamport_head.outcome import Ranks
     from lamport_head.tuning.support.reference import scrub
 
     group = vllm_ranks(world, rank, run).cpu_group
@@ -138,24 +140,24 @@ def _scenarios(rank, world, run):
     result = {"rank": rank}
     # pairs: get_top_tokens on processor 0; processor 1 is not routed
     lp, other = processors[0], processors[1]
-    c = engine.install_candidate_gather([lp], group, world, rank, cpu, 1, ROWS,
+    c = engine.install_candidate_gather([lp], Ranks(group, world, rank, cpu), ROWS,
                                         engine.pair_payloads(), path="drafter get_top_tokens")
-    result["pairs"] = {"candidates": list(c), "top": run(lp, top),
+    result["pairs"] = {"candidates": _said(c), "top": run(lp, top),
                        "other": run(other, top)}
     # the gathered pairs themselves, through vLLM's module global while the route is on
-    routes = vars(lp).get(engine._ROUTES, {})
+    routes = vars(lp).get(seam._ROUTES, {})
     pairs = torch.tensor([[-0.0, 2.0**23 + 1 + rank], [float("nan"), 16777215.0],
                           [float("-inf"), 5.0], [0.0, -0.0]]).view(torch.int32)
     pairs[1, 0] = 0x7FC01234 + rank  # a NaN payload
     pairs = pairs.view(torch.float32)
     from vllm.model_executor.layers import logits_processor as module
 
-    engine._ACTIVE.routes = routes
+    seam._ACTIVE.routes = routes
     del launches[:]
     try:
         got = module.tensor_model_parallel_all_gather(pairs, dim=-1)
     finally:
-        engine._ACTIVE.routes = None
+        seam._ACTIVE.routes = None
     result["pairs"]["raw"] = [same_bits(got, tensor_model_parallel_all_gather(pairs, dim=-1)),
                               launches[:]]
     # _gather_logits (vLLM's logits gather, not routed here) inside no candidate method
@@ -177,37 +179,43 @@ def _scenarios(rank, world, run):
     for k in KS:
         for log_probs in (False, True):
             payloads = engine.top_k_payloads(k, torch.bfloat16, log_probs)
-            c = engine.install_candidate_gather([lp], group, world, rank, cpu, 1, ROWS,
+            c = engine.install_candidate_gather([lp], Ranks(group, world, rank, cpu), ROWS,
                                                 payloads, path="get_top_k_tokens")
-            result["topk"][f"{k} {log_probs}"] = {"candidates": list(c),
+            result["topk"][f"{k} {log_probs}"] = {"candidates": _said(c),
                                                   "run": run(lp, top_k(k, log_probs))}
     # dead: the launch writes only poison (on the pairs' route of processor 0)
     dead[0] = True
     result["dead"] = run(processors[0], top)
-    engine._ACTIVE.routes = vars(processors[0]).get(engine._ROUTES, {})
+    seam._ACTIVE.routes = vars(processors[0]).get(seam._ROUTES, {})
     try:
         got = module.tensor_model_parallel_all_gather(pairs, dim=-1)
     finally:
-        engine._ACTIVE.routes = None
+        seam._ACTIVE.routes = None
     result["dead_raw"] = got.view(torch.int32)[0].tolist()
     dead[0] = False
 
     # no_section: the table holds no section of V = 2 x 24 (fp32 k = 6 values: width 24)
     lp = processors[3]
-    c = engine.install_candidate_gather([lp], group, world, rank, cpu, 1, ROWS,
+    c = engine.install_candidate_gather([lp], Ranks(group, world, rank, cpu), ROWS,
                                         ((6, torch.float32),), path="get_top_k_tokens")
-    result["no_section"] = {"candidates": list(c), "routed": engine._ROUTES in vars(lp)}
+    result["no_section"] = {"candidates": _said(c), "routed": seam._ROUTES in vars(lp)}
     # fails: the compile of the pairs' gather fails on rank 1 only
     fake_cuda(setattr, rank, "prepare@1", launch=launch)
     mailbox.device_key = lambda device: ("host", f"gpu{rank}")
     lp = processors[4]
-    c = engine.install_candidate_gather([lp], group, world, rank, cpu, 1, ROWS,
+    c = engine.install_candidate_gather([lp], Ranks(group, world, rank, cpu), ROWS,
                                         engine.pair_payloads(), path="drafter get_top_tokens")
-    result["fails"] = {"candidates": list(c), "routed": engine._ROUTES in vars(lp),
+    result["fails"] = {"candidates": _said(c), "routed": seam._ROUTES in vars(lp),
                        "top": run(lp, top)}
     result["log"] = seen[:]
     dist.barrier(group=group)
     return result
+
+
+def _said(c):
+    """A ``Candidates`` as JSON: ``[path, [[width, rows], ...], why]``."""
+    return [c.path, [[w, list(rows)] for w, rows in c.served],
+            f"{c.stock.reason.label}: {c.stock.message}" if c.stock else ""]
 
 
 @pytest.fixture(scope="module")
@@ -298,16 +306,20 @@ def test_a_build_failing_on_one_rank_leaves_every_rank_stock(ranks):
 def test_summary_names_the_candidate_path():
     from lamport_head.engines import vllm as engine
 
-    d = engine.Drafter("D", (), False, 256, (), ("drafter get_top_tokens x 2 "
-                                                  "(use_local_argmax_reduction: ...)",), "")
-    c = engine.Candidates("drafter get_top_tokens x 2", ((8, (1, 2)),), "")
-    assert engine.summary("M", 2, 1, (1,), [], drafter=d, candidates=c) == (
-        "M, tp=2, dcp=1: Lamport logits gather for rows [1] on all 2 TP ranks, through target "
-        "compute_logits; drafter D: no draft step gathers logits; drafter get_top_tokens x 2: "
-        "Lamport candidate gather for rows [1, 2] (packed width 8)")
-    c = engine.Candidates("drafter get_top_tokens x 2", (), "why")
-    assert engine.summary("M", 2, 1, (1,), [], drafter=d, candidates=c).endswith(
-        "; drafter get_top_tokens x 2: stock candidate all-gather (why)")
+    from lamport_head.outcome import Outcome, Stock
+
+    d = engine.Drafter("D", Outcome.stock(Stock.NOT_GATHERED, "argmax"), 256, (),
+                       ("drafter get_top_tokens x 2 (use_local_argmax_reduction: ...)",))
+    c = engine.Candidates("drafter get_top_tokens x 2", ((8, Outcome.serving((1, 2))),))
+    one = Outcome.serving((1,))
+    assert engine.summary("vLLM 0.33.0", "M", 2, 1, one, drafter=d, candidates=[c]) == (
+        "vLLM 0.33.0, M, tp=2, dcp=1: Lamport logits gather for rows [1] on all 2 TP ranks, "
+        "through target compute_logits; drafter D: no draft step gathers logits; drafter "
+        "get_top_tokens x 2: Lamport candidate gather for rows [1, 2] (packed width 8)")
+    c = engine.Candidates("drafter get_top_tokens x 2", ((8, Outcome.stock(Stock.NO_ROWS,
+                                                                             "why")),))
+    assert engine.summary("vLLM 0.33.0", "M", 2, 1, one, drafter=d, candidates=[c]).endswith(
+        "; drafter get_top_tokens x 2: stock candidate all-gather (no-rows: why)")
     spec = type("Spec", (), {"num_speculative_tokens": 3, "use_local_argmax_reduction": True})
     assert engine.candidate_path(type("Config", (), {"speculative_config": spec})) == (
         "drafter get_top_tokens x 3")
@@ -499,7 +511,9 @@ def _summary_of(log, name):
     lines = [line for line in dict(zip(parts[1::2], parts[2::2]))[name].splitlines()
              if "lamport-head summary:" in line]
     assert len(lines) == 1, (name, lines)
-    return lines[0].split("lamport-head summary: ", 1)[1]
+    release, _, line = lines[0].split("lamport-head summary: ", 1)[1].partition(", ")
+    assert release.startswith("vLLM 0.3"), lines[0]  # the running release named first
+    return line
 
 
 def test_plugin_routes_dflash2_compute_candidates(dflash):
@@ -568,6 +582,7 @@ def test_a_drafter_not_in_the_table_is_unchanged(caplog):
     import torch
 
     from lamport_head.engines import vllm as engine
+    from lamport_head.outcome import Ranks
 
     class Other(torch.nn.Module):
         def compute_candidates(self, hidden):
@@ -575,7 +590,7 @@ def test_a_drafter_not_in_the_table_is_unchanged(caplog):
 
     draft = Other()
     with caplog.at_level(logging.DEBUG, logger="lamport_head"):
-        assert engine.install_drafter_candidates(draft, None, 2, 0, "cpu") is None
+        assert engine.install_drafter_candidates(draft, Ranks(None, 2, 0, "cpu")) is None
     said = [r.getMessage() for r in caplog.records if r.name == "lamport_head"]
     assert said == ["lamport-head: no candidate gather to route: Other is not in "
                     "CANDIDATE_CALLERS (compute_candidates: yes)"]

@@ -226,11 +226,15 @@ def _rank(rank, world, run, cache, table, models):
 
     with set_current_vllm_config(VllmConfig()):
         mtp = MTPShaped()
-    drafter = engine.install_drafter_gather(mtp, model, group[0], world, rank,
-                                            torch.device("cpu"), 1,
+    from lamport_head.outcome import Ranks
+
+    drafter = engine.install_drafter_gather(mtp, model, Ranks(group[0], world, rank,
+                                                              torch.device("cpu")),
                                             rows=tuple(range(1, MAX_NUM_SEQS + 1)),
                                             paths=((f"drafter compute_logits x {K}",), ()))
-    out["mtp"] = {"where": engine.find_drafter_target(mtp)[2], "drafter": list(drafter),
+    said = [drafter.name, list(drafter.served), drafter.outcome.shared, drafter.vocab,
+            list(drafter.through), list(drafter.around), drafter.outcome.message]
+    out["mtp"] = {"where": engine.find_drafter_target(mtp)[2], "drafter": said,
                   "check": check(mtp, mtp.model.logits_processor, 512)}
     print("=== end", flush=True)
     dist.barrier(group=group[0])
@@ -267,7 +271,9 @@ def _sections(log):
 def _summary(log, name):
     lines = [line for line in _sections(log)[name].splitlines() if "lamport-head summary:" in line]
     assert len(lines) == 1, (name, lines)
-    return lines[0].split("lamport-head summary: ", 1)[1]
+    release, _, line = lines[0].split("lamport-head summary: ", 1)[1].partition(", ")
+    assert release.startswith("vLLM 0.3"), lines[0]  # the running release named first
+    return line
 
 
 def _launched(rows, width):
@@ -363,15 +369,17 @@ def test_local_argmax_reduction_routes_the_drafters_candidates(ranks):
 def test_summary_names_every_path():
     """Without a drafter the line is the one it was; with one, each path is named."""
     from lamport_head.engines import vllm as engine
+    from lamport_head.outcome import Outcome, Stock
 
-    assert engine.summary("M", 2, 1, (1,), []) == (
-        "M, tp=2, dcp=1: Lamport logits gather for rows [1] on all 2 TP ranks, through "
-        "compute_logits")
-    d = engine.Drafter("D", (1,), False, 256, ("drafter compute_logits x 1",), (), "")
-    assert engine.summary("M", 2, 1, (), ["lamport-head: stock logits gather: why"],
+    assert engine.summary("vLLM 0.33.0", "M", 2, 1, Outcome.serving((1,))) == (
+        "vLLM 0.33.0, M, tp=2, dcp=1: Lamport logits gather for rows [1] on all 2 TP ranks, "
+        "through compute_logits")
+    d = engine.Drafter("D", Outcome.serving((1,)), 256, ("drafter compute_logits x 1",), ())
+    assert engine.summary("vLLM 0.34.0", "M", 2, 1, Outcome.stock(Stock.NO_ROWS, "why"),
                           drafter=d) == (
-        "M, tp=2, dcp=1: stock logits gather on all 2 TP ranks (why); drafter D: its own "
-        "Lamport logits gather (vocab 256) for rows [1], through drafter compute_logits x 1")
+        "vLLM 0.34.0, M, tp=2, dcp=1: stock logits gather on all 2 TP ranks (no-rows: why); "
+        "drafter D: its own Lamport logits gather (vocab 256) for rows [1], through drafter "
+        "compute_logits x 1")
     spec = type("Spec", (), {"num_speculative_tokens": 3, "use_local_argmax_reduction": True,
                              "draft_sample_method": "probabilistic"})
     config = type("Config", (), {"speculative_config": spec})

@@ -300,8 +300,9 @@ def test_log_lines_reach_vllms_handler(ranks):
         r"lamport-head: Lamport logits gather on NVIDIA H200 \(tp=2, dcp=1\) for rows "
         r"\(1, 2, 4\), routed at {where}; spin budget 10 s \(LAMPORT_HEAD_BUDGET_S\), agreed by "
         r"every rank; a give-up stops the GPU context\n")
-    # the plugin's summary line, from lamport_head/engines/vllm.py
-    summary = fmt.format(file=r"vllm\.py") + r"lamport-head summary: {model}, tp=2, dcp=1: {what}.*\n"
+    # the plugin's summary line, from lamport_head/engines/vllm/route.py, naming the release
+    summary = fmt.format(file=r"route\.py") + (r"lamport-head summary: vLLM 0\.3\d\.\d, {model}, "
+                                              r"tp=2, dcp=1: {what}.*\n")
     through = r", through compute_logits(?=\n)"  # vLLM's default config: sampling gathers
     lines = {
         "flat": (served.format(where=r"Lm\.logits_processor"), "Lm",
@@ -314,7 +315,8 @@ def test_log_lines_reach_vllms_handler(ranks):
         "own": (fmt.format(file=r"install\.py") + r"lamport-head: stock logits gather: "
                 r"Lm\.logits_processor \(OwnGather\) has its own _gather_logits \([\w.<>]*OwnGather\) "
                 r"and keeps it; LAMPORT_HEAD_FORCE=1 routes the table's rows through lamport-head "
-                r"instead\n", "Lm", r"stock logits gather on all 2 TP ranks \(Lm\.logits_processor "
+                r"instead \[own-gather\]\n", "Lm", r"stock logits gather on all 2 TP ranks "
+                r"\(own-gather: Lm\.logits_processor "
                 r"\(OwnGather\) has its own _gather_logits"),
         "own_forced": (served.format(where=r"Lm\.logits_processor; LAMPORT_HEAD_FORCE=1: replaces "
                                            r"[\w.<>]*OwnGather\._gather_logits for these rows; "
