@@ -70,7 +70,7 @@ def test_the_tools_live_in_the_tuners_wing_not_the_runtime():
         spec = importlib.util.find_spec(f"{SUPPORT}.{tool}")
         assert spec is not None and Path(spec.origin).resolve() == ROOT / "tuning" / "support" \
             / f"{tool}.py"
-    assert not (RUNTIME / "log.py").exists(), "the vLLM log bridge belongs to engines/vllm.py"
+    assert not (RUNTIME / "log.py").exists(), "the vLLM log bridge belongs to engines/vllm/route.py"
 
 
 def test_no_runtime_module_imports_a_tool():
