@@ -29,7 +29,7 @@ raises and stops the worker (fail-stop: the engine stops every rank).
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import NamedTuple
 
@@ -151,8 +151,10 @@ def install(site, ranks, rows=None, *, measure):
     if reasons:
         kind = (Stock.DISABLED if any(r[0] == Stock.DISABLED.label for _, r in reasons)
                 else Stock.RANK)
-        mine = vote.reason[1] if vote.reason else f"rank {reasons[0][0]}: {reasons[0][1][1]}"
-        return stock(kind, mine)
+        if vote.reason and vote.reason[0] == kind.label:
+            return stock(kind, vote.reason[1])
+        first, (_, text) = next((r, v) for r, v in reasons if v[0] == kind.label)
+        return stock(kind, f"rank {first}: {text}")
     if len({v.agreed for v in votes}) > 1:
         return stock(Stock.PLANS_DIFFER, "the TP ranks resolved different HEAD_GATHER plans "
                      "(different tables or environments, first-use tuning settings or the "
@@ -160,6 +162,7 @@ def install(site, ranks, rows=None, *, measure):
     keys = [v.key for v in votes]
     shared = None if None in keys else len(set(keys)) < tp  # several ranks on one GPU
     choice, entries = _choose(view, shared)
+    measured = False
     if choice == "unknown":
         return stock(Stock.NO_DEVICE_KEY, "first-use tuning cannot tell whether the TP ranks "
                      "share a GPU (no device key)")
@@ -175,33 +178,38 @@ def install(site, ranks, rows=None, *, measure):
                     "%s in %.1f s, wrote %s%s; vocab=%d%s", name, tp, dcp, view.real,
                     [r.rows for r in outcome.results], outcome.seconds, outcome.path,
                     " (emulated: true)" if outcome.emulated else "", vocab, _others(view))
-        entries = outcome.entries
+        entries, measured = outcome.entries, True
         if outcome.emulated:
             # The agreed view's setting, never a fresh read of the environment: it may
             # have changed on one rank while the ranks measured.
             choice = "emulated" if view.serve_emulated else "unserved"
     if choice == "unserved":
-        return stock(Stock.EMULATED, f"the ranks share one GPU, so the {name} section for "
+        return _measured(measured, Stock.EMULATED, f"the ranks share one GPU, so the {name} section for "
                      f"tp={tp}, dcp={dcp} is emulated: true, never served "
                      f"({settings.SERVE_EMULATED_ENV}=1 serves it, to test this mode only)")
     if choice == "emulated":
         logger.warning("lamport-head: serving an emulated section (processes sharing one GPU: "
                        "not performance) because %s is set", settings.SERVE_EMULATED_ENV)
     if not entries:
-        return stock(Stock.NO_ROWS, f"no enabled HEAD_GATHER rows for {name}, tp={tp}, "
+        return _measured(measured, Stock.NO_ROWS, f"no enabled HEAD_GATHER rows for {name}, tp={tp}, "
                      f"dcp={dcp}, vocab={vocab}, stock={stock_kind}{_others(view)}")
     try:  # collective, fail-stop: every rank gets a gather or every rank raises
         gather = _build(group, device, tp, rank, shard, entries, view.budget_s)
     except Exception as exc:  # a capability fallback, taken by every rank together
         _alone(exc, "building the gather")
-        return stock(Stock.BUILD_FAILED, f"building the gather failed: "
+        return _measured(measured, Stock.BUILD_FAILED, f"building the gather failed: "
                      f"{type(exc).__name__}: {exc}")
     served = _route(site, gather)
     logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d) for rows %s, "
                 "routed at %s; spin budget %g s (%s), agreed by every rank; a give-up stops "
                 "the GPU context", name, tp, dcp, served.rows, where, view.budget_s,
                 settings.BUDGET_ENV)
-    return served
+    return replace(served, measured=measured)
+
+
+def _measured(measured, reason, message):
+    """``stock(reason, message)``, saying whether first-use tuning measured first."""
+    return replace(stock(reason, message), measured=measured)
 
 
 def stock(reason, message, where=None):
@@ -340,7 +348,8 @@ def _local_vote(tp, dcp, device, rows, vocab, stock):
         return None, None, _Vote(None, None, (Stock.RANK.label, f"{device} is not a CUDA device"),
                                  force)
     view, reason = _local_view(tp, dcp, device, name, rows, vocab, stock)
-    reason = reason and (Stock.RANK.label, reason)
+    if view is None:  # a reading that failed says so, even with an empty message
+        reason = (Stock.RANK.label, reason or "the tables could not be read")
     if settings.disabled():
         # An environment variable may reach some ranks only: it travels with the vote.
         view, reason = None, (Stock.DISABLED.label, f"disabled by {settings.DISABLE_ENV}")

@@ -49,12 +49,14 @@ class Outcome:
     """One install's result, the same on every rank of the TP group: ``rows`` served
     through a Lamport gather (sorted), or ``()`` with ``reason`` and ``message`` saying
     why the engine's stock gather stays. ``shared``: served by a gather built for
-    another site (no second mailbox)."""
+    another site (no second mailbox). ``measured``: first-use tuning measured (and wrote
+    the user table) during this install."""
 
     rows: tuple = ()
     reason: object = None  # a Stock when rows is empty, else None
     message: str = ""
     shared: bool = False
+    measured: bool = False
 
     def __post_init__(self):
         if bool(self.rows) == (self.reason is not None):
@@ -82,7 +84,7 @@ class Outcome:
             return self
         kept = tuple(m for m in self.rows if m in rows)
         if kept:
-            return Outcome(kept, shared=self.shared)
+            return Outcome(kept, shared=self.shared, measured=self.measured)
         return Outcome.stock(Stock.ROWS_OUTSIDE, f"the gather's rows {list(self.rows)} hold none "
                                                  f"of its rows 1..{max(rows)}")
 

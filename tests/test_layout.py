@@ -156,3 +156,24 @@ def test_diagnostics_reach_the_runtime_through_public_names_only():
                           if isinstance(n, ast.Attribute) and n.attr.startswith("_")
                           and not n.attr.startswith("__") and n.attr not in NOT_OURS})
         assert private == [], f"{path.name} reaches {private}"
+
+
+def test_every_package_of_the_tree_is_in_the_distribution():
+    """A package pyproject.toml does not list is left out of a built wheel (an editable
+    install, as the tests run, still finds it): every folder with an ``__init__.py``
+    under lamport_head/, kernels/, tuning/ and tables/ is listed, under its installed name."""
+    import tomllib
+
+    root = RUNTIME.parent
+    config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    listed = set(config["tool"]["setuptools"]["packages"])
+    dirs = config["tool"]["setuptools"]["package-dir"]
+    homes = {root / path: name for name, path in dirs.items()}
+    homes.setdefault(root / "lamport_head", "lamport_head")
+    found = set()
+    for home, name in homes.items():
+        for init in home.rglob("__init__.py"):
+            parts = init.parent.relative_to(home).parts
+            if "__pycache__" not in parts:
+                found.add(".".join((name, *parts)))
+    assert found - listed == set(), f"packages missing from pyproject.toml: {found - listed}"

@@ -18,7 +18,7 @@ from tables import TWO_RANKS as TABLE
 
 from lamport_head.outcome import Outcome, Ranks, Stock
 
-ENGINES = pathlib.Path(__file__).resolve().parents[1] / "lamport_head" / "engines"
+RUNTIME = pathlib.Path(__file__).resolve().parents[1] / "lamport_head"
 
 
 def test_an_outcome_serves_or_names_a_closed_reason():
@@ -39,10 +39,10 @@ def test_an_outcome_serves_or_names_a_closed_reason():
 
 
 def test_no_adapter_reads_a_log_record():
-    """The engines' modules never read what a logger emitted: no record's message, no
-    handler or filter of their own that keeps records (vLLM's log bridge forwards each
-    record to vLLM's handlers and reads nothing of it)."""
-    for path in sorted(ENGINES.rglob("*.py")):
+    """The runtime (the adapters and the install core) never reads what a logger
+    emitted: no record's message, no handler or filter of its own that keeps records
+    (vLLM's log bridge forwards each record to vLLM's handlers and reads nothing of it)."""
+    for path in sorted(RUNTIME.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute):
@@ -97,11 +97,17 @@ def _summary_worker(rank, nprocs, table, case, reword):
         sys.modules.setdefault(name, types.ModuleType(name))
     sys.modules["vllm.distributed"].parallel_state = ps
     sys.modules["vllm.distributed.parallel_state"] = ps
-    route.releases.check = lambda *a, **k: route.releases.Release("0.34.0", True)
+    # the release's module-level names are vLLM 0.34's (no vLLM here); the live worker's
+    # are read as the real check reads them
+    route.releases.check = lambda worker=None, group=None: route.releases.Release(
+        "0.34.0", True, () if hasattr(worker.model_runner, "get_model")
+        else ("Worker.model_runner.get_model",))
     m = model(lm__tp_size=nprocs) if case != "no-processor" else types.SimpleNamespace()
     if case == "fp32":
         m.logits_processor.head_dtype = "float32"
     runner = types.SimpleNamespace(get_model=lambda: m)
+    if case == "runner@1" and rank == 1:
+        runner = types.SimpleNamespace()  # this rank's live worker lacks a relied-upon name
     worker = types.SimpleNamespace(model_runner=runner, device="cpu", vllm_config=None)
     outcome = route._install_after_load(worker)
     return {"rows": list(outcome.rows), "reason": outcome.reason and outcome.reason.label,
@@ -110,7 +116,7 @@ def _summary_worker(rank, nprocs, table, case, reword):
 
 @pytest.mark.parametrize("case,reason", [
     ("ok", None), ("disable@1", "disabled"), ("prepare@1", "build-failed"),
-    ("no-processor", "no-processor"), ("fp32", "site"),
+    ("no-processor", "no-processor"), ("fp32", "site"), ("runner@1", "engine"),
 ])
 def test_rewording_every_log_message_changes_no_summary(tmp_path, case, reason):
     table = tmp_path / "t.yaml"

@@ -53,6 +53,7 @@ def fake_vllm(monkeypatch, version="0.33.0", drop=None):
     lp = mods["vllm.model_executor.layers.logits_processor"]
     lp.LogitsProcessor = LogitsProcessor
     lp.tensor_model_parallel_all_gather = mods["vllm.distributed"].tensor_model_parallel_all_gather
+    LogitsProcessor.__module__ = "vllm.model_executor.layers.logits_processor"  # its home
     mods["vllm.model_executor.layers.vocab_parallel_embedding"].ParallelLMHead = type(
         "ParallelLMHead", (), {})
     if drop is not None:
@@ -65,6 +66,9 @@ def fake_vllm(monkeypatch, version="0.33.0", drop=None):
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(release, "_said", set())  # each test's lines, as a fresh process's
+    # the ranks' agreement on the release's names: one rank here, its own answer
+    monkeypatch.setattr(route, "all_min", lambda value, group: calls.append(
+        ("agree", value, group)) or value)
     return Worker, calls
 
 
@@ -78,7 +82,8 @@ def test_plugin_installs_after_load_once(monkeypatch):
     # agreement on vLLM's CPU group, first-use timing on its device group; no
     # vllm_config: install's default rows
     ranks = Ranks("tp-cpu-group", 4, 1, "cuda:1", 2, "tp-device-group")
-    assert calls == [("load", True), ("install", ("the model", ranks, None))]
+    assert calls == [("load", True), ("agree", True, "tp-cpu-group"),
+                     ("install", ("the model", ranks, None))]
     worker = Worker()
     worker.vllm_config = types.SimpleNamespace(
         scheduler_config=types.SimpleNamespace(max_num_seqs=8),
@@ -100,7 +105,7 @@ def test_plugin_lets_an_install_error_stop_the_worker(monkeypatch):
     plugin.register()
     with pytest.raises(RuntimeError, match="rank left install alone"):
         Worker().load_model()
-    assert calls == [("load", False)]
+    assert calls == [("load", False), ("agree", True, "tp-cpu-group")]
 
 
 def _warnings(caplog):
@@ -117,7 +122,7 @@ def test_a_release_outside_the_window_serves_with_one_warning(monkeypatch, caplo
         plugin.register()
         plugin.register()
         Worker().load_model()
-    assert [c[0] for c in calls] == ["load", "install"]
+    assert [c[0] for c in calls] == ["load", "agree", "install"]
     assert _warnings(caplog) == [
         "lamport-head: vLLM 0.35.0 is not a release the plugin was tested on (0.33.0, 0.34.0); "
         "every name it relies on is present, so it serves"]
@@ -154,7 +159,7 @@ def test_a_worker_missing_a_relied_name_loads_on_stock(monkeypatch, caplog):
     worker.model_runner = types.SimpleNamespace()  # a runner without get_model
     with caplog.at_level("INFO", logger="lamport_head"):
         assert worker.load_model() is None
-    assert calls == [("load", False)]
+    assert calls == [("load", False), ("agree", False, "tp-cpu-group")]
     assert _warnings(caplog) == [
         "lamport-head: vLLM 0.33.0 lacks Worker.model_runner.get_model, which the plugin relies "
         "on: every rank keeps vLLM's own logits gather (the plugin is written for vLLM 0.33.0, "

@@ -476,10 +476,10 @@ def autotune(args, ranks):
     model, stock_calls = _vllm_shaped(ranks, shard)
     torch.cuda.synchronize(ranks.device)
     start = time.monotonic()
-    served = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device,
-                                   rows=rows).rows
+    outcome = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device,
+                                    rows=rows)
     seconds = time.monotonic() - start
-    measured = any("first-use tuning on" in line for line in lines)
+    served, measured = outcome.rows, outcome.measured
     calls = Calls(list(rows), ranks.world, shard, ranks.device)
     count = min(args.calls, 200)
     bad = _bitwise(model, calls, count, ranks, served)

@@ -14,9 +14,9 @@ import torch
 
 from ... import install
 from ...settings import FORCE_ENV, forced
+from .release import STOCK_PROCESSOR as _STOCK  # vLLM's own LogitsProcessor class
 
 GATHER = "_gather_logits"  # vLLM LogitsProcessor's gather: [M, V/TP] -> [M, V]
-_STOCK = ("vllm.model_executor.layers.logits_processor", "LogitsProcessor")
 
 def _language_model(model):
     """``model.get_language_model()`` when it names another module, else None."""
@@ -50,6 +50,19 @@ def find_gather_target(model, force=None):
     ``text`` says where the processor sits and anything about how it is routed.
     ``force``: route a processor whose class has its own gather; None reads this
     process's ``LAMPORT_HEAD_FORCE``. A pure function of the model and ``force``."""
+    found = _holder(model)
+    if found is None:
+        name = type(model).__name__
+        where = f"{name} or its language model" if _language_model(model) is not None else name
+        return None, None, f"no logits_processor on {where}"
+    owner, path, head = found
+    return _resolve(owner.logits_processor, head, path + ".logits_processor", force)
+
+
+def _holder(model):
+    """``(module, path, lm_head)``: the module holding the LogitsProcessor the model
+    calls (its language model's first, then its own) and the head beside it (else the
+    other's), or None when neither holds one."""
     name = type(model).__name__
     inner = _language_model(model)
     owners = [(m, path) for m, path in ((inner, f"{name}.get_language_model()"), (model, name))
@@ -57,14 +70,13 @@ def find_gather_target(model, force=None):
     found = next(((m, path) for m, path in owners
                   if getattr(m, "logits_processor", None) is not None), None)
     if found is None:
-        where = f"{name} or its language model" if inner is not None else name
-        return None, None, f"no logits_processor on {where}"
+        return None
     owner, path = found
     head = getattr(owner, "lm_head", None)
     if head is None:
         head = next((getattr(m, "lm_head") for m, _ in owners
                      if getattr(m, "lm_head", None) is not None), None)
-    return _resolve(owner.logits_processor, head, path + ".logits_processor", force)
+    return owner, path, head
 
 
 def _resolve(processor, head, path, force):
@@ -102,7 +114,7 @@ def find_drafter_target(model, force=None):
     its head the model's ParallelLMHead(s), which must agree in shape and TP size (one
     shard width: one gather)."""
     processor, head, where = find_gather_target(model, force)
-    if processor is not None or not where.startswith("no logits_processor"):
+    if processor is not None or _holder(model) is not None:
         return processor, head, where
     name = type(model).__name__
     found = [(n, m) for n, m in model.named_modules() if _is(m, "LogitsProcessor")]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 logger = logging.getLogger("lamport_head")
 
 RELEASES = ("0.33.0", "0.34.0")  # the vLLM releases tested (the README names them too)
+STOCK_PROCESSOR = ("vllm.model_executor.layers.logits_processor", "LogitsProcessor")
 
 # (module, dotted attribute): every module-level name of vLLM the adapter calls, wraps,
 # replaces or recognizes
@@ -89,6 +90,15 @@ def check(worker=None, group=None):
             found = False
         if not found:
             missing.append(f"{module}:{dotted}")
+    # find.owns_gather tells vLLM's own processor by where its class is defined: a class
+    # moved elsewhere (even re-exported here) would read as "has its own gather" everywhere
+    try:
+        home = importlib.import_module(STOCK_PROCESSOR[0])
+        defined = getattr(home, STOCK_PROCESSOR[1]).__module__ == STOCK_PROCESSOR[0]
+    except Exception:
+        defined = False
+    if not defined and f"{STOCK_PROCESSOR[0]}:{STOCK_PROCESSOR[1]}._gather_logits" not in missing:
+        missing.append(f"{STOCK_PROCESSOR[0]}:{STOCK_PROCESSOR[1]} (defined there)")
     if worker is not None:
         missing += [f"{type(worker).__name__}.{d}" for d in RELIED_ON_WORKER
                     if not _has(worker, d)]

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ... import install
+from ...collective import all_min
 from ...outcome import Outcome, Ranks, Stock
 from .. import measure_first_use
 from . import release as releases
@@ -137,10 +138,16 @@ def _install_after_load(worker):
 
     tp_group = ps.get_tp_group()
     running = releases.say(releases.check(worker, tp_group))
-    if not running.usable:
-        # Every rank runs the same vLLM and reads the same names: no collective is
-        # entered by any rank, and the engine keeps its own gathers.
-        outcome = Outcome.stock(Stock.ENGINE, f"{running} lacks {', '.join(running.missing)}")
+    usable = running.usable
+    if not running.missing or all(hasattr(tp_group, n) for n in releases.RELIED_ON_GROUP):
+        # Every rank runs the same vLLM and reads the same names, but a name read off a
+        # live object (a property raising on one rank) could answer alone: agreed on
+        # vLLM's gloo group, which every rank that loaded reaches, before any other step.
+        usable = bool(all_min(usable, _cpu_group(tp_group)))
+    if not usable:
+        why = (f"{running} lacks {', '.join(running.missing)}" if running.missing
+               else "another rank's vLLM lacks a name the plugin relies on")
+        outcome = Outcome.stock(Stock.ENGINE, why)
         if getattr(tp_group, "rank_in_group", 0) == 0:
             name = type(getattr(worker, "model_runner", None)).__name__
             logger.info("lamport-head summary: %s", summary(
