@@ -21,9 +21,8 @@ RUNTIME = ROOT / "lamport_head"
 SUPPORT = "lamport_head.tuning.support"
 TOOLS = ("emulate", "procs", "reference", "stock")  # the tuner's, the CLI's, the tests'
 # Where serving enters the runtime: the package, the engines' entry points
-# (pyproject.toml), and the old import paths kept until 0.4.
-ENTRIES = ("lamport_head", "lamport_head.engines.vllm", "lamport_head.engines.sglang",
-           "lamport_head.plugin", "lamport_head.sglang", "lamport_head.vllm_model")
+# (pyproject.toml).
+ENTRIES = ("lamport_head", "lamport_head.engines.vllm", "lamport_head.engines.sglang")
 TOP = ("lamport_head.cli",)  # the command: beside the engines, may import the tuner
 
 
