@@ -70,10 +70,94 @@ def portable_paths():
         vllm_utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
 
 
+def _vllm_without_triton():
+    """vLLM 0.34's ``CpuPlatform.check_and_update_config`` (run by every ``VllmConfig``)
+    raises "vLLM on x86 CPUs requires Triton (triton-cpu)" where 0.33 warned: 0.34's only
+    x86 CPU runner is the V2 one, whose sampling and input preparation are Triton kernels.
+    triton-cpu is not on the registry, and the tests never run a step's Triton kernels
+    (they call the model's logits paths and the worker's load_model, plain torch): so the
+    check is answered as with Triton, for that call only; everything else keeps asking
+    vLLM's real ``HAS_TRITON`` (False)."""
+    import inspect
+
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__
+    source = inspect.getsource(check)
+    if "HAS_TRITON" not in source or "requires Triton" not in source:
+        raise AssertionError("vLLM moved its x86-needs-Triton decision out of "
+                             "CpuPlatform.check_and_update_config: update tests/engine_cpu.py")
+
+    def with_triton(cls, vllm_config):
+        import vllm.triton_utils as triton_utils
+
+        had, triton_utils.HAS_TRITON = triton_utils.HAS_TRITON, True
+        try:
+            return check(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = had
+
+    CpuPlatform.check_and_update_config = classmethod(with_triton)
+
+
+def _vllm_cpu_stand_ins():
+    """vLLM 0.34's V2 CPU runner is the GPU runner run on CPU: it makes CUDA streams and
+    events and pinned (UVA) buffers, which only work on CPU once ``vllm.v1.worker.cpu.shm``
+    has put its stand-ins in torch's and the runner's place. vLLM's ``CPUWorker`` imports
+    that module first thing; the tests build the runner under vLLM's GPU ``Worker``
+    (CPUWorker's ``__init__`` needs vLLM's C++ extension), so the import is done here, as
+    on an x86 host where 0.34 runs (with Triton: the module swaps the runner's UVA buffer
+    for its CPU one only then, and 0.34 refuses x86 without Triton, see above)."""
+    import importlib
+    import importlib.util
+    import pathlib
+
+    worker = importlib.util.find_spec("vllm.v1.worker.cpu_worker")
+    if (worker is None or "import vllm.v1.worker.cpu.shm"
+            not in pathlib.Path(worker.origin).read_text()):
+        raise AssertionError("vLLM's CPU worker no longer installs its CUDA stand-ins by "
+                             "importing vllm.v1.worker.cpu.shm: update tests/engine_cpu.py")
+    import vllm.triton_utils as triton_utils
+
+    had, triton_utils.HAS_TRITON = triton_utils.HAS_TRITON, True
+    try:
+        importlib.import_module("vllm.v1.worker.cpu.shm")
+    finally:
+        triton_utils.HAS_TRITON = had
+    from vllm.v1.worker.cpu import buffer_utils as cpu_buffers
+    from vllm.v1.worker.gpu import buffer_utils as gpu_buffers
+
+    if gpu_buffers.UvaBuffer is not cpu_buffers.UvaBuffer:
+        raise AssertionError("vllm.v1.worker.cpu.shm no longer gives the V2 runner its CPU "
+                             "UvaBuffer: update tests/engine_cpu.py")
+
+
+# Per vLLM release of the window (tests/helpers.py VLLM_RELEASES), what its CPU build
+# needs beyond the portable paths before any of its classes is built here.
+VLLM_RELEASE_QUIRKS = {"0.33.0": (), "0.34.0": (_vllm_without_triton, _vllm_cpu_stand_ins)}
+
+
+def release_quirks():
+    """The installed vLLM release's CPU quirks (``VLLM_RELEASE_QUIRKS``), applied in this
+    process. A release the table does not know fails: what it needs is unknown."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("vllm")
+    except PackageNotFoundError:
+        return
+    if release not in VLLM_RELEASE_QUIRKS:
+        raise AssertionError(f"vLLM {release}: its CPU quirks are not known: add it to "
+                             "VLLM_RELEASE_QUIRKS in tests/engine_cpu.py")
+    for quirk in VLLM_RELEASE_QUIRKS[release]:
+        quirk()
+
+
 def prepare_process():
     """In a spawned engine rank, first thing: the simulated host (if the pin asked for
-    one), then the portable paths."""
+    one), then the portable paths and the installed vLLM release's quirks."""
     isa = os.environ.get(HOST_ISA_ENV)
     if isa:
         simulate_host(isa)
     portable_paths()
+    release_quirks()

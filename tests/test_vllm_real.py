@@ -1,6 +1,6 @@
-"""Against the real vLLM 0.33.0 classes on CPU (``VLLM_TARGET_DEVICE=cpu``), on a 2-rank
-gloo group made by vLLM's own ``init_distributed_environment`` /
-``initialize_model_parallel``: the real plugin loader wraps the real
+"""Against the real vLLM classes of each release of the window (``helpers.VLLM_RELEASES``)
+on CPU (``VLLM_TARGET_DEVICE=cpu``), on a 2-rank gloo group made by vLLM's own
+``init_distributed_environment`` / ``initialize_model_parallel``: the real plugin loader wraps the real
 ``Worker.load_model`` once; through it, install (forced onto a stand-in kernel: this
 machine has no GPU) routes a real ``ParallelLMHead`` + ``LogitsProcessor`` and the
 output is bitwise the real stock output, for served rows and the others; a model
@@ -9,8 +9,8 @@ nesting its head under ``get_language_model()`` (Kimi K3 / K2.5), LoRA's wrapper
 own gather (kept unless ``LAMPORT_HEAD_FORCE=1``); and the lines vLLM's log handler
 prints: each worker's own, and rank 0's summary.
 
-vLLM is installed by ``scripts/install-vllm-cpu.sh`` (the README's test command runs
-it); without it these tests skip, unless ``LAMPORT_HEAD_REQUIRE_VLLM=1`` (CI) makes
+vLLM is installed by ``scripts/install-vllm-cpu.sh VERSION [VENV]`` (the README's test
+command runs it for each release, one venv each); without it these tests skip, unless ``LAMPORT_HEAD_REQUIRE_VLLM=1`` (CI) makes
 that a failure.
 """
 
@@ -19,7 +19,7 @@ import re
 
 import pytest
 from engine_cpu import HOST_ISAS
-from helpers import as_vllm_rank, require_vllm, same_bits, spawn_vllm_ranks, vllm_ranks
+from helpers import as_vllm_rank, same_bits, spawn_vllm_ranks, vllm_ranks, vllm_worker
 from tables import TWO_RANKS as TABLE
 
 SERVED = [1, 2, 4]
@@ -63,7 +63,6 @@ def _handled_by_vllm():
 
 
 def _scenarios(rank, tmp):
-    import contextlib
     import types
 
     import torch
@@ -159,12 +158,7 @@ def _scenarios(rank, tmp):
 
     def load(build):
         """The real Worker.load_model (wrapped by the plugin) on a CPU stand-in runner."""
-        worker = Worker.__new__(Worker)
-        worker.vllm_config = VllmConfig()
-        worker.device = torch.device("cpu")
-        worker.model_runner = Runner(build)
-        worker._maybe_get_memory_pool_context = lambda tag: contextlib.nullcontext()
-        worker._scoped_allocator_max_split = lambda **kw: contextlib.nullcontext()
+        worker = vllm_worker(VllmConfig(), Runner(build))
         worker.load_model()
         return worker.model_runner.model
 
@@ -243,10 +237,10 @@ def _scenarios(rank, tmp):
 # ---- the tests ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=HOST_ISAS)
-def ranks(request, tmp_path_factory):
+def ranks(request, tmp_path_factory, vllm_release):
     """Every test below, on a host whose CPU has AMX and on one without (the pin of
-    tests/engine_cpu.py: the engines' ISA choice never decides whether the bed builds)."""
-    require_vllm()
+    tests/engine_cpu.py: the engines' ISA choice never decides whether the bed builds),
+    on the installed release of the window (its id part ``vllm-X``)."""
     tmp = tmp_path_factory.mktemp("vllm_real")
     table = tmp / "table.yaml"
     table.write_text(TABLE)
@@ -338,11 +332,10 @@ def test_log_lines_reach_vllms_handler(ranks):
             assert all(text.count(msg) == 1 for msg in mine), (rank, name, mine, text)
 
 
-def test_our_ranges_hold_vllms_pins():
+def test_our_ranges_hold_vllms_pins(vllm_release):
     """vLLM's pins on the packages we share sit inside our ranges (pip's own resolution
     is scripts/check-resolve-with-vllm.sh, run by CI); torch 2.11 (GPU host image) and
     2.13 (CPU tests) too."""
-    require_vllm()
     from importlib.metadata import requires
 
     from packaging.requirements import Requirement
