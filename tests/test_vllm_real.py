@@ -19,7 +19,8 @@ import re
 
 import pytest
 from engine_cpu import HOST_ISAS
-from helpers import as_vllm_rank, same_bits, spawn_vllm_ranks, vllm_ranks, vllm_worker
+from helpers import (as_vllm_rank, installed_vllm, same_bits, spawn_vllm_ranks, vllm_ranks,
+                     vllm_worker)
 from tables import TWO_RANKS as TABLE
 
 SERVED = [1, 2, 4]
@@ -356,3 +357,37 @@ def test_our_ranges_hold_vllms_pins(vllm_release):
         assert ours[name].contains(version), (name, version, str(ours[name]))
     for torch_version in ("2.11.0", "2.13.0", "2.14.0"):
         assert ours["torch"].contains(torch_version)
+
+
+def _batch_sharded_paths(rank, world):
+    """logits_paths on vLLM's own config with batch-sharded sampling (TP 2) on Model Runner
+    V2 (0.33: VLLM_USE_V2_MODEL_RUNNER=1, its V1 runner has no such sampling; 0.34: its
+    only runner), for vLLM's own LlamaForCausalLM, which has compute_logits_local."""
+    os.environ.update(VLLM_TARGET_DEVICE="cpu", VLLM_USE_V2_MODEL_RUNNER="1")
+    from engine_cpu import prepare_process
+
+    prepare_process()
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    from lamport_head.engines import vllm as engine
+
+    config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=2,
+                                                       enable_batch_sharded_sampling=True))
+    through, around = engine.logits_paths(LlamaForCausalLM.__new__(LlamaForCausalLM), config)
+    return {"sharded": config.parallel_config.enable_batch_sharded_sampling,
+            "through": through, "around": [a.split(" (")[0] for a in around]}
+
+
+@pytest.mark.xfail(installed_vllm() == "0.34.0", strict=True, raises=AssertionError,
+                   reason="lamport_head/engines/vllm.py logits_paths reads "
+                          "vllm_config.use_v2_model_runner, removed in vLLM 0.34 (V2 is its "
+                          "only runner): it names compute_logits as the gather's path when "
+                          "the step takes compute_logits_local (issue 39 item 2)")
+def test_batch_sharded_sampling_is_named_as_skipping_the_gather(vllm_release, tmp_path):
+    """With batch-sharded sampling each rank samples from an all-to-all of vocab-local
+    logits: no step gathers, and the summary must not say the rows are served."""
+    from spawn import spawn
+
+    (got,) = spawn(_batch_sharded_paths, 1, tmp_path, group=False)
+    assert got == {"sharded": True, "through": [], "around": ["compute_logits_local"]}
