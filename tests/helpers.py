@@ -89,6 +89,7 @@ def vllm_worker(config, runner):
     is set here: the memory-pool and allocator contexts (no-ops on CPU) and, from 0.34,
     the external weight charges it tracks loading under."""
     import contextlib
+    import inspect
 
     from vllm.v1.worker.gpu_worker import Worker
 
@@ -97,11 +98,9 @@ def vllm_worker(config, runner):
                                                               runner)
     worker._maybe_get_memory_pool_context = lambda tag: contextlib.nullcontext()
     worker._scoped_allocator_max_split = lambda **kw: contextlib.nullcontext()
-    try:
+    if "_external_weight_charges" in inspect.getsource(Worker.load_model):  # 0.34 on
         from vllm.model_executor.model_loader.weight_cache.utils import ExternalWeightCharges
-    except ImportError:  # 0.33: load_model tracks no external weights
-        pass
-    else:
+
         worker._external_weight_charges = ExternalWeightCharges()
     return worker
 
