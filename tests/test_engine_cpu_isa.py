@@ -6,7 +6,7 @@ test_vllm_firstuse) run every test on both hosts through their fixtures' ``host_
 
 import pytest
 from engine_cpu import HOST_ISAS, portable_paths, simulate_host
-from helpers import require_vllm
+from helpers import VLLM_RELEASES
 from spawn import spawn
 
 
@@ -33,8 +33,8 @@ def _choice(rank, world, isa):
 
 
 @pytest.mark.parametrize("isa", HOST_ISAS)
-def test_the_simulated_host_reaches_vllms_choice_and_the_bed_builds(isa, tmp_path):
-    require_vllm()
+def test_the_simulated_host_reaches_vllms_choice_and_the_bed_builds(isa, tmp_path,
+                                                                    vllm_release):
     (asked,) = spawn(_choice, 1, tmp_path, isa, group=False)
     seen = isa == "amx-seen"
     # what an AMX host's vLLM does: the packed-weight kernel, absent from the wheel we install
@@ -43,6 +43,14 @@ def test_the_simulated_host_reaches_vllms_choice_and_the_bed_builds(isa, tmp_pat
     # the bed: the portable torch path, whatever the host, and it computes
     assert asked["vllm_packed_in_bed"] is False
     assert asked["linear_equal"] is True
+
+
+def test_every_release_of_the_window_has_its_quirks_named():
+    """engine_cpu's table of release quirks covers exactly the window (a release added to
+    VLLM_RELEASES must say what its CPU build needs, even if nothing)."""
+    from engine_cpu import VLLM_RELEASE_QUIRKS
+
+    assert sorted(VLLM_RELEASE_QUIRKS) == sorted(VLLM_RELEASES)
 
 
 def test_an_unknown_host_is_refused():

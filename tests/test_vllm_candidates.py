@@ -1,10 +1,11 @@
-"""The candidate gathers on the mailbox (issue 32 item 2, vLLM): real vLLM 0.33.0
-``LogitsProcessor.get_top_tokens`` / ``get_top_k_tokens`` and ``ParallelLMHead`` on 2
-gloo ranks grouped by vLLM's own ``init_distributed_environment``, routed by
-``engines.vllm.install_candidate_gather`` (the install core: table sections keyed by
-V = TP x packed width, agreement, fail-stop) through a real ``HeadGather`` whose kernel
-is the CPU stand-in (``helpers.fake_cuda``): its launch all-gathers the packed shards on
-vLLM's gloo group, scrubs sentinel words as the kernel does, and is counted.
+"""The candidate gathers on the mailbox (issue 32 item 2, vLLM): real vLLM (each release of
+the window: ``helpers.VLLM_RELEASES``) ``LogitsProcessor.get_top_tokens`` /
+``get_top_k_tokens`` and ``ParallelLMHead`` on 2 gloo ranks grouped by vLLM's own
+``init_distributed_environment``, routed by ``engines.vllm.install_candidate_gather`` (the
+install core: table sections keyed by V = TP x packed width, agreement, fail-stop) through a
+real ``HeadGather`` whose kernel is the CPU stand-in (``helpers.fake_cuda``): its launch
+all-gathers the packed shards on vLLM's gloo group, scrubs sentinel words as the kernel
+does, and is counted.
 
 Each scenario compares the routed call with vLLM's unrouted code on the same planted
 logits (the processor's ``_apply_head`` stood in per call: -0.0 and +0.0 maxima, ties
@@ -22,7 +23,7 @@ within a rank and across ranks, NaN, -Inf, vLLM's padding mask), bitwise:
 """
 
 import pytest
-from helpers import as_vllm_rank, require_vllm, spawn_vllm_ranks, vllm_ranks
+from helpers import as_vllm_rank, spawn_vllm_ranks, vllm_ranks, vllm_worker
 from tables import sections
 
 VOCAB, HIDDEN, SHARD = 1000, 16, 512  # padded to 1024: rank 1's shard ends in 24 padding rows
@@ -219,8 +220,7 @@ def _said(c):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    require_vllm()
+def ranks(tmp_path_factory, vllm_release):
     tmp = tmp_path_factory.mktemp("vllm_candidates")
     (tmp / "table.yaml").write_text(TABLE)
     results, logs = spawn_vllm_ranks(_rank, 2, tmp, tmp, str(tmp / "table.yaml"))
@@ -334,8 +334,10 @@ def test_summary_names_the_candidate_path():
 # needs Triton (absent on CPU), and its config validation refuses DFlash2 on V1: so the
 # speculative config is set after VllmConfig's validation and a runner stand-in's
 # ``load_model`` builds the two real models as V2's would (``get_model``,
-# ``get_draft_model``). ``compute_candidates`` runs vLLM's code; only the processor's
-# ``_apply_head`` is stood in per call (planted logits), as above.
+# ``get_draft_model``). 0.34 has only V2, whose DFlash2 speculator would build them; the
+# same stand-in serves both releases, so what differs between them here is vLLM's model and
+# processor code, not the runner's wiring. ``compute_candidates`` runs vLLM's code; only the
+# processor's ``_apply_head`` is stood in per call (planted logits), as above.
 
 DFLASH_K, DFLASH_SEQS, DFLASH_STEPS = 5, 2, 2  # candidate rows 1 .. 2 x 2 = 4
 DFLASH_TABLE = sections((2 * 16, 2 * 40))  # k = 5: values BF16 width 16, ids int64 width 40
@@ -380,7 +382,6 @@ def _planted(g, world, rank, m, shard):
 def _dflash_rank(rank, world, run, table, models):
     as_vllm_rank(run, rank, LAMPORT_HEAD_TABLE=table, LAMPORT_HEAD_AUTOTUNE="0",
                  LAMPORT_HEAD_CACHE=str(run / "cache"))
-    import contextlib
     import ctypes
 
     import torch
@@ -392,7 +393,6 @@ def _dflash_rank(rank, world, run, table, models):
     from vllm.logger import configure_logging
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
     from vllm.model_executor.models.qwen3_dflash2 import DFlash2Qwen3ForCausalLM
-    from vllm.v1.worker.gpu_worker import Worker
 
     from helpers import fake_cuda, same_bits
     from lamport_head import mailbox
@@ -450,11 +450,7 @@ def _dflash_rank(rank, world, run, table, models):
         with set_current_vllm_config(config):
             if not group:
                 group.append(vllm_ranks(world, rank, run).cpu_group)
-        worker = Worker.__new__(Worker)
-        worker.vllm_config, worker.device = config, torch.device("cpu")
-        worker.model_runner = Runner(config)
-        worker._maybe_get_memory_pool_context = lambda tag: contextlib.nullcontext()
-        worker._scoped_allocator_max_split = lambda **kw: contextlib.nullcontext()
+        worker = vllm_worker(config, Runner(config))
         worker.load_model()  # vLLM's; then the plugin's installs
         return worker.model_runner.draft
 
@@ -489,10 +485,9 @@ def _dflash_rank(rank, world, run, table, models):
 
 
 @pytest.fixture(scope="module")
-def dflash(tmp_path_factory):
+def dflash(tmp_path_factory, vllm_release):
     import json
 
-    require_vllm()
     tmp = tmp_path_factory.mktemp("vllm_dflash2")
     (tmp / "table.yaml").write_text(DFLASH_TABLE)
     models = {}
@@ -546,7 +541,7 @@ def test_dflash2_without_a_section_stays_stock(dflash):
     assert "; drafter get_top_k_tokens: stock candidate all-gather (" in line, line
 
 
-def test_candidate_callers_match_vllms_sources():
+def test_candidate_callers_match_vllms_sources(vllm_release):
     """Every CANDIDATE_CALLERS entry names a class of its vLLM source file whose
     compute_candidates calls ``self.<processor>.get_top_k_tokens`` with ``self.<k>``
     and return_log_probs as the entry says (read from the installed wheel's source)."""
@@ -556,7 +551,6 @@ def test_candidate_callers_match_vllms_sources():
 
     from lamport_head.engines import vllm as engine
 
-    require_vllm()
     root = pathlib.Path(importlib.util.find_spec("vllm").origin).parent.parent
     assert {c.model for c in engine.CANDIDATE_CALLERS} == {
         "DFlash2Qwen3ForCausalLM", "LiLiCorrForCausalLM", "DFlash2BeamForCausalLM"}

