@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 
 from lamport_head import provenance
-from lamport_head.collective import agree, attempt, together
+from lamport_head.collective import agree, all_gather_objects, attempt, together
 from lamport_head.config import default_config
 from lamport_head.kernels.protocol import DEFAULT_THREADS
 from lamport_head.table import NCCL_STOCK, fill, normalize, user_path
@@ -106,7 +106,8 @@ class Outcome:
     results: list  # tuning.sweep.RowResult per measured row count
     emulated: bool
     seconds: float
-    path: str
+    path: str  # this rank's host's user table
+    unsaved: str | None = None  # why the table could not be written (served all the same)
 
 
 def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRST_USE_LIMITS, *,
@@ -191,11 +192,23 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
     # Every host gets the table: its first rank writes the agreed rows into its own
     # user table (ranks on several hosts, an NVL72 domain, would otherwise find the
     # section only on rank 0's host and stay stock for good at the next start).
-    hosts = exchange(lambda: device_key(torch.device(device))[0], group, what="name its host")
+    try:  # exchange raises on every rank alike (its errors travel in the one all-gather)
+        hosts = exchange(lambda: device_key(torch.device(device))[0], group, what="name its host")
+    except Exception as exc:
+        raise together(exc)
     writes = hosts.index(hosts[rank]) == rank
     path, error = attempt(write) if writes else (None, None)
-    agree(error, group, device, "to write the user table")
+    # A write that failed (a read-only or full cache) costs the table, not this start:
+    # the rows were measured and agreed, so every rank serves them; the outcome travels
+    # to every rank, so every rank logs the same line and takes the same path.
+    failed = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}",
+                                group)
+    unsaved = failed[hosts.index(hosts[rank])]
     path = str(user_path())  # the file this rank's host serves from (its writer's)
+    if unsaved is not None:
+        logger.warning("lamport-head: first-use tuning measured rows %s and serves them on this "
+                       "start, but could not save the user table %s (%s): the next start "
+                       "measures again", [r.rows for r in results], path, unsaved)
     measured = {r.rows: r.entry for r in results}
     entries = {m: e for m, e in fill(measured).items() if e.enabled and m in set(rows)}
-    return Outcome(entries, results, emulated, seconds, path)
+    return Outcome(entries, results, emulated, seconds, path, unsaved)

@@ -1,34 +1,56 @@
-"""Merging tuned sections into the HEAD_GATHER YAML, atomically.
+"""Merging tuned sections into the HEAD_GATHER YAML, atomically and durably.
 
 Only the section being written (device, tp, dcp, emulated, vocab, stock) is replaced; every
 other device and section is kept as it was: a section for another vocabulary stays
 beside it (a section written before sections carried ``vocab`` counts as
 ``table.LEGACY_VOCAB``; one written without ``stock``, ``table.LEGACY_STOCK``). The new text is validated with the loader
-before it replaces the file (write to a temporary file beside it, then rename), so a
-reader never sees a half-written or invalid table. The read-modify-write holds an
+before it replaces the file, sealed and durably (``tablefile``: the seal lets a reader
+tell a cut file from a whole one; temporary file, fsync, rename, fsync of the
+directory; the mode follows the umask), so a reader never sees a half-written or
+invalid table, not even after a host crash. Merging into a file that cannot be read
+whole (torn, not a table) sets that file aside (renamed beside itself with a timestamp,
+one warning) and starts a fresh one; a section of it the loader cannot read is dropped
+(one warning: it could serve nothing), one of a newer schema is kept as it is. The read-modify-write holds an
 exclusive lock (``flock`` on ``.head_gather.lock`` beside the table), so writers of
 different sections at once (several TP groups' rank 0s on one host, DP > 1) lose none.
 """
 
 import fcntl
+import logging
 import math
-import os
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
+from lamport_head import tablefile
 from lamport_head.table import (KIMI_K2_VOCAB, LEGACY_STOCK, LEGACY_VOCAB, NCCL_STOCK, SCHEMA,
-                                normalize, parse)
+                                TableError, load_table, normalize, read)
+
+logger = logging.getLogger("lamport_head")
 
 
 def _load(path):
+    """The data to merge into: the file's readable sections and its newer-schema ones
+    (as written), in file order; nothing when it is absent or set aside."""
     path = Path(path)
     if not path.exists():
         return {"schema": SCHEMA, "devices": {}}
-    parse(path.read_text(), str(path))  # refuse to merge into an invalid table
-    return yaml.safe_load(path.read_text())
+    try:
+        table = load_table(path, strict=False)
+    except TableError as exc:
+        aside = tablefile.set_aside(path)
+        logger.warning(tablefile.aside_line(path, aside, exc))
+        return {"schema": SCHEMA, "devices": {}}
+    devices = {}
+    for s in table.sections:
+        devices.setdefault(s.device, []).append(dict(s.raw))
+    for p in table.problems:
+        if p.kind == "newer":
+            devices.setdefault(p.device, []).append(p.raw)
+        else:
+            logger.warning("lamport-head: dropped from %s while writing it: %s", path, p.line)
+    return {"schema": SCHEMA, "devices": devices}
 
 
 def measured_rows(results):
@@ -73,8 +95,10 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock):
     devices = data.setdefault("devices", {}) or {}
     data["devices"] = devices
     name = next((d for d in devices if normalize(d) == normalize(device)), device)
-    sections = [s for s in devices.get(name, [])
-                if not (s.get("tp") == tp and s.get("dcp", 1) == dcp
+    # a newer schema's sections are another version's: kept as written, never replaced
+    newer = [s for s in devices.get(name, []) if s.get("schema", SCHEMA) > SCHEMA]
+    sections = [s for s in devices.get(name, []) if s.get("schema", SCHEMA) <= SCHEMA
+                and not (s.get("tp") == tp and s.get("dcp", 1) == dcp
                         and s.get("emulated", False) == emulated
                         and s.get("vocab", LEGACY_VOCAB) == vocab
                         and s.get("stock", LEGACY_STOCK) == stock)]
@@ -83,18 +107,13 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock):
     sections.append(section)
     sections.sort(key=lambda s: (s.get("emulated", False), s["tp"], s.get("dcp", 1),
                                  s.get("vocab", LEGACY_VOCAB), s.get("stock", LEGACY_STOCK)))
-    devices[name] = sections
+    devices[name] = sections + newer
     text = _render(data)
-    parse(text, str(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path
+    check = read(text, str(path))  # what is written must read back, but the kept newer ones
+    bad = [p.line for p in check.problems if p.kind != "newer"]
+    if bad:
+        raise TableError(bad[0])
+    return tablefile.write_durably(path, tablefile.seal(text))
 
 
 HEADER = """\
