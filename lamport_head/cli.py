@@ -307,9 +307,15 @@ def auto_tune(args, argv):
 
 
 def show(args):
-    from lamport_head.table import LEGACY_VOCAB, load_table, normalize
+    from lamport_head.table import LEGACY_VOCAB, TableError, fix_for, load_table, normalize
 
-    table = load_table(args.table)
+    try:  # lenient: a skipped section or layer is one line saying what to do about it
+        table = load_table(args.table, strict=False) if args.table else load_table()
+    except TableError as exc:  # the one file asked for cannot be read whole
+        return _fail(f"show: {exc}; {fix_for(args.table, 'file')}")
+    for problem in table.problems:
+        print("problem: " + (f"{problem.line}; {fix_for(args.table, problem.kind)}"
+                             if args.table else problem.line))
     device = args.device
     known = sorted({s.device for s in table.sections}, key=normalize)
     if device is None:

@@ -546,7 +546,10 @@ def fix_for(path, kind):
     if str(path) == str(table_override()):
         what = "this layer is skipped" if kind == "file" else "this section is skipped"
         return f"{what}; fix the file or unset {TABLE_ENV} (the layers below serve meanwhile)"
-    return "this is the packaged table: reinstall lamport-head"
+    if str(path) == str(packaged_path()):
+        return "this is the packaged table: reinstall lamport-head"
+    what = "the file is refused" if kind == "file" else "this section is skipped"
+    return f"{what} where it is served; fix the file (or re-tune it with `lamport-head tune`)"
 
 
 def load_layers() -> Table:

@@ -1,6 +1,8 @@
 """The HEAD_GATHER loader: good tables with ranges, and a corpus of bad ones, each
 rejected with a TableError naming the file and the entry."""
 
+import re
+
 import pytest
 
 from lamport_head.config import GatherConfig
@@ -496,3 +498,121 @@ def test_show_prints_each_sections_stock(tmp_path, capsys):
         "served only where the route replaces that gather",
         "  measured against multimem-all-gather; served only where the route replaces that "
         "gather"]
+
+
+# Issue 40: tables that heal (the loader's side; the install side is test_autotune's).
+
+def _written(tmp_path):
+    """A table as the tool writes it (sealed), two sections."""
+    from lamport_head.tuning.writer import merge_section
+
+    path = tmp_path / "w.yaml"
+    for vocab in (128, 192):
+        merge_section(path, "NVIDIA H200", 2, 1, {m: {"ctas": 8 * m, "enabled": True}
+                                                  for m in (1, 2, 4, 8, 16)},
+                      {"gpu": "NVIDIA H200"}, vocab=vocab)
+    return path
+
+
+def test_a_written_table_cut_anywhere_reads_as_torn(tmp_path):
+    """Item 2: every cut of a sealed table, line boundaries included (where the rest is
+    a smaller valid YAML table), is a TableError; the whole file loads."""
+    path = _written(tmp_path)
+    whole = path.read_text()
+    assert len(load_table(path).sections) == 2
+    for at in range(len(whole)):
+        with pytest.raises(TableError):
+            parse(whole[:at], "cut.yaml")
+    for at in (i + 1 for i, c in enumerate(whole) if c == "\n" and i + 1 < len(whole)):
+        with pytest.raises(TableError, match="torn"):
+            parse(whole[:at], "cut.yaml")
+
+
+def test_a_hand_written_table_has_no_seal_and_loads():
+    """Item 2: a table a person wrote (no seal line) loads as before; an edited sealed
+    one is torn and says so."""
+    assert parse(GOOD, "hand.yaml").sections
+    from lamport_head.tablefile import seal
+
+    sealed = seal(GOOD)
+    assert parse(sealed, "s.yaml").sections
+    with pytest.raises(TableError, match="edited by hand"):
+        parse(sealed.replace("ctas: 8", "ctas: 9"), "s.yaml")
+
+
+ABSURD = {
+    "ctas_zero": ("1: {ctas: 0, enabled: true}", "ctas must be an int in [1, 1024]"),
+    "ctas_negative": ("1: {ctas: -1, enabled: true}", "ctas must be an int in [1, 1024]"),
+    "ctas_huge": ("1: {ctas: 1000000000, enabled: true}", "ctas must be an int in [1, 1024]"),
+    "rows_2000": ("2000: {ctas: 8, enabled: true}", "row 2000 exceeds the limit"),
+    "rows_overlap": ("1-4: {ctas: 8, enabled: true}\n        2: {ctas: 8, enabled: true}",
+                     "overlap"),
+    "stock_inf": ("1: {ctas: 8, enabled: true, stock_us: .inf}", "finite non-negative"),
+    "lamport_nan": ("1: {ctas: 8, enabled: true, lamport_us: .nan}", "finite non-negative"),
+}
+ABSURD_SECTIONS = {
+    "tp_4096": ("tp: 4096", "tp must be an int in [2, 72]"),
+    "tp_1": ("tp: 1", "tp must be an int in [2, 72]"),
+    "vocab_huge": ("tp: 2\n      vocab: 1000000000000000000000000000000",
+                   "vocab must be an int in [1, 16777216]"),
+    "vocab_not_divisible": ("tp: 3\n      vocab: 128", "not a multiple of tp=3"),
+}
+
+
+def _two_sections(first_rows="1: {ctas: 8, enabled: true}", first_head="tp: 2"):
+    return ("schema: 1\ndevices:\n  NVIDIA H200:\n"
+            f"    - {first_head}\n      dcp: 1\n      rows:\n        {first_rows}\n"
+            "    - tp: 4\n      rows:\n        1: {ctas: 8, enabled: true}\n")
+
+
+@pytest.mark.parametrize("name", sorted(ABSURD) + sorted(ABSURD_SECTIONS))
+def test_absurd_values_cost_their_section_only(name):
+    """Items 5 and 1: what no GPU serves is rejected in one line (strict: the error;
+    lenient, as serving reads: that section skipped, the other one served)."""
+    if name in ABSURD:
+        rows, message = ABSURD[name]
+        text = _two_sections(first_rows=rows)
+    else:
+        head, message = ABSURD_SECTIONS[name]
+        text = _two_sections(first_head=head)
+    with pytest.raises(TableError, match=re.escape(message)):
+        parse(text, "t.yaml")
+    from lamport_head.table import read
+
+    table = read(text, "t.yaml")
+    (problem,) = table.problems
+    assert message in problem.line and problem.kind == "section"
+    assert [s.tp for s in table.sections] == [4]
+
+
+def test_a_newer_schema_section_is_skipped_and_the_rest_serves():
+    from lamport_head.table import read
+
+    text = _two_sections().replace("    - tp: 4\n", "    - schema: 2\n      tp: 4\n")
+    table = read(text, "t.yaml")
+    (problem,) = table.problems
+    assert problem.kind == "newer" and "schema 2, newer than this lamport-head" in problem.line
+    assert [s.tp for s in table.sections] == [2]
+
+
+def test_show_says_what_to_do_for_each_problem(tmp_path, capsys):
+    """Item 1: ``show`` lists each skipped section or layer with what to do, and still
+    shows what serves (it used to print the error and exit 2)."""
+    from lamport_head.cli import main
+    from lamport_head.table import user_path
+
+    user_path().parent.mkdir(parents=True, exist_ok=True)
+    user_path().write_text(_two_sections(first_head="tp: 4096"))
+    assert main(["show", "--device", "NVIDIA H200", "--tp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "problem: " in out and "tp must be an int in [2, 72]" in out
+    assert "first-use tuning measures it again" in out and "tp=4" in out
+    user_path().write_text(user_path().read_text()[:20])
+    assert main(["show", "--device", "NVIDIA H200"]) == 0
+    out = capsys.readouterr().out
+    assert "the next engine start sets it aside" in out
+    cut = tmp_path / "cut.yaml"
+    cut.write_text(_written(tmp_path).read_text()[:300])
+    assert main(["show", "--table", str(cut)]) == 2
+    err = capsys.readouterr().err
+    assert "torn" in err and "fix the file" in err
