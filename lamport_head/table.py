@@ -43,9 +43,17 @@ against); SGLang's ``_logits_gatherer`` is a multimem one-shot all-gather
 stock than the engine's is not served: a row that beats NCCL may lose to a one-shot
 multicast gather. The key is then (GPU model, TP, DCP, emulated, V, stock).
 
-Validation is strict: every defect raises ``TableError`` naming the file and the
-entry. YAML 1.1 reads a bare on/off/yes/no as a boolean, so such a plain scalar is
-rejected anywhere (write true/false, or quote it).
+Validation: every defect is a ``TableError`` naming the file and the entry. ``parse``
+(one file, asked for by name: tools, tests) raises it; serving's layered view
+(``load_layers``, through ``read``) skips what it spoils and no more: a bad section
+costs that section (one ``Problem`` line), a section of a newer schema is skipped (and
+kept by the writer), and a file that cannot be read whole costs that layer; the user
+table's is named in ``Table.broken`` for install to set aside (``tablefile``), never
+``$LAMPORT_HEAD_TABLE``. A table the tool writes is sealed (``tablefile.SEAL``): a cut
+anywhere reads as torn; one without the seal (hand-written) is read as it is. Bounds
+(``MIN_TP``/``MAX_TP``, ``MAX_VOCAB``, ``MAX_CTAS``, ``MAX_ROWS``, finite timings)
+reject what no GPU serves. YAML 1.1 reads a bare on/off/yes/no as a boolean, so such a
+plain scalar is rejected anywhere (write true/false, or quote it).
 """
 
 import math
@@ -271,6 +279,7 @@ class Table:
     ``section_key``."""
 
     problems = ()  # Problem per section (or layer) a lenient read skipped
+    kept = ()  # (device, section as written) of a newer schema: skipped, kept by the writer
     broken = None  # why the user table cannot be read whole (load_layers), or None
 
     def __init__(self, path, sections, layers=None):
@@ -347,14 +356,11 @@ def _syntax_error(path, text, exc):
 class Problem(NamedTuple):
     """What a lenient read (``read``) skipped: ``kind`` is "file" (the whole file: torn,
     unreadable, not YAML, not a table), "section" (one section the loader cannot read)
-    or "newer" (a section of a newer schema than ``SCHEMA``: kept by the writer);
-    ``line`` says what and where, ``raw`` is the skipped section as written (None for
-    a file), ``device`` its device name as written."""
+    or "newer" (a section, or a whole file, of a newer schema than ``SCHEMA``: its
+    sections are in the table's ``kept``, for the writer); ``line`` says what and where."""
 
     kind: str
     line: str
-    raw: object = None
-    device: object = None
 
 
 def parse(text, path="<string>"):
@@ -394,12 +400,16 @@ def _parse(text, path, strict):
     devices = data["devices"]
     if not isinstance(devices, dict):
         raise TableError(f"{path}: 'devices' must map GPU model names to lists of sections")
-    sections, names, problems = [], {}, []
+    sections, names, problems, kept = [], {}, [], []
 
-    def skip(exc, kind="section", raw=None, device=None):
+    def skip(exc, kind="section"):
         if strict:
             raise exc
-        problems.append(Problem(kind, str(exc), raw, device))
+        problems.append(Problem(kind, str(exc)))
+
+    if schema > SCHEMA:  # a newer lamport-head's file: one line for it, its sections kept
+        problems.append(Problem("newer", f"{path}: schema {schema}, newer than this "
+                                f"lamport-head reads ({SCHEMA}): its sections are skipped"))
 
     for device, entries in devices.items():
         try:
@@ -420,9 +430,10 @@ def _parse(text, path, strict):
             where = f"{path}: devices.{device}[{i}]"
             newer = _schema_of(sec, schema)
             if newer > SCHEMA:
-                skip(TableError(f"{where}: schema {newer}, newer than this lamport-head reads "
-                                f"({SCHEMA}): skipped (kept in the file)"), "newer",
-                     dict(sec, schema=newer), device)
+                if newer != schema:  # the file's own newer schema was said once, above
+                    skip(TableError(f"{where}: schema {newer}, newer than this lamport-head "
+                                    f"reads ({SCHEMA}): skipped"), "newer")
+                kept.append((device, dict(sec, schema=newer)))
                 continue
             try:
                 s = _section(device, sec, where)
@@ -445,7 +456,7 @@ def _parse(text, path, strict):
             seen[key] = (i, s.vocab_written)
             sections.append(s)
     table = Table(path, sections)
-    table.problems = problems
+    table.problems, table.kept = problems, kept
     return table
 
 

@@ -21,11 +21,13 @@ Invariants:
 """
 
 import datetime
+import fcntl
 import hashlib
 import logging
 import os
 import re
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger("lamport_head")
@@ -67,6 +69,22 @@ def check_seal(text: str) -> str:
         raise TornTable("torn: its bytes do not match the seal (edited by hand or damaged; a "
                         "table edited by hand drops the seal line)")
     return rest
+
+
+@contextmanager
+def locked(path):
+    """An exclusive lock for a read-modify-write or a set-aside of the table ``path``
+    (``flock`` on ``.STEM.lock`` beside it; blocks until free): writers of different
+    sections at once (several TP groups' rank 0s on one host) lose none, and a set-aside
+    never moves a table another group has just written whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.stem}.lock"), "a") as lock:  # kept: locks need a file
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _umask() -> int:
@@ -123,6 +141,19 @@ def aside_line(path, aside, why):
             f"{aside}, first-use tuning measures again")
 
 
+def _set_aside_if_broken(path):
+    """Under the writer's lock: set ``path`` aside unless it reads whole now (another
+    engine on this host healed it since this one read it)."""
+    from .table import TableError, load_table
+
+    with locked(path):
+        try:
+            load_table(path, strict=False)
+            return ("gone", None)
+        except TableError:
+            return ("aside", str(set_aside(path)))
+
+
 def set_aside_agreed(path, why, keys, rank, group):
     """Collective: set the broken user table ``path`` aside on every host. Called only
     when every rank's agreed view says it is broken (``why``: this rank's reading).
@@ -137,7 +168,7 @@ def set_aside_agreed(path, why, keys, rank, group):
     outcome = None
     if first == rank or host is None:
         try:
-            outcome = ("aside", str(set_aside(path)))
+            outcome = _set_aside_if_broken(path)
         except FileNotFoundError:
             outcome = ("gone", None)  # another rank of this host set it aside first
         except OSError as exc:

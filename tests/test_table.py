@@ -604,13 +604,13 @@ def test_show_says_what_to_do_for_each_problem(tmp_path, capsys):
     user_path().parent.mkdir(parents=True, exist_ok=True)
     user_path().write_text(_two_sections(first_head="tp: 4096"))
     assert main(["show", "--device", "NVIDIA H200", "--tp", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "problem: " in out and "tp must be an int in [2, 72]" in out
-    assert "first-use tuning measures it again" in out and "tp=4" in out
+    out, err = capsys.readouterr()
+    assert "problem: " in err and "tp must be an int in [2, 72]" in err
+    assert "first-use tuning measures it again" in err and "tp=4" in out
     user_path().write_text(user_path().read_text()[:20])
     assert main(["show", "--device", "NVIDIA H200"]) == 0
-    out = capsys.readouterr().out
-    assert "the next engine start sets it aside" in out
+    assert "the next engine start sets it aside" in capsys.readouterr().err
+    assert main(["show", "--table", str(user_path())]) == 2  # a file checked by name
     cut = tmp_path / "cut.yaml"
     cut.write_text(_written(tmp_path).read_text()[:300])
     assert main(["show", "--table", str(cut)]) == 2

@@ -17,8 +17,14 @@ V on the same machine gets its own section, the first model's stays); the next s
 of either reads its section and measures nothing.
 
 Fail-stop: every step that can fail on one rank runs inside ``attempt`` and is
-agreed (``agree``) before the next collective; the harness raises on every rank
-together. Such a failure raises on every rank at the same step, marked
+agreed (``agree``, or an exchange whose errors travel to every rank, marked
+``together``) before the next collective; the harness raises on every rank together.
+When to stop measuring is rank 0's clock's decision, broadcast (``DistComm``): a rank
+stopping by its own clock would leave its peers alone in the next row's collectives.
+The write is the one step whose failure costs nothing but itself: its outcome travels
+to every rank (an all-gather), and a cache that cannot be written (read-only, full)
+leaves every rank serving what it measured, with one line saying why it was not
+saved. Such a failure raises on every rank at the same step, marked
 ``collective.raised_together``; install catches it and leaves every rank stock with one
 warning. A failure of one rank alone (the engine's own gather, timed as stock, failing
 on one rank: its peers are inside that collective) is not marked: install lets it stop

@@ -15,10 +15,8 @@ exclusive lock (``flock`` on ``.head_gather.lock`` beside the table), so writers
 different sections at once (several TP groups' rank 0s on one host, DP > 1) lose none.
 """
 
-import fcntl
 import logging
 import math
-from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -45,10 +43,10 @@ def _load(path):
     devices = {}
     for s in table.sections:
         devices.setdefault(s.device, []).append(dict(s.raw))
+    for device, raw in table.kept:
+        devices.setdefault(device, []).append(raw)
     for p in table.problems:
-        if p.kind == "newer":
-            devices.setdefault(p.device, []).append(p.raw)
-        else:
+        if p.kind != "newer":
             logger.warning("lamport-head: dropped from %s while writing it: %s", path, p.line)
     return {"schema": SCHEMA, "devices": devices}
 
@@ -67,18 +65,6 @@ def measured_rows(results):
     return table
 
 
-@contextmanager
-def _locked(path):
-    """An exclusive lock for the read-modify-write of ``path`` (blocks until free)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.stem}.lock"), "a") as lock:  # kept: locks need a file
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False,
                   vocab=KIMI_K2_VOCAB, stock=NCCL_STOCK):
     """Write ``rows`` ({key: entry}) as the (device, tp, dcp, emulated, vocab, stock)
@@ -86,7 +72,7 @@ def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False,
     ``--vocab``, first use's TP x shard width); ``stock``: the gather they were
     measured against (``table.STOCKS``)."""
     path = Path(path)
-    with _locked(path):
+    with tablefile.locked(path):
         return _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock)
 
 
