@@ -24,13 +24,29 @@ import test_autotune as t  # noqa: E402  (tests/ on the path first)
 
 
 def show(label, results, root):
+    """One start: per rank what it served and measured; the lines rank 0 logged (and rank
+    1's where they differ), each cut at 240 characters."""
     print(f"  {label}:")
     for rank, r in enumerate(results):
-        print(f"    rank {rank}: served rows {_span(r['served'])}, measured rows {r['rows']} "
-              f"({r['timed']} trials), a 1-row call went to "
+        print(f"    rank {rank}: served rows {_span(r['served'])}; measured rows "
+              f"{r['rows'] or 'none'} ({r['timed']} trials); a 1-row call went to "
               f"{'the Lamport gather' if r['routed'] == [t.FAKE_BYTE] else 'stock'}")
-        for line in r["log"]:
-            print(f"      | {line.replace(str(root), '$TMP')}")
+    logs = [[_short(x, root) for x in r["log"]] for r in results]
+    for rank, lines in enumerate(logs):
+        if rank and lines == logs[0]:
+            print(f"    rank {rank} logged the same {len(lines)} line(s)")
+            continue
+        print(f"    rank {rank} logged {len(lines)} line(s):")
+        for line in lines:
+            print(f"      | {line}")
+
+
+def _short(line, root):
+    line = line.replace(str(root), "$TMP")
+    line = line.replace(", routed at SimpleNamespace.logits_processor; spin budget 10 s "
+                        "(LAMPORT_HEAD_BUDGET_S), agreed by every rank; a give-up stops the "
+                        "GPU context", " [...]")
+    return line if len(line) <= 240 else line[:237] + "..."
 
 
 def _span(rows):
@@ -123,7 +139,7 @@ def readonly_case():
 ABSURD = ("schema: 1\ndevices:\n  NVIDIA H200:\n"
           "    - {tp: 4096, vocab: 128, rows: {1: {ctas: 8, enabled: true}}}\n"
           "    - {tp: 2, vocab: 1000000000000000000000000000000, rows: {1: {ctas: 8, enabled: true}}}\n"
-          "    - {tp: 2, vocab: 130, rows: {1: {ctas: 8, enabled: true}}}\n"
+          "    - {tp: 2, vocab: 129, rows: {1: {ctas: 8, enabled: true}}}\n"
           "    - {tp: 2, vocab: 128, rows: {1: {ctas: 0, enabled: true}, 2000: {ctas: 8, "
           "enabled: true}}}\n")
 

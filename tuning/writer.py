@@ -45,9 +45,10 @@ def _load(path):
         devices.setdefault(s.device, []).append(dict(s.raw))
     for device, raw in table.kept:
         devices.setdefault(device, []).append(raw)
-    for p in table.problems:
-        if p.kind != "newer":
-            logger.warning("lamport-head: dropped from %s while writing it: %s", path, p.line)
+    dropped = [p for p in table.problems if p.kind != "newer"]
+    if dropped:  # each was its own line when read; one line for the lot here
+        logger.warning("lamport-head: %d section(s) of %s the loader cannot read dropped while "
+                       "writing it (first: %s)", len(dropped), path, dropped[0].line)
     return {"schema": SCHEMA, "devices": devices}
 
 
