@@ -406,6 +406,10 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
                 # own line (tablefile.set_aside_agreed) says it, after the agreement
                 logger.warning("lamport-head: HEAD_GATHER table: %s", problem.line)
         on = settings.autotune_enabled()
+        if on:  # which environment's version of a key serves (first use measures the rest)
+            from .provenance import facts
+
+            table.facts = facts()
 
         def read(emulated):
             section = table.section(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)

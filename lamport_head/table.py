@@ -78,6 +78,10 @@ MULTIMEM_STOCK = "multimem-all-gather"  # SGLang's MultimemAllGatherer (NVLS one
 STOCKS = (NCCL_STOCK, MULTIMEM_STOCK)
 LEGACY_STOCK = NCCL_STOCK  # the stock of a section written without ``stock``
 MAX_CTAS = 1024  # the most CTAs a table entry may ask for
+# Sections of one key kept side by side, one per environment that measured it (the
+# provenance's STALE_KEYS: driver, torch, DSL, lamport-head, kernel): two environments
+# sharing one user table each keep theirs instead of re-measuring over the other's.
+MAX_VERSIONS = 4
 # Bounds of what a GPU can serve: TP 1 has no gather to replace, and one NVLink domain
 # (an NVL72) joins at most 72 GPUs; no model's vocabulary comes near 2^24 (Kimi K2's is
 # 163840), so a larger V is a typo that would never match a model.
@@ -257,6 +261,27 @@ class Section:
         return "vocab" in self.raw
 
 
+def version(provenance):
+    """What environment a section was measured in (``provenance.STALE_KEYS``' values);
+    ``()`` for a section with none of them (hand-written: one version only)."""
+    from .provenance import STALE_KEYS
+
+    if not isinstance(provenance, dict) or not any(k in provenance for k in STALE_KEYS):
+        return ()
+    return tuple(str(provenance.get(k)) for k in STALE_KEYS)
+
+
+def _newest(sections, facts):
+    """The one of several versions of a key to serve: the one measured in ``facts``'s
+    environment (``provenance.runtime_facts``), else the newest by its date."""
+    if facts is not None:
+        mine = version(facts)
+        for s in sections:
+            if version(s.provenance) == mine:
+                return s
+    return max(reversed(sections), key=lambda s: str(s.provenance.get("date", "")))
+
+
 def section_key(section):
     """What a section is for; a higher layer's section replaces a lower one's only for
     the same key: GPU model, TP, DCP, emulated, vocabulary and stock."""
@@ -278,6 +303,7 @@ class Table:
     ``layers`` every file read, lowest first. No two sections share a
     ``section_key``."""
 
+    facts = None  # this environment's runtime facts: which version of a key serves (_newest)
     problems = ()  # Problem per section (or layer) a lenient read skipped
     kept = ()  # (device, section as written) of a newer schema: skipped, kept by the writer
     broken = None  # why the user table cannot be read whole (load_layers), or None
@@ -298,6 +324,10 @@ class Table:
                  and s.dcp == dcp and s.emulated == emulated
                  and (vocab is None or s.vocab == vocab)
                  and (stock is None or s.stock == stock)]
+        versions = {}
+        for s in found:  # several versions of one key: the one this environment measured
+            versions.setdefault((s.vocab, s.stock), []).append(s)
+        found = [v[0] if len(v) == 1 else _newest(v, self.facts) for v in versions.values()]
         if len(found) > 1:
             raise TableError(
                 f"{self.path}: {len(found)} sections for {device_name}, tp={tp}, dcp={dcp}"
@@ -307,15 +337,15 @@ class Table:
 
     def vocabs(self, device_name, tp, dcp, *, emulated=False):
         """The vocabularies the table holds sections for at this key, sorted."""
-        return sorted(s.vocab for s in self.sections
-                      if normalize(s.device) == normalize(device_name) and s.tp == tp
-                      and s.dcp == dcp and s.emulated == emulated)
+        return sorted({s.vocab for s in self.sections
+                       if normalize(s.device) == normalize(device_name) and s.tp == tp
+                       and s.dcp == dcp and s.emulated == emulated})
 
     def stocks(self, device_name, tp, dcp, vocab, *, emulated=False):
         """The stocks the table holds sections for at this key and vocabulary, sorted."""
-        return sorted(s.stock for s in self.sections
-                      if normalize(s.device) == normalize(device_name) and s.tp == tp
-                      and s.dcp == dcp and s.emulated == emulated and s.vocab == vocab)
+        return sorted({s.stock for s in self.sections
+                       if normalize(s.device) == normalize(device_name) and s.tp == tp
+                       and s.dcp == dcp and s.emulated == emulated and s.vocab == vocab})
 
     def entries(self, device_name, tp, dcp=1, *, emulated=False, vocab=None, stock=None):
         """The section's entries ``{rows: TableRow}``, enabled or not, gaps between
@@ -441,7 +471,7 @@ def _parse(text, path, strict):
                 skip(exc)
                 continue
             s.source = path
-            key = (s.tp, s.dcp, s.emulated, s.vocab, s.stock)
+            key = (s.tp, s.dcp, s.emulated, s.vocab, s.stock, version(s.provenance))
             if key in seen:
                 first, written = seen[key]
                 how = ", ".join(
@@ -588,9 +618,11 @@ def load_layers() -> Table:
             continue
         problems += [p._replace(line=f"{p.line}; {fix_for(path, p.kind)}")
                      for p in layer.problems]
+        mine = {}
         for s in layer.sections:
-            sections[section_key(s)] = s
-    table = Table(paths[-1], list(sections.values()), paths)
+            mine.setdefault(section_key(s), []).append(s)
+        sections.update(mine)  # a higher layer's key replaces every version of it below
+    table = Table(paths[-1], [s for versions in sections.values() for s in versions], paths)
     table.problems, table.broken = problems, broken
     return table
 

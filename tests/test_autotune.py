@@ -199,8 +199,10 @@ def test_stale_provenance_is_measured_again_and_served_as_is_when_off(tmp_path):
     for r in again:
         assert r["served"] == SERVED and r["rows"] == MEASURED
         assert any("(tp=2, dcp=1, stale: driver, lamport_head)" in line for line in r["log"])
-    prov = _user_table(tmp_path)[1]["devices"]["NVIDIA H200"][0]["provenance"]
-    assert prov["driver"] == "590.2" and prov["lamport_head"] == "0.2.0"
+    # issue 40 item 4: the other environment's section is kept beside this one's
+    provs = [s["provenance"] for s in _user_table(tmp_path)[1]["devices"]["NVIDIA H200"]]
+    assert [(p["driver"], p["lamport_head"]) for p in provs] == [("580.1", "0.1.0"),
+                                                                 ("590.2", "0.2.0")]
     assert all(r["timed"] == 0 for r in _start(tmp_path, facts=newer))
 
 
@@ -534,3 +536,18 @@ def test_a_newer_schema_section_is_kept_and_this_version_measures_beside_it(tmp_
     assert sections[1]["rows"][1]["warp_split"] == 2
     for r in _start(tmp_path):
         assert r["served"] == SERVED and r["timed"] == 0
+
+
+def test_two_environments_sharing_one_user_table_each_measure_once(tmp_path):
+    """Item 4: two environments (another torch and lamport-head) on one host share the
+    default user table. Each measures once and keeps its own version of the section
+    beside the other's; later starts of either measure nothing (each used to see the
+    other's section as stale and re-measure on every start)."""
+    other = dict(FACTS, torch="2.14.0", lamport_head="0.4.0")
+    for facts in (FACTS, other):
+        assert all(r["rows"] == MEASURED for r in _start(tmp_path, facts=facts))
+    for facts in (FACTS, other, FACTS, other):
+        for r in _start(tmp_path, facts=facts):
+            assert r["served"] == SERVED and r["timed"] == 0, r["log"]
+    sections = _user_table(tmp_path)[1]["devices"]["NVIDIA H200"]
+    assert sorted(s["provenance"]["torch"] for s in sections) == ["2.13.0", "2.14.0"]

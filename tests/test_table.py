@@ -616,3 +616,24 @@ def test_show_says_what_to_do_for_each_problem(tmp_path, capsys):
     assert main(["show", "--table", str(cut)]) == 2
     err = capsys.readouterr().err
     assert "torn" in err and "fix the file" in err
+
+
+def test_versions_of_one_key_are_one_per_environment():
+    """Item 4: two sections of one key measured in different environments are versions,
+    not duplicates: the one measured in this environment serves, else the newest; two
+    of one environment are still ambiguous."""
+    from lamport_head.table import MAX_VERSIONS, read
+
+    def sec(torch, date):
+        return (f"    - {{tp: 2, vocab: 128, provenance: {{torch: '{torch}', date: '{date}'}}, "
+                "rows: {1: {ctas: 8, enabled: true}}}\n")
+
+    text = "schema: 1\ndevices:\n  G:\n" + sec("2.14", "2026-12-02") + sec("2.13", "2026-12-01")
+    table = read(text, "t.yaml")
+    assert not table.problems and len(table.sections) == 2
+    assert table.section("G", 2, 1).provenance["torch"] == "2.14"  # the newest
+    table.facts = {"torch": "2.13"}
+    assert table.section("G", 2, 1).provenance["torch"] == "2.13"  # this environment's
+    with pytest.raises(TableError, match="duplicate section"):
+        parse("schema: 1\ndevices:\n  G:\n" + sec("2.13", "a") + sec("2.13", "b"), "t.yaml")
+    assert MAX_VERSIONS >= 2

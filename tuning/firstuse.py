@@ -1,8 +1,9 @@
 """First-use tuning's measuring (``measure``): when no table layer holds a real-rank
 section for this GPU model, TP, DCP and vocabulary V = TP x shard width (a section
 measured at another V is none: the bytes a row moves scale with V), or the user
-table's section was measured under other versions, the install core measures before
-it serves. The core decides when
+table holds no version of it measured in this environment (``table.version``: another
+environment's is kept beside it, not replaced), the install core measures before it
+serves. The core decides when
 (its agreed view, ``lamport_head.settings``); the engine adapters hand it ``measure``,
 imported only then, so serving from a table never imports the tuner.
 

@@ -22,8 +22,9 @@ from pathlib import Path
 import yaml
 
 from lamport_head import tablefile
-from lamport_head.table import (KIMI_K2_VOCAB, LEGACY_STOCK, LEGACY_VOCAB, NCCL_STOCK, SCHEMA,
-                                TableError, load_table, normalize, read)
+from lamport_head.table import (KIMI_K2_VOCAB, LEGACY_STOCK, LEGACY_VOCAB, MAX_VERSIONS,
+                                NCCL_STOCK, SCHEMA, TableError, load_table, normalize, read,
+                                version)
 
 logger = logging.getLogger("lamport_head")
 
@@ -84,11 +85,20 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock):
     name = next((d for d in devices if normalize(d) == normalize(device)), device)
     # a newer schema's sections are another version's: kept as written, never replaced
     newer = [s for s in devices.get(name, []) if s.get("schema", SCHEMA) > SCHEMA]
-    sections = [s for s in devices.get(name, []) if s.get("schema", SCHEMA) <= SCHEMA
-                and not (s.get("tp") == tp and s.get("dcp", 1) == dcp
-                        and s.get("emulated", False) == emulated
-                        and s.get("vocab", LEGACY_VOCAB) == vocab
-                        and s.get("stock", LEGACY_STOCK) == stock)]
+    def same_key(s):
+        return (s.get("tp") == tp and s.get("dcp", 1) == dcp
+                and s.get("emulated", False) == emulated
+                and s.get("vocab", LEGACY_VOCAB) == vocab
+                and s.get("stock", LEGACY_STOCK) == stock)
+
+    # Another environment's version of this key is kept beside the new one (it serves that
+    # environment), the oldest dropped past MAX_VERSIONS; this environment's is replaced.
+    current = [s for s in devices.get(name, []) if s.get("schema", SCHEMA) <= SCHEMA]
+    others = [s for s in current if same_key(s)
+              and version(s.get("provenance")) not in ((), version(provenance))]
+    others = sorted(others, key=lambda s: str((s.get("provenance") or {}).get("date", "")))
+    others = others[max(0, len(others) - (MAX_VERSIONS - 1)):]
+    sections = [s for s in current if not same_key(s) or any(s is o for o in others)]
     section = {"tp": tp, "dcp": dcp, "vocab": vocab, "stock": stock, "emulated": emulated,
                "provenance": provenance, "rows": rows}
     sections.append(section)
