@@ -97,6 +97,7 @@ def main(names):
         "clock": lambda: twice(fresh(), "rank 1's clock runs 1000 s a read ahead (rank 0's "
                                "broadcast decides when to stop)", fail="clock@1", timeout_s=20),
         "negview": negview_case,
+        "versions": versions_case,
     }
     for name in names or cases:
         cases[name]()
@@ -164,6 +165,15 @@ def named_case():
     twice(root, "LAMPORT_HEAD_TABLE names a torn file (the user table below it is whole)",
           env={"LAMPORT_HEAD_TABLE": str(named)})
     print(f"  {named.name} still there, {named.stat().st_size} bytes (never moved)")
+
+
+def versions_case():
+    root = fresh()
+    other = dict(t.FACTS, torch="2.14.0", lamport_head="0.4.0")
+    print("\n== two environments (torch 2.13.0 / lamport-head 0.1.0, torch 2.14.0 / 0.4.0) "
+          "sharing one user table, started in turn")
+    for n, (name, facts) in enumerate([("A", t.FACTS), ("B", other)] * 2):
+        show(f"start {n + 1} (environment {name})", t._start(root, facts=facts), root)
 
 
 def negview_case():
