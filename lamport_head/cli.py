@@ -307,9 +307,19 @@ def auto_tune(args, argv):
 
 
 def show(args):
-    from lamport_head.table import LEGACY_VOCAB, load_table, normalize
+    from lamport_head.table import LEGACY_VOCAB, TableError, fix_for, load_table, normalize
 
-    table = load_table(args.table)
+    try:  # lenient: a skipped section or layer is one line saying what to do about it
+        table = load_table(args.table, strict=False) if args.table else load_table()
+    except TableError as exc:  # the one file asked for cannot be read whole
+        return _fail(f"{exc}; {fix_for(args.table, 'file')}")
+    for problem in table.problems:
+        print("lamport-head: show: problem: " + (
+            f"{problem.line}; {fix_for(args.table, problem.kind)}" if args.table
+            else problem.line), file=sys.stderr)
+    # a file asked for by name is being checked: its problems fail the check (serving's
+    # layered view works around them: 0)
+    code = 2 if args.table and table.problems else 0
     device = args.device
     known = sorted({s.device for s in table.sections}, key=normalize)
     if device is None:
@@ -347,7 +357,7 @@ def show(args):
         print(f"no {'' if args.emulated else 'serving '}entries for {what}: the stock gather is used")
         print(f"GPU models in these tables: {', '.join(known) or 'none'}"
               + ("" if args.emulated else " (--emulated also shows emulated sections)"))
-        return 0
+        return code
     for s in sections:
         print(f"\n{s.device}  tp={s.tp} dcp={s.dcp}" + ("  (emulated: never served)" if s.emulated else ""))
         print(f"  from {s.source}")
@@ -378,7 +388,7 @@ def show(args):
         if not s.emulated:
             print(f"  rows above {max(s.rows)}: the stock gather (past the largest measured row)"
                   + (f"; rows below {min(s.rows)} too" if min(s.rows) > 1 else ""))
-    return 0
+    return code
 
 
 def _what_exists(sections):

@@ -16,7 +16,9 @@ Invariants a change must keep:
   2-D, not BF16, the wrong width. The decision depends on the shape only, so every
   rank takes the same path (and a captured graph holds the same path on every rank);
   a non-contiguous or unaligned tensor (the allocator's choice, which may differ by
-  rank) is copied, and a tensor on another device raises.
+  rank) is copied, a negative- or conjugate-bit view is resolved first (the kernel
+  reads the storage, which holds the bits before the lazy negation: it would gather
+  x where the engine holds -x), and a tensor on another device raises.
 - Bytes move unchanged but for the sentinel word (+0, -0), which arrives as (+0, +0).
 - Fail-stop, serving mode (``mode="serving"``, what install builds for engines): a
   wait past three quarters of the spin budget marks every rank's mailbox, and the
@@ -28,7 +30,8 @@ Invariants a change must keep:
   name them). The watcher is also the watchdog (``status.Watcher``): a context that
   did not stop when its trap was due, or a launch whose slow heartbeat stays up with
   no record, ends the process. Nothing here recovers; the engine restarts.
-- Fail-stop, recoverable mode (the default; tools, tuning, tests): a wait past the
+- Fail-stop, recoverable mode (tools, tuning, tests; asked for by name, never a
+  default: an engine that forgot ``check()`` would hand on NaN): a wait past the
   spin budget in call s writes the missing fragments as NaN and marks every rank's
   mailbox; every rank's call s + 1 then fails too and
   raises the host flag, so a loop that syncs once per step raises ``GatherTimeout``
@@ -63,7 +66,7 @@ from .config import GatherConfig
 from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, DEFAULT_UNROLL,
                                MARK_TOP, slow_after, trap_grace)
 from .settings import SPIN_BUDGET_S
-from .status import RECOVERABLE, SERVING, STOP_GRACE_S, GatherTimeout, Watcher
+from .status import SERVING, STOP_GRACE_S, GatherTimeout, Watcher
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -87,7 +90,11 @@ class HeadGather:
     gather; the limit is a fact of the GPU model and the kernel, so every rank cuts
     alike.
 
-    ``mode``, one explicit choice (``kernels.protocol`` has the protocol of each):
+    ``mode``, one explicit choice with no default (``kernels.protocol`` has the protocol
+    of each). Neither is safe for every caller: a default of ``"recoverable"`` hands a
+    direct user that never calls ``check()`` NaN for two calls after a peer fails, and
+    a default of ``"serving"`` stops the GPU context of a tool that meant to recover;
+    so the caller names the one its loop is written for:
     ``"recoverable"`` (tools, tuning, tests: a give-up hands out NaN for two calls,
     then every rank raises ``GatherTimeout`` until a collective ``reset()``) or
     ``"serving"`` (engines, which never call ``check()``: a give-up stops this
@@ -96,7 +103,7 @@ class HeadGather:
 
     def __init__(self, group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None,
                  threads=DEFAULT_THREADS, unroll=None, pdl=None,
-                 budget_s=SPIN_BUDGET_S, backend=None, mode=RECOVERABLE, clamp=False):
+                 budget_s=SPIN_BUDGET_S, backend=None, mode, clamp=False):
         built = build.build(group, device, tp, rank, shard, rows, ctas, mailbox=mailbox,
                             backend=backend, mode=mode, pdl=pdl, budget_s=budget_s, clamp=clamp,
                             threads=threads, unroll=unroll)
@@ -148,6 +155,10 @@ class HeadGather:
         if logits.get_device() != self._index:
             raise ValueError(f"lamport-head: logits on device {logits.device}, the gather "
                              f"serves cuda:{self._index}")
+        if logits.is_neg() or logits.is_conj():
+            # A lazy view's storage holds the bits before its negation, and the kernel
+            # reads storage: resolved here, the same on every rank (a fact of the call).
+            logits = logits.resolve_neg().resolve_conj()
         if not logits.is_contiguous() or logits.data_ptr() % 16:
             # Where a tensor sits is the allocator's choice and may differ by rank: copy,
             # never take stock alone (every rank must run the same collective).

@@ -160,6 +160,11 @@ def install(site, ranks, rows=None, *, measure):
                      "(different tables or environments, first-use tuning settings or the "
                      "engine's gather kind included)")
     keys = [v.key for v in votes]
+    if view.broken is not None:  # agreed: every rank's user table is broken; none serves it
+        from .table import user_path
+        from .tablefile import set_aside_agreed
+
+        set_aside_agreed(user_path(), view.broken, keys, rank, group)
     shared = None if None in keys else len(set(keys)) < tp  # several ranks on one GPU
     choice, entries = _choose(view, shared)
     measured = False
@@ -176,7 +181,9 @@ def install(site, ranks, rows=None, *, measure):
                          f"first-use tuning failed: {type(exc).__name__}: {exc}")
         logger.info("lamport-head: first-use tuning on %s (tp=%d, dcp=%d, %s): measured rows "
                     "%s in %.1f s, wrote %s%s; vocab=%d%s", name, tp, dcp, view.real,
-                    [r.rows for r in outcome.results], outcome.seconds, outcome.path,
+                    [r.rows for r in outcome.results], outcome.seconds,
+                    outcome.path if getattr(outcome, "unsaved", None) is None
+                    else f"nothing (could not save {outcome.path})",
                     " (emulated: true)" if outcome.emulated else "", vocab, _others(view))
         entries, measured = outcome.entries, True
         if outcome.emulated:
@@ -184,9 +191,9 @@ def install(site, ranks, rows=None, *, measure):
             # have changed on one rank while the ranks measured.
             choice = "emulated" if view.serve_emulated else "unserved"
     if choice == "unserved":
-        return _measured(measured, Stock.EMULATED, f"the ranks share one GPU, so the {name} section for "
-                     f"tp={tp}, dcp={dcp} is emulated: true, never served "
-                     f"({settings.SERVE_EMULATED_ENV}=1 serves it, to test this mode only)")
+        return _measured(measured, Stock.EMULATED, f"the ranks share one GPU, so the {name} "
+                         f"section for tp={tp}, dcp={dcp} is emulated: true, never served "
+                         f"({settings.SERVE_EMULATED_ENV}=1 serves it, to test this mode only)")
     if choice == "emulated":
         logger.warning("lamport-head: serving an emulated section (processes sharing one GPU: "
                        "not performance) because %s is set", settings.SERVE_EMULATED_ENV)
@@ -390,12 +397,14 @@ class _View:
     # tuning times, so every rank must name the same one
     vocabs: tuple = ()  # the vocabularies of real-rank sections for another V (for the log)
     stocks: tuple = ()  # the stocks of real-rank sections at this V against another stock (log)
+    broken: object = None  # why this host's user table cannot be read whole (set aside), or None
 
     @property
     def agreed(self):
-        """What every rank must see alike."""
+        """What every rank must see alike (setting the user table aside included)."""
         return (_digest(self.entries), _digest(self.emulated_entries), self.real, self.emulated,
-                self.autotune, self.serve_emulated, self.rows, self.budget_s, self.stock)
+                self.autotune, self.serve_emulated, self.rows, self.budget_s, self.stock,
+                self.broken is not None)
 
 
 def _local_view(tp, dcp, device, name, rows, vocab, stock):
@@ -408,8 +417,16 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
     from .table import TableError, load_table
 
     try:
-        table = load_table()
+        table = load_table()  # lenient: what it skipped is one line each, the rest serves
+        for problem in table.problems:
+            if not (table.broken and problem.line.startswith(table.broken)):  # set aside: its
+                # own line (tablefile.set_aside_agreed) says it, after the agreement
+                logger.warning("lamport-head: HEAD_GATHER table: %s", problem.line)
         on = settings.autotune_enabled()
+        if on:  # which environment's version of a key serves (first use measures the rest)
+            from .provenance import facts
+
+            table.facts = facts()
 
         def read(emulated):
             section = table.section(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
@@ -431,7 +448,7 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
         stocks = tuple(k for k in table.stocks(name, tp, dcp, vocab) if k != stock)
         return _View(entries, emulated_entries, real, emulated, on, settings.serve_emulated(),
                      tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key,
-                     settings.spin_budget_s(), stock, others, stocks), None
+                     settings.spin_budget_s(), stock, others, stocks, table.broken), None
     except TableError as exc:
         return None, str(exc)
     except Exception as exc:  # told to every rank by the agreement, never raised alone

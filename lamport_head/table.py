@@ -43,31 +43,50 @@ against); SGLang's ``_logits_gatherer`` is a multimem one-shot all-gather
 stock than the engine's is not served: a row that beats NCCL may lose to a one-shot
 multicast gather. The key is then (GPU model, TP, DCP, emulated, V, stock).
 
-Validation is strict: every defect raises ``TableError`` naming the file and the
-entry. YAML 1.1 reads a bare on/off/yes/no as a boolean, so such a plain scalar is
-rejected anywhere (write true/false, or quote it).
+Validation: every defect is a ``TableError`` naming the file and the entry. ``parse``
+(one file, asked for by name: tools, tests) raises it; serving's layered view
+(``load_layers``, through ``read``) skips what it spoils and no more: a bad section
+costs that section (one ``Problem`` line), a section of a newer schema is skipped (and
+kept by the writer), and a file that cannot be read whole costs that layer; the user
+table's is named in ``Table.broken`` for install to set aside (``tablefile``), never
+``$LAMPORT_HEAD_TABLE``. A table the tool writes is sealed (``tablefile.SEAL``): a cut
+anywhere reads as torn; one without the seal (hand-written) is read as it is. Bounds
+(``MIN_TP``/``MAX_TP``, ``MAX_VOCAB``, ``MAX_CTAS``, ``MAX_ROWS``, finite timings)
+reject what no GPU serves. YAML 1.1 reads a bare on/off/yes/no as a boolean, so such a
+plain scalar is rejected anywhere (write true/false, or quote it).
 """
 
+import math
 import re
 from dataclasses import dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 
 from .config import GatherConfig
-from .settings import cache_dir, table_override
+from .settings import TABLE_ENV, cache_dir, table_override
 
 SCHEMA = 1
 MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are far smaller)
 KIMI_K2_VOCAB = 163840  # the vocab the tools default to, and the mailbox-size example
-SECTION_KEYS = {"tp", "dcp", "vocab", "stock", "emulated", "provenance", "rows"}
+SECTION_KEYS = {"schema", "tp", "dcp", "vocab", "stock", "emulated", "provenance", "rows"}
 LEGACY_VOCAB = KIMI_K2_VOCAB  # the V of a section written without ``vocab`` (older tables)
 NCCL_STOCK = "nccl-all-gather"  # vLLM's _gather_logits, SGLang without NVLS, the tuner's stand-in
 MULTIMEM_STOCK = "multimem-all-gather"  # SGLang's MultimemAllGatherer (NVLS one-shot)
 STOCKS = (NCCL_STOCK, MULTIMEM_STOCK)
 LEGACY_STOCK = NCCL_STOCK  # the stock of a section written without ``stock``
 MAX_CTAS = 1024  # the most CTAs a table entry may ask for
+# Sections of one key kept side by side, one per environment that measured it (the
+# provenance's STALE_KEYS: driver, torch, DSL, lamport-head, kernel): two environments
+# sharing one user table each keep theirs instead of re-measuring over the other's.
+MAX_VERSIONS = 4
+# Bounds of what a GPU can serve: TP 1 has no gather to replace, and one NVLink domain
+# (an NVL72) joins at most 72 GPUs; no model's vocabulary comes near 2^24 (Kimi K2's is
+# 163840), so a larger V is a typo that would never match a model.
+MIN_TP, MAX_TP = 2, 72
+MAX_VOCAB = 1 << 24
 # A row entry holds every GatherConfig field (all but ctas optional: the defaults)
 ROW_KNOBS = {f.name for f in fields(GatherConfig)}
 ROW_KEYS = ROW_KNOBS | {"enabled", "lamport_us", "stock_us"}
@@ -216,8 +235,10 @@ def _row(entry, where):
     for key in ("lamport_us", "stock_us"):
         if key in entry:
             v = entry[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
-                raise TableError(f"{where}: {key} must be a non-negative number, got {v!r}")
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or v < 0):
+                raise TableError(f"{where}: {key} must be a finite non-negative number, "
+                                 f"got {v!r}")
     return TableRow(config, entry["enabled"])
 
 
@@ -238,6 +259,27 @@ class Section:
     def vocab_written(self) -> bool:
         """False for a section written without ``vocab`` (taken as ``LEGACY_VOCAB``)."""
         return "vocab" in self.raw
+
+
+def version(provenance):
+    """What environment a section was measured in (``provenance.STALE_KEYS``' values);
+    ``()`` for a section with none of them (hand-written: one version only)."""
+    from .provenance import STALE_KEYS
+
+    if not isinstance(provenance, dict) or not any(k in provenance for k in STALE_KEYS):
+        return ()
+    return tuple(str(provenance.get(k)) for k in STALE_KEYS)
+
+
+def _newest(sections, facts):
+    """The one of several versions of a key to serve: the one measured in ``facts``'s
+    environment (``provenance.runtime_facts``), else the newest by its date."""
+    if facts is not None:
+        mine = version(facts)
+        for s in sections:
+            if version(s.provenance) == mine:
+                return s
+    return max(reversed(sections), key=lambda s: str(s.provenance.get("date", "")))
 
 
 def section_key(section):
@@ -261,6 +303,11 @@ class Table:
     ``layers`` every file read, lowest first. No two sections share a
     ``section_key``."""
 
+    facts = None  # this environment's runtime facts: which version of a key serves (_newest)
+    problems = ()  # Problem per section (or layer) a lenient read skipped
+    kept = ()  # (device, section as written) of a newer schema: skipped, kept by the writer
+    broken = None  # why the user table cannot be read whole (load_layers), or None
+
     def __init__(self, path, sections, layers=None):
         self.path, self.sections = path, sections
         self.layers = layers or [path]
@@ -277,6 +324,10 @@ class Table:
                  and s.dcp == dcp and s.emulated == emulated
                  and (vocab is None or s.vocab == vocab)
                  and (stock is None or s.stock == stock)]
+        versions = {}
+        for s in found:  # several versions of one key: the one this environment measured
+            versions.setdefault((s.vocab, s.stock), []).append(s)
+        found = [v[0] if len(v) == 1 else _newest(v, self.facts) for v in versions.values()]
         if len(found) > 1:
             raise TableError(
                 f"{self.path}: {len(found)} sections for {device_name}, tp={tp}, dcp={dcp}"
@@ -286,15 +337,15 @@ class Table:
 
     def vocabs(self, device_name, tp, dcp, *, emulated=False):
         """The vocabularies the table holds sections for at this key, sorted."""
-        return sorted(s.vocab for s in self.sections
-                      if normalize(s.device) == normalize(device_name) and s.tp == tp
-                      and s.dcp == dcp and s.emulated == emulated)
+        return sorted({s.vocab for s in self.sections
+                       if normalize(s.device) == normalize(device_name) and s.tp == tp
+                       and s.dcp == dcp and s.emulated == emulated})
 
     def stocks(self, device_name, tp, dcp, vocab, *, emulated=False):
         """The stocks the table holds sections for at this key and vocabulary, sorted."""
-        return sorted(s.stock for s in self.sections
-                      if normalize(s.device) == normalize(device_name) and s.tp == tp
-                      and s.dcp == dcp and s.emulated == emulated and s.vocab == vocab)
+        return sorted({s.stock for s in self.sections
+                       if normalize(s.device) == normalize(device_name) and s.tp == tp
+                       and s.dcp == dcp and s.emulated == emulated and s.vocab == vocab})
 
     def entries(self, device_name, tp, dcp=1, *, emulated=False, vocab=None, stock=None):
         """The section's entries ``{rows: TableRow}``, enabled or not, gaps between
@@ -332,8 +383,37 @@ def _syntax_error(path, text, exc):
     return f"{path}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {what}"
 
 
+class Problem(NamedTuple):
+    """What a lenient read (``read``) skipped: ``kind`` is "file" (the whole file: torn,
+    unreadable, not YAML, not a table), "section" (one section the loader cannot read)
+    or "newer" (a section, or a whole file, of a newer schema than ``SCHEMA``: its
+    sections are in the table's ``kept``, for the writer); ``line`` says what and where."""
+
+    kind: str
+    line: str
+
+
 def parse(text, path="<string>"):
-    """Validate YAML ``text``; ``path`` names it in errors."""
+    """Validate YAML ``text`` strictly: any defect raises ``TableError``; ``path``
+    names it in errors. A sealed table (``tablefile.SEAL``) must match its seal."""
+    return _parse(text, path, strict=True)
+
+
+def read(text, path="<string>"):
+    """A lenient ``parse``: a defect of one section (or one device's list) skips that
+    section, listed in the table's ``problems``, and the rest serves; a section of a
+    newer schema is skipped too ("newer"). What spoils the whole file (torn, not YAML,
+    not a table) still raises ``TableError``."""
+    return _parse(text, path, strict=False)
+
+
+def _parse(text, path, strict):
+    from .tablefile import TornTable, check_seal
+
+    try:
+        text = check_seal(text)
+    except TornTable as exc:
+        raise TableError(f"{path}: {exc}") from None
     try:
         data = yaml.load(text, Loader=_Loader)
     except TableError as exc:
@@ -344,40 +424,76 @@ def parse(text, path="<string>"):
         keys = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
         raise TableError(f"{path}: the top level must be a mapping of exactly 'schema' and "
                          f"'devices', got {keys}")
-    if not _int(data["schema"]) or data["schema"] != SCHEMA:  # True == 1 == 1.0 in Python
-        raise TableError(f"{path}: schema {data['schema']!r} is not supported (expected {SCHEMA})")
+    schema = data["schema"]
+    if not _int(schema) or schema < 1 or (strict and schema != SCHEMA):  # True == 1 == 1.0
+        raise TableError(f"{path}: schema {schema!r} is not supported (expected {SCHEMA})")
     devices = data["devices"]
     if not isinstance(devices, dict):
         raise TableError(f"{path}: 'devices' must map GPU model names to lists of sections")
-    sections, names = [], {}
+    sections, names, problems, kept = [], {}, [], []
+
+    def skip(exc, kind="section"):
+        if strict:
+            raise exc
+        problems.append(Problem(kind, str(exc)))
+
+    if schema > SCHEMA:  # a newer lamport-head's file: one line for it, its sections kept
+        problems.append(Problem("newer", f"{path}: schema {schema}, newer than this "
+                                f"lamport-head reads ({SCHEMA}): its sections are skipped"))
+
     for device, entries in devices.items():
-        if not isinstance(device, str) or not device.strip():
-            raise TableError(f"{path}: device name {device!r} must be a non-empty string")
-        if normalize(device) in names:
-            raise TableError(f"{path}: device {device!r} repeats {names[normalize(device)]!r} "
-                             "(names compare case-insensitively)")
-        names[normalize(device)] = device
-        if not isinstance(entries, list) or not entries:
-            raise TableError(f"{path}: devices.{device}: expected a non-empty list of sections")
+        try:
+            if not isinstance(device, str) or not device.strip():
+                raise TableError(f"{path}: device name {device!r} must be a non-empty string")
+            if normalize(device) in names:
+                raise TableError(f"{path}: device {device!r} repeats {names[normalize(device)]!r} "
+                                 "(names compare case-insensitively)")
+            names[normalize(device)] = device
+            if not isinstance(entries, list) or not entries:
+                raise TableError(f"{path}: devices.{device}: expected a non-empty list of "
+                                 "sections")
+        except TableError as exc:
+            skip(exc)
+            continue
         seen = {}
         for i, sec in enumerate(entries):
             where = f"{path}: devices.{device}[{i}]"
-            sections.append(_section(device, sec, where))
-            sections[-1].source = path
-            s = sections[-1]
-            key = (s.tp, s.dcp, s.emulated, s.vocab, s.stock)
+            newer = _schema_of(sec, schema)
+            if newer > SCHEMA:
+                if newer != schema:  # the file's own newer schema was said once, above
+                    skip(TableError(f"{where}: schema {newer}, newer than this lamport-head "
+                                    f"reads ({SCHEMA}): skipped"), "newer")
+                kept.append((device, dict(sec, schema=newer)))
+                continue
+            try:
+                s = _section(device, sec, where)
+            except TableError as exc:
+                skip(exc)
+                continue
+            s.source = path
+            key = (s.tp, s.dcp, s.emulated, s.vocab, s.stock, version(s.provenance))
             if key in seen:
                 first, written = seen[key]
                 how = ", ".join(
                     f"devices.{device}[{j}] vocab={s.vocab}"
                     + ("" if w else f" (not written: taken as {LEGACY_VOCAB})")
                     for j, w in ((first, written), (i, s.vocab_written)))
-                raise TableError(f"{where}: duplicate section for tp={s.tp}, dcp={s.dcp}"
-                                 + (" (emulated)" if s.emulated else "")
-                                 + f", vocab={s.vocab}, stock={s.stock}: ambiguous, two "
-                                 f"entries ({how}) say how to serve one key")
+                skip(TableError(f"{where}: duplicate section for tp={s.tp}, dcp={s.dcp}"
+                                + (" (emulated)" if s.emulated else "")
+                                + f", vocab={s.vocab}, stock={s.stock}: ambiguous, two "
+                                f"entries ({how}) say how to serve one key"))
+                continue
             seen[key] = (i, s.vocab_written)
-    return Table(path, sections)
+            sections.append(s)
+    table = Table(path, sections)
+    table.problems, table.kept = problems, kept
+    return table
+
+
+def _schema_of(sec, schema):
+    """A section's schema: its own ``schema`` when it is an int, else the file's."""
+    own = sec.get("schema") if isinstance(sec, dict) else None
+    return own if _int(own) else schema
 
 
 def _section(device, sec, where):
@@ -386,18 +502,24 @@ def _section(device, sec, where):
     unknown = set(sec) - SECTION_KEYS
     if unknown:
         raise TableError(f"{where}: unknown key(s) {sorted(map(str, unknown))}; allowed {sorted(SECTION_KEYS)}")
+    if "schema" in sec and (not _int(sec["schema"]) or sec["schema"] < 1):
+        raise TableError(f"{where}: schema must be a positive int, got {sec['schema']!r}")
     tp, dcp = sec.get("tp"), sec.get("dcp", 1)
-    if not _int(tp) or tp < 1:
-        raise TableError(f"{where}: tp must be a positive int, got {tp!r}")
+    if not _int(tp) or not MIN_TP <= tp <= MAX_TP:
+        raise TableError(f"{where}: tp must be an int in [{MIN_TP}, {MAX_TP}] (TP 1 has no "
+                         f"gather; one NVLink domain joins at most {MAX_TP} GPUs), got {tp!r}")
     if not _int(dcp) or dcp < 1:
         raise TableError(f"{where}: dcp must be a positive int, got {dcp!r}")
     if tp % dcp:
         raise TableError(f"{where}: tp={tp} is not a multiple of dcp={dcp}")
     where = f"{where} (tp={tp}, dcp={dcp})"
     vocab = sec.get("vocab", LEGACY_VOCAB)
-    if not _int(vocab) or vocab < 1:
-        raise TableError(f"{where}: vocab must be a positive int (the full vocabulary V the "
-                         f"rows were measured at), got {vocab!r}")
+    if not _int(vocab) or not 1 <= vocab <= MAX_VOCAB:
+        raise TableError(f"{where}: vocab must be an int in [1, {MAX_VOCAB}] (the full "
+                         f"vocabulary V the rows were measured at), got {vocab!r}")
+    if "vocab" in sec and vocab % tp:
+        raise TableError(f"{where}: vocab {vocab} is not a multiple of tp={tp} (V is TP x the "
+                         "lm_head shard width)")
     stock = sec.get("stock", LEGACY_STOCK)
     if stock not in STOCKS:
         raise TableError(f"{where}: stock must be one of {', '.join(STOCKS)} (the engine "
@@ -450,22 +572,64 @@ def layer_paths():
     return paths
 
 
+def fix_for(path, kind):
+    """What to do about a problem (``Problem.kind``) of the layer at ``path``: the
+    clause ``show`` and install's lines end with."""
+    if kind == "newer":
+        return ("written by a newer lamport-head: kept in the file for it, and this version "
+                "serves the rest (first-use tuning measures its own section beside it)")
+    if str(path) == str(user_path()) and str(path) != str(table_override()):
+        if kind == "file":
+            return ("the next engine start sets it aside (renamed beside itself) and first-use "
+                    "tuning measures again; `lamport-head tune` replaces it too")
+        return ("this section is skipped and the file's other sections serve; first-use "
+                "tuning measures it again (or `lamport-head tune`)")
+    if str(path) == str(table_override()):
+        what = "this layer is skipped" if kind == "file" else "this section is skipped"
+        return f"{what}; fix the file or unset {TABLE_ENV} (the layers below serve meanwhile)"
+    if str(path) == str(packaged_path()):
+        return "this is the packaged table: reinstall lamport-head"
+    what = "the file is refused" if kind == "file" else "this section is skipped"
+    return f"{what} where it is served; fix the file (or re-tune it with `lamport-head tune`)"
+
+
 def load_layers() -> Table:
     """The merged view of ``layer_paths()``: a higher layer's section for the same
-    (GPU model, TP, DCP, emulated, vocabulary) replaces the lower one's (one for
-    another vocabulary stays beside it); each section keeps the
-    file it came from in ``source``. Any malformed layer raises its TableError."""
+    (GPU model, TP, DCP, emulated, vocabulary, stock) replaces the lower one's (one for
+    another vocabulary stays beside it); each section keeps the file it came from in
+    ``source``.
+
+    Lenient, so that one bad byte never costs more than it spoils: a section the loader
+    cannot read is skipped and the file's other sections serve; a layer that cannot be
+    read whole (torn, unreadable, not a table) is skipped and the layers below serve.
+    Each skip is one line in ``problems`` (``Problem``, its line ending with
+    ``fix_for``). A broken user table is named in ``broken`` (why), for install to set
+    aside with every rank agreeing; ``$LAMPORT_HEAD_TABLE`` never is (a person named
+    that file: it is refused, never moved)."""
     paths = [str(p) for p in layer_paths()]
-    sections = {}
+    sections, problems, broken = {}, [], None
     for path in paths:
-        for s in load_table(path).sections:
-            sections[section_key(s)] = s
-    return Table(paths[-1], list(sections.values()), paths)
+        try:
+            layer = load_table(path, strict=False)
+        except TableError as exc:
+            problems.append(Problem("file", f"{exc}; {fix_for(path, 'file')}"))
+            if path == str(user_path()) and path != str(table_override()):
+                broken = str(exc)
+            continue
+        problems += [p._replace(line=f"{p.line}; {fix_for(path, p.kind)}")
+                     for p in layer.problems]
+        mine = {}
+        for s in layer.sections:
+            mine.setdefault(section_key(s), []).append(s)
+        sections.update(mine)  # a higher layer's key replaces every version of it below
+    table = Table(paths[-1], [s for versions in sections.values() for s in versions], paths)
+    table.problems, table.broken = problems, broken
+    return table
 
 
-def load_table(path=None) -> Table:
-    """The table at ``path`` (that one file); without a path, the layered view
-    (``load_layers``)."""
+def load_table(path=None, *, strict=True) -> Table:
+    """The table at ``path`` (that one file: ``parse``, or ``read`` when not
+    ``strict``); without a path, the layered view (``load_layers``, lenient)."""
     if path is None:
         return load_layers()
     try:
@@ -475,4 +639,4 @@ def load_table(path=None) -> Table:
     except UnicodeDecodeError as exc:
         raise TableError(f"{path}: not a UTF-8 text file (byte {exc.object[exc.start]:#04x} at "
                          f"offset {exc.start}); a table is YAML text") from None
-    return parse(text, str(path))
+    return (parse if strict else read)(text, str(path))

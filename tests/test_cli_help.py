@@ -129,7 +129,8 @@ def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path):
     code, out, err = _run("show", "--table", str(bad))
     assert (code, out) == (2, "")
     assert err == (f"lamport-head: {bad}:5:25: YAML syntax error: expected ',' or ']', but got "
-                   "'}' (while parsing a flow sequence at line 5)\n")
+                   "'}' (while parsing a flow sequence at line 5); the file is refused where "
+                   "it is served; fix the file (or re-tune it with `lamport-head tune`)\n")
 
 
 @pytest.mark.parametrize("command", ["tune", "show", "verify", "bench"])

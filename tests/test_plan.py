@@ -11,6 +11,7 @@ import torch
 from lamport_head import build
 from lamport_head.config import STAGE_ABOVE_ROUNDS, GatherConfig, default_config, default_ctas
 from lamport_head.head_gather import HeadGather
+from lamport_head.status import RECOVERABLE
 from lamport_head.plan import co_resident_limit, plan
 
 TP, SHARD = 4, 64
@@ -208,24 +209,30 @@ def test_the_emulated_targets_limit_is_what_head_gather_accepts(monkeypatch, tp,
     # virtual ranks share the GPU and PDL is on: halved once, not twice
     assert limit == co_resident_limit(per_device, tp, True) == (per_device * 3 // 4) // (2 * tp)
     box = shared_box(tp, tp)
-    gather = HeadGather(None, "cpu", tp, 0, SHARD, {1: GatherConfig(limit)}, mailbox=box)
+    gather = HeadGather(None, "cpu", tp, 0, SHARD, {1: GatherConfig(limit)},
+                        mailbox=box, mode=RECOVERABLE)
     assert gather.ctas == {1: limit} and gather.resident(256, 4) == limit
     with pytest.raises(ValueError, match="cannot all be co-resident"):
-        HeadGather(None, "cpu", tp, 0, SHARD, {1: GatherConfig(limit + 1)}, mailbox=box)
+        HeadGather(None, "cpu", tp, 0, SHARD, {1: GatherConfig(limit + 1)},
+                   mailbox=box, mode=RECOVERABLE)
 
 
 def test_rows_may_be_a_plan_and_then_ctas_must_be_none(monkeypatch):
     monkeypatch.setattr(build, "KERNELS", CpuKernels(1 << 16))
     configs = {1: GatherConfig(8, 128, 2), 4: GatherConfig(16)}
-    g = HeadGather(None, "cpu", TP, 1, SHARD, configs, mailbox=shared_box(TP, TP))
+    g = HeadGather(None, "cpu", TP, 1, SHARD, configs,
+                   mailbox=shared_box(TP, TP), mode=RECOVERABLE)
     assert g.rows == frozenset({1, 4}) and g.cap == 4 and g.configs == configs
     assert g.ctas == {1: 8, 4: 16}
-    same = HeadGather(None, "cpu", TP, 1, SHARD, [1, 4], {1: 8, 4: 16}, mailbox=shared_box(TP, TP))
+    same = HeadGather(None, "cpu", TP, 1, SHARD, [1, 4], {1: 8, 4: 16},
+                      mailbox=shared_box(TP, TP), mode=RECOVERABLE)
     assert same.configs == {1: GatherConfig(8), 4: GatherConfig(16)}
     with pytest.raises(ValueError, match="pass no ctas"):
-        HeadGather(None, "cpu", TP, 1, SHARD, configs, 8, mailbox=shared_box(TP, TP))
+        HeadGather(None, "cpu", TP, 1, SHARD, configs, 8,
+                   mailbox=shared_box(TP, TP), mode=RECOVERABLE)
 
 
 def test_without_the_seam_a_cpu_device_is_refused():
     with pytest.raises(ValueError, match="HeadGather needs a CUDA device, got cpu"):
-        HeadGather(None, "cpu", TP, 1, SHARD, [1], 8, mailbox=shared_box(TP, TP))
+        HeadGather(None, "cpu", TP, 1, SHARD, [1], 8,
+                   mailbox=shared_box(TP, TP), mode=RECOVERABLE)

@@ -231,6 +231,7 @@ def test_show_bad_table_is_one_line(tmp_path, capsys):
     assert cli.main(["show", "--table", str(p)]) == 2
     err = capsys.readouterr().err
     assert "schema 7" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "newer than this lamport-head reads" in err
 
 
 @pytest.mark.parametrize("command", ["tune", "bench", "verify"])

@@ -159,14 +159,19 @@ def test_measured_rows_one_entry_each_and_yaml_round_trip(tmp_path):
     assert not list(tmp_path.glob(".head_gather.yaml.*"))  # no temporary left behind
 
 
-def test_merge_refuses_an_invalid_table(tmp_path):
-    from lamport_head.table import TableError
-
+def test_merge_into_a_table_it_cannot_read_sets_it_aside(tmp_path, caplog):
+    """Issue 40: `lamport-head tune` repairs a table it cannot read whole (it used to
+    refuse to merge, for ever): the file is set aside beside itself, one warning names
+    both paths, and the new section is written into a fresh table."""
     path = tmp_path / "t.yaml"
     path.write_text("schema: 3\n")
-    with pytest.raises(TableError):
+    with caplog.at_level("WARNING", logger="lamport_head"):
         merge_section(path, "G", 2, 1, {1: {"ctas": 1, "enabled": True}}, {})
-    assert path.read_text() == "schema: 3\n"
+    (aside,) = tmp_path.glob("t.yaml.broken-*")
+    assert aside.read_text() == "schema: 3\n"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert str(path) in line and str(aside) in line
+    assert [s.tp for s in load_table(path).sections] == [2]
 
 
 class RankCost(CostModel):
@@ -484,7 +489,7 @@ def test_a_walk_without_storage_never_imports_optuna_and_matches_the_study(tmp_p
 def _writer_worker(rank, nprocs, path):
     """One TP group's rank 0 writing its own section, many times, all at once."""
     for i in range(15):
-        merge_section(path, "NVIDIA H200", 2 * (rank + 1), 1,
+        merge_section(path, "NVIDIA H200", 2 ** (rank + 1), 1,  # TPs the vocabulary divides
                       {1: {"ctas": 8 + i, "enabled": True}}, {"note": f"writer {rank}"})
     return rank
 
@@ -495,5 +500,5 @@ def test_writers_of_different_sections_at_once_lose_none(tmp_path):
     path = str(tmp_path / "cache" / "head_gather.yaml")
     assert spawn(_writer_worker, 4, tmp_path, path, group=False) == [0, 1, 2, 3]
     table = load_table(path)
-    assert sorted(s.tp for s in table.sections) == [2, 4, 6, 8]
+    assert sorted(s.tp for s in table.sections) == [2, 4, 8, 16]
     assert all(s.rows[1].ctas == 8 + 14 for s in table.sections)  # each writer's last

@@ -1,8 +1,9 @@
 """First-use tuning's measuring (``measure``): when no table layer holds a real-rank
 section for this GPU model, TP, DCP and vocabulary V = TP x shard width (a section
 measured at another V is none: the bytes a row moves scale with V), or the user
-table's section was measured under other versions, the install core measures before
-it serves. The core decides when
+table holds no version of it measured in this environment (``table.version``: another
+environment's is kept beside it, not replaced), the install core measures before it
+serves. The core decides when
 (its agreed view, ``lamport_head.settings``); the engine adapters hand it ``measure``,
 imported only then, so serving from a table never imports the tuner.
 
@@ -17,8 +18,14 @@ V on the same machine gets its own section, the first model's stays); the next s
 of either reads its section and measures nothing.
 
 Fail-stop: every step that can fail on one rank runs inside ``attempt`` and is
-agreed (``agree``) before the next collective; the harness raises on every rank
-together. Such a failure raises on every rank at the same step, marked
+agreed (``agree``, or an exchange whose errors travel to every rank, marked
+``together``) before the next collective; the harness raises on every rank together.
+When to stop measuring is rank 0's clock's decision, broadcast (``DistComm``): a rank
+stopping by its own clock would leave its peers alone in the next row's collectives.
+The write is the one step whose failure costs nothing but itself: its outcome travels
+to every rank (an all-gather), and a cache that cannot be written (read-only, full)
+leaves every rank serving what it measured, with one line saying why it was not
+saved. Such a failure raises on every rank at the same step, marked
 ``collective.raised_together``; install catches it and leaves every rank stock with one
 warning. A failure of one rank alone (the engine's own gather, timed as stock, failing
 on one rank: its peers are inside that collective) is not marked: install lets it stop
@@ -38,7 +45,7 @@ import time
 from dataclasses import dataclass
 
 from lamport_head import provenance
-from lamport_head.collective import agree, attempt, together
+from lamport_head.collective import agree, all_gather_objects, attempt, together
 from lamport_head.config import default_config
 from lamport_head.kernels.protocol import DEFAULT_THREADS
 from lamport_head.table import NCCL_STOCK, fill, normalize, user_path
@@ -106,7 +113,8 @@ class Outcome:
     results: list  # tuning.sweep.RowResult per measured row count
     emulated: bool
     seconds: float
-    path: str
+    path: str  # this rank's host's user table
+    unsaved: str | None = None  # why the table could not be written (served all the same)
 
 
 def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRST_USE_LIMITS, *,
@@ -191,11 +199,23 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
     # Every host gets the table: its first rank writes the agreed rows into its own
     # user table (ranks on several hosts, an NVL72 domain, would otherwise find the
     # section only on rank 0's host and stay stock for good at the next start).
-    hosts = exchange(lambda: device_key(torch.device(device))[0], group, what="name its host")
+    try:  # exchange raises on every rank alike (its errors travel in the one all-gather)
+        hosts = exchange(lambda: device_key(torch.device(device))[0], group, what="name its host")
+    except Exception as exc:
+        raise together(exc)
     writes = hosts.index(hosts[rank]) == rank
     path, error = attempt(write) if writes else (None, None)
-    agree(error, group, device, "to write the user table")
+    # A write that failed (a read-only or full cache) costs the table, not this start:
+    # the rows were measured and agreed, so every rank serves them; the outcome travels
+    # to every rank, so every rank logs the same line and takes the same path.
+    failed = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}",
+                                group)
+    unsaved = failed[hosts.index(hosts[rank])]
     path = str(user_path())  # the file this rank's host serves from (its writer's)
+    if unsaved is not None:
+        logger.warning("lamport-head: first-use tuning measured rows %s and serves them on this "
+                       "start, but could not save the user table %s (%s): the next start "
+                       "measures again", [r.rows for r in results], path, unsaved)
     measured = {r.rows: r.entry for r in results}
     entries = {m: e for m, e in fill(measured).items() if e.enabled and m in set(rows)}
-    return Outcome(entries, results, emulated, seconds, path)
+    return Outcome(entries, results, emulated, seconds, path, unsaved)

@@ -383,9 +383,10 @@ class DistributedTarget:
 
     def _gather(self, rows, config, pdl=None):
         from lamport_head.head_gather import HeadGather
+        from lamport_head.status import RECOVERABLE
 
         return HeadGather(self.group, self.device, self.tp, self.rank, self.shard,
-                          {rows: config}, pdl=pdl, budget_s=self.budget_s)
+                          {rows: config}, pdl=pdl, budget_s=self.budget_s, mode=RECOVERABLE)
 
     def _stock(self, rows, step):
         """The stock gather: the engine's own (given at construction), else the tuner's

@@ -1,34 +1,56 @@
-"""Merging tuned sections into the HEAD_GATHER YAML, atomically.
+"""Merging tuned sections into the HEAD_GATHER YAML, atomically and durably.
 
 Only the section being written (device, tp, dcp, emulated, vocab, stock) is replaced; every
 other device and section is kept as it was: a section for another vocabulary stays
 beside it (a section written before sections carried ``vocab`` counts as
 ``table.LEGACY_VOCAB``; one written without ``stock``, ``table.LEGACY_STOCK``). The new text is validated with the loader
-before it replaces the file (write to a temporary file beside it, then rename), so a
-reader never sees a half-written or invalid table. The read-modify-write holds an
+before it replaces the file, sealed and durably (``tablefile``: the seal lets a reader
+tell a cut file from a whole one; temporary file, fsync, rename, fsync of the
+directory; the mode follows the umask), so a reader never sees a half-written or
+invalid table, not even after a host crash. Merging into a file that cannot be read
+whole (torn, not a table) sets that file aside (renamed beside itself with a timestamp,
+one warning) and starts a fresh one; a section of it the loader cannot read is dropped
+(one warning: it could serve nothing), one of a newer schema is kept as it is. The read-modify-write holds an
 exclusive lock (``flock`` on ``.head_gather.lock`` beside the table), so writers of
 different sections at once (several TP groups' rank 0s on one host, DP > 1) lose none.
 """
 
-import fcntl
+import logging
 import math
-import os
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
-from lamport_head.table import (KIMI_K2_VOCAB, LEGACY_STOCK, LEGACY_VOCAB, NCCL_STOCK, SCHEMA,
-                                normalize, parse)
+from lamport_head import tablefile
+from lamport_head.table import (KIMI_K2_VOCAB, LEGACY_STOCK, LEGACY_VOCAB, MAX_VERSIONS,
+                                NCCL_STOCK, SCHEMA, TableError, load_table, normalize, read,
+                                version)
+
+logger = logging.getLogger("lamport_head")
 
 
 def _load(path):
+    """The data to merge into: the file's readable sections and its newer-schema ones
+    (as written), in file order; nothing when it is absent or set aside."""
     path = Path(path)
     if not path.exists():
         return {"schema": SCHEMA, "devices": {}}
-    parse(path.read_text(), str(path))  # refuse to merge into an invalid table
-    return yaml.safe_load(path.read_text())
+    try:
+        table = load_table(path, strict=False)
+    except TableError as exc:
+        aside = tablefile.set_aside(path)
+        logger.warning(tablefile.aside_line(path, aside, exc))
+        return {"schema": SCHEMA, "devices": {}}
+    devices = {}
+    for s in table.sections:
+        devices.setdefault(s.device, []).append(dict(s.raw))
+    for device, raw in table.kept:
+        devices.setdefault(device, []).append(raw)
+    dropped = [p for p in table.problems if p.kind != "newer"]
+    if dropped:  # each was its own line when read; one line for the lot here
+        logger.warning("lamport-head: %d section(s) of %s the loader cannot read dropped while "
+                       "writing it (first: %s)", len(dropped), path, dropped[0].line)
+    return {"schema": SCHEMA, "devices": devices}
 
 
 def measured_rows(results):
@@ -45,18 +67,6 @@ def measured_rows(results):
     return table
 
 
-@contextmanager
-def _locked(path):
-    """An exclusive lock for the read-modify-write of ``path`` (blocks until free)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.stem}.lock"), "a") as lock:  # kept: locks need a file
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False,
                   vocab=KIMI_K2_VOCAB, stock=NCCL_STOCK):
     """Write ``rows`` ({key: entry}) as the (device, tp, dcp, emulated, vocab, stock)
@@ -64,7 +74,7 @@ def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False,
     ``--vocab``, first use's TP x shard width); ``stock``: the gather they were
     measured against (``table.STOCKS``)."""
     path = Path(path)
-    with _locked(path):
+    with tablefile.locked(path):
         return _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock)
 
 
@@ -73,28 +83,34 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock):
     devices = data.setdefault("devices", {}) or {}
     data["devices"] = devices
     name = next((d for d in devices if normalize(d) == normalize(device)), device)
-    sections = [s for s in devices.get(name, [])
-                if not (s.get("tp") == tp and s.get("dcp", 1) == dcp
-                        and s.get("emulated", False) == emulated
-                        and s.get("vocab", LEGACY_VOCAB) == vocab
-                        and s.get("stock", LEGACY_STOCK) == stock)]
+    # a newer schema's sections are another version's: kept as written, never replaced
+    newer = [s for s in devices.get(name, []) if s.get("schema", SCHEMA) > SCHEMA]
+    def same_key(s):
+        return (s.get("tp") == tp and s.get("dcp", 1) == dcp
+                and s.get("emulated", False) == emulated
+                and s.get("vocab", LEGACY_VOCAB) == vocab
+                and s.get("stock", LEGACY_STOCK) == stock)
+
+    # Another environment's version of this key is kept beside the new one (it serves that
+    # environment), the oldest dropped past MAX_VERSIONS; this environment's is replaced.
+    current = [s for s in devices.get(name, []) if s.get("schema", SCHEMA) <= SCHEMA]
+    others = [s for s in current if same_key(s)
+              and version(s.get("provenance")) not in ((), version(provenance))]
+    others = sorted(others, key=lambda s: str((s.get("provenance") or {}).get("date", "")))
+    others = others[max(0, len(others) - (MAX_VERSIONS - 1)):]
+    sections = [s for s in current if not same_key(s) or any(s is o for o in others)]
     section = {"tp": tp, "dcp": dcp, "vocab": vocab, "stock": stock, "emulated": emulated,
                "provenance": provenance, "rows": rows}
     sections.append(section)
     sections.sort(key=lambda s: (s.get("emulated", False), s["tp"], s.get("dcp", 1),
                                  s.get("vocab", LEGACY_VOCAB), s.get("stock", LEGACY_STOCK)))
-    devices[name] = sections
+    devices[name] = sections + newer
     text = _render(data)
-    parse(text, str(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path
+    check = read(text, str(path))  # what is written must read back, but the kept newer ones
+    bad = [p.line for p in check.problems if p.kind != "newer"]
+    if bad:
+        raise TableError(bad[0])
+    return tablefile.write_durably(path, tablefile.seal(text))
 
 
 HEADER = """\

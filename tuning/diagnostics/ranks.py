@@ -511,9 +511,10 @@ def main(argv=None):
         dist.destroy_process_group()
         return 0 if ok else 1
     from lamport_head.head_gather import HeadGather
+    from lamport_head.status import RECOVERABLE
 
     gather = HeadGather(None, ranks.device, ranks.world, ranks.rank, shard, rows,
-                        budget_s=args.budget)
+                        budget_s=args.budget, mode=RECOVERABLE)
     if args.kill_rank is not None:
         os._exit(0 if kill(args, ranks, gather, calls) else 1)  # a peer is gone: no teardown
     if args.graph:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from lamport_head.head_gather import SPIN_BUDGET_S, HeadGather
+from lamport_head.status import RECOVERABLE
 from lamport_head.kernels.protocol import DEFAULT_THREADS
 from lamport_head.mailbox import LocalMailbox
 
@@ -31,7 +32,8 @@ class EmulatedGather:
         self.tp, self.shard = tp, shard
         self.box = LocalMailbox(self.device, tp, max(rows), tp * shard // 2)
         self.ranks = [HeadGather(None, self.device, tp, r, shard, rows, ctas, mailbox=self.box,
-                                 threads=threads, unroll=unroll, pdl=pdl, budget_s=budget_s)
+                                 threads=threads, unroll=unroll, pdl=pdl, budget_s=budget_s,
+                                 mode=RECOVERABLE)
                       for r in range(tp)]
         self.streams = [torch.cuda.Stream(self.device) for _ in range(tp)]
         self.ctas = self.ranks[0].ctas

@@ -1,0 +1,184 @@
+"""The user table's bytes on disk: sealed, written durably, set aside when broken.
+
+Invariants:
+
+- A table the tool writes starts with one seal line (``SEAL``: the SHA-256 and the
+  byte count of everything after that line). A file whose first line begins like
+  the seal and does not match what follows it reads as torn (``check_seal``): a cut
+  anywhere, a line boundary included, changes the count. A file without the seal (a
+  table a person wrote) is read as it is.
+- ``write_durably``: temporary file beside the target, its mode what the process's
+  umask gives a new file (a table tuned by one user stays readable to a service
+  running as another), fsync of the file, of the directory (the temporary name),
+  rename, fsync of the directory again (the rename). A host crash leaves the old
+  file or the new one, never a cut one.
+- ``set_aside``: a broken user table is renamed beside itself with a UTC timestamp,
+  never deleted (a person can read what was wrong); ``$LAMPORT_HEAD_TABLE`` is never
+  passed here (the caller's rule: only the tool's own cache heals).
+- ``set_aside_agreed`` is collective and only called when every rank's agreed view
+  says the user table is broken; the first rank of each host renames, every rank
+  logs the same one line, and what follows does not depend on the rename's outcome.
+"""
+
+import datetime
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+logger = logging.getLogger("lamport_head")
+
+SEAL = "# lamport-head table, sealed:"
+_SEAL = re.compile(re.escape(SEAL) + r" sha256 ([0-9a-f]{64}) of the (\d+) bytes after this line$")
+SET_ASIDE = ".broken-"  # the infix of a set-aside table's name, before its timestamp
+
+
+class TornTable(ValueError):
+    """A sealed table whose bytes do not match its seal (the message says how)."""
+
+
+def seal(text: str) -> str:
+    """``text`` with its seal line first."""
+    body = text.encode("utf-8")
+    return (f"{SEAL} sha256 {hashlib.sha256(body).hexdigest()} of the {len(body)} bytes "
+            f"after this line\n{text}")
+
+
+def check_seal(text: str) -> str:
+    """The text after the seal line, or ``text`` as it is when it has no seal; raises
+    ``TornTable`` when it begins like a sealed table and does not match its seal."""
+    first, newline, rest = text.partition("\n")
+    if not first.startswith(SEAL):
+        # an empty file, or one cut inside the seal line, is a sealed table cut short
+        if not newline and SEAL.startswith(first):
+            raise TornTable(f"torn: {len(text.encode('utf-8'))} bytes, cut inside the seal line")
+        return text
+    match = _SEAL.match(first)
+    if not match or not newline:
+        raise TornTable("torn: its seal line is cut")
+    want, size = match.group(1), int(match.group(2))
+    body = rest.encode("utf-8")
+    if len(body) != size:
+        raise TornTable(f"torn: the writer sealed {size} bytes after the seal line, "
+                        f"{len(body)} are there (cut short by a crash or a full disk?)")
+    if hashlib.sha256(body).hexdigest() != want:
+        raise TornTable("torn: its bytes do not match the seal (edited by hand or damaged; a "
+                        "table edited by hand drops the seal line)")
+    return rest
+
+
+@contextmanager
+def locked(path):
+    """An exclusive lock for a read-modify-write or a set-aside of the table ``path``
+    (``flock`` on ``.STEM.lock`` beside it; blocks until free): writers of different
+    sections at once (several TP groups' rank 0s on one host) lose none, and a set-aside
+    never moves a table another group has just written whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.stem}.lock"), "a") as lock:  # kept: locks need a file
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it; set back at once
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(directory):
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path, text: str):
+    """Replace ``path`` by ``text`` so that a crash at any point leaves the old file or
+    the new one whole (module docstring)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would lock other users out
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(path.parent)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+def set_aside(path) -> Path:
+    """Rename the broken table ``path`` beside itself with a UTC timestamp; the new
+    path. Durable like a write (the directory is synced)."""
+    path = Path(path)
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    aside = path.with_name(f"{path.name}{SET_ASIDE}{now}")
+    os.rename(path, aside)
+    _fsync_dir(path.parent)
+    return aside
+
+
+def aside_line(path, aside, why):
+    """The one WARNING line of a set-aside table."""
+    return (f"lamport-head: the user table {path} could not be read ({why}); set aside as "
+            f"{aside}, first-use tuning measures again")
+
+
+def _set_aside_if_broken(path):
+    """Under the writer's lock: set ``path`` aside unless it reads whole now (another
+    engine on this host healed it since this one read it)."""
+    from .table import TableError, load_table
+
+    with locked(path):
+        try:
+            load_table(path, strict=False)
+            return ("gone", None)
+        except TableError:
+            return ("aside", str(set_aside(path)))
+
+
+def set_aside_agreed(path, why, keys, rank, group):
+    """Collective: set the broken user table ``path`` aside on every host. Called only
+    when every rank's agreed view says it is broken (``why``: this rank's reading).
+    ``keys``: the ranks' device keys from the vote (``(host, gpu)``, or None): the first
+    rank of each host renames (a rank with no key renames its own host's copy too: a
+    second rename of one file finds nothing and says so). Every rank logs its host's
+    outcome in one line; never raises (what follows does not depend on the outcome)."""
+    from .collective import all_gather_objects
+
+    host = keys[rank][0] if keys[rank] is not None else None
+    first = next(r for r, k in enumerate(keys) if (k[0] if k is not None else None) == host)
+    outcome = None
+    if first == rank or host is None:
+        try:
+            outcome = _set_aside_if_broken(path)
+        except FileNotFoundError:
+            outcome = ("gone", None)  # another rank of this host set it aside first
+        except OSError as exc:
+            outcome = ("kept", f"{type(exc).__name__}: {exc.strerror or exc}")
+    outcomes = all_gather_objects(outcome, group)
+    kind, detail = outcomes[first] if outcomes[first] is not None else outcomes[rank]
+    if kind == "aside":
+        logger.warning(aside_line(path, detail, why))
+    elif kind == "kept":
+        logger.warning("lamport-head: the user table %s could not be read (%s) nor set aside "
+                       "(%s); first-use tuning measures again and its write replaces it",
+                       path, why, detail)
+    return outcomes
