@@ -104,6 +104,33 @@ def vllm_worker(config, runner):
     return worker
 
 
+
+class StandInGather:
+    """The kernel's stand-in for real-engine tests (no GPU): serves ``rows`` with the
+    all-gather done by its own collective over ``group``, counting its ``calls``; other
+    shapes take ``stock``; ``forced_build`` makes install build it."""
+
+    def __init__(self, group, tp, rows):
+        self.group, self.tp, self.rows, self.calls = group, tp, frozenset(rows), []
+
+    def __call__(self, logits, stock):
+        import torch.distributed as dist
+
+        if logits.dim() != 2 or logits.shape[0] not in self.rows:
+            return stock(logits)
+        self.calls.append(logits.shape[0])
+        parts = [torch.empty_like(logits) for _ in range(self.tp)]
+        dist.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+
+def forced_build(install):
+    """Install forced onto ``StandInGather`` on an "NVIDIA H200" (this rank's process)."""
+    install._device_name = lambda device: "NVIDIA H200"
+    install._build = (lambda group, device, tp, r, shard, entries, budget_s:
+                      StandInGather(group, tp, entries))
+
+
 def model(**overrides):
     """A vLLM-shaped model stand-in: ``logits_processor`` (its stock gather returns
     ``("stock", rows)``) and a TP-2 ``lm_head`` of 64 rows. ``lp__X=v`` / ``lm__X=v``

@@ -19,7 +19,7 @@ import re
 
 import pytest
 from engine_cpu import HOST_ISAS
-from helpers import (as_vllm_rank, same_bits, spawn_vllm_ranks, vllm_ranks,
+from helpers import (as_vllm_rank, forced_build, same_bits, spawn_vllm_ranks, vllm_ranks,
                      vllm_worker)
 from tables import TWO_RANKS as TABLE
 
@@ -92,22 +92,7 @@ def _scenarios(rank, tmp):
     out["wrapped_once"] = (Worker.load_model is not original
                            and Worker.load_model.__wrapped__ is original)
 
-    # install forced onto a stand-in kernel (no GPU): it gathers with its own collective
-    class StandIn:
-        def __init__(self, group, tp, rows):
-            self.group, self.tp, self.rows, self.calls = group, tp, frozenset(rows), []
-
-        def __call__(self, logits, stock):
-            if logits.dim() != 2 or logits.shape[0] not in self.rows:
-                return stock(logits)
-            self.calls.append(logits.shape[0])
-            parts = [torch.empty_like(logits) for _ in range(self.tp)]
-            dist.all_gather(parts, logits.contiguous(), group=self.group)
-            return torch.cat(parts, dim=1)
-
-    install._device_name = lambda device: "NVIDIA H200"
-    install._build = (lambda group, device, tp, r, shard, entries, budget_s:
-                      StandIn(group, tp, entries))
+    forced_build(install)  # a stand-in kernel (no GPU): it gathers with its own collective
 
     full = torch.Generator().manual_seed(7)
 

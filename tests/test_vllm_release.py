@@ -15,7 +15,8 @@ on both), 2 gloo ranks made by vLLM's own init, the real plugin loader and the r
 """
 
 import pytest
-from helpers import as_vllm_rank, same_bits, spawn_vllm_ranks, vllm_ranks, vllm_worker
+from helpers import (as_vllm_rank, forced_build, same_bits, spawn_vllm_ranks, vllm_ranks,
+                     vllm_worker)
 from tables import TWO_RANKS as TABLE
 
 VOCAB, HIDDEN = 1000, 64
@@ -57,21 +58,7 @@ def _rank(rank, world, tmp, table, case, version):
     ours.addHandler(Keep(logging.INFO))
     ours.setLevel(logging.INFO)
 
-    class StandIn:  # the kernel's stand-in: the all-gather, by its own collective
-        def __init__(self, group, tp, rows):
-            self.group, self.tp, self.rows, self.calls = group, tp, frozenset(rows), []
-
-        def __call__(self, logits, stock):
-            if logits.dim() != 2 or logits.shape[0] not in self.rows:
-                return stock(logits)
-            self.calls.append(logits.shape[0])
-            parts = [torch.empty_like(logits) for _ in range(self.tp)]
-            dist.all_gather(parts, logits.contiguous(), group=self.group)
-            return torch.cat(parts, dim=1)
-
-    install._device_name = lambda device: "NVIDIA H200"
-    install._build = (lambda group, device, tp, r, shard, entries, budget_s:
-                      StandIn(group, tp, entries))
+    forced_build(install)  # a stand-in kernel (no GPU): it gathers with its own collective
     gen = torch.Generator().manual_seed(3)
 
     class Lm(nn.Module):
