@@ -305,7 +305,7 @@ def _neg_view_worker(rank, nprocs, table):
 
     fake_cuda(setattr, rank, "ok", launch=launch)
     m = model(lm__tp_size=nprocs)
-    served = install_logits_gather(m, None, nprocs, rank, "cpu")
+    served = install_logits_gather(m, None, nprocs, rank, "cpu").rows
     x = torch.arange(1, 65, dtype=torch.bfloat16).reshape(1, 64)
     out = m.logits_processor._gather_logits(torch._neg_view(x))
     return {"served": list(served), "out": out.tolist(), "want": (-x).repeat(1, nprocs).tolist()}
