@@ -3,9 +3,8 @@
 Public names (the README's "Use" section; each module's docstring holds its design):
 ``HeadGather``, ``install_logits_gather`` (an ``Outcome``: rows served, or a ``Stock``
 reason and its message), ``table`` (``load_table``, ``Table``,
-``TableRow``, ``TableError``; ``RowPlan`` and ``Table.plan``, the public
-contract's names of ``TableRow`` and ``Table.entries``, kept). Heavy modules load lazily so that
-``import lamport_head`` is cheap and works without a GPU or vLLM.
+``TableRow``, ``TableError``; docs/design.md holds the contract). Heavy modules load
+lazily so that ``import lamport_head`` is cheap and works without a GPU or vLLM.
 
 ``__version__`` is the installed distribution's (pyproject.toml is the one source);
 "0+unknown" when the package runs from a tree that was never installed.

@@ -125,9 +125,6 @@ class TableRow:
         return self.config.unroll
 
 
-RowPlan = TableRow  # the public contract's name of TableRow (DESIGN.md): kept
-
-
 def fill(measured):
     """The table's entries ``{rows: TableRow}`` serving reads, from the measured rows
     (``{rows: TableRow}``; a range counts as measured for each of its rows). A row
@@ -357,7 +354,6 @@ class Table:
         s = self.section(device_name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
         return fill(s.rows) if s else {}
 
-    plan = entries  # the public contract's name of ``entries`` (DESIGN.md): kept
 
 
 def _syntax_error(path, text, exc):

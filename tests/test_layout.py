@@ -176,3 +176,15 @@ def test_every_package_of_the_tree_is_in_the_distribution():
             if "__pycache__" not in parts:
                 found.add(".".join((name, *parts)))
     assert found - listed == set(), f"packages missing from pyproject.toml: {found - listed}"
+
+
+def test_the_kernels_import_nothing_of_the_runtime():
+    """kernels/ is device code and its plain-Python constants: it names no module of the
+    runtime, the tuner or an engine (docs/design.md, the module map)."""
+    root = ROOT / "kernels"
+    for path in sorted(root.rglob("*.py")):
+        name = "lamport_head.kernels." + ".".join(path.relative_to(root).with_suffix("").parts)
+        name = name.removesuffix(".__init__")
+        ours = sorted(m for m in _imports(name, path) if m.startswith("lamport_head")
+                      and not m.startswith("lamport_head.kernels"))
+        assert ours == [], f"{path.name} imports {ours}"

@@ -189,19 +189,16 @@ def test_gaps_fill_from_the_row_above():
     assert sorted(entries) == list(range(2, 33))
 
 
-def test_the_public_contracts_names_answer_as_the_new_ones():
-    """Issue 30 item 4 renamed ``RowPlan`` to ``TableRow`` and ``Table.plan`` to
-    ``Table.entries`` inside the code (a plan is ``{rows: GatherConfig}`` only); the
-    public contract's names (DESIGN.md, the README) answer alike, each row with
-    ``.ctas`` and ``.enabled``."""
-    from lamport_head.table import RowPlan
+def test_a_tables_entries_are_table_rows():
+    """``Table.entries`` answers ``{rows: TableRow}``, each row with ``.ctas`` and
+    ``.enabled``; the 0.3 names (``RowPlan``, ``Table.plan``) are gone in 0.4."""
+    import lamport_head.table as table
 
     t = parse(FILL)
-    assert RowPlan is TableRow
-    assert t.plan("GPU X", 8, 1) == t.entries("GPU X", 8, 1) and t.plan("GPU X", 8, 1)
-    assert t.plan("GPU Y", 8, 1) == {}
-    assert all(isinstance(r.ctas, int) and isinstance(r.enabled, bool)
-               for r in t.plan("GPU X", 8, 1).values())
+    assert t.entries("GPU X", 8, 1) and t.entries("GPU Y", 8, 1) == {}
+    assert all(isinstance(r, TableRow) and isinstance(r.ctas, int) and isinstance(r.enabled, bool)
+               for r in t.entries("GPU X", 8, 1).values())
+    assert not hasattr(table, "RowPlan") and not hasattr(t, "plan")
 
 
 def test_fill_from_row_one_leaves_nothing_below():
