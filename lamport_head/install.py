@@ -99,6 +99,8 @@ class _Vote(NamedTuple):
     reason: object  # (Stock label, text): why this rank cannot serve (a local failure,
     # DISABLE), or None
     force: bool  # LAMPORT_HEAD_FORCE as this rank's environment reads it
+    settings: object = None  # _View.settings: what every rank must set alike
+    broken: bool = False  # this host's user table is broken (to set aside, then measure)
 
 
 def install(site, ranks, rows=None, *, measure):
@@ -155,16 +157,22 @@ def install(site, ranks, rows=None, *, measure):
             return stock(kind, vote.reason[1])
         first, (_, text) = next((r, v) for r, v in reasons if v[0] == kind.label)
         return stock(kind, f"rank {first}: {text}")
-    if len({v.agreed for v in votes}) > 1:
+    healing = any(v.broken for v in votes)  # some host's user table is broken
+    if len({v.settings if healing else v.agreed for v in votes}) > 1:
         return stock(Stock.PLANS_DIFFER, "the TP ranks resolved different HEAD_GATHER plans "
                      "(different tables or environments, first-use tuning settings or the "
                      "engine's gather kind included)")
     keys = [v.key for v in votes]
-    if view.broken is not None:  # agreed: every rank's user table is broken; none serves it
+    if healing:
+        # Every rank, whichever host's table is broken: the broken copies are set aside
+        # (a host whose copy reads whole keeps it), and every rank chooses as if no table
+        # held this section, so the hosts measure together and each writes a whole one.
         from .table import user_path
         from .tablefile import set_aside_agreed
 
         set_aside_agreed(user_path(), view.broken, keys, rank, group)
+        view = replace(view, entries={}, emulated_entries={}, real="missing",
+                       emulated="missing")
     shared = None if None in keys else len(set(keys)) < tp  # several ranks on one GPU
     choice, entries = _choose(view, shared)
     measured = False
@@ -360,7 +368,8 @@ def _local_vote(tp, dcp, device, rows, vocab, stock):
     if settings.disabled():
         # An environment variable may reach some ranks only: it travels with the vote.
         view, reason = None, (Stock.DISABLED.label, f"disabled by {settings.DISABLE_ENV}")
-    return name, view, _Vote(view and view.agreed, view and view.key, reason, force)
+    return name, view, _Vote(view and view.agreed, view and view.key, reason, force,
+                             view and view.settings, bool(view and view.broken is not None))
 
 
 def _agree_force(votes, why):
@@ -400,11 +409,15 @@ class _View:
     broken: object = None  # why this host's user table cannot be read whole (set aside), or None
 
     @property
+    def settings(self):
+        """What every rank must set alike, whatever its tables hold."""
+        return self.autotune, self.serve_emulated, self.rows, self.budget_s, self.stock
+
+    @property
     def agreed(self):
-        """What every rank must see alike (setting the user table aside included)."""
-        return (_digest(self.entries), _digest(self.emulated_entries), self.real, self.emulated,
-                self.autotune, self.serve_emulated, self.rows, self.budget_s, self.stock,
-                self.broken is not None)
+        """What every rank must see alike when every host's user table reads whole."""
+        return (_digest(self.entries), _digest(self.emulated_entries), self.real,
+                self.emulated) + self.settings
 
 
 def _local_view(tp, dcp, device, name, rows, vocab, stock):

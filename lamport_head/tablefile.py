@@ -155,8 +155,10 @@ def _set_aside_if_broken(path):
 
 
 def set_aside_agreed(path, why, keys, rank, group):
-    """Collective: set the broken user table ``path`` aside on every host. Called only
-    when every rank's agreed view says it is broken (``why``: this rank's reading).
+    """Collective: set the broken user table ``path`` aside on every host whose copy is
+    broken. Called by every rank when any rank's vote says its host's copy is broken
+    (``why``: this rank's reading, None where it read whole; a host whose copy reads
+    whole under the lock keeps it).
     ``keys``: the ranks' device keys from the vote (``(host, gpu)``, or None): the first
     rank of each host renames (a rank with no key renames its own host's copy too: a
     second rename of one file finds nothing and says so). Every rank logs its host's

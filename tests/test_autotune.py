@@ -408,10 +408,35 @@ def test_a_cut_user_table_is_set_aside_measured_again_and_the_next_start_serves(
         assert f"user table {path} could not be read" in line and str(asides[0]) in line
         assert "torn" in line or "top level" in line  # an empty or seal-cut file: torn too
         assert not any("stays stock" in x for x in r["log"])
-    assert _user_table(tmp_path)[1]["devices"] == data["devices"] or True  # re-measured
+    rewritten = _user_table(tmp_path)[1]["devices"]["NVIDIA H200"]
+    assert [s["rows"].keys() for s in rewritten] == [s["rows"].keys()
+                                                     for s in data["devices"]["NVIDIA H200"]]
     for r in _start(tmp_path):
         assert r["served"] == SERVED and r["timed"] == 0 and not _aside_lines(r)
         assert not any("WARNING" in x or "could not" in x for x in r["log"])
+
+
+def test_a_table_torn_on_one_host_only_is_healed_on_the_next_start(tmp_path):
+    """Item 1, hosts with a user table each (one NVLink domain): host 1's copy torn, host
+    0's whole. The ranks' views differ, yet it costs one start: host 1's copy is set
+    aside (host 0 keeps its own), every rank measures, each host writes a whole table,
+    and the start after serves everywhere measuring nothing. (Before: the differing
+    views took every rank to stock on every start, with no line saying why.)"""
+    env = {"PER_HOST_CACHE": "1", "LAMPORT_HEAD_MAILBOX": "symmetric"}
+    cache = tmp_path / "cache"
+    _start(tmp_path, env=env, cache=str(cache))
+    torn = cache / "host1" / "head_gather.yaml"
+    whole = torn.read_bytes()
+    torn.write_bytes(whole[:300])
+    healed = _start(tmp_path, env=env, cache=str(cache))
+    for r in healed:
+        assert r["served"] == SERVED and r["rows"] == MEASURED, r["log"]
+        assert not any("stays stock" in x for x in r["log"]), r["log"]
+    assert _aside_lines(healed[0]) == [] and len(_aside_lines(healed[1])) == 1
+    assert len(list((cache / "host1").glob("head_gather.yaml.broken-*"))) == 1
+    assert not list((cache / "host0").glob("head_gather.yaml.broken-*"))
+    for r in _start(tmp_path, env=env, cache=str(cache)):
+        assert r["served"] == SERVED and r["timed"] == 0, r["log"]
 
 
 def test_an_unreadable_user_table_is_set_aside_too(tmp_path):
