@@ -416,6 +416,8 @@ def _parse(text, path, strict):
         raise TableError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise TableError(_syntax_error(path, text, exc)) from None
+    except RecursionError:
+        raise TableError(f"{path}: nested too deeply to be a HEAD_GATHER table") from None
     if not isinstance(data, dict) or set(data) != {"schema", "devices"}:
         keys = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
         raise TableError(f"{path}: the top level must be a mapping of exactly 'schema' and "
@@ -455,7 +457,7 @@ def _parse(text, path, strict):
         for i, sec in enumerate(entries):
             where = f"{path}: devices.{device}[{i}]"
             newer = _schema_of(sec, schema)
-            if newer > SCHEMA:
+            if newer > SCHEMA and isinstance(sec, dict):  # else: a bad section, said below
                 if newer != schema:  # the file's own newer schema was said once, above
                     skip(TableError(f"{where}: schema {newer}, newer than this lamport-head "
                                     f"reads ({SCHEMA}): skipped"), "newer")

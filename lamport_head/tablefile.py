@@ -175,6 +175,8 @@ def set_aside_agreed(path, why, keys, rank, group):
             outcome = ("gone", None)  # another rank of this host set it aside first
         except OSError as exc:
             outcome = ("kept", f"{type(exc).__name__}: {exc.strerror or exc}")
+        except Exception as exc:  # this rank alone: its peers are about to gather outcomes
+            outcome = ("kept", f"{type(exc).__name__}: {exc}")
     outcomes = all_gather_objects(outcome, group)
     kind, detail = outcomes[first] if outcomes[first] is not None else outcomes[rank]
     if kind == "aside":

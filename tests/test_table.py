@@ -592,6 +592,21 @@ def test_a_newer_schema_section_is_skipped_and_the_rest_serves():
     assert [s.tp for s in table.sections] == [2]
 
 
+def test_odd_yaml_in_a_newer_file_costs_a_section_or_reads_as_broken():
+    """A newer file's section that is no mapping is a bad section (it raised TypeError or
+    ValueError out of the lenient loader, which no rank's vote tells apart from a broken
+    engine); YAML nested past Python's recursion limit is a TableError, not a crash."""
+    from lamport_head.table import read
+
+    for odd in ("5", "ab"):
+        text = _two_sections().replace("schema: 1", "schema: 2").replace(
+            "  NVIDIA H200:\n", f"  NVIDIA H200:\n    - {odd}\n", 1)
+        table = read(text, "t.yaml")
+        assert any("expected a mapping" in p.line for p in table.problems), table.problems
+    with pytest.raises(TableError, match="nested too deeply"):
+        read("schema: 1\ndevices: " + "[" * 20000 + "]" * 20000 + "\n", "t.yaml")
+
+
 def test_show_says_what_to_do_for_each_problem(tmp_path, capsys):
     """Item 1: ``show`` lists each skipped section or layer with what to do, and still
     shows what serves (it used to print the error and exit 2)."""
