@@ -206,14 +206,14 @@ def install(site, ranks, rows=None, *, measure):
         logger.warning("lamport-head: serving an emulated section (processes sharing one GPU: "
                        "not performance) because %s is set", settings.SERVE_EMULATED_ENV)
     if not entries:
-        return _measured(measured, Stock.NO_ROWS, f"no enabled HEAD_GATHER rows for {name}, tp={tp}, "
-                     f"dcp={dcp}, vocab={vocab}, stock={stock_kind}{_others(view)}")
+        return _measured(measured, Stock.NO_ROWS, f"no enabled HEAD_GATHER rows for {name}, "
+                         f"tp={tp}, dcp={dcp}, vocab={vocab}, stock={stock_kind}{_others(view)}")
     try:  # collective, fail-stop: every rank gets a gather or every rank raises
         gather = _build(group, device, tp, rank, shard, entries, view.budget_s)
     except Exception as exc:  # a capability fallback, taken by every rank together
         _alone(exc, "building the gather")
         return _measured(measured, Stock.BUILD_FAILED, f"building the gather failed: "
-                     f"{type(exc).__name__}: {exc}")
+                         f"{type(exc).__name__}: {exc}")
     served = _route(site, gather)
     logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d) for rows %s, "
                 "routed at %s; spin budget %g s (%s), agreed by every rank; a give-up stops "
@@ -432,8 +432,7 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
     try:
         table = load_table()  # lenient: what it skipped is one line each, the rest serves
         for problem in table.problems:
-            if not (table.broken and problem.line.startswith(table.broken)):  # set aside: its
-                # own line (tablefile.set_aside_agreed) says it, after the agreement
+            if not problem.aside:  # a table set aside has its own line, after the agreement
                 logger.warning("lamport-head: HEAD_GATHER table: %s", problem.line)
         on = settings.autotune_enabled()
         if on:  # which environment's version of a key serves (first use measures the rest)

@@ -387,6 +387,7 @@ class Problem(NamedTuple):
 
     kind: str
     line: str
+    aside: bool = False  # the broken user table, which install sets aside (its own line)
 
 
 def parse(text, path="<string>"):
@@ -570,19 +571,30 @@ def layer_paths():
     return paths
 
 
+def _same(path, other):
+    """Whether ``path`` and ``other`` (either None) name one file, however spelled."""
+    return other is not None and Path(path).resolve() == Path(other).resolve()
+
+
+def _movable(path):
+    """Whether ``path`` is the user table the tool writes (set aside when broken), not a
+    file a person named in ``$LAMPORT_HEAD_TABLE`` (never moved)."""
+    return _same(path, user_path()) and not _same(path, table_override())
+
+
 def fix_for(path, kind):
     """What to do about a problem (``Problem.kind``) of the layer at ``path``: the
     clause ``show`` and install's lines end with."""
     if kind == "newer":
         return ("written by a newer lamport-head: kept in the file for it, and this version "
                 "serves the rest (first-use tuning measures its own section beside it)")
-    if str(path) == str(user_path()) and str(path) != str(table_override()):
+    if _movable(path):
         if kind == "file":
             return ("the next engine start sets it aside (renamed beside itself) and first-use "
                     "tuning measures again; `lamport-head tune` replaces it too")
         return ("this section is skipped and the file's other sections serve; first-use "
                 "tuning measures it again (or `lamport-head tune`)")
-    if str(path) == str(table_override()):
+    if _same(path, table_override()):
         what = "this layer is skipped" if kind == "file" else "this section is skipped"
         return f"{what}; fix the file or unset {TABLE_ENV} (the layers below serve meanwhile)"
     if str(path) == str(packaged_path()):
@@ -610,8 +622,9 @@ def load_layers() -> Table:
         try:
             layer = load_table(path, strict=False)
         except TableError as exc:
-            problems.append(Problem("file", f"{exc}; {fix_for(path, 'file')}"))
-            if path == str(user_path()) and path != str(table_override()):
+            movable = _movable(path)
+            problems.append(Problem("file", f"{exc}; {fix_for(path, 'file')}", movable))
+            if movable:
                 broken = str(exc)
             continue
         problems += [p._replace(line=f"{p.line}; {fix_for(path, p.kind)}")

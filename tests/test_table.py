@@ -649,3 +649,24 @@ def test_versions_of_one_key_are_one_per_environment():
     with pytest.raises(TableError, match="duplicate section"):
         parse("schema: 1\ndevices:\n  G:\n" + sec("2.13", "a") + sec("2.13", "b"), "t.yaml")
     assert MAX_VERSIONS >= 2
+
+
+def test_a_file_a_person_named_is_never_the_one_set_aside_however_spelled(tmp_path, monkeypatch):
+    """The torn user table is marked for install to set aside (its problem ``aside``);
+    named in LAMPORT_HEAD_TABLE, through a link or a relative path too, it is refused
+    and never marked."""
+    from lamport_head.table import load_layers, user_path
+
+    user_path().parent.mkdir(parents=True, exist_ok=True)
+    user_path().write_text(_two_sections()[:20])
+    monkeypatch.delenv("LAMPORT_HEAD_TABLE", raising=False)
+    table = load_layers()
+    assert table.broken and [p.aside for p in table.problems] == [True]
+    link = tmp_path / "named.yaml"
+    link.symlink_to(user_path())
+    monkeypatch.chdir(user_path().parent)
+    for named in (str(link), "head_gather.yaml"):
+        monkeypatch.setenv("LAMPORT_HEAD_TABLE", named)
+        table = load_layers()
+        assert table.broken is None and not any(p.aside for p in table.problems), named
+        assert any("unset LAMPORT_HEAD_TABLE" in p.line for p in table.problems), named
