@@ -91,11 +91,13 @@ word at its end; that case is the host's to see (a launch not complete past the
 budget and the grace, with neither heartbeat nor flag), not the kernel's.
 """
 
-SENTINEL = 0x80000000  # the BF16 pair (+0, -0): "not yet published"
+SENTINEL = 0x80000000  # "not yet published": the BF16 pair (+0, -0), the FP32 -0.0
 SENTINEL_I32 = SENTINEL - (1 << 32)  # the same word as a signed int32 (torch's view)
 NAN_PAIR = 0x7FC07FC0  # what a fragment that never arrived is written as
 WORDS = 4  # 32-bit words per 16-byte fragment
-FRAGMENT_BF16 = 2 * WORDS  # BF16 values per fragment
+WORD_BYTES = 4  # bytes per mailbox word
+FRAGMENT_BYTES = WORD_BYTES * WORDS  # the unit of every access: 16 bytes
+FRAGMENT_BF16 = FRAGMENT_BYTES // 2  # BF16 values per fragment
 
 MAX_TP = 32
 CONTROL_MARK, CONTROL_MISSING = 0, 1

@@ -11,6 +11,7 @@ Format (YAML; see tables/head_gather.yaml)::
           dcp: 1
           vocab: 163840           # the full vocabulary V the rows were measured at
           stock: nccl-all-gather  # the engine's gather the rows were measured against
+          dtype: bfloat16         # the logits dtype the rows were measured at
           emulated: false         # emulated sections are never used for serving
           provenance: {gpu: ..., driver: ..., cuda: ..., torch: ..., cutlass_dsl: ...,
                        lamport_head: ..., kernel: ..., date: ..., commit: ..., command: ...}
@@ -43,6 +44,12 @@ against); SGLang's ``_logits_gatherer`` is a multimem one-shot all-gather
 stock than the engine's is not served: a row that beats NCCL may lose to a one-shot
 multicast gather. The key is then (GPU model, TP, DCP, emulated, V, stock).
 
+A section is measured for one logits dtype (``dtype``, one of ``dtypes.NAMES``:
+``bfloat16`` or ``float32``, an engine's FP32 lm_head): a row of V FP32 values moves
+twice the bytes of a BF16 one, so a section measured for one dtype is not served to a
+model of the other. A section written without ``dtype`` is BF16 (``LEGACY_DTYPE``).
+The key is (GPU model, TP, DCP, emulated, V, stock, dtype).
+
 Validation: every defect is a ``TableError`` naming the file and the entry. ``parse``
 (one file, asked for by name: tools, tests) raises it; serving's layered view
 (``load_layers``, through ``read``) skips what it spoils and no more: a bad section
@@ -66,12 +73,15 @@ from typing import NamedTuple
 import yaml
 
 from .config import GatherConfig
+from .dtypes import DEFAULT as LEGACY_DTYPE  # the dtype of a section written without ``dtype``
+from .dtypes import ITEMSIZE, NAMES as DTYPES
 from .settings import TABLE_ENV, cache_dir, table_override
 
 SCHEMA = 1
 MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are far smaller)
 KIMI_K2_VOCAB = 163840  # the vocab the tools default to, and the mailbox-size example
-SECTION_KEYS = {"schema", "tp", "dcp", "vocab", "stock", "emulated", "provenance", "rows"}
+SECTION_KEYS = {"schema", "tp", "dcp", "vocab", "stock", "dtype", "emulated", "provenance",
+                "rows"}
 LEGACY_VOCAB = KIMI_K2_VOCAB  # the V of a section written without ``vocab`` (older tables)
 NCCL_STOCK = "nccl-all-gather"  # vLLM's _gather_logits, SGLang without NVLS, the tuner's stand-in
 MULTIMEM_STOCK = "multimem-all-gather"  # SGLang's MultimemAllGatherer (NVLS one-shot)
@@ -204,11 +214,11 @@ def row_span(key, where="rows"):
     return lo, hi
 
 
-def mailbox_cost(rows, vocab=KIMI_K2_VOCAB):
-    """Why rows are capped: every rank holds a mailbox of 2 parities x rows x V BF16."""
-    size = 2 * rows * vocab * 2
+def mailbox_cost(rows, vocab=KIMI_K2_VOCAB, dtype=LEGACY_DTYPE):
+    """Why rows are capped: every rank holds a mailbox of 2 parities x rows x V values."""
+    size = 2 * rows * vocab * ITEMSIZE[dtype]
     return (f"a mailbox for {rows} rows costs {size / 1e9:.1f} GB per rank at V = {vocab} "
-            "(2 parities x rows x V x 2 bytes)")
+            f"{dtype} (2 parities x rows x V x {ITEMSIZE[dtype]} bytes)")
 
 
 def _row(entry, where):
@@ -251,6 +261,7 @@ class Section:
     source: str = ""  # the file it was read from
     vocab: int = LEGACY_VOCAB  # the full vocabulary V its rows were measured at
     stock: str = LEGACY_STOCK  # the engine gather its rows were measured against
+    dtype: str = LEGACY_DTYPE  # the logits dtype its rows were measured at (dtypes.NAMES)
 
     @property
     def vocab_written(self) -> bool:
@@ -281,16 +292,16 @@ def _newest(sections, facts):
 
 def section_key(section):
     """What a section is for; a higher layer's section replaces a lower one's only for
-    the same key: GPU model, TP, DCP, emulated, vocabulary and stock."""
+    the same key: GPU model, TP, DCP, emulated, vocabulary, stock and dtype."""
     return (normalize(section.device), section.tp, section.dcp, section.emulated, section.vocab,
-            section.stock)
+            section.stock, section.dtype)
 
 
 def _label(section):
     """``devices.NAME[tp=.., dcp=.., vocab=..]`` of FILE: one section, for messages."""
     vocab = section.vocab if section.vocab_written else f"{section.vocab} (not written)"
     return (f"{section.source or '<string>'}: {section.device} tp={section.tp} "
-            f"dcp={section.dcp} vocab={vocab} stock={section.stock}"
+            f"dcp={section.dcp} vocab={vocab} stock={section.stock} dtype={section.dtype}"
             + (" (emulated)" if section.emulated else ""))
 
 
@@ -309,27 +320,35 @@ class Table:
         self.path, self.sections = path, sections
         self.layers = layers or [path]
 
-    def section(self, device_name, tp, dcp, *, emulated=False, vocab=None, stock=None):
+    def section(self, device_name, tp, dcp, *, emulated=False, vocab=None, stock=None,
+                dtype=None):
         """The section for (``device_name``, ``tp``, ``dcp``, ``emulated``) measured at
         ``vocab`` (the full vocabulary V = TP x shard width) against ``stock`` (one of
-        ``STOCKS``), or None: a section measured at another V or against another stock
-        is not this one. ``vocab``/``stock`` None: the one section for the rest of the
-        key whatever its V/stock, None when there is none, ``TableError`` naming the
-        choices when there are several (ask for one)."""
+        ``STOCKS``) for logits of ``dtype`` (a name of ``dtypes.NAMES`` or a torch
+        dtype), or None: a section measured at another V, against another stock or for
+        another dtype is not this one. ``vocab``/``stock``/``dtype`` None: the one
+        section for the rest of the key whatever its V/stock/dtype, None when there is
+        none, ``TableError`` naming the choices when there are several (ask for one)."""
+        if dtype is not None:
+            from .dtypes import name
+
+            dtype = name(dtype)
         found = [s for s in self.sections
                  if normalize(s.device) == normalize(device_name) and s.tp == tp
                  and s.dcp == dcp and s.emulated == emulated
                  and (vocab is None or s.vocab == vocab)
-                 and (stock is None or s.stock == stock)]
+                 and (stock is None or s.stock == stock)
+                 and (dtype is None or s.dtype == dtype)]
         versions = {}
         for s in found:  # several versions of one key: the one this environment measured
-            versions.setdefault((s.vocab, s.stock), []).append(s)
+            versions.setdefault((s.vocab, s.stock, s.dtype), []).append(s)
         found = [v[0] if len(v) == 1 else _newest(v, self.facts) for v in versions.values()]
         if len(found) > 1:
             raise TableError(
                 f"{self.path}: {len(found)} sections for {device_name}, tp={tp}, dcp={dcp}"
-                + (" (emulated)" if emulated else "") + ", one per vocabulary and stock: "
-                + "; ".join(_label(s) for s in found) + "; ask for one with vocab=V, stock=S")
+                + (" (emulated)" if emulated else "") + ", one per vocabulary, stock and dtype: "
+                + "; ".join(_label(s) for s in found)
+                + "; ask for one with vocab=V, stock=S, dtype=D")
         return found[0] if found else None
 
     def vocabs(self, device_name, tp, dcp, *, emulated=False):
@@ -344,14 +363,24 @@ class Table:
                        if normalize(s.device) == normalize(device_name) and s.tp == tp
                        and s.dcp == dcp and s.emulated == emulated and s.vocab == vocab})
 
-    def entries(self, device_name, tp, dcp=1, *, emulated=False, vocab=None, stock=None):
+    def dtypes(self, device_name, tp, dcp, vocab, stock, *, emulated=False):
+        """The dtypes the table holds sections for at this key, vocabulary and stock,
+        sorted."""
+        return sorted({s.dtype for s in self.sections
+                       if normalize(s.device) == normalize(device_name) and s.tp == tp
+                       and s.dcp == dcp and s.emulated == emulated and s.vocab == vocab
+                       and s.stock == stock})
+
+    def entries(self, device_name, tp, dcp=1, *, emulated=False, vocab=None, stock=None,
+                dtype=None):
         """The section's entries ``{rows: TableRow}``, enabled or not, gaps between
         measured rows filled (``fill``); ``{}`` for an unknown device, (tp, dcp),
-        vocabulary or stock. Emulated sections are only returned when asked for with
-        ``emulated=True``. ``vocab``: the full vocabulary V served (TP x shard width);
-        ``stock``: the engine's gather the route replaces; None takes the one section
-        there is (``section``)."""
-        s = self.section(device_name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
+        vocabulary, stock or dtype. Emulated sections are only returned when asked for
+        with ``emulated=True``. ``vocab``: the full vocabulary V served (TP x shard
+        width); ``stock``: the engine's gather the route replaces; ``dtype``: the
+        logits' dtype; None takes the one section there is (``section``)."""
+        s = self.section(device_name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock,
+                         dtype=dtype)
         return fill(s.rows) if s else {}
 
 
@@ -470,7 +499,7 @@ def _parse(text, path, strict):
                 skip(exc)
                 continue
             s.source = path
-            key = (s.tp, s.dcp, s.emulated, s.vocab, s.stock, version(s.provenance))
+            key = (s.tp, s.dcp, s.emulated, s.vocab, s.stock, s.dtype, version(s.provenance))
             if key in seen:
                 first, written = seen[key]
                 how = ", ".join(
@@ -479,7 +508,8 @@ def _parse(text, path, strict):
                     for j, w in ((first, written), (i, s.vocab_written)))
                 skip(TableError(f"{where}: duplicate section for tp={s.tp}, dcp={s.dcp}"
                                 + (" (emulated)" if s.emulated else "")
-                                + f", vocab={s.vocab}, stock={s.stock}: ambiguous, two "
+                                + f", vocab={s.vocab}, stock={s.stock}, dtype={s.dtype}: "
+                                "ambiguous, two "
                                 f"entries ({how}) say how to serve one key"))
                 continue
             seen[key] = (i, s.vocab_written)
@@ -523,6 +553,10 @@ def _section(device, sec, where):
     if stock not in STOCKS:
         raise TableError(f"{where}: stock must be one of {', '.join(STOCKS)} (the engine "
                          f"gather the rows were measured against), got {stock!r}")
+    dtype = sec.get("dtype", LEGACY_DTYPE)
+    if dtype not in DTYPES:
+        raise TableError(f"{where}: dtype must be one of {', '.join(DTYPES)} (the logits dtype "
+                         f"the rows were measured at), got {dtype!r}")
     emulated = sec.get("emulated", False)
     if not isinstance(emulated, bool):
         raise TableError(f"{where}: emulated must be true or false, got {emulated!r}")
@@ -545,7 +579,7 @@ def _section(device, sec, where):
         row = _row(entry, f"{where} rows[{key!r}]")
         measured.update(dict.fromkeys(range(lo, hi + 1), row))
     return Section(device, tp, dcp, emulated, provenance, dict(sorted(measured.items())), sec,
-                   vocab=vocab, stock=stock)
+                   vocab=vocab, stock=stock, dtype=dtype)
 
 
 def packaged_path() -> Path:
@@ -605,8 +639,8 @@ def fix_for(path, kind):
 
 def load_layers() -> Table:
     """The merged view of ``layer_paths()``: a higher layer's section for the same
-    (GPU model, TP, DCP, emulated, vocabulary, stock) replaces the lower one's (one for
-    another vocabulary stays beside it); each section keeps the file it came from in
+    (GPU model, TP, DCP, emulated, vocabulary, stock, dtype) replaces the lower one's
+    (one for another vocabulary or dtype stays beside it); each section keeps the file it came from in
     ``source``.
 
     Lenient, so that one bad byte never costs more than it spoils: a section the loader

@@ -101,7 +101,7 @@ BAD = {
     "schema_float": ("schema: 1.0\ndevices: {}\n", "schema 1.0 is not supported"),
     "rows_over_limit": (section("1-4096: {ctas: 8, enabled: true}"),
                         "rows 1-4096 exceed the limit of 1024 rows: a mailbox for 4096 rows costs "
-                        "2.7 GB per rank at V = 163840 (2 parities x rows x V x 2 bytes)"),
+                        "2.7 GB per rank at V = 163840 bfloat16 (2 parities x rows x V x 2 bytes)"),
     "row_over_limit": (section("2048: {ctas: 8, enabled: true}"), "row 2048 exceeds the limit"),
     "vocab_zero": (section(extra="      vocab: 0\n"), "vocab must be an int in [1, 16777216]"),
     "vocab_str": (section(extra="      vocab: '128256'\n"), "vocab must be an int in [1, 16777216]"),
@@ -111,7 +111,7 @@ BAD = {
                           "    - {tp: 2, vocab: 151936, rows: {1: {ctas: 1, enabled: true}}}\n"
                           "    - {tp: 2, vocab: 128256, rows: {1: {ctas: 2, enabled: true}}}\n",
                           "dup_section_vocab.yaml: devices.G[2]: duplicate section for tp=2, dcp=1, "
-                          "vocab=128256, stock=nccl-all-gather: ambiguous, two entries "
+                          "vocab=128256, stock=nccl-all-gather, dtype=bfloat16: ambiguous, two entries "
                           "(devices.G[0] vocab=128256, "
                           "devices.G[2] vocab=128256)"),
     "dup_section_unwritten_vocab": (
@@ -347,9 +347,10 @@ def test_no_vocabulary_asked_takes_the_one_section_or_names_the_choices():
     with pytest.raises(TableError) as err:
         t.entries("NVIDIA H200", 8, 1)
     assert str(err.value) == (
-        "v.yaml: 2 sections for NVIDIA H200, tp=8, dcp=1, one per vocabulary and stock: "
-        "v.yaml: NVIDIA H200 tp=8 dcp=1 vocab=128256 stock=nccl-all-gather; v.yaml: NVIDIA "
-        "H200 tp=8 dcp=1 vocab=163840 stock=nccl-all-gather; ask for one with vocab=V, stock=S")
+        "v.yaml: 2 sections for NVIDIA H200, tp=8, dcp=1, one per vocabulary, stock and dtype: "
+        "v.yaml: NVIDIA H200 tp=8 dcp=1 vocab=128256 stock=nccl-all-gather dtype=bfloat16; "
+        "v.yaml: NVIDIA H200 tp=8 dcp=1 vocab=163840 stock=nccl-all-gather dtype=bfloat16; "
+        "ask for one with vocab=V, stock=S, dtype=D")
 
 
 def test_a_section_without_vocab_is_taken_as_the_tuners_default():
@@ -452,7 +453,7 @@ def test_sections_are_keyed_by_the_stock_they_were_measured_against():
     assert t.entries("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK)[1].ctas == 8
     only_nccl = parse(STOCKS.split("    - tp: 8\n      vocab: 163840\n      stock")[0], "n.yaml")
     assert only_nccl.entries("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK) == {}
-    with pytest.raises(TableError, match="one per vocabulary and stock"):
+    with pytest.raises(TableError, match="one per vocabulary, stock and dtype"):
         t.entries("NVIDIA H200", 8, 1, vocab=163840)
 
 
@@ -460,7 +461,7 @@ def test_a_stock_the_loader_does_not_know_and_a_repeated_stock_are_refused():
     with pytest.raises(TableError, match=r"stock must be one of nccl-all-gather, "
                                          r"multimem-all-gather .*got 'nccl'"):
         parse(STOCKS.replace("stock: multimem-all-gather", "stock: nccl"), "s.yaml")
-    with pytest.raises(TableError, match="duplicate section .*stock=nccl-all-gather: ambiguous"):
+    with pytest.raises(TableError, match="duplicate section .*stock=nccl-all-gather, dtype=bfloat16: ambiguous"):
         parse(STOCKS.replace("stock: multimem-all-gather", "stock: nccl-all-gather"), "s.yaml")
 
 

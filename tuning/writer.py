@@ -1,9 +1,10 @@
 """Merging tuned sections into the HEAD_GATHER YAML, atomically and durably.
 
-Only the section being written (device, tp, dcp, emulated, vocab, stock) is replaced; every
-other device and section is kept as it was: a section for another vocabulary stays
-beside it (a section written before sections carried ``vocab`` counts as
-``table.LEGACY_VOCAB``; one written without ``stock``, ``table.LEGACY_STOCK``). The new text is validated with the loader
+Only the section being written (device, tp, dcp, emulated, vocab, stock, dtype) is
+replaced; every other device and section is kept as it was: a section for another
+vocabulary or dtype stays beside it (a section written before sections carried ``vocab``
+counts as ``table.LEGACY_VOCAB``; one written without ``stock``, ``table.LEGACY_STOCK``;
+one without ``dtype``, ``table.LEGACY_DTYPE``). The new text is validated with the loader
 before it replaces the file, sealed and durably (``tablefile``: the seal lets a reader
 tell a cut file from a whole one; temporary file, fsync, rename, fsync of the
 directory; the mode follows the umask), so a reader never sees a half-written or
@@ -22,9 +23,10 @@ from pathlib import Path
 import yaml
 
 from lamport_head import tablefile
-from lamport_head.table import (KIMI_K2_VOCAB, LEGACY_STOCK, LEGACY_VOCAB, MAX_VERSIONS,
-                                NCCL_STOCK, SCHEMA, TableError, load_table, normalize, read,
-                                version)
+from lamport_head.dtypes import name as dtype_name
+from lamport_head.table import (KIMI_K2_VOCAB, LEGACY_DTYPE, LEGACY_STOCK, LEGACY_VOCAB,
+                                MAX_VERSIONS, NCCL_STOCK, SCHEMA, TableError, load_table,
+                                normalize, read, version)
 
 logger = logging.getLogger("lamport_head")
 
@@ -68,17 +70,19 @@ def measured_rows(results):
 
 
 def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False,
-                  vocab=KIMI_K2_VOCAB, stock=NCCL_STOCK):
-    """Write ``rows`` ({key: entry}) as the (device, tp, dcp, emulated, vocab, stock)
-    section; ``vocab``: the full vocabulary V the rows were measured at (the tuner's
-    ``--vocab``, first use's TP x shard width); ``stock``: the gather they were
-    measured against (``table.STOCKS``)."""
+                  vocab=KIMI_K2_VOCAB, stock=NCCL_STOCK, dtype=LEGACY_DTYPE):
+    """Write ``rows`` ({key: entry}) as the (device, tp, dcp, emulated, vocab, stock,
+    dtype) section; ``vocab``: the full vocabulary V the rows were measured at (the
+    tuner's ``--vocab``, first use's TP x shard width); ``stock``: the gather they were
+    measured against (``table.STOCKS``); ``dtype``: the logits dtype they were
+    measured at (a ``dtypes`` name or a torch dtype)."""
     path = Path(path)
     with tablefile.locked(path):
-        return _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock)
+        return _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock,
+                      dtype_name(dtype))
 
 
-def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock):
+def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock, dtype):
     data = _load(path)
     devices = data.setdefault("devices", {}) or {}
     data["devices"] = devices
@@ -89,7 +93,8 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock):
         return (s.get("tp") == tp and s.get("dcp", 1) == dcp
                 and s.get("emulated", False) == emulated
                 and s.get("vocab", LEGACY_VOCAB) == vocab
-                and s.get("stock", LEGACY_STOCK) == stock)
+                and s.get("stock", LEGACY_STOCK) == stock
+                and s.get("dtype", LEGACY_DTYPE) == dtype)
 
     # Another environment's version of this key is kept beside the new one (it serves that
     # environment), the oldest dropped past MAX_VERSIONS; this environment's is replaced.
@@ -99,11 +104,12 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock):
     others = sorted(others, key=lambda s: str((s.get("provenance") or {}).get("date", "")))
     others = others[max(0, len(others) - (MAX_VERSIONS - 1)):]
     sections = [s for s in current if not same_key(s) or any(s is o for o in others)]
-    section = {"tp": tp, "dcp": dcp, "vocab": vocab, "stock": stock, "emulated": emulated,
-               "provenance": provenance, "rows": rows}
+    section = {"tp": tp, "dcp": dcp, "vocab": vocab, "stock": stock, "dtype": dtype,
+               "emulated": emulated, "provenance": provenance, "rows": rows}
     sections.append(section)
     sections.sort(key=lambda s: (s.get("emulated", False), s["tp"], s.get("dcp", 1),
-                                 s.get("vocab", LEGACY_VOCAB), s.get("stock", LEGACY_STOCK)))
+                                 s.get("vocab", LEGACY_VOCAB), s.get("stock", LEGACY_STOCK),
+                                 s.get("dtype", LEGACY_DTYPE)))
     devices[name] = sections + newer
     text = _render(data)
     check = read(text, str(path))  # what is written must read back, but the kept newer ones
@@ -114,8 +120,8 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock):
 
 
 HEADER = """\
-# HEAD_GATHER: the Lamport logits gather's plan per GPU model, (TP, DCP), vocabulary V and
-# row count.
+# HEAD_GATHER: the Lamport logits gather's plan per GPU model, (TP, DCP), vocabulary V,
+# logits dtype and row count.
 # Written by `lamport-head tune` (merged in place: other sections are kept). Format and
 # rules: lamport_head/table.py. Emulated sections (one GPU standing in for TP ranks)
 # are kept for reference and never used for serving.
