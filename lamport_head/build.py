@@ -6,7 +6,8 @@ the launch flag of a mode, and the collective build of a rank's gather.
 here, so what the tuner times and the limit it searches under are what install
 builds:
 
-- ``Kernels(device, tp, shard, pdl)``: one rank's kernels. ``compiled(config)`` is the
+- ``Kernels(device, tp, shard, pdl, dtype)``: one rank's kernels for rows of ``shard``
+  values of ``dtype`` (``dtypes.words``: ``shard x itemsize / 4`` words a row). ``compiled(config)`` is the
   one kernel of ``config``'s compile-time knobs; no mode is part of it (serving's
   give-up is a launch argument, ``kernels.protocol``), so the tuner times the cubin
   serving launches. ``limit(config, sharing)`` is the most CTAs per rank of that
@@ -36,7 +37,7 @@ import torch
 from .collective import agree, attempt, step
 from .config import GatherConfig
 from .kernels.arch import has_pdl
-from .kernels.protocol import FRAGMENT_BF16
+from . import dtypes
 from .mailbox import MAILBOXES, choose_backend
 from .plan import co_resident_limit, plan
 from .status import MODES, SERVING, StatusRecord
@@ -60,12 +61,14 @@ class DeviceKernels:
         """Whether gathers for ``arch`` launch with PDL (``kernels.arch.has_pdl``)."""
         return has_pdl(arch)
 
-    def compiled(self, tp, shard, config, pdl, arch):
-        """The compiled gather (``.launch``, ``.cubin``, ``.threads``) for ``config``'s
-        compile-time knobs, compiled once per process; one for every mode."""
+    def compiled(self, tp, words, config, pdl, arch):
+        """The compiled gather (``.launch``, ``.cubin``, ``.threads``) of rows of ``words``
+        32-bit words a rank (``dtypes.words``: the kernel moves words, whatever the
+        dtype) for ``config``'s compile-time knobs, compiled once per process; one for
+        every mode."""
         from .kernels import compile_gather
 
-        return compile_gather(tp, shard // 2, pdl=pdl, arch=arch, **config.kernel_knobs())
+        return compile_gather(tp, words, pdl=pdl, arch=arch, **config.kernel_knobs())
 
     def launcher(self, compiled, device, serving):
         """How a gather launches ``compiled`` on ``device`` with the launch flag
@@ -109,20 +112,21 @@ def cuda_device(device):
 
 
 class Kernels:
-    """One rank's kernels for (device, tp, shard): the compile target, PDL (None: where
-    the architecture has it), and per configuration the compiled kernel, its
+    """One rank's kernels for (device, tp, shard, dtype): the compile target, PDL (None:
+    where the architecture has it), and per configuration the compiled kernel, its
     occupancy limit and its launcher. Local: no collective. ``KERNELS`` is read when
     it is built (the seam tests replace)."""
 
-    def __init__(self, device, tp, shard, pdl=None):
+    def __init__(self, device, tp, shard, pdl=None, dtype=dtypes.DEFAULT):
         self.device, self.tp, self.shard = device, tp, shard
+        self.words = dtypes.words(shard, dtype)  # a row's 32-bit words: what the kernel moves
         self._kernels = KERNELS
         self.arch = self._kernels.arch(device)
         self.pdl = self._kernels.pdl(self.arch) if pdl is None else bool(pdl)
 
     def compiled(self, config):
         """The one compiled kernel of ``config``'s knobs (its ``ctas`` is run-time)."""
-        return self._kernels.compiled(self.tp, self.shard, config, self.pdl, self.arch)
+        return self._kernels.compiled(self.tp, self.words, config, self.pdl, self.arch)
 
     def resident(self, config) -> int:
         """CTAs of ``config``'s kernel the whole device holds (its ``ctas`` ignored)."""
@@ -142,7 +146,8 @@ class Kernels:
 class Built:
     """What a rank's gather serves with: the plan (``configs``: ``{rows: GatherConfig}``;
     ``clamped``: ``{rows: (asked, limit)}`` or None), a launcher per row count, the
-    mailbox, the status record and the spin budget (ns)."""
+    mailbox, the status record and the spin budget (ns); ``dtype``: the torch dtype of
+    the logits it serves."""
 
     device: torch.device
     tp: int
@@ -157,6 +162,7 @@ class Built:
     status: StatusRecord
     budget_ns: int
     box: object = None
+    dtype: object = None
 
     @property
     def cap(self):
@@ -164,27 +170,28 @@ class Built:
 
 
 def local(device, tp, rank, shard, rows, asked, *, sharing, mode, pdl=None, budget_s,
-          clamp=False, **knobs) -> Built:
+          clamp=False, dtype=None, **knobs) -> Built:
     """Everything of a rank's build that can fail on this rank alone: the checks, the
     kernels, the plan (``plan.plan`` of ``rows`` with ``asked`` as its ``ctas``: the CTA
     count or GatherConfig asked for per row, None the default; compile, occupancy;
     ``clamp``: rows cut to the limit), the launchers and the host-visible status
-    record. No mailbox (``Built.box`` None)."""
+    record. No mailbox (``Built.box`` None). ``dtype``: the logits' torch dtype (None:
+    BF16), one of ``dtypes.NAMES``; ``shard`` must be whole fragments of it."""
+    dtype = dtypes.torch_dtype(dtypes.DEFAULT if dtype is None else dtype)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if tp < 2 or not 0 <= rank < tp:
         raise ValueError(f"need tp >= 2 and 0 <= rank < tp, got tp={tp} rank={rank}")
-    if shard <= 0 or shard % FRAGMENT_BF16:
-        raise ValueError(f"shard width {shard} is not a positive multiple of {FRAGMENT_BF16}")
+    dtypes.words(shard, dtype)  # ValueError unless whole 16-byte fragments
     if not budget_s > 0:
         raise ValueError(f"the spin budget must be a positive number of seconds, got {budget_s!r}")
-    kernels = Kernels(device, tp, shard, pdl)
+    kernels = Kernels(device, tp, shard, pdl, dtype)
     clamped = {} if clamp else None
     configs = plan(rows, asked, tp=tp, shard=shard, resident=kernels.resident, sharing=sharing,
-                   pdl=kernels.pdl, clamped=clamped, **knobs)
+                   pdl=kernels.pdl, clamped=clamped, dtype=dtype, **knobs)
     launchers = {m: kernels.launcher(c, mode) for m, c in configs.items()}
     return Built(device, tp, rank, shard, mode, sharing, kernels, configs, clamped, launchers,
-                 StatusRecord(rank, tp), int(budget_s * 1e9))
+                 StatusRecord(rank, tp), int(budget_s * 1e9), dtype=dtype)
 
 
 def build(group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None, backend=None,
@@ -201,7 +208,8 @@ def build(group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None, back
         rows, asked = rows.keys(), dict(rows)  # a plan: each row's GatherConfig
     device = cuda_device(device)
     if mailbox is not None:  # emulated: one process, nothing to agree on
-        if mailbox.tp != tp or mailbox.words != tp * shard // 2:
+        words = dtypes.words(shard, local_args.get("dtype") or dtypes.DEFAULT)
+        if mailbox.tp != tp or mailbox.words != tp * words:
             raise ValueError("the shared mailbox does not fit this gather")
         built = local(device, tp, rank, shard, rows, asked, sharing=mailbox.sharing, **local_args)
         if mailbox.cap < built.cap:
@@ -223,7 +231,7 @@ def build(group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None, back
                                          **local_args))
     agree(error, group, device, "to build the gather (checks, compile, occupancy)")
     box, error = bounded(f"allocating its {kind} mailbox", MAILBOXES[kind], group, device, tp,
-                         rank, built.cap, tp * shard // 2)
+                         rank, built.cap, tp * built.kernels.words)
     try:
         agree(error, group, device, f"to allocate its {kind} mailbox")
         _, error = bounded(f"mapping the peers' {kind} mailboxes", box.connect)

@@ -20,8 +20,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .kernels.protocol import (DEFAULT_THREADS, DEFAULT_UNROLL, FRAGMENT_BF16, STAGED_FROM, THREADS,
-                               UNROLL_MAX)
+from . import dtypes
+from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL, STAGED_FROM, THREADS, UNROLL_MAX
 
 SWEEP_THREADS = (128, 256, 512)  # the CTA sizes a sweep tries (a subset of the kernel's THREADS)
 SWEEP_UNROLL = (2, 4, 8)
@@ -72,15 +72,17 @@ class GatherConfig:
 POLLS_PER_THREAD = 2
 
 
-def peer_fragments(rows: int, tp: int, shard: int) -> int:
-    """Fragments a rank polls in one call of ``rows``: every peer's shard row of each."""
-    return rows * (tp - 1) * (shard // FRAGMENT_BF16)
+def peer_fragments(rows: int, tp: int, shard: int, dtype=dtypes.DEFAULT) -> int:
+    """Fragments a rank polls in one call of ``rows``: every peer's shard row of each
+    (``shard`` values of ``dtype``, ``dtypes.fragment`` of them a fragment)."""
+    return rows * (tp - 1) * (shard // dtypes.fragment(dtype))
 
 
-def default_ctas(rows: int, tp: int, shard: int, threads: int, unroll: int, limit: int) -> int:
+def default_ctas(rows: int, tp: int, shard: int, threads: int, unroll: int, limit: int,
+                 dtype=dtypes.DEFAULT) -> int:
     """Enough CTAs that each thread polls about ``POLLS_PER_THREAD`` fragments (at most
     ``unroll``: one batch), within ``limit``."""
-    return max(1, min(limit, math.ceil(peer_fragments(rows, tp, shard)
+    return max(1, min(limit, math.ceil(peer_fragments(rows, tp, shard, dtype)
                                        / (threads * min(unroll, POLLS_PER_THREAD)))))
 
 
@@ -91,20 +93,22 @@ def default_ctas(rows: int, tp: int, shard: int, threads: int, unroll: int, limi
 STAGE_ABOVE_ROUNDS = 6
 
 
-def default_config(rows: int, tp: int, shard: int, threads: int, unroll, limit) -> GatherConfig:
+def default_config(rows: int, tp: int, shard: int, threads: int, unroll, limit,
+                   dtype=dtypes.DEFAULT) -> GatherConfig:
     """The default plan of ``rows``: ``default_ctas`` at ``unroll`` fragments per thread,
     or, with ``unroll`` None, at DEFAULT_UNROLL while the rows take at most
     ``STAGE_ABOVE_ROUNDS`` rounds of the co-resident CTAs and at STAGED_FROM (staged)
     beyond, within the register kernel's CTA count: staging doubles the fragments in
     flight at that count, and more CTAs than that were measured slower (one H200,
     emulated TP 2: 148 staged CTAs against 74-99). ``limit(config)``: the co-resident
-    CTAs of ``config``'s kernel."""
+    CTAs of ``config``'s kernel; ``dtype``: the logits' (the shard's bytes)."""
     most = limit(GatherConfig(1, threads, DEFAULT_UNROLL if unroll is None else unroll))
     if unroll is None:
-        rounds = peer_fragments(rows, tp, shard) / (most * threads * DEFAULT_UNROLL)
+        rounds = peer_fragments(rows, tp, shard, dtype) / (most * threads * DEFAULT_UNROLL)
         unroll = STAGED_FROM if rounds > STAGE_ABOVE_ROUNDS else DEFAULT_UNROLL
         most = min(most, limit(GatherConfig(1, threads, unroll)))
-    return GatherConfig(default_ctas(rows, tp, shard, threads, unroll, most), threads, unroll)
+    return GatherConfig(default_ctas(rows, tp, shard, threads, unroll, most, dtype), threads,
+                        unroll)
 
 
 def cta_choices(limit):

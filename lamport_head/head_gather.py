@@ -1,5 +1,6 @@
-"""HeadGather: the vocab-parallel lm_head's gather ``[M, V/TP] -> [M, V]`` (BF16) for a
-set of row counts, on two parities of a Lamport mailbox.
+"""HeadGather: the vocab-parallel lm_head's gather ``[M, V/TP] -> [M, V]`` (BF16, or
+FP32 from an FP32 lm_head: one dtype a gather) for a set of row counts, on two parities
+of a Lamport mailbox.
 
 Invariants a change must keep:
 
@@ -13,13 +14,14 @@ Invariants a change must keep:
   stream, so the calls stay one sequence (graph replays must be issued in that
   order by the caller, as engines do).
 - Every shape the kernel does not serve takes ``stock``: rows not in ``rows``, not
-  2-D, not BF16, the wrong width. The decision depends on the shape only, so every
+  2-D, not the gather's dtype (``dtype``), the wrong width. The decision depends on the shape only, so every
   rank takes the same path (and a captured graph holds the same path on every rank);
   a non-contiguous or unaligned tensor (the allocator's choice, which may differ by
   rank) is copied, a negative- or conjugate-bit view is resolved first (the kernel
   reads the storage, which holds the bits before the lazy negation: it would gather
   x where the engine holds -x), and a tensor on another device raises.
-- Bytes move unchanged but for the sentinel word (+0, -0), which arrives as (+0, +0).
+- Bytes move unchanged but for the sentinel word 0x80000000 (``dtypes``): the BF16
+  pair (+0, -0) arrives as (+0, +0), an FP32 -0.0 as +0.0.
 - Fail-stop, serving mode (``mode="serving"``, what install builds for engines): a
   wait past three quarters of the spin budget marks every rank's mailbox, and the
   launch that gave up (or began marked) stops this process's GPU context (``trap``)
@@ -83,7 +85,9 @@ class HeadGather:
     builds this rank's mailbox over ``group`` (None: the default group) with the
     ``backend`` chosen by ``mailbox.choose_backend``. ``configs``: the plan served,
     ``{rows: GatherConfig}``; ``ctas``: its CTA counts, ``{rows: int}``. ``pdl``: None
-    takes it where the architecture has it (sm_90 on).
+    takes it where the architecture has it (sm_90 on). ``dtype``: the logits' dtype
+    this gather serves (``torch.bfloat16`` or ``torch.float32``; ``shard`` whole
+    16-byte fragments of it); a call of another dtype takes ``stock``.
 
     ``clamp``: a row whose CTAs cannot all be co-resident is cut to the limit (and
     listed in ``clamped``, ``{rows: (asked, limit)}``) instead of refusing the whole
@@ -103,10 +107,12 @@ class HeadGather:
 
     def __init__(self, group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None,
                  threads=DEFAULT_THREADS, unroll=None, pdl=None,
-                 budget_s=SPIN_BUDGET_S, backend=None, mode, clamp=False):
+                 budget_s=SPIN_BUDGET_S, backend=None, mode, clamp=False,
+                 dtype=torch.bfloat16):
         built = build.build(group, device, tp, rank, shard, rows, ctas, mailbox=mailbox,
                             backend=backend, mode=mode, pdl=pdl, budget_s=budget_s, clamp=clamp,
-                            threads=threads, unroll=unroll)
+                            threads=threads, unroll=unroll, dtype=dtype)
+        self.dtype = built.dtype  # the one logits dtype served (a torch dtype)
         self.group, self.device, self.mode, self.kernels = group, built.device, mode, built.kernels
         self.serving = build.launch_flag(mode)  # the kernel's argument every launch passes
         self.tp, self.rank, self.shard, self.width = tp, rank, shard, tp * shard
@@ -145,7 +151,7 @@ class HeadGather:
     def __call__(self, logits, stock):
         self.poll()
         shape = logits.shape
-        if (len(shape) != 2 or shape[1] != self.shard or logits.dtype != torch.bfloat16):
+        if (len(shape) != 2 or shape[1] != self.shard or logits.dtype != self.dtype):
             return stock(logits)
         launch = self._launch.get(shape[0])
         if launch is None:

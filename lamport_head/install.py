@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import settings
+from . import dtypes, settings
 from .collective import all_gather_objects, raised_together
 from .outcome import Outcome, Stock
 from .table import NCCL_STOCK
@@ -61,6 +61,13 @@ class GatherSite:
     # unless every rank's LAMPORT_HEAD_FORCE is set (None: no gather of its own)
     stock: str = NCCL_STOCK  # what the engine's gather at ``attr`` is (table.STOCKS): only a
     # section measured against it is served, and first-use tuning times that gather itself
+    dtype: object = None  # the dtype of the logits the engine gathers at ``attr`` (the head's
+    # output: an FP32 lm_head's is float32 over a BF16 weight); None: the weight's
+
+    @property
+    def logits_dtype(self):
+        """The logits' dtype at ``attr``: ``dtype``, else the weight's (None: unknown)."""
+        return self.dtype if self.dtype is not None else getattr(self.weight, "dtype", None)
 
 
 def _device_name(device):
@@ -71,9 +78,9 @@ def _device_name(device):
     return torch.cuda.get_device_name(device)
 
 
-def _build(group, device, tp, rank, shard, entries, budget_s):
-    """The serving gather of ``entries`` (``{rows: table.TableRow}``, the enabled ones):
-    its plan is their configs. A give-up stops the GPU context (``mode="serving"``: its
+def _build(group, device, tp, rank, shard, entries, budget_s, dtype=dtypes.DEFAULT):
+    """The serving gather of ``entries`` (``{rows: table.TableRow}``, the enabled ones)
+    for logits of ``dtype`` (a ``dtypes`` name): its plan is their configs. A give-up stops the GPU context (``mode="serving"``: its
     launch flag, ``build.launch_flag``), so no step with missing data reaches the
     engine's sampler or its host. Built on ``build``'s one path: the kernel is the one
     the tuner timed for the row, under the tuner's occupancy limit."""
@@ -82,7 +89,7 @@ def _build(group, device, tp, rank, shard, entries, budget_s):
 
     plan = {m: e.config for m, e in entries.items()}
     gather = HeadGather(group, device, tp, rank, shard, plan, budget_s=budget_s, mode=SERVING,
-                        clamp=True)
+                        clamp=True, dtype=dtypes.torch_dtype(dtype))
     for m, (asked, most) in sorted(gather.clamped.items()):
         logger.warning("lamport-head: the table's %d CTAs for %d rows cannot all be co-resident "
                        "with this version's kernel on this device: served with %d (re-tune with "
@@ -129,7 +136,7 @@ def install(site, ranks, rows=None, *, measure):
     lp, where = site.processor, site.where
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call installed one: keep it
-        return Outcome.serving(installed.rows)
+        return Outcome.serving(installed.rows, dtype=gather_dtype(installed))
     if tp <= 1:
         return stock(Stock.NO_GATHER, f"tp={tp} has no logits gather to replace")
     why = _site_refuses(site, tp)
@@ -137,10 +144,11 @@ def install(site, ranks, rows=None, *, measure):
         return stock(Stock.SITE, why)
     shard = site.weight.shape[0]
     vocab = tp * shard  # the full (padded) vocabulary: a table section is measured at one V
+    dtype = dtypes.name(site.logits_dtype)  # ... for one logits dtype (the site's: agreed)
     # the gather the route replaces: what a section must have been measured against, and
     # what first-use tuning times (the engine's own callable, before routing)
     stock_kind, stock_gather = site.stock, getattr(lp, site.attr)
-    name, view, vote = _bounded_vote(tp, dcp, device, rows, vocab, stock_kind)
+    name, view, vote = _bounded_vote(tp, dcp, device, rows, vocab, stock_kind, dtype)
     # Collective 1: agree on the entries and on whether to measure first. Every rank gets
     # here, whatever it read or failed at: a rank deciding alone would be missing from
     # the mailbox's (or the sweep's) collectives its peers enter next.
@@ -182,17 +190,18 @@ def install(site, ranks, rows=None, *, measure):
     if choice == "tune":
         try:  # collective, fail-stop: every rank gets the same outcome or every rank raises
             outcome = measure(ranks.timing_group, device, tp, rank, dcp, shard, view.rows,
-                              shared, name, stock=stock_gather, stock_kind=stock_kind)
+                              shared, name, stock=stock_gather, stock_kind=stock_kind,
+                              dtype=dtype)
         except Exception as exc:
             _alone(exc, "first-use tuning")
             return stock(Stock.TUNING_FAILED,
                          f"first-use tuning failed: {type(exc).__name__}: {exc}")
         logger.info("lamport-head: first-use tuning on %s (tp=%d, dcp=%d, %s): measured rows "
-                    "%s in %.1f s, wrote %s%s; vocab=%d%s", name, tp, dcp, view.real,
+                    "%s in %.1f s, wrote %s%s; vocab=%d, %s%s", name, tp, dcp, view.real,
                     [r.rows for r in outcome.results], outcome.seconds,
                     outcome.path if getattr(outcome, "unsaved", None) is None
                     else f"nothing (could not save {outcome.path})",
-                    " (emulated: true)" if outcome.emulated else "", vocab, _others(view))
+                    " (emulated: true)" if outcome.emulated else "", vocab, dtype, _others(view))
         entries, measured = outcome.entries, True
         if outcome.emulated:
             # The agreed view's setting, never a fresh read of the environment: it may
@@ -207,17 +216,18 @@ def install(site, ranks, rows=None, *, measure):
                        "not performance) because %s is set", settings.SERVE_EMULATED_ENV)
     if not entries:
         return _measured(measured, Stock.NO_ROWS, f"no enabled HEAD_GATHER rows for {name}, "
-                         f"tp={tp}, dcp={dcp}, vocab={vocab}, stock={stock_kind}{_others(view)}")
+                         f"tp={tp}, dcp={dcp}, vocab={vocab}, stock={stock_kind}, dtype={dtype}"
+                         f"{_others(view)}")
     try:  # collective, fail-stop: every rank gets a gather or every rank raises
-        gather = _build(group, device, tp, rank, shard, entries, view.budget_s)
+        gather = _build(group, device, tp, rank, shard, entries, view.budget_s, dtype)
     except Exception as exc:  # a capability fallback, taken by every rank together
         _alone(exc, "building the gather")
         return _measured(measured, Stock.BUILD_FAILED, f"building the gather failed: "
                          f"{type(exc).__name__}: {exc}")
     served = _route(site, gather)
-    logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d) for rows %s, "
-                "routed at %s; spin budget %g s (%s), agreed by every rank; a give-up stops "
-                "the GPU context", name, tp, dcp, served.rows, where, view.budget_s,
+    logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d, %s logits) for rows "
+                "%s, routed at %s; spin budget %g s (%s), agreed by every rank; a give-up stops "
+                "the GPU context", name, tp, dcp, dtype, served.rows, where, view.budget_s,
                 settings.BUDGET_ENV)
     return replace(served, measured=measured)
 
@@ -251,22 +261,36 @@ def _alone(exc, what):
         raise exc
 
 
-def _site_refuses(site, tp, shard=None):
-    """Why ``site`` cannot take a gather over ``tp`` ranks (of ``shard`` columns when
-    given), or None. Facts of the site only, the same on every rank by construction:
-    no collective needed to act on the answer."""
-    weight = site.weight
-    if (weight is None or weight.dim() != 2 or weight.dtype != torch.bfloat16
-            or site.head_tp != tp or not site.plain):
-        return (f"{site.where} is not a BF16 vocab-parallel head gathered by all-gather over "
-                f"tp={tp} (lm_head weight "
+def _site_refuses(site, tp, shard=None, dtype=None):
+    """Why ``site`` cannot take a gather over ``tp`` ranks (of ``shard`` columns and
+    logits of ``dtype``, a ``dtypes`` name, when given), or None. Facts of the site
+    only, the same on every rank by construction: no collective needed to act on the
+    answer. Its weight (the model's dtype: a quantized head is refused) and its logits
+    must be of dtypes a gather serves (``dtypes.NAMES``: BF16, or FP32 from an FP32
+    lm_head), its shard width whole 16-byte fragments of the logits' dtype."""
+    weight, logits = site.weight, site.logits_dtype
+    if (weight is None or weight.dim() != 2 or not dtypes.served(weight.dtype)
+            or not dtypes.served(logits) or site.head_tp != tp or not site.plain):
+        return (f"{site.where} is not a vocab-parallel head of "
+                f"{' or '.join(dtypes.NAMES)} weight and logits "
+                f"gathered by all-gather over tp={tp} (lm_head weight "
                 f"{None if weight is None else f'{tuple(weight.shape)} {weight.dtype}'}, "
+                f"logits {logits}, "
                 f"tp_size {site.head_tp}{f'; {site.facts}' if site.facts else ''})")
-    if weight.shape[0] % 8:
-        return f"shard width {weight.shape[0]} is not a multiple of 8"
+    fragment = dtypes.fragment(logits)
+    if weight.shape[0] % fragment:
+        return (f"shard width {weight.shape[0]} is not a multiple of {fragment} "
+                f"({dtypes.name(logits)}: one 16-byte fragment)")
     if shard is not None and weight.shape[0] != shard:
         return f"shard width {weight.shape[0]}, the gather's is {shard}"
+    if dtype is not None and dtypes.name(logits) != dtypes.name(dtype):
+        return f"{dtypes.name(logits)} logits, the gather's are {dtypes.name(dtype)}"
     return None
+
+
+def gather_dtype(gather):
+    """The dtype name a built gather serves (``HeadGather.dtype``)."""
+    return dtypes.name(getattr(gather, "dtype", dtypes.DEFAULT))
 
 
 def _route(site, gather, shared=False):
@@ -275,7 +299,7 @@ def _route(site, gather, shared=False):
     engine = getattr(site.processor, site.attr)
     site.processor.head_gather = gather
     setattr(site.processor, site.attr, partial(gather, stock=engine))
-    return Outcome.serving(gather.rows, shared=shared)
+    return Outcome.serving(gather.rows, shared=shared, dtype=gather_dtype(gather))
 
 
 def reroute(site, gather, *, label=None):
@@ -293,10 +317,11 @@ def reroute(site, gather, *, label=None):
     processor). Never raises."""
     installed = getattr(site.processor, "head_gather", None)
     if installed is gather:  # the same processor (weights updated in place): still routed
-        return Outcome.serving(gather.rows, shared=label is not None)
+        return Outcome.serving(gather.rows, shared=label is not None,
+                               dtype=gather_dtype(gather))
     if site.kept is not None:
         return stock(Stock.OWN_GATHER, site.kept, f"logits gather on {label or 'the new model'}")
-    why = _site_refuses(site, gather.tp, gather.shard)
+    why = _site_refuses(site, gather.tp, gather.shard, gather_dtype(gather))
     if why is not None:
         return stock(Stock.SITE, why, f"logits gather on {label or 'the new model'}")
     served = _route(site, gather, shared=label is not None)
@@ -322,10 +347,13 @@ def decode_rows(requests, per_request):
 
 def _others(view):
     """For the log: what the tables hold real-rank sections for instead (other
-    vocabularies; this vocabulary measured against another stock)."""
+    vocabularies; this vocabulary measured against another stock or for another
+    dtype)."""
     if view is None:
         return ""
     said = []
+    if view.dtypes:
+        said.append(f"this vocab and stock measured for {', '.join(view.dtypes)} logits")
     if view.stocks:
         said.append(f"this vocab measured against {', '.join(view.stocks)}")
     if view.vocabs:
@@ -333,7 +361,7 @@ def _others(view):
     return f" (the tables hold sections for {'; '.join(said)} only)" if said else ""
 
 
-def _bounded_vote(tp, dcp, device, rows, vocab, stock):
+def _bounded_vote(tp, dcp, device, rows, vocab, stock, dtype=dtypes.DEFAULT):
     """``_local_vote`` under the start-up deadline (``mailbox.RENDEZVOUS_WAIT_S``): a
     rank whose reading blocks (a table on a hung file system, a device query) still
     reaches the agreement in time, its vote's reason saying so, and every rank stays
@@ -343,13 +371,13 @@ def _bounded_vote(tp, dcp, device, rows, vocab, stock):
 
     try:
         return within(RENDEZVOUS_WAIT_S, "reading the tables and settings (install's vote)",
-                      _local_vote, tp, dcp, device, rows, vocab, stock)
+                      _local_vote, tp, dcp, device, rows, vocab, stock, dtype)
     except TimeoutError as exc:
         return None, None, _Vote(None, None, (Stock.RANK.label, f"TimeoutError: {exc}"),
                                  settings.forced())
 
 
-def _local_vote(tp, dcp, device, rows, vocab, stock):
+def _local_vote(tp, dcp, device, rows, vocab, stock, dtype=dtypes.DEFAULT):
     """``(device name, _View or None, _Vote)``: everything this rank reads alone before
     the agreement. Never raises: a failure here is the vote's reason, which every
     rank hears (each rank then stays stock together)."""
@@ -362,7 +390,7 @@ def _local_vote(tp, dcp, device, rows, vocab, stock):
     if name is None:
         return None, None, _Vote(None, None, (Stock.RANK.label, f"{device} is not a CUDA device"),
                                  force)
-    view, reason = _local_view(tp, dcp, device, name, rows, vocab, stock)
+    view, reason = _local_view(tp, dcp, device, name, rows, vocab, stock, dtype)
     if view is None:  # a reading that failed says so, even with an empty message
         reason = (Stock.RANK.label, reason or "the tables could not be read")
     if settings.disabled():
@@ -407,11 +435,14 @@ class _View:
     vocabs: tuple = ()  # the vocabularies of real-rank sections for another V (for the log)
     stocks: tuple = ()  # the stocks of real-rank sections at this V against another stock (log)
     broken: object = None  # why this host's user table cannot be read whole (set aside), or None
+    dtype: str = dtypes.DEFAULT  # the logits' dtype (the site's): sections of it only count
+    dtypes: tuple = ()  # the dtypes of real-rank sections at this V and stock for another (log)
 
     @property
     def settings(self):
         """What every rank must set alike, whatever its tables hold."""
-        return self.autotune, self.serve_emulated, self.rows, self.budget_s, self.stock
+        return (self.autotune, self.serve_emulated, self.rows, self.budget_s, self.stock,
+                self.dtype)
 
     @property
     def agreed(self):
@@ -420,11 +451,12 @@ class _View:
                 self.emulated) + self.settings
 
 
-def _local_view(tp, dcp, device, name, rows, vocab, stock):
+def _local_view(tp, dcp, device, name, rows, vocab, stock, dtype=dtypes.DEFAULT):
     """(_View, None) or (None, why): this rank's reading of the tables, no collectives.
     Only sections measured at ``vocab`` (the model's V = TP x shard width) against
-    ``stock`` (the engine's gather the route replaces) count: one measured at another
-    V or against another stock reads as missing (first-use tuning measures this one)."""
+    ``stock`` (the engine's gather the route replaces) for ``dtype`` logits count: one
+    measured at another V, against another stock or for another dtype reads as
+    missing (first-use tuning measures this one)."""
     from .mailbox import device_key
     from .provenance import section_status
     from .table import TableError, load_table
@@ -441,8 +473,10 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
             table.facts = facts()
 
         def read(emulated):
-            section = table.section(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
-            entries = table.entries(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
+            section = table.section(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock,
+                                    dtype=dtype)
+            entries = table.entries(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock,
+                                    dtype=dtype)
             enabled = {m: e for m, e in entries.items()
                        if e.enabled and (rows is None or m in rows)}
             # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
@@ -458,9 +492,11 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
             pass
         others = tuple(v for v in table.vocabs(name, tp, dcp) if v != vocab)
         stocks = tuple(k for k in table.stocks(name, tp, dcp, vocab) if k != stock)
+        kinds = tuple(d for d in table.dtypes(name, tp, dcp, vocab, stock) if d != dtype)
         return _View(entries, emulated_entries, real, emulated, on, settings.serve_emulated(),
                      tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key,
-                     settings.spin_budget_s(), stock, others, stocks, table.broken), None
+                     settings.spin_budget_s(), stock, others, stocks, table.broken, dtype,
+                     kinds), None
     except TableError as exc:
         return None, str(exc)
     except Exception as exc:  # told to every rank by the agreement, never raised alone

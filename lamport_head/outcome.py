@@ -9,7 +9,9 @@ tests/test_outcome.py rewords every one and checks that no summary changes).
 
 import enum
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from .dtypes import DEFAULT as DEFAULT_DTYPE
 
 
 class Stock(enum.Enum):
@@ -22,7 +24,7 @@ class Stock(enum.Enum):
     NO_PROCESSOR = ("no-processor", logging.INFO)  # no LogitsProcessor found in the model
     OWN_GATHER = ("own-gather", logging.INFO)  # its class keeps its own gather (not forced)
     FORCE_PARTIAL = ("force-partial", logging.WARNING)  # LAMPORT_HEAD_FORCE on some ranks only
-    SITE = ("site", logging.INFO)  # not a BF16 vocab-parallel head gathered by all-gather
+    SITE = ("site", logging.INFO)  # not a BF16/FP32 vocab-parallel head gathered by all-gather
     DISABLED = ("disabled", logging.WARNING)  # LAMPORT_HEAD_DISABLE on some rank
     RANK = ("rank", logging.WARNING)  # a rank could not take part (not CUDA, its tables, ...)
     PLANS_DIFFER = ("plans-differ", logging.WARNING)  # ranks resolved different plans
@@ -50,13 +52,15 @@ class Outcome:
     through a Lamport gather (sorted), or ``()`` with ``reason`` and ``message`` saying
     why the engine's stock gather stays. ``shared``: served by a gather built for
     another site (no second mailbox). ``measured``: first-use tuning measured (and wrote
-    the user table) during this install."""
+    the user table) during this install. ``dtype``: the logits dtype the serving gather
+    was built for (``dtypes.NAMES``; a call of another takes the stock gather)."""
 
     rows: tuple = ()
     reason: object = None  # a Stock when rows is empty, else None
     message: str = ""
     shared: bool = False
     measured: bool = False
+    dtype: str = DEFAULT_DTYPE
 
     def __post_init__(self):
         if bool(self.rows) == (self.reason is not None):
@@ -70,8 +74,8 @@ class Outcome:
         return bool(self.rows)
 
     @classmethod
-    def serving(cls, rows, shared=False):
-        return cls(tuple(sorted(rows)), shared=shared)
+    def serving(cls, rows, shared=False, dtype=DEFAULT_DTYPE):
+        return cls(tuple(sorted(rows)), shared=shared, dtype=dtype)
 
     @classmethod
     def stock(cls, reason, message):
@@ -84,7 +88,7 @@ class Outcome:
             return self
         kept = tuple(m for m in self.rows if m in rows)
         if kept:
-            return Outcome(kept, shared=self.shared, measured=self.measured)
+            return replace(self, rows=kept)
         return Outcome.stock(Stock.ROWS_OUTSIDE, f"the gather's rows {list(self.rows)} hold none "
                                                  f"of its rows 1..{max(rows)}")
 

@@ -41,6 +41,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from .config import GatherConfig, default_config
+from .dtypes import DEFAULT as DEFAULT_DTYPE
 from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 
 
@@ -73,13 +74,14 @@ def co_resident_limit(resident_per_device: int, sharing: int, pdl: bool) -> int:
 
 
 def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_THREADS,
-         unroll=None, clamped=None) -> dict:
+         unroll=None, clamped=None, dtype=DEFAULT_DTYPE) -> dict:
     """The plan ``{rows: GatherConfig}`` for every row count of ``rows``.
 
     ``ctas``, what is asked for each row count: None (``config.default_config`` with
     ``threads`` and ``unroll``; unroll None: its choice per row count), an int (a CTA
     count) for every row count, or ``{rows: int or GatherConfig}`` (an int takes
-    ``threads`` and ``unroll``, DEFAULT_UNROLL if None).
+    ``threads`` and ``unroll``, DEFAULT_UNROLL if None). ``dtype``: the logits' (a
+    ``dtypes`` name or torch dtype): the default's fragments of a ``shard`` row.
     ``resident(config)``: CTAs of ``config``'s kernel the device holds
     (its ``ctas`` is ignored: occupancy depends on the compiled kernel only).
     Raises ValueError when a row count has no configuration or one that cannot be
@@ -100,7 +102,7 @@ def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_
 
     # asked: the CTA count or GatherConfig asked for per row count
     if ctas is None:
-        asked = {m: default_config(m, tp, shard, threads, unroll, limit) for m in rows}
+        asked = {m: default_config(m, tp, shard, threads, unroll, limit, dtype) for m in rows}
     elif not isinstance(ctas, Mapping):
         asked = dict.fromkeys(rows, ctas)
     else:

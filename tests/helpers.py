@@ -106,17 +106,21 @@ def vllm_worker(config, runner):
 
 
 class StandInGather:
-    """The kernel's stand-in for real-engine tests (no GPU): serves ``rows`` with the
-    all-gather done by its own collective over ``group``, counting its ``calls``; other
-    shapes take ``stock``; ``forced_build`` makes install build it."""
+    """The kernel's stand-in for real-engine tests (no GPU): serves ``rows`` of
+    ``dtype`` (a ``dtypes`` name) with the all-gather done by its own collective over
+    ``group``, counting its ``calls``; other shapes and dtypes take ``stock``;
+    ``forced_build`` makes install build it."""
 
-    def __init__(self, group, tp, rows):
+    def __init__(self, group, tp, rows, dtype="bfloat16"):
+        from lamport_head import dtypes
+
         self.group, self.tp, self.rows, self.calls = group, tp, frozenset(rows), []
+        self.dtype = dtypes.torch_dtype(dtype)
 
     def __call__(self, logits, stock):
         import torch.distributed as dist
 
-        if logits.dim() != 2 or logits.shape[0] not in self.rows:
+        if logits.dim() != 2 or logits.shape[0] not in self.rows or logits.dtype != self.dtype:
             return stock(logits)
         self.calls.append(logits.shape[0])
         parts = [torch.empty_like(logits) for _ in range(self.tp)]
@@ -125,10 +129,11 @@ class StandInGather:
 
 
 def forced_build(install):
-    """Install forced onto ``StandInGather`` on an "NVIDIA H200" (this rank's process)."""
+    """Install forced onto ``StandInGather`` on an "NVIDIA H200" (this rank's process),
+    built for the dtype install asks for."""
     install._device_name = lambda device: "NVIDIA H200"
-    install._build = (lambda group, device, tp, r, shard, entries, budget_s:
-                      StandInGather(group, tp, entries))
+    install._build = (lambda group, device, tp, r, shard, entries, budget_s, dtype:
+                      StandInGather(group, tp, entries, dtype))
 
 
 def model(**overrides):
@@ -166,12 +171,12 @@ def fake_cuda(monkeypatch_like, rank, case, launch=None):
         def pdl(self, arch):
             return True  # as on Hopper
 
-        def compiled(self, tp, shard, config, pdl, arch):
+        def compiled(self, tp, words, config, pdl, arch):
             if step == "prepare" and rank == fail_rank:
                 raise RuntimeError("compile failed")
 
             def fill(logits, out, peers, r, c, budget, status, stream):
-                ctypes.memset(out, FAKE_BYTE, logits.shape[0] * tp * shard * 2)
+                ctypes.memset(out, FAKE_BYTE, logits.shape[0] * tp * words * 4)
 
             return types.SimpleNamespace(launch=launch or fill)
 

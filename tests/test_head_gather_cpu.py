@@ -43,10 +43,11 @@ class FakeBox:
         self.log.append("arm")
 
 
-def fake_gather(rows=(1, 2, 4), log=None):
+def fake_gather(rows=(1, 2, 4), log=None, dtype=torch.bfloat16):
     g = HeadGather.__new__(HeadGather)
     rec = Recorder()
     g.device, g.tp, g.rank, g.shard, g.width = torch.device("cpu"), TP, 1, SHARD, TP * SHARD
+    g.dtype = dtype
     g._index = -1  # what Tensor.get_device() answers for CPU tensors
     g.rows, g.cap, g.group = frozenset(rows), max(rows), None
     g._launch = dict.fromkeys(rows, rec)
@@ -95,6 +96,21 @@ def test_served_rows_launch_with_their_ctas():
         assert out.shape == (m, TP * SHARD) and out.dtype == torch.bfloat16
     assert [c[2] for c in rec.calls] == [11, 12, 14, 12, 11]
     assert all(c[1] == 1 for c in rec.calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_gather_serves_its_one_dtype_and_every_other_takes_stock(dtype):
+    """One gather, one dtype (``dtype=`` at construction): a call of its dtype launches
+    and returns its dtype; a call of the other served dtype, or FP16, takes stock
+    bitwise and launches nothing (the decision reads the call's dtype only)."""
+    g, rec = fake_gather(dtype=dtype)
+    out = g(torch.randn(2, SHARD).to(dtype), stock)
+    assert out.dtype == dtype and out.shape == (2, TP * SHARD) and len(rec.calls) == 1
+    for other in (torch.bfloat16, torch.float32, torch.float16):
+        if other != dtype:
+            x = torch.randn(2, SHARD).to(other)
+            assert same_bits(g(x, stock), stock(x))
+    assert len(rec.calls) == 1
 
 
 def _misaligned(rows):

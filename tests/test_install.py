@@ -140,7 +140,11 @@ def test_ranks_with_different_plans_stay_stock(tmp_path):
     {"lm__weight": torch.zeros(64, dtype=torch.bfloat16)},
     {"lm__weight": None},
     {"lp__logits_as_input": True},
-    {"lp__head_dtype": torch.float32},
+    {"lp__head_dtype": torch.float16},  # FP16 logits: no gather serves them
+    {"lp__head_dtype": "float32"},  # not a torch dtype: vLLM never says so; refused
+    {"lp__head_dtype": torch.float32,  # FP32 logits: shard % 4 != 0
+     "lm__weight": torch.zeros(62, 16, dtype=torch.bfloat16)},
+    {"lm__weight": torch.zeros(64, 16, dtype=torch.int8)},  # a quantized head
     {"lm__tp_size": 4},
     {"lp__use_all_gather": False},
     {"lm__weight": torch.zeros(60, 16, dtype=torch.bfloat16)},  # shard % 8 != 0

@@ -114,7 +114,7 @@ def _serve(monkeypatch, tmp_path):
     monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(table))
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
     monkeypatch.setattr(install, "_build",
-                        lambda g, d, tp, r, shard, entries, budget_s: FakeGather(entries))
+                        lambda g, d, tp, r, shard, entries, budget_s, dtype: FakeGather(entries))
     monkeypatch.setattr(install, "all_gather_objects", lambda obj, group=None: [obj])  # one rank
 
 

@@ -35,8 +35,10 @@ install core's (``install.install`` on a ``GatherSite`` naming ``_logits_gathere
 the same fail-stop order, the same log lines as vLLM's. What is SGLang's own:
 finding the processor and its lm_head, and leaving stock every configuration whose
 logits do not take the plain TP all-gather along the last dim (DP attention,
-``--enable-dp-lm-head``, the TP lm_head all-to-all, FP32 lm_head logits), with one
-log line. Everything not served (rows, dtype, shape, ...) calls SGLang's own
+``--enable-dp-lm-head``, the TP lm_head all-to-all, an FP32 lm_head output whose dtype
+depends on the device), with one log line. An FP32 lm_head (``--enable-fp32-lm-head``,
+or a model config's ``enable_lm_head_fp32``: ``use_fp32_lm_head``) gathers FP32 logits:
+routed through a gather built for float32 (its table section measured for float32). Everything not served (rows, dtype, shape, ...) calls SGLang's own
 gatherer, so its result is SGLang's, bitwise. SGLang is imported only here, lazily.
 """
 
@@ -46,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import install
+from .. import dtypes, install
 from ..collective import all_min
 from ..outcome import Outcome, Ranks, Stock
 from ..table import MULTIMEM_STOCK, NCCL_STOCK
@@ -80,9 +82,12 @@ _VARIANTS = (
     ("do_tensor_parallel_all_gather_dp_attn", "DP attention gathers the logits across "
                                               "DP ranks"),
     ("use_tp_lm_head_all_to_all", "the TP lm_head all-to-all replaces the gather"),
-    ("use_fp32_lm_head", "FP32 lm_head logits"),
-    ("use_fp32_lm_head_output", "FP32 lm_head logits"),
+    # FP32 only where SGLang's GEMM can write FP32 from BF16 (CUDA): the dtype is the device's
+    ("use_fp32_lm_head_output", "FP32 lm_head output (enable_lm_head_output_fp32): its logits' "
+                                "dtype depends on the device"),
 )
+FP32_HEAD = "use_fp32_lm_head"  # LogitsProcessor: the lm_head projects into FP32 logits
+SOFTCAP = "final_logit_softcapping"  # with FP32 logits on CUDA, SGLang's fused gather+softcap
 
 
 def find_logits_processor(model):
@@ -108,6 +113,9 @@ def _why_stock(lp):
     for attr, why in _VARIANTS:
         if getattr(lp, attr, False):
             return why
+    if getattr(lp, FP32_HEAD, False) and getattr(lp, SOFTCAP, None):
+        return ("FP32 logits with final logit softcapping: SGLang's fused gather and softcap "
+                "replaces the gather on CUDA")
     return None
 
 
@@ -177,13 +185,19 @@ def stock_kind(gatherer) -> str:
 
 
 def _site(owner, lp):
-    """The install core's view of this LogitsProcessor and its owner's lm_head."""
-    head = owner.lm_head
-    head = getattr(head, "base_layer", head)  # a LoRA wrapper keeps the layer here
+    """The install core's view of this LogitsProcessor and its owner's lm_head. Its
+    logits are FP32 where the processor projects into FP32 (``use_fp32_lm_head``) and
+    the head is not LoRA-wrapped (SGLang calls a LoRA head's own forward, in its
+    weight's dtype); else the weight's dtype."""
+    wrapper = owner.lm_head
+    head = getattr(wrapper, "base_layer", wrapper)  # a LoRA wrapper keeps the layer here
+    lora = hasattr(wrapper, "set_lora") and hasattr(wrapper, "apply_lora")
+    fp32 = getattr(lp, FP32_HEAD, False) is True and not lora
     return install.GatherSite(processor=lp, attr=GATHERER, weight=getattr(head, "weight", None),
                               head_tp=getattr(head, "tp_size", 1),
                               where=f"{type(owner).__name__}.logits_processor",
-                              stock=stock_kind(getattr(lp, GATHERER, None)))
+                              stock=stock_kind(getattr(lp, GATHERER, None)),
+                              dtype=torch.float32 if fp32 else None)
 
 
 def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None, device=None,
@@ -207,7 +221,7 @@ def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None
                              f"no SGLang LogitsProcessor with {GATHERER} found")
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call installed one: keep it
-        return Outcome.serving(installed.rows)
+        return Outcome.serving(installed.rows, dtype=install.gather_dtype(installed))
     why = _why_stock(lp)
     if why is not None:
         return install.stock(Stock.SITE, why, "SGLang logits gather")
@@ -329,8 +343,8 @@ def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
     """Route the draft worker's model (``runner.model``; SGLang's TP group is the draft's
     while its runner loads) after the target's install; a ``Drafter`` saying how.
 
-    - Its head has the shard width of the gather the target was served by, on the same
-      TP group (``target``: the target's ``Target``, default this process's): that
+    - Its head has the shard width and its logits the dtype of the gather the target
+      was served by, on the same TP group (``target``: the target's ``Target``, default this process's): that
       gather serves it (``install.reroute``: no collective; the gather was agreed by
       every rank and the site's facts are the same on every rank).
     - Else its own install (``install.install`` with the draft rows): collective over
@@ -355,13 +369,15 @@ def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call routed it: keep it
         return Drafter(name, Outcome.serving(installed.rows, installed is getattr(
-            target, "gather", None)), tp * width, rank, tp, dcp)
+            target, "gather", None), install.gather_dtype(installed)), tp * width, rank, tp, dcp)
     why = _why_stock(lp)
     if why is not None:
         return Drafter(name, install.stock(Stock.SITE, why, what), tp * width, rank, tp, dcp)
     shared_gather = getattr(target, "gather", None)
     if (shared_gather is None or getattr(target, "group", None) is not group
-            or shared_gather.tp != tp or shared_gather.shard != width):
+            or shared_gather.tp != tp or shared_gather.shard != width
+            or not dtypes.served(site.logits_dtype)
+            or dtypes.name(site.logits_dtype) != install.gather_dtype(shared_gather)):
         shared_gather = None
     device = weight.device if torch.is_tensor(weight) else "cpu"
     # Sharing skips the collective install its peers would run: every rank shares or

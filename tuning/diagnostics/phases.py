@@ -45,8 +45,8 @@ from ..lmhead import KIMI_K2_HIDDEN, LmHead
 class _TimedKernels(build.DeviceKernels):
     """The runtime's kernels, compiled with the phase timers."""
 
-    def compiled(self, tp, shard, config, pdl, arch):
-        return compile_gather(tp, shard // 2, pdl=pdl, arch=arch, timers=True,
+    def compiled(self, tp, words, config, pdl, arch):
+        return compile_gather(tp, words, pdl=pdl, arch=arch, timers=True,
                               **config.kernel_knobs())
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from lamport_head.dtypes import words
 from lamport_head.head_gather import SPIN_BUDGET_S, HeadGather
 from lamport_head.status import RECOVERABLE
 from lamport_head.kernels.protocol import DEFAULT_THREADS
@@ -22,18 +23,18 @@ class EmulatedGather:
     """``gather(shards) -> outs``: one emulated step of ``tp`` ranks on ``device``."""
 
     def __init__(self, device, tp, shard, rows, ctas=None, *, threads=DEFAULT_THREADS,
-                 unroll=None, pdl=None, budget_s=SPIN_BUDGET_S):
+                 unroll=None, pdl=None, budget_s=SPIN_BUDGET_S, dtype=torch.bfloat16):
         """``rows`` and ``ctas`` as ``HeadGather`` takes them (``ctas``: the CTA count
         or GatherConfig asked for per row; or ``rows`` a plan, each row count's
-        ``GatherConfig``)."""
+        ``GatherConfig``); ``dtype``: the logits' dtype every rank serves."""
         self.device = torch.device(device)
         if not isinstance(rows, Mapping):
             rows = frozenset(rows)
-        self.tp, self.shard = tp, shard
-        self.box = LocalMailbox(self.device, tp, max(rows), tp * shard // 2)
+        self.tp, self.shard, self.dtype = tp, shard, dtype
+        self.box = LocalMailbox(self.device, tp, max(rows), tp * words(shard, dtype))
         self.ranks = [HeadGather(None, self.device, tp, r, shard, rows, ctas, mailbox=self.box,
                                  threads=threads, unroll=unroll, pdl=pdl, budget_s=budget_s,
-                                 mode=RECOVERABLE)
+                                 mode=RECOVERABLE, dtype=dtype)
                       for r in range(tp)]
         self.streams = [torch.cuda.Stream(self.device) for _ in range(tp)]
         self.ctas = self.ranks[0].ctas

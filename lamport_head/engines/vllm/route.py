@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from ... import install
+from ... import dtypes, install
 from ...collective import all_min
 from ...outcome import Outcome, Ranks, Stock
 from .. import measure_first_use
@@ -57,16 +57,21 @@ def _install_target(model, ranks, rows):
 
 
 def _site(model, lp, head, where, finder):
-    """The install core's view of the processor ``finder`` found in ``model``."""
+    """The install core's view of the processor ``finder`` found in ``model``. Its logits'
+    dtype is the processor's ``head_dtype`` (vLLM's ``ModelConfig.head_dtype``: the model
+    dtype, or float32 with ``--hf-overrides '{"head_dtype": "float32"}'``, the projection
+    then accumulating into FP32 over the BF16 weight), else the weight's."""
+    head_dtype = getattr(lp, "head_dtype", None)
     return install.GatherSite(
         processor=lp, attr=GATHER, weight=getattr(head, "weight", None),
         head_tp=getattr(head, "tp_size", 1), where=where,
         plain=(getattr(lp, "use_all_gather", False) and not getattr(lp, "logits_as_input", False)
-               and getattr(lp, "head_dtype", None) in (None, torch.bfloat16)),
+               and (head_dtype is None or isinstance(head_dtype, torch.dtype))),
         facts=(f"use_all_gather={getattr(lp, 'use_all_gather', None)}, "
                f"logits_as_input={getattr(lp, 'logits_as_input', None)}, "
-               f"head_dtype={getattr(lp, 'head_dtype', None)}"),
-        kept=finder(model, force=False)[2] if owns_gather(lp) else None)
+               f"head_dtype={head_dtype}"),
+        kept=finder(model, force=False)[2] if owns_gather(lp) else None,
+        dtype=head_dtype)
 
 
 class Drafter(NamedTuple):
@@ -90,13 +95,14 @@ def install_drafter_gather(draft, target, ranks, rows=None,
 
     - No path of the drafter gathers logits (``paths``: ``drafter_paths``): nothing is
       built (no mailbox, no first-use tuning), one line.
-    - Its head has the shard width of the gather the target was served by (EAGLE and
-      MTP share the target's lm_head; a drafter of the same vocabulary): the target's
-      gather serves it too (``install.reroute``: no collective; the gather was agreed
+    - Its head has the shard width and its logits the dtype of the gather the target
+      was served by (EAGLE and MTP share the target's lm_head; a drafter of the same
+      vocabulary and head dtype): the target's gather serves it too (``install.reroute``: no collective; the gather was agreed
       by every rank, the site's facts are the same on every rank).
     - Else its own install (another vocabulary, e.g. an EAGLE3 head of 32000, or the
       target stayed stock): ``install.install`` with the drafter's ``rows``,
-      collective, agreed, fail-stop as the target's: every rank serves the drafter's
+      collective, agreed, fail-stop as the target's (for its own logits' dtype): every
+      rank serves the drafter's
       rows or every rank keeps its stock gather; the target's outcome is not touched
       either way (its gather and mailbox are its own).
 
@@ -117,7 +123,9 @@ def install_drafter_gather(draft, target, ranks, rows=None,
     site = _site(draft, lp, head, where, find_drafter_target)
     target_lp = find_gather_target(target, force=True)[0] if target is not None else None
     gather = getattr(target_lp, "head_gather", None)
-    if gather is not None and weight is not None and weight.shape[0] == gather.shard:
+    if (gather is not None and weight is not None and weight.shape[0] == gather.shard
+            and dtypes.served(site.logits_dtype)
+            and dtypes.name(site.logits_dtype) == install.gather_dtype(gather)):
         outcome = install.reroute(site, gather, label=f"the drafter {name}")
     else:
         outcome = install.install(site, ranks, rows, measure=measure_first_use)

@@ -3,8 +3,11 @@ logits collective a step takes and whether a Lamport gather serves it.
 
 Built from values only (the installs' ``Outcome``s, ``find``'s paths): rewording a log
 line changes no summary (tests/test_outcome.py). Every rank takes the same outcomes
-(install's are agreed), so rank 0's line speaks for the group.
+(install's are agreed), so rank 0's line speaks for the group. A served gather's logits dtype is named where it
+is not BF16 ("(float32 logits)": an FP32 lm_head).
 """
+
+from ...dtypes import DEFAULT as DEFAULT_DTYPE
 
 
 def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), around=(),
@@ -31,17 +34,23 @@ def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), 
     skip = f"{' and '.join(around)} skip{'s' if len(around) == 1 else ''}"
     if outcome.served and not through:
         line = head + (f"Lamport logits gather installed for rows {list(outcome.rows)} on all "
-                       f"{tp} TP ranks, but no step takes it: {skip} the gather")
+                       f"{tp} TP ranks{_dtype(outcome)}, but no step takes it: {skip} the "
+                       "gather")
     elif outcome.served:
         line = head + (f"Lamport logits gather for rows {list(outcome.rows)} on all {tp} TP "
-                       f"ranks, through {' and '.join(through)}" + (f"; {skip} it" if around
-                                                                    else ""))
+                       f"ranks{_dtype(outcome)}, through {' and '.join(through)}"
+                       + (f"; {skip} it" if around else ""))
     else:
         line = head + f"stock logits gather on all {tp} TP ranks ({_why(outcome)})"
     line = line if drafter is None else line + "; " + _drafter_clause(drafter)
     clauses = [_candidates_clause(c) for c in candidates]
     clauses += [f"{path}: not routed ({why})" for path, why in others]
     return "; ".join([line] + clauses)
+
+
+def _dtype(outcome):
+    """The served logits' dtype, named where it is not the engines' usual BF16."""
+    return "" if outcome.dtype == DEFAULT_DTYPE else f" ({outcome.dtype} logits)"
 
 
 def _why(outcome):
@@ -63,7 +72,8 @@ def _drafter_clause(d):
     if d.outcome.served:
         whose = ("the target's Lamport logits gather (its head has the target's shard width)"
                  if d.outcome.shared else f"its own Lamport logits gather (vocab {d.vocab})")
-        return (f"drafter {d.name}: {whose} for rows {list(d.outcome.rows)}, through "
+        return (f"drafter {d.name}: {whose} for rows {list(d.outcome.rows)}{_dtype(d.outcome)}, "
+                f"through "
                 f"{' and '.join(d.through)}{skip}")
     if not d.through:
         return f"drafter {d.name}: no draft step gathers logits{skip}"
