@@ -12,6 +12,9 @@ import shutil
 import sys
 
 from lamport_head.config import SWEEP_THREADS, SWEEP_UNROLL
+from lamport_head.dtypes import DEFAULT as DEFAULT_DTYPE
+from lamport_head.dtypes import NAMES as DTYPES
+from lamport_head.dtypes import fragment
 from lamport_head.settings import BENCH_BUDGET_S
 from lamport_head.table import KIMI_K2_VOCAB, MAX_ROWS, mailbox_cost
 
@@ -93,6 +96,8 @@ DRAFT_VOCAB = 32000  # a typical EAGLE3 draft head (Llama 3's EAGLE3 drafters)
 DRAFT_TOKENS = 3  # k: a usual num_speculative_tokens
 
 _ROWS_HELP = "comma-separated row counts M (the decode batch: requests x (1 + draft tokens))"
+_DTYPE_HELP = ("the logits' dtype (float32: an engine's FP32 lm_head, vLLM's head_dtype float32 "
+               "or SGLang's --enable-fp32-lm-head); V/TP must be a multiple of 8 BF16 or 4 FP32")
 
 
 def parser():
@@ -117,6 +122,8 @@ def parser():
     t.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"), help=_ROWS_HELP)
     t.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB,
                    help="vocabulary size V (Kimi K2's); V/TP must be a multiple of 8")
+    t.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
+                   help=_DTYPE_HELP + "; the section is written for it")
     t.add_argument("--emulate", action="store_true", help="TP virtual ranks on one GPU")
     t.add_argument("--auto", action="store_true",
                    help="use every GPU here: torchrun over several, --emulate on one")
@@ -154,6 +161,7 @@ def parser():
                        "mailbox word is re-armed.", formatter_class=fmt)
     v.add_argument("--tp", type=_positive, default=8, help="tensor-parallel ranks (TP)")
     v.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB, help="vocabulary size V")
+    v.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help=_DTYPE_HELP)
     v.add_argument("--rows", type=_rows, default=_rows("1,2,3,7,8,16,33,64"), help=_ROWS_HELP)
     v.add_argument("--calls", type=_positive, default=200, help="gathers to check")
 
@@ -170,6 +178,8 @@ def parser():
     b.add_argument("--tp", type=_positive, default=8, help="tensor-parallel ranks (TP)")
     b.add_argument("--dcp", type=_positive, default=1, help="DCP of the table section used")
     b.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB, help="vocabulary size V")
+    b.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
+                   help=_DTYPE_HELP + "; the table's section for it is benchmarked")
     b.add_argument("--hidden", type=_positive, default=KIMI_K2_HIDDEN,
                    help="lm_head input width (Kimi K2's hidden size): the GEMM before the gather "
                    "is [M, hidden] x [hidden, V/TP]")
@@ -278,8 +288,10 @@ def check_arguments(args):
         tp_given = False
     if command == "bench" and args.tp < 2:
         return "--tp must be at least 2 (one rank has nothing to gather)"
-    if tp_given and (args.vocab % args.tp or (args.vocab // args.tp) % 8):
-        return f"vocab {args.vocab} / tp {args.tp} is not a multiple of 8"
+    values = fragment(getattr(args, "dtype", DEFAULT_DTYPE))  # a 16-byte fragment's
+    if tp_given and (args.vocab % args.tp or (args.vocab // args.tp) % values):
+        return f"vocab {args.vocab} / tp {args.tp} is not a multiple of {values}" + (
+            "" if args.dtype == DEFAULT_DTYPE else f" ({args.dtype})")
     if command == "bench" and args.drafter:
         from lamport_head.tuning.draftbench import check
 
@@ -365,6 +377,9 @@ def show(args):
         print(f"  vocab V = {s.vocab}{shard}" + (
             "" if s.vocab_written else f" (not written in the section: taken as {LEGACY_VOCAB}, "
             "the tuner's default; served only to a model of that V)"))
+        print(f"  {s.dtype} logits" + (
+            "" if "dtype" in s.raw else " (not written in the section: BF16)")
+            + "; served only to a head of that dtype")
         print(f"  measured against {s.stock}" + (
             "" if "stock" in s.raw else " (not written in the section: NCCL's all-gather)")
             + "; served only where the route replaces that gather")
@@ -431,16 +446,18 @@ def verify(args):
         from lamport_head.tuning.diagnostics.ranks import main as ranks_main
 
         return ranks_main(["--calls", str(args.calls), "--vocab", str(args.vocab),
-                           "--rows", ",".join(map(str, args.rows))])
-    if args.vocab % args.tp or (args.vocab // args.tp) % 8:
-        return _fail(f"verify: vocab {args.vocab} / tp {args.tp} is not a multiple of 8")
+                           "--rows", ",".join(map(str, args.rows)), "--dtype", args.dtype])
+    values = fragment(args.dtype)
+    if args.vocab % args.tp or (args.vocab // args.tp) % values:
+        return _fail(f"verify: vocab {args.vocab} / tp {args.tp} is not a multiple of {values}")
     device = torch.device("cuda", torch.cuda.current_device())
     shard = args.vocab // args.tp
-    gather = EmulatedGather(device, args.tp, shard, args.rows)
+    dtype = getattr(torch, args.dtype)
+    gather = EmulatedGather(device, args.tp, shard, args.rows, dtype=dtype)
     rng = random.Random(0)
     for call in range(args.calls):
         rows = rng.choice(args.rows)
-        data = planted(args.tp, rows, shard, device=device)
+        data = planted(args.tp, rows, shard, device=device, dtype=dtype)
         shards = [data[r] for r in range(args.tp)]
         want = reference_gather(shards).view(torch.int32)
         for r, out in enumerate(gather(shards)):
@@ -449,7 +466,8 @@ def verify(args):
     gather.check()
     if not gather.armed():
         return _fail("verify: mailbox words left un-armed", 1)
-    print(f"verify: {args.calls} emulated calls, tp={args.tp}, vocab={args.vocab}, rows "
+    print(f"verify: {args.calls} emulated calls, tp={args.tp}, vocab={args.vocab}, "
+          f"{args.dtype}, rows "
           f"{args.rows}, CTAs {gather.ctas}: bitwise equal to the reference, mailbox armed")
     return 0
 

@@ -72,7 +72,9 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts, shard=64):
         os.fsync, os.replace, os.rename = (traced_fsync, traced("replace", replace),
                                            traced("rename", rename))
 
-    def make_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None):
+    def make_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None,
+                    dtype="bfloat16"):
+        asked.append(dtype)
         if fail == f"prepare@{rank}":
             raise RuntimeError("injected: no target")
         if fail == f"unserve@{rank}":  # the opt-in leaves this rank's environment mid-tuning
@@ -81,13 +83,16 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts, shard=64):
 
     firstuse.make_target = make_target
     seen = capture_log()
-    m = model(lm__tp_size=nprocs, lm__weight=torch.zeros(shard, 16, dtype=torch.bfloat16))
+    asked = []  # the dtypes first-use tuning's targets were made for
+    logits = getattr(torch, env.get("HEAD_DTYPE", "bfloat16"))  # the head's logits dtype
+    m = model(lm__tp_size=nprocs, lm__weight=torch.zeros(shard, 16, dtype=torch.bfloat16),
+              lp__head_dtype=logits)
     served = install_logits_gather(m, None, nprocs, rank, "cpu").rows
-    out = m.logits_processor._gather_logits(torch.zeros(1, shard, dtype=torch.bfloat16))
+    out = m.logits_processor._gather_logits(torch.zeros(1, shard, dtype=logits))
     routed = (sorted(set(out.view(torch.uint8).flatten().tolist())) if torch.is_tensor(out)
               else out)
     return {"served": list(served), "timed": len(timed), "rows": sorted({r for r, _ in timed}),
-            "routed": routed, "log": seen, "io": io}
+            "routed": routed, "log": seen, "io": io, "asked": asked}
 
 
 def _start(tmp_path, env=None, shared=False, fail="", facts=FACTS, cache=None, shard=64,
@@ -150,7 +155,7 @@ def test_a_second_vocabulary_measures_its_own_section_beside_the_first(tmp_path)
         assert r["served"] == SERVED and r["rows"] == MEASURED and r["routed"] == [FAKE_BYTE]
         line = next(x for x in r["log"] if "first-use tuning on NVIDIA H200" in x)
         assert "(tp=2, dcp=1, missing): measured rows" in line
-        assert line.endswith("; vocab=192 (the tables hold sections for vocab 128 only)")
+        assert line.endswith("; vocab=192, bfloat16 (the tables hold sections for vocab 128 only)")
     path, data = _user_table(tmp_path)
     sections = data["devices"]["NVIDIA H200"]
     assert [s["vocab"] for s in sections] == [128, 192]
@@ -162,6 +167,34 @@ def test_a_second_vocabulary_measures_its_own_section_beside_the_first(tmp_path)
         for r in _start(tmp_path, shard=shard):
             assert r["served"] == SERVED and r["timed"] == 0 and r["routed"] == [FAKE_BYTE]
             assert not any("first-use tuning" in x for x in r["log"])
+    assert _user_table(tmp_path)[1] == data
+
+
+def test_an_fp32_head_measures_its_own_section_beside_the_bf16_one(tmp_path):
+    """Issue 42: a section is measured for one logits dtype. A model of the same V whose
+    lm_head runs in FP32 (vLLM's head_dtype float32) finds the BF16 section not serving
+    it, measures at float32 (the targets are made for it), and writes a ``dtype:
+    float32`` section beside the BF16 one, which stays as it was; later starts of
+    either head measure nothing and each serves its own section."""
+    _start(tmp_path)  # the BF16 head: V = 128
+    (bf16,) = _user_table(tmp_path)[1]["devices"]["NVIDIA H200"]
+    assert bf16["dtype"] == "bfloat16"
+    fp32 = {"HEAD_DTYPE": "float32"}
+    for r in _start(tmp_path, env=fp32):
+        assert r["served"] == SERVED and r["rows"] == MEASURED and r["routed"] == [FAKE_BYTE]
+        assert r["asked"] == ["float32"]
+        line = next(x for x in r["log"] if "first-use tuning on NVIDIA H200" in x)
+        assert line.endswith("; vocab=128, float32 (the tables hold sections for this vocab "
+                             "and stock measured for bfloat16 logits only)")
+    path, data = _user_table(tmp_path)
+    sections = data["devices"]["NVIDIA H200"]
+    assert [s["dtype"] for s in sections] == ["bfloat16", "float32"]
+    assert sections[0] == bf16 and sections[1]["vocab"] == 128
+    table = load_table(path)
+    assert table.section("NVIDIA H200", 2, 1, dtype="float32").raw == sections[1]
+    for env in ({}, fp32):
+        for r in _start(tmp_path, env=env):
+            assert r["served"] == SERVED and r["timed"] == 0 and r["routed"] == [FAKE_BYTE]
     assert _user_table(tmp_path)[1] == data
 
 

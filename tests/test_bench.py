@@ -67,7 +67,7 @@ def _fake(monkeypatch, mode=report.EMULATED, tp=8, fail_at=None, interrupt_at=No
     runner = FakeRunner(mode, fail_at, interrupt_at)
     world = 1 if mode == report.EMULATED else tp
     chosen = Chosen(FakeTarget(tp), torch.device("cpu"), world, True, mode != report.RANKS)
-    monkeypatch.setattr(bench, "make_target", lambda command, tp, vocab: chosen)
+    monkeypatch.setattr(bench, "make_target", lambda command, tp, vocab, dtype="bfloat16": chosen)
     monkeypatch.setattr(bench, "make_runner", lambda chosen, args: runner)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
@@ -126,6 +126,31 @@ def test_emulated_tables_csv_and_json(tmp_path, monkeypatch, capsys):
     assert meta["mode"] == "emulated" and meta["copy_gbs"] == BANDWIDTH
     assert titles == ["NVIDIA H200, TP 8, V = 163840: emulated, TP virtual ranks on one GPU (no NVLink)"]
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_fp32_bench_asks_for_fp32_benchmarks_the_fp32_section_and_counts_4_bytes(
+        tmp_path, monkeypatch, capsys):
+    """``bench --dtype float32``: the target is made for FP32 logits, the plan is the
+    table's float32 section (a BF16 section of the same key is not it), and the HBM
+    floor counts 4 bytes a value (twice BF16's). V/TP need only be whole 4-FP32
+    fragments (163840 / 8 = 20480)."""
+    asked = []
+    _fake(monkeypatch)
+    chosen = bench.make_target("bench", 8, V)
+    monkeypatch.setattr(bench, "make_target", lambda command, tp, vocab, dtype="bfloat16": (
+        asked.append(dtype), chosen)[1])
+    table = tmp_path / "t.yaml"
+    table.write_text("schema: 1\ndevices:\n  NVIDIA H200:\n"
+                     "    - {tp: 8, vocab: 163840, emulated: true, rows: {8: {ctas: 5, enabled: false}}}\n"
+                     "    - {tp: 8, vocab: 163840, emulated: true, dtype: float32,\n"
+                     "       rows: {8: {ctas: 7, enabled: false}}}\n")
+    assert cli.main(["bench", "--rows", "1,8", "--table", str(table), "--dtype", "float32",
+                     "--out", str(tmp_path / "b")]) == 0
+    assert asked == ["float32"]
+    rows = _csv(tmp_path / "b.csv")
+    assert [(r["plan"], int(r["ctas"])) for r in rows][1] == ("table", 7)  # not BF16's 5
+    assert float(rows[1]["step_bytes"]) == 2 * step_bytes(8, 8, V, 8)
+    assert "into float32" in capsys.readouterr().out
 
 
 def test_a_negative_captured_host_time_is_clamped_at_the_timers_resolution(
@@ -243,6 +268,10 @@ def test_bench_help_names_the_modes_and_defaults(capsys):
     (("--tp", "1"), "lamport-head: bench: --tp must be at least 2"),
     (("--tp", "3"), "lamport-head: bench: vocab 163840 / tp 3 is not a multiple of 8"),
     (("--budget-s", "0"), "lamport-head bench: argument --budget-s: expected a positive number"),
+    (("--dtype", "float32", "--vocab", "1004", "--tp", "2"),
+     "lamport-head: bench: vocab 1004 / tp 2 is not a multiple of 4 (float32)"),
+    (("--dtype", "float16"), "lamport-head bench: argument --dtype: invalid choice"),
+    (("--dtype", "float32", "--drafter"), "lamport-head: bench: --drafter times BF16 heads"),
 ])
 def test_bench_refuses_bad_arguments_on_any_machine(argv, message):
     p = subprocess.run([sys.executable, "-m", "lamport_head.cli", "bench", *argv],
@@ -329,7 +358,7 @@ def _fake_drafter(monkeypatch, mode=report.EMULATED, tp=8):
     runner = FakeDrafterRunner(mode, tp)
     world = 1 if mode == report.EMULATED else tp
     chosen = Chosen(FakeTarget(tp), torch.device("cpu"), world, True, mode != report.RANKS)
-    monkeypatch.setattr(draftbench, "make_target", lambda command, tp, vocab: chosen)
+    monkeypatch.setattr(draftbench, "make_target", lambda command, tp, vocab, dtype="bfloat16": chosen)
     monkeypatch.setattr(bench, "make_runner", lambda chosen, args: runner)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
@@ -477,7 +506,7 @@ def test_drafter_torchrun_path_times_the_same_shapes(tmp_path, monkeypatch, caps
     monkeypatch.setattr(DistributedTarget, "stock", lambda self, rows: (
         stocked.append((rows, self.shard)) or Timing(30.0, 20.0, 5.0)))
     chosen = Chosen(DistributedTarget(ranks, V), ranks.device, 2, True, False)
-    monkeypatch.setattr(draftbench, "make_target", lambda command, tp, vocab: chosen)
+    monkeypatch.setattr(draftbench, "make_target", lambda command, tp, vocab, dtype="bfloat16": chosen)
     from lamport_head import build
 
     monkeypatch.setattr(build, "KERNELS", types.SimpleNamespace(arch=lambda d: 90,

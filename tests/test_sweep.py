@@ -13,6 +13,7 @@ from spawn import spawn
 from lamport_head.config import GatherConfig, cta_choices
 from lamport_head.table import TableRow, load_table
 from lamport_head.tuning import sweep
+from lamport_head.tuning import harness
 from lamport_head.tuning.harness import Timing
 from lamport_head.tuning.writer import measured_rows, merge_section
 
@@ -210,9 +211,9 @@ def fake_gpu(monkeypatch, name="NVIDIA H200", limit=16):
     import lamport_head.tuning.harness as harness
 
     class FakeTarget(CostModel):
-        def __init__(self, device, tp, vocab):
+        def __init__(self, device, tp, vocab, dtype="bfloat16"):
             super().__init__(limit=limit)
-            self.tp, self.shard = tp, vocab // tp
+            self.tp, self.shard, self.dtype = tp, vocab // tp, dtype
 
     monkeypatch.setattr(harness, "EmulatedTarget", FakeTarget)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -238,6 +239,40 @@ def test_tune_command_end_to_end_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "t.optuna.db").exists()
     # a re-run resumes: nothing left to time for the same trial count
     assert cli.main(argv) == 0
+
+
+def test_tune_dtype_float32_measures_for_fp32_and_writes_a_float32_section_beside_bf16(
+        tmp_path, monkeypatch, capsys):
+    """`lamport-head tune --dtype float32`: the target is made for FP32 logits, its
+    studies are keyed apart from BF16's (a BF16 study never resumes for FP32), and the
+    section is written ``dtype: float32`` beside the BF16 one; `show` prints each
+    section's dtype."""
+    from lamport_head import cli
+
+    fake_gpu(monkeypatch)
+    made = []
+    real = harness.EmulatedTarget
+    monkeypatch.setattr(harness, "EmulatedTarget",
+                        lambda *a, **k: made.append(k.get("dtype")) or real(*a, **k))
+    out = tmp_path / "t.yaml"
+    base = ["tune", "--emulate", "--tp", "8", "--rows", "1,2", "--trials", "4", "--quiet",
+            "--out", str(out)]
+    assert cli.main(base) == 0 and cli.main(base + ["--dtype", "float32"]) == 0
+    assert made == ["bfloat16", "float32"]
+    table = load_table(out)
+    bf16 = table.section("NVIDIA H200", 8, 1, emulated=True, dtype="bfloat16")
+    fp32 = table.section("NVIDIA H200", 8, 1, emulated=True, dtype=torch.float32)
+    assert (bf16.dtype, fp32.dtype) == ("bfloat16", "float32") and bf16 is not fp32
+    assert "wrote" in capsys.readouterr().out
+    assert cli.main(["show", "--table", str(out), "--device", "NVIDIA H200", "--emulated"]) == 0
+    shown = capsys.readouterr().out
+    assert "  bfloat16 logits; served only to a head of that dtype" in shown
+    assert "  float32 logits; served only to a head of that dtype" in shown
+    import optuna
+
+    names = [s.study_name for s in optuna.get_all_study_summaries(
+        f"sqlite:///{tmp_path / 't.optuna.db'}")]
+    assert sum("|float32|" in n for n in names) == 2 and len(names) == 4
 
 
 def test_tune_writes_the_user_layer_by_default(monkeypatch, capsys):
@@ -278,7 +313,7 @@ def test_tune_and_bench_choose_their_target_in_one_place(monkeypatch, capsys):
     ranks = types.SimpleNamespace(world=2, device="cuda:0", shared=True, is_root=True)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(procs, "init_ranks", lambda: ranks)
-    monkeypatch.setattr(harness, "DistributedTarget", lambda r, vocab: ("ranks", r, vocab))
+    monkeypatch.setattr(harness, "DistributedTarget", lambda r, vocab, dtype="bfloat16": ("ranks", r, vocab))
     with pytest.raises(SystemExit, match="^lamport-head tune: --tp 4 but torchrun started 2 ranks$"):
         make_target("tune", 4, V, emulate=False)
     chosen = make_target("tune", 2, V, emulate=False, shared_note="; written emulated")

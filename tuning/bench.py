@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from lamport_head import config
+from lamport_head.dtypes import DEFAULT as DEFAULT_DTYPE
+from lamport_head.dtypes import itemsize
 from lamport_head.table import load_table
 
 from . import goals, report
@@ -38,7 +40,8 @@ def config_for(target, rows, entries, threads=config.DEFAULT_THREADS, unroll=Non
     if rows in entries:
         return entries[rows].config
     return config.default_config(rows, target.tp, target.shard, threads, unroll,
-                                 lambda c: target.limit(c.threads, c.unroll))
+                                 lambda c: target.limit(c.threads, c.unroll),
+                                 getattr(target, "dtype", None) or "bfloat16")
 
 
 def make_runner(chosen, args):
@@ -59,12 +62,14 @@ def _say(root, *lines):
 
 
 def run(args):
-    chosen = make_target("bench", args.tp, args.vocab)
+    dtype = getattr(args, "dtype", DEFAULT_DTYPE)
+    chosen = make_target("bench", args.tp, args.vocab, dtype=dtype)
     target, device, root = chosen.target, chosen.device, chosen.root
     mode = report.mode_of(chosen.emulated, chosen.world)
     name = torch.cuda.get_device_name(device)
     entries = load_table(args.table).entries(name, target.tp, args.dcp,
-                                             emulated=chosen.emulated, vocab=args.vocab)
+                                             emulated=chosen.emulated, vocab=args.vocab,
+                                             dtype=dtype)
     runner = make_runner(chosen, args)
     tp, vocab = target.tp, args.vocab
     ranks_here = tp if chosen.emulated else 1  # ranks whose bytes cross this GPU's memory
@@ -74,7 +79,8 @@ def run(args):
         out.parent.mkdir(parents=True, exist_ok=True)
     _say(root, f"lamport-head bench: {report.title(name, tp, vocab, mode)}",
          f"  mode: {report.MODE_LABEL[mode]}",
-         f"  lm_head shard: [M, {args.hidden}] x [{args.hidden}, {vocab // tp}] BF16; PDL on "
+         f"  lm_head shard: [M, {args.hidden}] x [{args.hidden}, {vocab // tp}] BF16 into "
+         f"{dtype}; PDL on "
          f"this GPU: {'yes' if runner.pdl else 'no (PDL on = off)'}; spin budget "
          f"{args.budget_s} s; device-to-device copy {bandwidth:.0f} GB/s (read + write)")
     records = []
@@ -123,7 +129,8 @@ def _measure_rows(args, target, runner, entries, records, root, mode, out, ranks
                   "unroll": benchmarked.unroll,
                   "plan": "table" if rows in entries else "default"}
         record.update(runner.row(rows, benchmarked, default))
-        report.derive(record, tp=tp, vocab=vocab, ranks_here=ranks_here, bandwidth_gbs=bandwidth)
+        report.derive(record, tp=tp, vocab=vocab, ranks_here=ranks_here, bandwidth_gbs=bandwidth,
+                      itemsize=itemsize(getattr(args, "dtype", DEFAULT_DTYPE)))
         records.append(record)
         if root:
             report.write_csv(out.with_suffix(".csv"), mode, records, tp=tp, vocab=vocab,

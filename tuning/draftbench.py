@@ -98,6 +98,9 @@ def shard_problem(flag, vocab, tp):
 
 def check(args):
     """What is wrong with ``bench --drafter``'s own arguments (None: nothing)."""
+    if getattr(args, "dtype", "bfloat16") != "bfloat16":
+        return (f"--drafter times BF16 heads and packed BF16 candidates only, not --dtype "
+                f"{args.dtype} (drop --drafter to bench an FP32 head's gather)")
     problem = shard_problem("--draft-vocab", args.draft_vocab, args.tp)
     if problem:
         return problem

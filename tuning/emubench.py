@@ -90,9 +90,11 @@ class EmulatedRunner:
     def row(self, rows, config, default):
         """``{figure: value}`` for ``MEASURED`` (NaN where not measured)."""
         out = dict.fromkeys(MEASURED, math.nan)
-        data = planted(self.tp, rows, self.shard, device=self.device)
+        dtype = self.target.dtype
+        data = planted(self.tp, rows, self.shard, device=self.device, dtype=dtype)
         shards = [data[r] for r in range(self.tp)]
-        heads = [LmHead(rows, self.hidden, self.shard, self.device, seed=r) for r in range(self.tp)]
+        heads = [LmHead(rows, self.hidden, self.shard, self.device, seed=r, dtype=dtype)
+                 for r in range(self.tp)]
         out["lm_head_us"] = self._gated(None, lambda n: rank_steps(n, self.streams, self.device, heads=heads))
 
         def main(emu, got):
@@ -128,7 +130,7 @@ class EmulatedRunner:
             what += f" shard {target.shard}"
         try:
             emu = EmulatedGather(self.device, self.tp, target.shard, {rows: config}, pdl=pdl,
-                                 budget_s=self.budget_s)
+                                 budget_s=self.budget_s, dtype=target.dtype)
         except ValueError as exc:  # a plan this launch kind cannot hold co-resident
             self.notes.append(f"{what}: not built: {exc}")
             return got
@@ -153,12 +155,13 @@ class EmulatedRunner:
             return self.target
         from .harness import EmulatedTarget
 
-        return EmulatedTarget(self.device, self.tp, vocab, budget_s=self.budget_s)
+        return EmulatedTarget(self.device, self.tp, vocab, budget_s=self.budget_s,
+                              dtype=self.target.dtype)
 
     def gather(self, target, rows, config):
         """``{"gpu_us": ...}``: GPU µs per step of every rank's gather of ``[rows,
         target.shard]`` (gated, verified before and after; NaN where it failed)."""
-        data = planted(self.tp, rows, target.shard, device=self.device)
+        data = planted(self.tp, rows, target.shard, device=self.device, dtype=target.dtype)
         shards = [data[r] for r in range(self.tp)]
 
         def body(emu, got):

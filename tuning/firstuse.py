@@ -1,6 +1,7 @@
 """First-use tuning's measuring (``measure``): when no table layer holds a real-rank
-section for this GPU model, TP, DCP and vocabulary V = TP x shard width (a section
-measured at another V is none: the bytes a row moves scale with V), or the user
+section for this GPU model, TP, DCP, vocabulary V = TP x shard width and logits dtype
+(a section measured at another V or dtype is none: the bytes a row moves scale with
+both), or the user
 table holds no version of it measured in this environment (``table.version``: another
 environment's is kept beside it, not replaced), the install core measures before it
 serves. The core decides when
@@ -44,10 +45,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from lamport_head import provenance
+from lamport_head import dtypes, provenance
 from lamport_head.collective import agree, all_gather_objects, attempt, together
 from lamport_head.config import default_config
 from lamport_head.kernels.protocol import DEFAULT_THREADS
+from lamport_head.dtypes import DEFAULT as DEFAULT_DTYPE
 from lamport_head.table import NCCL_STOCK, fill, normalize, user_path
 
 logger = logging.getLogger("lamport_head")
@@ -86,7 +88,7 @@ def rows_to_measure(rows):
     return sorted(m for m in picks if m in rows)
 
 
-def row_unroll(target, rows, tp, shard, threads):
+def row_unroll(target, rows, tp, shard, threads, dtype=DEFAULT_DTYPE):
     """The unrolls the default plans of ``rows`` take at ``threads`` (a tuple, in
     order): what serving would build without a table, so first use measures that
     kernel. Collective on real ranks (``target.limit`` is): every rank asks the same
@@ -94,17 +96,19 @@ def row_unroll(target, rows, tp, shard, threads):
     def limit(config):
         return target.limit(config.threads, config.unroll)
 
-    picks = [default_config(rows, tp, shard, t, None, limit).unroll for t in threads]
+    picks = [default_config(rows, tp, shard, t, None, limit, dtype).unroll for t in threads]
     return tuple(dict.fromkeys(picks))
 
 
-def make_target(ranks, vocab, limits=FIRST_USE_LIMITS, stock=None):
+def make_target(ranks, vocab, limits=FIRST_USE_LIMITS, stock=None, dtype=DEFAULT_DTYPE):
     """The real-rank harness first-use tuning measures on; ``stock``: the engine's own
-    gather the route replaces (None: the tuner's NCCL stand-in)."""
+    gather the route replaces (None: the tuner's NCCL stand-in); ``dtype``: the
+    model's logits dtype (a ``dtypes`` name), the one the trials gather."""
     from .harness import DistributedTarget
 
     return DistributedTarget(ranks, vocab, calls=limits.calls, reps=limits.reps,
-                             replays=limits.replays, stock=stock)
+                             replays=limits.replays, stock=stock,
+                             dtype=dtypes.torch_dtype(dtype))
 
 
 @dataclass
@@ -118,7 +122,7 @@ class Outcome:
 
 
 def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRST_USE_LIMITS, *,
-            stock=None, stock_kind=NCCL_STOCK):
+            stock=None, stock_kind=NCCL_STOCK, dtype=DEFAULT_DTYPE):
     """Collective over ``group``: measure ``rows_to_measure(rows)``, the first rank of
     each host writes the agreed rows into that host's user table, every rank returns
     the same ``Outcome`` (but ``path``: its own host's table). Raises on every rank
@@ -129,7 +133,9 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
     NCCL stand-in, so a row is enabled only where the Lamport gather beats the path it
     replaces (SGLang's multimem one-shot gather where SGLang built one); the section
     is written with ``stock: stock_kind`` (``table.STOCKS``) and served only against
-    that stock."""
+    that stock. ``dtype``: the model's logits dtype (a ``dtypes`` name, the head's:
+    FP32 for an FP32 lm_head): every trial gathers it, and the section is written
+    with ``dtype: dtype`` and served only to logits of that dtype."""
     import torch
     import torch.distributed as dist
 
@@ -143,7 +149,7 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
 
     def prepare():
         ranks = Ranks(torch.device(device), rank, tp, shared, dist.get_backend(group), group)
-        return (make_target(ranks, vocab, limits, stock), provenance.kernel_identity(),
+        return (make_target(ranks, vocab, limits, stock, dtype), provenance.kernel_identity(),
                 provenance.facts())
 
     prepared, error = attempt(prepare)
@@ -162,7 +168,7 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
         # Rank 0's clock decides for everyone.
         if comm.broadcast(time.monotonic() - start > limits.seconds and bool(results)):
             break
-        unroll = limits.unroll or row_unroll(target, m, tp, shard, limits.threads)
+        unroll = limits.unroll or row_unroll(target, m, tp, shard, limits.threads, dtype)
         results.append(tune_rows(
             target, m, device=normalize(name), tp=tp, dcp=dcp, vocab=vocab,
             trials=len(limits.ctas) * len(limits.threads) * len(unroll), storage=None,
@@ -194,7 +200,8 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
         if emulated:
             prov["note"] += "; processes sharing one GPU: not performance, never served"
         return str(merge_section(user_path(), name, tp, dcp, measured_rows(results), prov,
-                                 emulated=emulated, vocab=vocab, stock=stock_kind))
+                                 emulated=emulated, vocab=vocab, stock=stock_kind,
+                                 dtype=dtype))
 
     # Every host gets the table: its first rank writes the agreed rows into its own
     # user table (ranks on several hosts, an NVL72 domain, would otherwise find the

@@ -25,10 +25,11 @@ BF16_BYTES = 2
 COPY_MIB = 512  # big enough that launch and L2 (50 MB on H200) do not matter
 
 
-def step_bytes(rows: int, tp: int, vocab: int, ranks_here: int) -> int:
+def step_bytes(rows: int, tp: int, vocab: int, ranks_here: int, itemsize: int = BF16_BYTES) -> int:
     """Bytes read plus written per step in the memory of a GPU hosting ``ranks_here``
-    of the ``tp`` ranks (``tp``: emulated; 1: one GPU per rank)."""
-    shard = rows * (vocab // tp) * BF16_BYTES
+    of the ``tp`` ranks (``tp``: emulated; 1: one GPU per rank), of values of
+    ``itemsize`` bytes (2: BF16, 4: FP32)."""
+    shard = rows * (vocab // tp) * itemsize
     per_rank = shard * (1 + (tp - 1) + (tp - 1) + tp + (tp - 1))  # see the module docstring
     return ranks_here * per_rank
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lamport_head import build
+from lamport_head import build, dtypes
 from lamport_head.collective import PeerFailed, agree, all_max, all_min, attempt
 from lamport_head.config import GatherConfig
 from lamport_head.head_gather import SPIN_BUDGET_S
@@ -215,11 +215,13 @@ class EmulatedTarget:
     objective = "gpu_us"  # eager time here is the host issuing TP launches in a row
 
     def __init__(self, device, tp, vocab, *, calls=50, reps=7, replays=20,
-                 budget_s=SPIN_BUDGET_S):
-        if vocab % tp or (vocab // tp) % 8:
-            raise ValueError(f"vocab {vocab} does not split into tp={tp} shards of whole 8-BF16 fragments")
+                 budget_s=SPIN_BUDGET_S, dtype=torch.bfloat16):
+        if vocab % tp or (vocab // tp) % dtypes.fragment(dtype):
+            raise ValueError(f"vocab {vocab} does not split into tp={tp} shards of whole "
+                             f"{dtypes.fragment(dtype)}-{dtypes.name(dtype)} fragments")
         self.device = torch.device(device)
         self.tp, self.vocab, self.shard = tp, vocab, vocab // tp
+        self.dtype = dtypes.torch_dtype(dtype)  # the logits' dtype every trial gathers
         self.calls, self.reps, self.replays, self.budget_s = calls, reps, replays, budget_s
         self._limits = {}
 
@@ -229,7 +231,7 @@ class EmulatedTarget:
         this GPU, PDL as the architecture has it, as ``_gather`` builds them)."""
         key = (threads, unroll)
         if key not in self._limits:
-            kernels = build.Kernels(self.device, self.tp, self.shard)
+            kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype)
             self._limits[key] = kernels.limit(GatherConfig(1, threads, unroll), self.tp)
         return self._limits[key]
 
@@ -237,10 +239,10 @@ class EmulatedTarget:
         from lamport_head.tuning.support.emulate import EmulatedGather
 
         return EmulatedGather(self.device, self.tp, self.shard, {rows: config},
-                              budget_s=self.budget_s)
+                              budget_s=self.budget_s, dtype=self.dtype)
 
     def _shards(self, rows):
-        data = planted(self.tp, rows, self.shard, device=self.device)
+        data = planted(self.tp, rows, self.shard, device=self.device, dtype=self.dtype)
         return [data[r] for r in range(self.tp)]
 
     def verify(self, gather, rows, calls=3):
@@ -343,13 +345,15 @@ class DistributedTarget:
     objective = "eager_us"  # what serving sees
 
     def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=SPIN_BUDGET_S,
-                 stock=None):
+                 stock=None, dtype=torch.bfloat16):
         """``stock``: the engine's own gather that a route would replace (``[M, V/TP] ->
         [M, V]``, every rank calling it alike: first-use tuning passes the callable
         install found), timed and verified against in place of the tuner's NCCL
         stand-in (``StockGather``, None). It runs as the engine runs it (it may
-        allocate per call), so a failure inside it is the engine's backend's to report."""
+        allocate per call), so a failure inside it is the engine's backend's to report.
+        ``dtype``: the logits' dtype every trial gathers (the model's head dtype)."""
         self._engine_stock = stock
+        self.dtype = dtypes.torch_dtype(dtype)
         self.ranks, self.group, self.device = ranks, ranks.group, ranks.device
         self.tp, self.rank, self.vocab, self.shard = ranks.world, ranks.rank, vocab, vocab // ranks.world
         self.emulated = ranks.shared  # time-sliced processes: never a serving figure
@@ -372,7 +376,7 @@ class DistributedTarget:
         if key not in self._limits:
             def local():
                 sharing = self.tp if self.ranks.shared else 1
-                kernels = build.Kernels(self.device, self.tp, self.shard)
+                kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype)
                 return kernels.limit(GatherConfig(1, threads, unroll), sharing)
 
             # A compile that fails on one rank raises on every rank, together.
@@ -386,7 +390,8 @@ class DistributedTarget:
         from lamport_head.status import RECOVERABLE
 
         return HeadGather(self.group, self.device, self.tp, self.rank, self.shard,
-                          {rows: config}, pdl=pdl, budget_s=self.budget_s, mode=RECOVERABLE)
+                          {rows: config}, pdl=pdl, budget_s=self.budget_s, mode=RECOVERABLE,
+                          dtype=self.dtype)
 
     def _stock(self, rows, step):
         """The stock gather: the engine's own (given at construction), else the tuner's
@@ -394,7 +399,7 @@ class DistributedTarget:
         allocate nothing, so once the ranks met they can fail only in the backend)."""
         if self._engine_stock is not None:
             return self._engine_stock
-        return step.local(StockGather, rows, self.shard, self.group, self.device)
+        return step.local(StockGather, rows, self.shard, self.group, self.device, self.dtype)
 
     def _call(self, gather, x, failed):
         """One gather call; a failure is recorded in ``failed``, the caller's loop goes
@@ -412,7 +417,7 @@ class DistributedTarget:
         ok = True
         stock = self._stock(rows, step)
         for _ in range(calls):
-            data = step.local(planted, rows, self.shard, device=self.device)
+            data = step.local(planted, rows, self.shard, device=self.device, dtype=self.dtype)
             step.meet("to plant the verification data")  # the stock step sends it
             want = step.local(self._reference, stock(data))
             got = self._call(gather, data, failed)  # every rank calls: peers' kernels wait
@@ -459,8 +464,8 @@ class DistributedTarget:
         failed = [False]
         if not self.verify(gather, rows, failed, step):
             return None
-        x = step.local(planted, rows, self.shard, device=self.device)
-        out = step.local(torch.empty, rows, self.vocab, dtype=torch.bfloat16, device=self.device)
+        x = step.local(planted, rows, self.shard, device=self.device, dtype=self.dtype)
+        out = step.local(torch.empty, rows, self.vocab, dtype=self.dtype, device=self.device)
         step.meet("to plant and allocate the trial's data")
         eager, host = median_eager(lambda: self._call(gather, x, failed), self.device,
                                     self.calls, self.reps, step)
@@ -480,7 +485,7 @@ class DistributedTarget:
         failed = [False]
         if not self.verify(gather, rows, failed, step):
             return None
-        out = step.local(torch.empty, rows, self.vocab, dtype=torch.bfloat16, device=self.device)
+        out = step.local(torch.empty, rows, self.vocab, dtype=self.dtype, device=self.device)
         step.meet("to allocate the lm_head's gather output")
         alone, _ = _median_graph(lambda: (lm_head(), lm_head()), self.device, self.replays,
                                  self.reps, step)
@@ -509,7 +514,7 @@ class DistributedTarget:
         """Stock timing, reduced (MAX) over ranks; a local failure raises on every rank."""
         step = self._lockstep()
         stock = self._stock(rows, step)
-        x = step.local(planted, rows, self.shard, device=self.device)
+        x = step.local(planted, rows, self.shard, device=self.device, dtype=self.dtype)
         step.meet("to plant the stock path's data")
         call = lambda: stock(x)  # noqa: E731
         eager, host = median_eager(call, self.device, self.calls, self.reps, step)

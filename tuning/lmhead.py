@@ -12,19 +12,22 @@ _SCALE = 0.02  # keeps the products finite (no inf/NaN in the logits the gather 
 
 
 class LmHead:
-    """``lm_head()`` -> ``[rows, shard]`` BF16 on the current stream: ``x @ w`` into
+    """``lm_head()`` -> ``[rows, shard]`` of ``dtype`` (BF16, or FP32 accumulated from the
+    BF16 operands as an FP32 lm_head does) on the current stream: ``x @ w`` into
     ``self.out``. Each rank has its own weight (nothing shared in L2 between ranks)."""
 
-    def __init__(self, rows, hidden, shard, device, seed=0):
+    def __init__(self, rows, hidden, shard, device, seed=0, dtype=None):
         import torch
 
         g = torch.Generator(device=device)
         g.manual_seed(seed)
         bf16 = torch.bfloat16
+        dtype = bf16 if dtype is None else dtype
         self.x = (torch.randn(rows, hidden, device=device, generator=g) * _SCALE).to(bf16)
         self.w = (torch.randn(hidden, shard, device=device, generator=g) * _SCALE).to(bf16)
-        self.out = torch.empty(rows, shard, dtype=bf16, device=device)
+        self.out = torch.empty(rows, shard, dtype=dtype, device=device)
         self._mm = torch.mm
+        self._more = {} if dtype == bf16 else {"out_dtype": dtype}
 
     def __call__(self):
-        return self._mm(self.x, self.w, out=self.out)
+        return self._mm(self.x, self.w, out=self.out, **self._more)

@@ -67,7 +67,7 @@ class RanksRunner:
         if vocab == t.vocab:
             return t
         return DistributedTarget(t.ranks, vocab, calls=t.calls, reps=t.reps, replays=t.replays,
-                                 budget_s=t.budget_s)
+                                 budget_s=t.budget_s, dtype=t.dtype)
 
     def gather(self, target, rows, config):
         """``{"gpu_us", "stock_gpu_us"}`` (collective, MAX over ranks): the captured GPU
@@ -108,7 +108,8 @@ class RanksRunner:
         out["add_us"] = self._add_us()
         stock = t.stock(rows)
         out.update(stock_eager_us=stock.eager_us, stock_gpu_us=stock.gpu_us)
-        head = self._local(lambda: LmHead(rows, self.hidden, t.shard, self.device, seed=t.rank),
+        head = self._local(lambda: LmHead(rows, self.hidden, t.shard, self.device, seed=t.rank,
+                                          dtype=t.dtype),
                            "to build the lm_head shard")
         for pdl, key in ((None, "pdl"), (False, "nopdl")):
             both = t.lm_head_overlap(rows, config, head, pdl=pdl)

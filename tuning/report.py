@@ -105,13 +105,13 @@ def _ratio(a, b):
     return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
 
 
-def derive(record, *, tp, vocab, ranks_here, bandwidth_gbs):
+def derive(record, *, tp, vocab, ranks_here, bandwidth_gbs, itemsize=2):
     """Add the derived figures to a row's measured ``record`` (in place; returned):
     the floor and ratios; visible = (lm_head + gather) - lm_head, over the standalone
     gather of the same launch kind; host over ``torch.add_`` (the record's own, timed
     in the same loop); the captured host figure clamped at the timer's resolution."""
     r = record
-    nbytes = step_bytes(r["rows"], tp, vocab, ranks_here)
+    nbytes = step_bytes(r["rows"], tp, vocab, ranks_here, itemsize)
     r["step_bytes"], r["copy_gbs"] = nbytes, bandwidth_gbs
     r["floor_us"] = floor_us(nbytes, bandwidth_gbs)
     r["floor_ratio"] = _ratio(r["gpu_us"], r["floor_us"])

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 from lamport_head.collective import together
 from lamport_head.config import CTA_STEPS, SWEEP_THREADS, SWEEP_UNROLL, GatherConfig, sweep_grid
+from lamport_head.dtypes import DEFAULT as DEFAULT_DTYPE
+from lamport_head.dtypes import name as dtype_name
 from lamport_head.provenance import digest, kernel_identity
 from lamport_head.table import TableRow
 
@@ -106,13 +108,16 @@ def _no_fit(limits, ctas):
 
 
 
-def study_name(device, tp, dcp, rows, emulated, *, vocab, kernel, space):
+def study_name(device, tp, dcp, rows, emulated, *, vocab, kernel, space, dtype=DEFAULT_DTYPE):
     """The study key: a timing is reused only for the same device, TP, DCP, vocab,
-    rows and kernel build. The search space's hash is in it too: Optuna refuses a
-    categorical parameter whose choices change within a study."""
+    logits dtype, rows and kernel build. The search space's hash is in it too: Optuna
+    refuses a categorical parameter whose choices change within a study. BF16's key
+    names no dtype (the keys studies were stored under before dtypes)."""
     grid_hash = digest(*(c.label().encode() for c in space), size=8)
-    return (f"lamport-head|{device}|tp{tp}|dcp{dcp}|vocab{vocab}|rows{rows}|kernel-{kernel}"
-            f"|space-{grid_hash}" + ("|emulated" if emulated else ""))
+    dtype = dtype_name(dtype)
+    return (f"lamport-head|{device}|tp{tp}|dcp{dcp}|vocab{vocab}"
+            + ("" if dtype == DEFAULT_DTYPE else f"|{dtype}")
+            + f"|rows{rows}|kernel-{kernel}|space-{grid_hash}" + ("|emulated" if emulated else ""))
 
 
 def _report(on_trial, *args):
@@ -157,7 +162,8 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
 
     def key():  # root only, inside its guard: kernel_identity() reads files
         return study_name(device, tp, dcp, rows, target.emulated, vocab=vocab,
-                          kernel=kernel or kernel_identity(), space=space)
+                          kernel=kernel or kernel_identity(), space=space,
+                          dtype=getattr(target, "dtype", DEFAULT_DTYPE))
 
     failure = root.run(root.open, key, storage, seed) if root else None
     timed = 0

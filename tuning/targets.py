@@ -17,8 +17,9 @@ class Chosen:
     emulated: bool  # not one rank per GPU (virtual ranks, or processes sharing a GPU)
 
 
-def make_target(command, tp, vocab, *, emulate=None, shared_note=""):
-    """The target of ``lamport-head COMMAND`` at ``tp`` ranks and ``vocab``. Under
+def make_target(command, tp, vocab, *, emulate=None, shared_note="", dtype="bfloat16"):
+    """The target of ``lamport-head COMMAND`` at ``tp`` ranks and ``vocab`` of logits of
+    ``dtype`` (``--dtype``: a ``dtypes`` name). Under
     torchrun the ranks are started here; where they share a GPU the root prints the
     note, ``shared_note`` after it. ``emulate`` (tune's --emulate; None: not asked)
     is checked: torchrun's ranks must be ``tp``, and one process at ``tp`` > 1 needs it."""
@@ -32,7 +33,7 @@ def make_target(command, tp, vocab, *, emulate=None, shared_note=""):
         if emulate is not None and ranks.world != tp:
             raise SystemExit(f"lamport-head {command}: --tp {tp} but torchrun started "
                              f"{ranks.world} ranks")
-        target = DistributedTarget(ranks, vocab)
+        target = DistributedTarget(ranks, vocab, dtype=dtype)
         if ranks.shared and ranks.is_root:
             print(f"lamport-head {command}: {SHARED_NOTE}{shared_note}", flush=True)
         return Chosen(target, ranks.device, world, ranks.is_root, ranks.shared)
@@ -42,4 +43,4 @@ def make_target(command, tp, vocab, *, emulate=None, shared_note=""):
     from .harness import EmulatedTarget
 
     device = torch.device("cuda", torch.cuda.current_device())
-    return Chosen(EmulatedTarget(device, tp, vocab), device, 1, True, True)
+    return Chosen(EmulatedTarget(device, tp, vocab, dtype=dtype), device, 1, True, True)

@@ -93,7 +93,7 @@ def run(args):
     rows_list = args.rows
     # time-sliced processes (ranks sharing a GPU) are written emulated, never served
     chosen = make_target("tune", args.tp, args.vocab, emulate=args.emulate,
-                         shared_note="; the section is written emulated: true")
+                         shared_note="; the section is written emulated: true", dtype=args.dtype)
     target, device, world, emulated = chosen.target, chosen.device, chosen.world, chosen.emulated
     comm = DistComm(None) if world > 1 else LocalComm()
     name = torch.cuda.get_device_name(device)
@@ -102,6 +102,7 @@ def run(args):
     root = comm.is_root
     if root:
         print(f"lamport-head tune: {name}, tp={args.tp}, dcp={args.dcp}, vocab={args.vocab}, "
+              f"{args.dtype} logits, "
               f"rows {rows_list}, {'emulated on one GPU' if emulated else f'{world} GPUs'}; "
               f"studies in {storage}", flush=True)
     progress = Progress(args.trials * len(rows_list), enabled=root and not args.quiet)
@@ -119,8 +120,9 @@ def run(args):
     if world > 1:
         command = f"torchrun --nproc-per-node {world} " + command
     path = merge_section(out, name, args.tp, args.dcp, section_rows(results, emulated),
-                         provenance(device, command), emulated=emulated, vocab=args.vocab)
-    print(f"wrote {path} ({name}, tp={args.tp}, dcp={args.dcp}, vocab={args.vocab}"
+                         provenance(device, command), emulated=emulated, vocab=args.vocab,
+                         dtype=args.dtype)
+    print(f"wrote {path} ({name}, tp={args.tp}, dcp={args.dcp}, vocab={args.vocab}, {args.dtype}"
           f"{', emulated' if emulated else ''})")
     if args.plot:
         from .plot import plot_rows

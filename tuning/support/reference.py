@@ -1,54 +1,73 @@
 """The gather's exact expected result, in plain torch (any device).
 
 ``reference_gather(shards)``: the shards concatenated along the vocab axis (NCCL
-all-gather's layout), with every 32-bit word equal to the sentinel (the BF16 pair
-(+0, -0)) replaced by 0, the one change the Lamport protocol makes to the bytes.
+all-gather's layout), with every 32-bit word equal to the sentinel replaced by 0, the
+one change the Lamport protocol makes to the bytes: the BF16 pair (+0, -0) becomes
+(+0, +0), the FP32 -0.0 becomes +0.0 (``lamport_head.dtypes``). BF16 and FP32 shards
+alike: the protocol moves words, whatever the values.
 """
 
 import torch
 
+from lamport_head.dtypes import served
 from lamport_head.kernels.protocol import SENTINEL_I32 as SENTINEL
 
 
 def scrub(logits: torch.Tensor) -> torch.Tensor:
-    """``logits`` (BF16, last dim even) with sentinel words made (+0, +0)."""
+    """``logits`` (BF16 with an even last dim, or FP32) with sentinel words made 0."""
     words = logits.contiguous().view(torch.int32)
-    return words.masked_fill(words == SENTINEL, 0).view(torch.bfloat16)
+    return words.masked_fill(words == SENTINEL, 0).view(logits.dtype)
 
 
 def reference_gather(shards) -> torch.Tensor:
-    """``[M, V]`` from the ranks' ``[M, V/TP]`` BF16 shards, sentinel words scrubbed."""
+    """``[M, V]`` from the ranks' ``[M, V/TP]`` shards (BF16 or FP32, all one dtype),
+    sentinel words scrubbed."""
     shards = list(shards)
     if not shards:
         raise ValueError("reference_gather needs at least one shard")
     for s in shards:
-        if s.dtype != torch.bfloat16 or s.dim() != 2 or s.shape != shards[0].shape:
-            raise ValueError("shards must be equal-shaped 2-D BF16 tensors")
-        if s.shape[1] % 2:
-            raise ValueError("shard width must be even (whole 32-bit words)")
+        if (not served(s.dtype) or s.dtype != shards[0].dtype or s.dim() != 2
+                or s.shape != shards[0].shape):
+            raise ValueError("shards must be equal-shaped 2-D tensors of one served dtype "
+                             "(bfloat16 or float32)")
+        if s.shape[1] * s.element_size() % 4:
+            raise ValueError("shard rows must be whole 32-bit words")
     return scrub(torch.cat(shards, dim=1))
 
 
 SPECIAL = (SENTINEL, 0x00008000, -0x80000000 | 0x3F80, 0x3F808000, 0, 0x7FC07FC0,
-           0x7F80FF80, -0x00800000 | 0x7FC0, 0x7FFF7FFF)
-"""Planted words: the sentinel, -0 in the low half, -0 high with 1.0 low, -0 low
-with 1.0 high, (+0, +0), NaN pairs, (+Inf, -Inf), (NaN, -Inf), (max NaN payloads)."""
+           0x7F80FF80, -0x00800000 | 0x7FC0, 0x7FFF7FFF, 0x00010001, -0x7FFF0000 | 0x007F)
+"""Planted BF16 words: the sentinel, -0 in the low half, -0 high with 1.0 low, -0 low
+with 1.0 high, (+0, +0), NaN pairs, (+Inf, -Inf), (NaN, -Inf), (max NaN payloads),
+(smallest denormal, smallest denormal), (-smallest denormal high, largest denormal low)."""
+
+SPECIAL_FP32 = (SENTINEL, 0, 0x7FC00000, 0x7FFFFFFF, -0x003FFFFF, 0x7F800000, -0x00800000,
+                0x00000001, -0x7FFFFFFF, 0x007FFFFF, -0x7F800001, 0x00008000, 0x3F800000,
+                0x00800000, 0x7F7FFFFF)
+"""Planted FP32 words: the sentinel (-0.0), +0.0, quiet NaN, the max NaN payload, a
+negative NaN (0xFFC00001), +Inf, -Inf, the smallest denormal, minus it (0x80000001),
+the largest denormal, minus it (0x807FFFFF), the BF16 word (-0, +0) read as FP32 (a
+denormal), 1.0, the smallest normal, the largest finite."""
+
+PLANTED = {torch.bfloat16: SPECIAL, torch.float32: SPECIAL_FP32}  # per dtype served
 
 
-def planted(*shape, generator=None, device="cpu") -> torch.Tensor:
-    """Random BF16 of ``shape`` (last dim even) with the words a gather must get right
-    planted at random places: every one of ``SPECIAL``, about 1 word in 64.
+def planted(*shape, generator=None, device="cpu", dtype=torch.bfloat16) -> torch.Tensor:
+    """Random ``dtype`` values (BF16, last dim even; or FP32) of ``shape`` with the words
+    a gather must get right planted at random places: every one of ``PLANTED[dtype]``,
+    about 1 word in 64.
 
     Deterministic for a seeded ``generator`` on any device (elementwise choices, no
     scatter whose duplicate indices a GPU may resolve either way): processes that
     share a seed build the same shards, so each can check a gather on its own."""
-    data = torch.randn(*shape, generator=generator, device=device).to(torch.bfloat16)
+    specials = PLANTED[dtype]
+    data = torch.randn(*shape, generator=generator, device=device).to(dtype)
     words = data.view(torch.int32).view(-1)
     n = words.numel()
-    special = torch.tensor(SPECIAL, dtype=torch.int32, device=device)
-    pick = torch.randint(0, 64 * len(SPECIAL), (n,), generator=generator, device=device)
-    hit = pick < len(SPECIAL)
-    words.copy_(torch.where(hit, special[pick.clamp(max=len(SPECIAL) - 1)], words))
-    if n >= len(SPECIAL):  # the first words hold every special for certain
-        words[: len(SPECIAL)] = special
+    special = torch.tensor(specials, dtype=torch.int32, device=device)
+    pick = torch.randint(0, 64 * len(specials), (n,), generator=generator, device=device)
+    hit = pick < len(specials)
+    words.copy_(torch.where(hit, special[pick.clamp(max=len(specials) - 1)], words))
+    if n >= len(specials):  # the first words hold every special for certain
+        words[: len(specials)] = special
     return data
