@@ -546,3 +546,30 @@ def test_the_candidate_widths_compile_and_pass_the_audit(words, tp, arch):
     for serving in (0, 1):
         ops = [t for _, t in _memory_ops(_mode(k, serving))]
         assert ops.count("fence.acq_rel.gpu;") == 2  # the last-CTA release and acquire
+
+
+# FP32 logits (issue 42): the kernel moves 32-bit words whatever the values, so an FP32
+# row of V/TP values is V/TP words (``dtypes.words``), twice the BF16 row's: Kimi K2's V
+# and Qwen's 151936.
+FP32_VOCABS = (163840, 151936)
+
+
+@pytest.mark.parametrize("vocab", FP32_VOCABS)
+@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_the_fp32_widths_compile_and_pass_the_audit(vocab, tp, arch):
+    """At the FP32 widths (``dtypes.words(V / TP, float32)`` = V / TP words a row) the
+    kernel compiles, passes every audit of the BF16 widths, keeps the trap reachable
+    only when launched serving, and is the same kernel as a BF16 row of twice the
+    values (one compile key: words, not dtype)."""
+    from lamport_head import dtypes
+
+    words = dtypes.words(vocab // tp, "float32")
+    assert words == vocab // tp == 2 * dtypes.words(vocab // tp, "bfloat16")
+    k = compile_gather(tp, words, arch=arch)
+    assert k is compile_gather(tp, dtypes.words(2 * (vocab // tp), "bfloat16"), arch=arch)
+    _audit(k, tp, DEFAULT_UNROLL, arch, staged(DEFAULT_UNROLL))
+    assert _traps(k, 0) == 0 and _traps(k, 1) == 1
+    for serving in (0, 1):
+        ops = [t for _, t in _memory_ops(_mode(k, serving))]
+        assert ops.count("fence.acq_rel.gpu;") == 2  # the last-CTA release and acquire

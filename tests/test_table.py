@@ -671,3 +671,78 @@ def test_a_file_a_person_named_is_never_the_one_set_aside_however_spelled(tmp_pa
         table = load_layers()
         assert table.broken is None and not any(p.aside for p in table.problems), named
         assert any("unset LAMPORT_HEAD_TABLE" in p.line for p in table.problems), named
+
+
+DTYPES_TABLE = """\
+schema: 1
+devices:
+  NVIDIA H200:
+    - tp: 2
+      vocab: 128
+      rows:
+        1-4: {ctas: 8, enabled: true}
+"""
+
+
+def test_a_bf16_section_does_not_serve_an_fp32_head():
+    """Issue 42: a section is measured for one logits dtype (the bytes a row moves). A
+    section written without ``dtype`` is BF16 (``LEGACY_DTYPE``) and is not served to a
+    model whose lm_head runs in FP32: asked for float32, the table has nothing; an
+    FP32 section of the same key sits beside it and serves FP32 only."""
+    import torch
+
+    from lamport_head.table import LEGACY_DTYPE
+
+    t = parse(DTYPES_TABLE, "d.yaml")
+    assert LEGACY_DTYPE == "bfloat16"
+    bf16 = t.section("NVIDIA H200", 2, 1, vocab=128, dtype=torch.bfloat16)
+    assert bf16.dtype == "bfloat16" and "dtype" not in bf16.raw
+    assert t.section("NVIDIA H200", 2, 1, vocab=128, dtype=torch.float32) is None
+    assert t.entries("NVIDIA H200", 2, 1, vocab=128, dtype="float32") == {}
+    both = parse(DTYPES_TABLE + "    - tp: 2\n      vocab: 128\n      dtype: float32\n"
+                 "      rows:\n        1-2: {ctas: 16, enabled: true}\n", "d.yaml")
+    assert {m: e.ctas for m, e in both.entries("NVIDIA H200", 2, 1, vocab=128,
+                                               dtype="float32").items()} == {1: 16, 2: 16}
+    assert both.entries("NVIDIA H200", 2, 1, vocab=128, dtype="bfloat16")[4].ctas == 8
+    assert both.dtypes("NVIDIA H200", 2, 1, 128, "nccl-all-gather") == ["bfloat16", "float32"]
+    with pytest.raises(TableError, match="one per vocabulary, stock and dtype"):
+        both.entries("NVIDIA H200", 2, 1, vocab=128)
+
+
+@pytest.mark.parametrize("bad", ["float16", "fp32", "'bfloat16 '", "[float32]", "32"])
+def test_a_dtype_the_loader_does_not_know_costs_that_section_only(bad):
+    """An unknown ``dtype`` is a defect of its section: ``parse`` raises naming the file
+    and the entry; serving's lenient read skips that section (one ``Problem``) and the
+    rest of the file serves."""
+    from lamport_head.table import read
+
+    text = DTYPES_TABLE + (f"    - tp: 4\n      vocab: 128\n      dtype: {bad}\n"
+                           "      rows:\n        1: {ctas: 8, enabled: true}\n")
+    with pytest.raises(TableError, match=r"d\.yaml: devices\.NVIDIA H200\[1\] \(tp=4, dcp=1\): "
+                                         r"dtype must be one of bfloat16, float32"):
+        parse(text, "d.yaml")
+    table = read(text, "d.yaml")
+    (problem,) = table.problems
+    assert problem.kind == "section" and "dtype must be one of" in problem.line
+    assert [(s.tp, s.dtype) for s in table.sections] == [(2, "bfloat16")]
+
+
+def test_the_writer_writes_dtype_and_replaces_only_the_same_dtype(tmp_path):
+    import yaml
+
+    from lamport_head.tuning.writer import merge_section
+
+    path = tmp_path / "t.yaml"
+    path.write_text(DTYPES_TABLE)
+    merge_section(path, "NVIDIA H200", 2, 1, {1: {"ctas": 32, "enabled": True}}, {},
+                  vocab=128, dtype="float32")
+    merge_section(path, "NVIDIA H200", 2, 1, {1: {"ctas": 24, "enabled": True}}, {},
+                  vocab=128, dtype="float32")  # the same key: replaced
+    sections = yaml.safe_load(path.read_text().split("\n", 1)[1])["devices"]["NVIDIA H200"]
+    assert [(s.get("dtype"), s["rows"].get(1, {}).get("ctas")) for s in sections] == [
+        (None, None), ("float32", 24)]  # the hand-written BF16 section kept as written
+    table = load_table(path)
+    assert table.entries("NVIDIA H200", 2, 1, vocab=128, dtype="bfloat16")[3].ctas == 8
+    with pytest.raises(ValueError, match="float16 is not served"):
+        merge_section(path, "NVIDIA H200", 2, 1, {1: {"ctas": 8, "enabled": True}}, {},
+                      vocab=128, dtype="float16")

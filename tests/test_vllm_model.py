@@ -99,11 +99,12 @@ def test_own_gather_kept_unless_forced(monkeypatch):
 
 
 class FakeGather:
-    def __init__(self, rows):
-        self.rows = frozenset(rows)
+    def __init__(self, rows, dtype="bfloat16"):
+        self.rows, self.dtype = frozenset(rows), getattr(torch, dtype)
 
     def __call__(self, logits, stock):
-        return ("lamport", logits.shape[0]) if logits.shape[0] in self.rows else stock(logits)
+        return (("lamport", logits.shape[0])
+                if logits.shape[0] in self.rows and logits.dtype == self.dtype else stock(logits))
 
 
 def _serve(monkeypatch, tmp_path):
@@ -114,7 +115,8 @@ def _serve(monkeypatch, tmp_path):
     monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(table))
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
     monkeypatch.setattr(install, "_build",
-                        lambda g, d, tp, r, shard, entries, budget_s, dtype: FakeGather(entries))
+                        lambda g, d, tp, r, shard, entries, budget_s, dtype: FakeGather(entries,
+                                                                                       dtype))
     monkeypatch.setattr(install, "all_gather_objects", lambda obj, group=None: [obj])  # one rank
 
 
@@ -126,8 +128,8 @@ def test_install_routes_what_the_model_calls(monkeypatch, tmp_path, caplog):
     m = Lm(lora)
     with caplog.at_level("INFO", logger="lamport_head"):
         assert install_logits_gather(m, None, 2, 0, "cpu").rows == (1, 2)
-    assert base._gather_logits(torch.zeros(1, 8)) == ("lamport", 1)  # what LoRA calls
-    assert base._gather_logits(torch.zeros(3, 8)) == ("stock", 3)
+    assert base._gather_logits(torch.zeros(1, 8, dtype=torch.bfloat16)) == ("lamport", 1)  # what LoRA calls
+    assert base._gather_logits(torch.zeros(3, 8, dtype=torch.bfloat16)) == ("stock", 3)
     assert not hasattr(lora, "_gather_logits") and "routed at Lm.logits_processor.base_layer" in caplog.text
     # a subclass's own gather: kept, one line saying so
     Stock = stock_class()
@@ -140,13 +142,13 @@ def test_install_routes_what_the_model_calls(monkeypatch, tmp_path, caplog):
     own = Lm(Own())
     with caplog.at_level("INFO", logger="lamport_head"):
         assert install_logits_gather(own, None, 2, 0, "cpu").rows == ()
-    assert own.logits_processor._gather_logits(torch.zeros(1, 8)) == ("own", 1)
+    assert own.logits_processor._gather_logits(torch.zeros(1, 8, dtype=torch.bfloat16)) == ("own", 1)
     assert len(caplog.records) == 1 and "keeps it" in caplog.text
     monkeypatch.setenv("LAMPORT_HEAD_FORCE", "1")
     forced = Lm(Own())
     assert install_logits_gather(forced, None, 2, 0, "cpu").rows == (1, 2)
-    assert forced.logits_processor._gather_logits(torch.zeros(1, 8)) == ("lamport", 1)
-    assert forced.logits_processor._gather_logits(torch.zeros(3, 8)) == ("own", 3)
+    assert forced.logits_processor._gather_logits(torch.zeros(1, 8, dtype=torch.bfloat16)) == ("lamport", 1)
+    assert forced.logits_processor._gather_logits(torch.zeros(3, 8, dtype=torch.bfloat16)) == ("own", 3)
 
 
 SERVED = Outcome.serving((1, 2))
@@ -162,6 +164,47 @@ def test_summary_line():
     others = [("drafter D comm.gather_logits", "its own mailbox")]
     assert plugin.summary("vLLM 0.34.0", "M", 8, 1, SERVED, others=others).endswith(
         "through compute_logits; drafter D comm.gather_logits: not routed (its own mailbox)")
+
+
+def test_a_bf16_section_does_not_serve_an_fp32_head_and_an_fp32_one_does(monkeypatch, tmp_path,
+                                                                           caplog):
+    """Issue 42: vLLM's ``head_dtype`` float32 (``--hf-overrides '{"head_dtype":
+    "float32"}'``) makes the gathered logits FP32 over the BF16 weight. The table's
+    BF16 section (written without ``dtype``) does not serve it: stock, no-rows, the line
+    naming the BF16 section it holds instead. With an FP32 section beside it the FP32
+    head is routed through a gather built for float32: FP32 calls take the gather,
+    BF16 calls of the same rows the stock gather; the outcome and the summary name
+    float32."""
+    monkeypatch.setenv("LAMPORT_HEAD_AUTOTUNE", "0")
+    _serve(monkeypatch, tmp_path)
+    built = []
+    monkeypatch.setattr(install, "_build", lambda g, d, tp, r, shard, entries, budget_s, dtype: (
+        built.append(dtype), FakeGather(entries, dtype))[1])
+    fp32 = Lm(stock_class()())
+    fp32.logits_processor.head_dtype = torch.float32
+    with caplog.at_level("INFO", logger="lamport_head"):
+        stayed = install_logits_gather(fp32, None, 2, 0, "cpu")
+    assert stayed.rows == () and stayed.reason is Stock.NO_ROWS and built == []
+    assert ("dtype=float32 (the tables hold sections for this vocab and stock measured for "
+            "bfloat16 logits only)") in stayed.message
+    assert fp32.logits_processor._gather_logits(torch.zeros(1, 8)) == ("stock", 1)
+    bf16 = Lm(stock_class()())  # head_dtype None: the model's BF16
+    assert install_logits_gather(bf16, None, 2, 0, "cpu").dtype == "bfloat16"
+    assert built == ["bfloat16"]
+
+    table = tmp_path / "t.yaml"
+    table.write_text(table.read_text() + "    - tp: 2\n      vocab: 128\n      dtype: float32\n"
+                     "      rows:\n        1-2: {ctas: 4, enabled: true}\n")
+    fp32 = Lm(stock_class()())
+    fp32.logits_processor.head_dtype = torch.float32
+    served = install_logits_gather(fp32, None, 2, 0, "cpu")
+    assert served.rows == (1, 2) and served.dtype == "float32" and built[-1] == "float32"
+    gather = fp32.logits_processor._gather_logits
+    assert gather(torch.zeros(1, 8, dtype=torch.float32)) == ("lamport", 1)
+    assert gather(torch.zeros(1, 8, dtype=torch.bfloat16)) == ("stock", 1)
+    assert plugin.summary("vLLM 0.34.0", "M", 2, 1, served) == (
+        "vLLM 0.34.0, M, tp=2, dcp=1: Lamport logits gather for rows [1, 2] on all 2 TP ranks "
+        "(float32 logits), through compute_logits")
 
 
 def test_attach_without_vllm_leaves_logging_alone(monkeypatch):
