@@ -17,11 +17,16 @@ _SECTION = """\
 TWO_RANKS_VOCABS = (128, 192, 1024)
 
 
-def sections(vocabs, more_rows="", stock=None):
+def sections(vocabs, more_rows="", stock=None, fp32_vocabs=()):
     """A table of one such section per vocabulary, each with ``more_rows`` (YAML lines
     at the rows' indentation) after the shared ones; ``stock``: the stock each section
-    was measured against (None: unwritten, NCCL's)."""
+    was measured against (None: unwritten, NCCL's). The sections are BF16 (no ``dtype``
+    written); ``fp32_vocabs``: the vocabularies that also get the same section for
+    FP32 logits (``dtype: float32``: an FP32 lm_head's)."""
     text = "".join(_SECTION.format(vocab=v) + more_rows for v in vocabs)
+    text += "".join(_SECTION.format(vocab=v).replace("      dcp: 1\n",
+                                                     "      dcp: 1\n      dtype: float32\n")
+                    + more_rows for v in fp32_vocabs)
     if stock is not None:
         text = text.replace("      dcp: 1\n", f"      dcp: 1\n      stock: {stock}\n")
     return "schema: 1\ndevices:\n  NVIDIA H200:\n" + text

@@ -242,8 +242,8 @@ def test_one_rank_failing_leaves_every_sglang_rank_stock(tmp_path, case):
     ({"use_attn_tp_group": True}, "--enable-dp-lm-head"),
     ({"do_tensor_parallel_all_gather_dp_attn": True}, "DP attention"),
     ({"use_tp_lm_head_all_to_all": True}, "all-to-all"),
-    ({"use_fp32_lm_head": True}, "FP32"),
-    ({"use_fp32_lm_head_output": True}, "FP32"),
+    ({"use_fp32_lm_head_output": True}, "FP32 lm_head output"),  # dtype: the device's
+    ({"use_fp32_lm_head": True, "final_logit_softcapping": 30.0}, "fused gather and softcap"),
     ({"use_attn_tp_group": None}, "lacks use_attn_tp_group"),  # deleted below: another version
 ])
 def test_sglang_variants_stay_stock_with_one_line(flags, why, monkeypatch, caplog):
@@ -594,7 +594,8 @@ def test_plugin_serves_sglangs_rows_and_routes_a_new_model_again(tmp_path):
         assert len(r["new"]["log"]) == 1 and "routed again" in r["new"]["log"][0]
         assert r["fp32"]["one_stock"] and r["fp32"]["three_stock"]
         assert r["fp32"]["same_gather"] is False
-        why = "lamport-head: stock logits gather on the new model: FP32 lm_head logits [site]"
+        why = ("lamport-head: stock logits gather on the new model: float32 logits, the "
+               "gather's are bfloat16 [site]")
         assert r["fp32"]["log"] == [why]
 
 

@@ -44,7 +44,8 @@ from tables import TWO_RANKS_VOCABS, sections
 
 # 512: the EAGLE3 head's V (DRAFT_VOCAB); measured against SGLang's own gatherer, its
 # multimem one-shot all-gather (what SGLang builds with TP > 1: engine.stock_kind)
-TABLE = sections((*TWO_RANKS_VOCABS, 512), stock="multimem-all-gather")
+# 1024 also for FP32 logits: the FP32-head target (issue 42)
+TABLE = sections((*TWO_RANKS_VOCABS, 512), stock="multimem-all-gather", fp32_vocabs=(1024,))
 SERVED = [1, 2, 4]  # the table's enabled rows: the explicit call's, which passes no rows
 REQUESTS = 2  # --max-running-requests: the plugin serves rows 1 .. 2 x 1 row a request
 PLUGIN_SERVED = [1, 2]
@@ -59,6 +60,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_si
 EAGLE = dict(LLAMA, architectures=["LlamaForCausalLMEagle"])
 DRAFT_VOCAB = 512  # the EAGLE3 head's own vocabulary: 256 rows a rank, not the target's 512
 EAGLE3 = dict(LLAMA, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB)
+LLAMA_FP32 = dict(LLAMA, enable_lm_head_fp32=True)  # SGLang's use_fp32_lm_head, per model
 
 
 # ---- what runs on each rank (a spawned process, under SGLang's interpreter) ----------
@@ -256,17 +258,19 @@ def _scenarios(rank, tp, run):
         dist.barrier(group=cpu_group)
         return out
 
-    def planted(m, salt):
+    def planted(m, salt, dtype=torch.bfloat16):
         gen = torch.Generator().manual_seed(10007 * salt + 101 * m + rank)
-        return reference.planted(m, g.shard, generator=gen)
+        return reference.planted(m, g.shard, generator=gen, dtype=dtype)
 
-    def gathers(proc, salt):
-        """Per row count: the routed gatherer, an explicit launch into a poisoned output
-        (served rows), an FP32 call, each against SGLang's own gatherer on the same data."""
+    def gathers(proc, salt, dtype=torch.bfloat16):
+        """Per row count: the routed gatherer on planted ``dtype`` data, an explicit
+        launch into a poisoned output (served rows), a call of the other dtype, each
+        against SGLang's own gatherer on the same data."""
         kept = proc._logits_gatherer.keywords["stock"]
+        other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
         result = {}
         for m in ROWS:
-            x = planted(m, salt)
+            x = planted(m, salt, dtype)
             want = kept(x)  # SGLang's own _logits_gatherer (its gloo all-gather here)
             before = len(launches)
             got = proc._logits_gatherer(x)
@@ -275,10 +279,13 @@ def _scenarios(rank, tp, run):
                    "stock": same_bits(got, want),
                    "scrubbed": same_bits(got, reference.scrub(want))}
             if m in g.rows:
-                poisoned = torch.full((m, g.width), 0x7FBF, dtype=torch.int16).view(torch.bfloat16)
+                halves = g.width * x.element_size() // 2  # NaN in either dtype
+                poisoned = torch.full((m, halves), 0x7FBF, dtype=torch.int16).view(dtype)
                 g.launch(x, poisoned, g.ctas[m])
                 row["poisoned_launch"] = same_bits(poisoned, reference.scrub(want))
-            row["fp32_stock"] = same_bits(proc._logits_gatherer(x.float()), kept(x.float()))
+            y = x.to(other)
+            row["other_stock"] = same_bits(proc._logits_gatherer(y), kept(y))
+            row["dtype"] = str(got.dtype)
             result[str(m)] = row
         return result
 
@@ -348,6 +355,23 @@ def _scenarios(rank, tp, run):
         out["explicit"]["processor"] = processor(bare, 3)
         g = g_saved
 
+    mark("fp32")  # an FP32 lm_head (the model config's enable_lm_head_fp32): FP32 logits
+    config32 = ModelConfig.from_server_args(args, model_path=f"{run}/llama32")
+    fp32 = load_model_with_memory_saver(
+        model_config=config32, load_config=runner.load_config, device="cpu", gpu_id=rank,
+        memory_saver_adapter=runner.memory_saver_adapter, is_draft_worker=False).model
+    fp32_lp = fp32.logits_processor
+    outcome = engine.install_sglang_logits_gather(fp32)
+    fg = getattr(fp32_lp, "head_gather", None)
+    out["fp32"] = {"flag": fp32_lp.use_fp32_lm_head, "served": list(outcome.rows),
+                   "dtype": outcome.dtype, "own_gather": fg is not None and fg is not g,
+                   "gather_dtype": str(getattr(fg, "dtype", None))}
+    if fg is not None:
+        g_saved, g = g, fg
+        out["fp32"]["gather"] = gathers(fp32_lp, 6, torch.float32)
+        out["fp32"]["processor"] = processor(fp32, 6)
+        g = g_saved
+
     mark("draft")  # the EAGLE draft worker's runner: its head has the target's shard width
     draft_config = ModelConfig.from_server_args(args, model_path=f"{run}/eagle",
                                                 is_draft_model=True)
@@ -408,7 +432,8 @@ def ranks(request, tmp_path_factory):
     (tests/engine_cpu.py): SGLang's ISA choice never decides whether the bed builds."""
     python = require_sglang()
     run = tmp_path_factory.mktemp("sglang_real")
-    for name, config in (("llama", LLAMA), ("eagle", EAGLE), ("eagle3", EAGLE3)):
+    for name, config in (("llama", LLAMA), ("eagle", EAGLE), ("eagle3", EAGLE3),
+                         ("llama32", LLAMA_FP32)):
         (run / name).mkdir()
         (run / name / "config.json").write_text(json.dumps(config))
     table = run / "table.yaml"
@@ -435,14 +460,14 @@ def _sections(log):
     return dict(zip(parts[1::2], parts[2::2]))
 
 
-def _assert_rows(gather, what, served):
+def _assert_rows(gather, what, served, dtype="torch.bfloat16"):
     """Served rows: the stand-in kernel ran once and gave SGLang's bytes, sentinels
     scrubbed (and sentinels were planted, so that differs from SGLang's own); the other
-    rows: SGLang's own bytes, no kernel. FP32: SGLang's own, always."""
+    rows: SGLang's own bytes, no kernel. The other dtype: SGLang's own, always."""
     assert sorted(gather) == [str(m) for m in ROWS], what
     for m, row in gather.items():
         assert row["sentinels"] > 0, (what, m)  # planted: scrubbed != stock
-        assert row["fp32_stock"], (what, m)
+        assert row["other_stock"] and row["dtype"] == dtype, (what, m)
         if int(m) in served:
             assert row["kernel"] == 1 and row["scrubbed"] and not row["stock"], (what, m, row)
             assert row["poisoned_launch"], (what, m)
@@ -495,6 +520,22 @@ def test_update_model_fields(ranks):
         _assert_processor(u["processor"], "update_new", PLUGIN_SERVED)
 
 
+def test_an_fp32_lm_head_is_routed_through_a_float32_gather(ranks):
+    """Issue 42: a model whose config asks for an FP32 lm_head (``enable_lm_head_fp32``:
+    SGLang's ``use_fp32_lm_head``) gathers FP32 logits. The explicit call routes it
+    through its own gather built for float32 (the table's float32 section, not the BF16
+    one of the same V): on planted FP32 data (-0.0, NaN payloads, ±Inf, denormals) the
+    served rows are SGLang's own bytes with -0.0 sent as +0.0, the poisoned launch
+    output included, the other rows and every BF16 call SGLang's own; SGLang's real
+    ``_get_logits`` (an FP32 matmul on CPU) equals its own."""
+    for r in ranks[1]:
+        f = r["fp32"]
+        assert f["flag"] is True and f["served"] == SERVED and f["dtype"] == "float32"
+        assert f["own_gather"] and f["gather_dtype"] == "torch.float32"
+        _assert_rows(f["gather"], "fp32", SERVED, "torch.float32")
+        _assert_processor(f["processor"], "fp32", SERVED)
+
+
 def test_eagle_draft_runner_shares_the_targets_gather(ranks):
     """The EAGLE draft worker's runner (is_draft_worker): its head has the target's shard
     width, so the target's gather serves it (no second build), its runner polls it, and
@@ -536,11 +577,13 @@ def test_log_lines_reach_sglangs_handler(ranks):
         mine = [line for line in log.splitlines() if "lamport-head" in line]
         registered = [x for x in mine if "logits gather hooks registered" in x]
         assert len(registered) == 1 and f"TP{rank}" in registered[0], mine
-        routed = "Lamport logits gather on NVIDIA H200 (tp=2, dcp=1) for rows {}"
+        routed = "Lamport logits gather on NVIDIA H200 (tp=2, dcp=1, bfloat16 logits) for rows {}"
         plugin, explicit = routed.format("(1, 2)"), routed.format("(1, 2, 4)")
         assert sum(plugin in x for x in sections["plugin"].splitlines()) == 1, sections["plugin"]
         assert sum(explicit in x for x in sections["explicit"].splitlines()) == 1
         assert "the new model's gather routed again" in sections["update_new"]
+        assert sum("Lamport logits gather on NVIDIA H200 (tp=2, dcp=1, float32 logits) for "
+                   "rows (1, 2, 4)" in x for x in sections["fp32"].splitlines()) == 1
         assert "the SGLang drafter LlamaForCausalLMEagle routed" in sections["draft"]
         summary = [x for x in log.splitlines() if "lamport-head summary" in x]
         assert len(summary) == (2 if rank == 0 else 0), summary  # rank 0: one per drafter

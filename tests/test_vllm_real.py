@@ -21,7 +21,9 @@ import pytest
 from engine_cpu import HOST_ISAS
 from helpers import (as_vllm_rank, forced_build, same_bits, spawn_vllm_ranks, vllm_ranks,
                      vllm_worker)
-from tables import TWO_RANKS as TABLE
+from tables import TWO_RANKS_VOCABS, sections
+
+TABLE = sections(TWO_RANKS_VOCABS, fp32_vocabs=(1024,))  # 1024 for FP32 logits too (issue 42)
 
 SERVED = [1, 2, 4]
 ROWS = [1, 2, 3, 4, 5]
@@ -205,6 +207,34 @@ def _scenarios(rank, tmp):
     out["own_forced"]["own_calls"] = sorted(set(OwnGather.calls))
     os.environ.pop("LAMPORT_HEAD_FORCE")
 
+    # 5. an FP32 lm_head: vLLM's ModelConfig.head_dtype with --hf-overrides '{"head_dtype":
+    # "float32"}', which LogitsProcessor.__init__ copies into its head_dtype; set here as
+    # that copy (no HF model to read it from); _apply_head then projects into FP32 over
+    # the BF16 weight and _gather_logits gathers FP32 logits
+    def fp32_model():
+        lm = Lm()
+        lm.logits_processor.head_dtype = torch.float32
+        return lm
+
+    model = case("fp32", fp32_model, fp32_model, lambda m: m.logits_processor)
+    lp = model.logits_processor
+    out["fp32"]["logits_dtype"] = str(model.compute_logits(hidden(1)).dtype)
+    out["fp32"]["gather_dtype"] = str(lp.head_gather.dtype)
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    from lamport_head.tuning.support.reference import planted
+
+    before = list(lp.head_gather.calls)
+    planted_equal = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for m in ROWS:
+            x = planted(m, 512, generator=torch.Generator().manual_seed(31 * m + rank),
+                        dtype=dtype)
+            planted_equal[f"{dtype}/{m}"] = same_bits(lp._gather_logits(x),
+                                                      tensor_model_parallel_all_gather(x))
+    out["fp32"]["planted_equal"] = planted_equal
+    out["fp32"]["planted_calls"] = lp.head_gather.calls[len(before):]
+
     # vLLM's own DeepSeek V4.1 specialized-decode processor is recognized as owning its gather
     try:
         from vllm.models.deepseek_v41.nvidia.specialized_decode.logits.logits import (
@@ -245,13 +275,28 @@ def test_plugin_loader_wraps_the_worker_once(ranks):
     assert [r["wrapped_once"] for r in results] == [True, True]
 
 
-@pytest.mark.parametrize("name", ["flat", "nested", "lora", "own_forced"])
+@pytest.mark.parametrize("name", ["flat", "nested", "lora", "own_forced", "fp32"])
 def test_served_rows_bitwise_stock_others_stock(ranks, name):
     results, _ = ranks
     for r in results:
         assert r[name]["equal"] == {str(m): True for m in ROWS}
         assert r[name]["calls"] == SERVED  # the stand-in kernel ran for served rows only
         assert r[name]["shard"] == [512, HIDDEN]  # V=1000 padded to 1024, 512 rows a rank
+
+
+def test_an_fp32_head_is_routed_through_a_float32_gather(ranks):
+    """Issue 42: vLLM's head_dtype float32 makes _apply_head return FP32 logits over the
+    BF16 weight; install routes them through a gather built for float32 (the table's
+    float32 section), and on planted FP32 data (-0.0, NaN payloads, ±Inf, denormals,
+    the BF16 sentinel pattern) its served rows are bitwise vLLM's own all-gather; BF16
+    calls of the same rows take vLLM's own gather (the stand-in kernel ran for FP32
+    served rows only)."""
+    for r in ranks[0]:
+        f = r["fp32"]
+        assert f["logits_dtype"] == "torch.float32" and f["gather_dtype"] == "torch.float32"
+        assert f["planted_equal"] == {f"{d}/{m}": True for d in ("torch.float32", "torch.bfloat16")
+                                      for m in ROWS}
+        assert f["planted_calls"] == SERVED
 
 
 def test_nested_language_model_is_found(ranks):
@@ -277,7 +322,8 @@ def test_log_lines_reach_vllms_handler(ranks):
     _, logs = ranks
     fmt = r"INFO \d\d-\d\d [\d:]+ \[[\w./]*{file}:\d+\] "
     served = fmt.format(file=r"install\.py") + (
-        r"lamport-head: Lamport logits gather on NVIDIA H200 \(tp=2, dcp=1\) for rows "
+        r"lamport-head: Lamport logits gather on NVIDIA H200 \(tp=2, dcp=1, {dtype} logits\) for "
+        r"rows "
         r"\(1, 2, 4\), routed at {where}; spin budget 10 s \(LAMPORT_HEAD_BUDGET_S\), agreed by "
         r"every rank; a give-up stops the GPU context\n")
     # the plugin's summary line, from lamport_head/engines/vllm/route.py, naming the release
@@ -285,12 +331,14 @@ def test_log_lines_reach_vllms_handler(ranks):
                                               r"tp=2, dcp=1: {what}.*\n")
     through = r", through compute_logits(?=\n)"  # vLLM's default config: sampling gathers
     lines = {
-        "flat": (served.format(where=r"Lm\.logits_processor"), "Lm",
+        "flat": (served.format(where=r"Lm\.logits_processor", dtype="bfloat16"), "Lm",
                  r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks" + through),
-        "nested": (served.format(where=r"Outer\.get_language_model\(\)\.logits_processor"), "Outer",
+        "nested": (served.format(where=r"Outer\.get_language_model\(\)\.logits_processor",
+                                 dtype="bfloat16"), "Outer",
                    r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks"),
         "lora": (served.format(where=r"Lm\.logits_processor\.base_layer; the base layer of "
-                                     r"LogitsProcessorWithLoRA, which calls its gather"), "Lm",
+                                     r"LogitsProcessorWithLoRA, which calls its gather",
+                               dtype="bfloat16"), "Lm",
                  r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks"),
         "own": (fmt.format(file=r"install\.py") + r"lamport-head: stock logits gather: "
                 r"Lm\.logits_processor \(OwnGather\) has its own _gather_logits \([\w.<>]*OwnGather\) "
@@ -300,8 +348,11 @@ def test_log_lines_reach_vllms_handler(ranks):
                 r"\(OwnGather\) has its own _gather_logits"),
         "own_forced": (served.format(where=r"Lm\.logits_processor; LAMPORT_HEAD_FORCE=1: replaces "
                                            r"[\w.<>]*OwnGather\._gather_logits for these rows; "
-                                           r"it keeps the others"), "Lm",
+                                           r"it keeps the others", dtype="bfloat16"), "Lm",
                        r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks"),
+        "fp32": (served.format(where=r"Lm\.logits_processor", dtype="float32"), "Lm",
+                 r"Lamport logits gather for rows \[1, 2, 4\] on all 2 TP ranks \(float32 "
+                 r"logits\)" + through),
     }
     results, _ = ranks
     for rank, log in enumerate(logs):
