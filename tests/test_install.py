@@ -334,3 +334,73 @@ def test_head_gathers_mode_is_an_explicit_choice():
     assert inspect.signature(HeadGather).parameters["mode"].default is inspect.Parameter.empty
     with pytest.raises(TypeError, match="mode"):
         HeadGather(None, "cpu", 2, 0, 64, [1])
+
+
+def _protocol_worker(rank, nprocs, table, head):
+    """Install on a model whose head gathers ``head`` logits (vLLM's head_dtype), its
+    HeadGather on CPU (``fake_cuda``) with a kernel stand-in that moves the shards as the
+    protocol does: 32-bit words over gloo, the sentinel word sent as 0, into the
+    output the launch was given. Every rank builds every rank's shard from one seed,
+    so each checks its own output against ``reference_gather`` of all of them."""
+    import ctypes
+
+    from lamport_head import build
+    from lamport_head.kernels.protocol import SENTINEL_I32
+    from lamport_head.tuning.support.reference import planted, reference_gather
+
+    os.environ["LAMPORT_HEAD_TABLE"] = table
+
+    def kernel(logits, dst, peers, r, ctas, budget, status, stream):
+        words = logits.contiguous().view(torch.int32)
+        sent = words.masked_fill(words == SENTINEL_I32, 0)
+        parts = [torch.empty_like(sent) for _ in range(nprocs)]
+        dist.all_gather(parts, sent)
+        full = torch.cat(parts, dim=1).contiguous()
+        ctypes.memmove(dst, full.data_ptr(), full.numel() * 4)
+
+    fake_cuda(setattr, rank, "ok", launch=kernel)
+    compiled, words = build.KERNELS.compiled, []
+    build.KERNELS.compiled = lambda tp, w, *a, **k: (words.append(w), compiled(tp, w, *a, **k))[1]
+    dtype = getattr(torch, head)
+    m = model(lm__tp_size=nprocs, lp__head_dtype=dtype)
+    outcome = install_logits_gather(m, None, nprocs, rank, "cpu")
+    g = m.logits_processor.head_gather
+    out = {"served": list(outcome.rows), "dtype": outcome.dtype, "gather": str(g.dtype),
+           "words": sorted(set(words)), "equal": {}, "other": {}}
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    for rows in (1, 2, 3, 4):
+        shards = [planted(rows, 64, generator=torch.Generator().manual_seed(97 * rows + r),
+                          dtype=dtype) for r in range(nprocs)]
+        want = reference_gather(shards)
+        got = m.logits_processor._gather_logits(shards[rank])
+        ok = torch.is_tensor(got) and got.dtype == dtype and torch.equal(
+            got.view(torch.int32), want.view(torch.int32))
+        if rows in g.rows:  # an explicit launch into a poisoned output (NaN in either dtype)
+            poisoned = torch.full((rows, g.width * dtype.itemsize // 2), 0x7FBF,
+                                  dtype=torch.int16).view(dtype)
+            g.launch(shards[rank], poisoned, g.ctas[rows])
+            ok = ok and torch.equal(poisoned.view(torch.int32), want.view(torch.int32))
+        out["equal"][rows] = ok
+        out["other"][rows] = m.logits_processor._gather_logits(shards[rank].to(other))
+    out["sentinels"] = int((torch.cat(shards).view(torch.int32) == SENTINEL_I32).sum())
+    return out
+
+
+@pytest.mark.parametrize("head", ["bfloat16", "float32"])
+def test_each_dtype_is_gathered_bitwise_but_for_the_sentinel_word(tmp_path, head):
+    """Issue 42: the install serves a head of either dtype from that dtype's section (the
+    table holds both at V = 128) through a gather built for it: the kernel is compiled
+    for the dtype's words (V/TP x itemsize / 4 a row: 32 BF16, 64 FP32), and on planted
+    data (-0.0, NaN payloads, ±Inf, denormals, the sentinel word: BF16 (+0, -0), FP32
+    -0.0) every served row, routed or launched into a poisoned output, is bitwise the
+    reference: the shards concatenated, the sentinel word as 0 (+0.0). Rows 3 stay
+    stock, and a call of the other dtype takes the engine's gather at every row."""
+    table = tmp_path / "t.yaml"
+    table.write_text(sections((128,), fp32_vocabs=(128,)))
+    for r in spawn(_protocol_worker, 2, tmp_path, str(table), head):
+        assert r["served"] == [1, 2, 4] and r["dtype"] == head
+        assert r["gather"] == f"torch.{head}"
+        assert r["words"] == [32 if head == "bfloat16" else 64]
+        assert r["sentinels"] > 0  # planted: the scrub is exercised
+        assert r["equal"] == {"1": True, "2": True, "3": False, "4": True}  # 3: stock's
+        assert r["other"] == {str(m): ["stock", m] for m in (1, 2, 3, 4)}

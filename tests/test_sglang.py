@@ -454,10 +454,10 @@ def _draft_worker(rank, nprocs, table, case):
     if case == "compile@1":
         compiled = build.KERNELS.compiled
 
-        def failing(tp, shard, *args, **kwargs):
-            if shard == DRAFT_SHARD and rank == 1:
+        def failing(tp, words, *args, **kwargs):
+            if words == DRAFT_SHARD // 2 and rank == 1:  # the draft head's BF16 words
                 raise RuntimeError("injected: the draft head's kernel failed to compile")
-            return compiled(tp, shard, *args, **kwargs)
+            return compiled(tp, words, *args, **kwargs)
 
         build.KERNELS.compiled = failing
     seen = capture_log()
@@ -705,7 +705,8 @@ def test_a_section_measured_against_nccl_is_not_served_in_place_of_sglangs_multi
         if case == "nccl-table":
             assert r["asked"] == [] and (
                 "no enabled HEAD_GATHER rows for NVIDIA H200, tp=2, dcp=1, vocab=128, "
-                "stock=multimem-all-gather (the tables hold sections for this vocab measured "
+                "stock=multimem-all-gather, dtype=bfloat16 (the tables hold sections for this "
+                "vocab measured "
                 "against nccl-all-gather; vocab 192, 1024 only)") in " ".join(r["log"]), r["log"]
         if case == "measure":
             assert r["asked"] == [["multimem-all-gather", True]]  # (JSON: lists)

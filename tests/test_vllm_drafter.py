@@ -49,13 +49,17 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 # One section per vocabulary: the target's (1024) and the EAGLE3 head's (256). Row 8 is
 # enabled in both: the target's rows reach 12, the drafter's stop at max_num_seqs = 4.
-TABLE = sections((1024, DRAFT_VOCAB, 16), "        8: {ctas: 8, enabled: true}\n")  # 16: the
-# candidate pairs' gather (packed width 8 on 2 ranks)
-SCENARIOS = {  # name: (method, draft config dir, use_local_argmax_reduction, fail the drafter)
-    "eagle3": ("eagle3", "eagle3", False, False),
-    "eagle": ("eagle", "eagle", False, False),
-    "eagle3_fails": ("eagle3", "eagle3", False, True),
-    "argmax": ("eagle3", "eagle3", True, False),
+TABLE = sections((1024, DRAFT_VOCAB, 16), "        8: {ctas: 8, enabled: true}\n",
+                 fp32_vocabs=(1024, DRAFT_VOCAB))  # 16: the candidate pairs' gather (packed
+# width 8 on 2 ranks); FP32 heads (issue 42): sections of the target's and EAGLE3's V
+SCENARIOS = {  # name: (method, draft config dir, use_local_argmax_reduction, fail the drafter,
+    # the target's head_dtype override: vLLM's --hf-overrides '{"head_dtype": ...}', or None)
+    "eagle3": ("eagle3", "eagle3", False, False, None),
+    "eagle": ("eagle", "eagle", False, False, None),
+    "eagle3_fp32": ("eagle3", "eagle3", False, False, "float32"),
+    "eagle_fp32": ("eagle", "eagle", False, False, "float32"),
+    "eagle3_fails": ("eagle3", "eagle3", False, True, None),
+    "argmax": ("eagle3", "eagle3", True, False, None),  # last: the MTP case takes its target
 }
 
 
@@ -100,17 +104,18 @@ def _rank(rank, world, run, cache, table, models):
     kernels = build.KERNELS
     compiled = kernels.compiled
 
-    def compile_or_fail(tp, shard, *args, **kwargs):  # the drafter's compile, rank 1 only
-        if fail[0] and rank == 1 and shard == DRAFT_VOCAB // world:
+    def compile_or_fail(tp, words, *args, **kwargs):  # the drafter's compile, rank 1 only
+        if fail[0] and rank == 1 and words == DRAFT_VOCAB // world // 2:  # its BF16 words
             raise RuntimeError("injected: the drafter's gather does not compile on rank 1")
-        return compiled(tp, shard, *args, **kwargs)
+        return compiled(tp, words, *args, **kwargs)
 
     kernels.compiled = compile_or_fail
     vllm.plugins.load_general_plugins()  # the real entry point wraps Worker.load_model
 
-    def load(method, draft_dir, argmax):
+    def load(method, draft_dir, argmax, head):
         target = ModelConfig(model=models["target"], skip_tokenizer_init=True, dtype="bfloat16",
-                             enforce_eager=True, max_model_len=128)
+                             enforce_eager=True, max_model_len=128,
+                             hf_overrides={"head_dtype": head} if head else {})
         parallel = ParallelConfig(tensor_parallel_size=world)
         spec = SpeculativeConfig(model=models[draft_dir], method=method, num_speculative_tokens=K,
                                  use_local_argmax_reduction=argmax, target_model_config=target,
@@ -133,12 +138,13 @@ def _rank(rank, world, run, cache, table, models):
 
     g = torch.Generator().manual_seed(11)
 
-    def planted(m, width):
+    def planted(m, width, dtype=torch.bfloat16):
         """A shard of fresh logits with -0.0, NaN, +Inf and -Inf planted (no word is the
-        mailbox sentinel: the real kernel moves that one pair as (+0, +0))."""
-        x = torch.randn(m, width, generator=g).to(torch.bfloat16)
+        mailbox sentinel: the real kernel moves that one pair as (+0, +0); an FP32 -0.0
+        is that word, so FP32 plants none there: the stand-in does not scrub)."""
+        x = torch.randn(m, width, generator=g).to(dtype)
         for row in range(m):
-            x[row, 4 * row + 1] = -0.0
+            x[row, 4 * row + 1] = -0.0 if dtype == torch.bfloat16 else 1e-42  # FP32: a denormal
             x[row, 4 * row + 2] = float("nan")
             x[row, 4 * row + 5] = float("inf")
             x[row, 4 * row + 7] = float("-inf")
@@ -153,13 +159,14 @@ def _rank(rank, world, run, cache, table, models):
             if routed is not None:
                 lp._gather_logits = routed
 
-    def check(model, lp, width):
-        """For each row count: the gather on planted data and the model's compute_logits,
-        each bitwise vLLM's stock; and the (rows, shard) the stand-in kernel launched."""
+    def check(model, lp, width, dtype=torch.bfloat16):
+        """For each row count: the gather on planted ``dtype`` data (the logits' dtype) and
+        the model's compute_logits, each bitwise vLLM's stock; and the (rows, shard) the
+        stand-in kernel launched."""
         equal = {}
         del launches[:]
         for m in ROWS:
-            x = planted(m, width)
+            x = planted(m, width, dtype)
             gathered = same_bits(lp._gather_logits(x), LogitsProcessor._gather_logits(lp, x))
             hidden = torch.randn(m, HIDDEN, generator=g).to(torch.bfloat16)
             logits = same_bits(model.compute_logits(hidden), stock_logits(model, lp, hidden))
@@ -182,10 +189,10 @@ def _rank(rank, world, run, cache, table, models):
         return equal, [list(c) for c in launches]
 
     out = {"rank": rank, "eagle_class": Eagle.__name__}
-    for name, (method, draft_dir, argmax, failing) in SCENARIOS.items():
+    for name, (method, draft_dir, argmax, failing, head) in SCENARIOS.items():
         print(f"=== {name}", flush=True)
         fail[0] = failing
-        model, draft, proposer = load(method, draft_dir, argmax)
+        model, draft, proposer = load(method, draft_dir, argmax, head)
         tlp, _, _ = engine.find_gather_target(model)
         dlp, dhead, where = engine.find_drafter_target(draft)
         tgather, dgather = getattr(tlp, "head_gather", None), getattr(dlp, "head_gather", None)
@@ -196,11 +203,14 @@ def _rank(rank, world, run, cache, table, models):
             "target_served": None if tgather is None else sorted(tgather.rows),
             "draft_served": None if dgather is None else sorted(dgather.rows),
             "same_gather": dgather is not None and dgather is tgather,
+            "head_dtypes": [str(tlp.head_dtype), str(dlp.head_dtype)],
+            "gather_dtypes": [str(getattr(x, "dtype", None)) for x in (tgather, dgather)],
         }
-        out[name]["draft"] = check(draft, dlp, dhead.weight.shape[0])
+        dtype = torch.float32 if head == "float32" else torch.bfloat16
+        out[name]["draft"] = check(draft, dlp, dhead.weight.shape[0], dtype)
         if argmax:
             out[name]["top"] = check_top(draft, dlp)
-        out[name]["target"] = check(model, tlp, model.lm_head.weight.shape[0])
+        out[name]["target"] = check(model, tlp, model.lm_head.weight.shape[0], dtype)
     # An MTP drafter's nesting (DeepSeekMTP: the processor at model.logits_processor, each
     # MTP layer's shared_head.head the target's lm_head once vLLM shares it), real vLLM
     # layers, on the last scenario's target: found, and served by the target's gather.
@@ -349,6 +359,40 @@ def test_drafter_failing_on_one_rank_stays_stock_on_every_rank_target_routed(ran
     assert line.startswith(TARGET + "drafter Eagle3LlamaForCausalLM: stock logits gather for "
                            f"drafter compute_logits x {K} (")
     assert "does not compile on rank 1" in logs[1]
+
+
+def test_fp32_heads_route_the_target_and_the_drafters_through_float32_gathers(ranks):
+    """Issue 42: with vLLM's ``--hf-overrides '{"head_dtype": "float32"}'`` the target's
+    and the drafter's processors project into FP32 (vLLM's own ModelConfig.head_dtype);
+    the target is served by a gather built for float32 (its float32 section), the
+    EAGLE3 head by its own float32 gather, an EAGLE head of the target's lm_head by the
+    target's (same shard width, same dtype); on planted FP32 data and through
+    compute_logits every row is bitwise vLLM's own; rank 0's summary names float32."""
+    results, logs = ranks
+    for r in results:
+        for name in ("eagle3_fp32", "eagle_fp32"):
+            s = r[name]
+            assert s["head_dtypes"] == ["torch.float32", "torch.float32"], name
+            assert s["target_served"] == TARGET_SERVED and s["draft_served"] == (
+                TARGET_SERVED if name == "eagle_fp32" else DRAFT_SERVED), name
+            assert s["gather_dtypes"] == ["torch.float32", "torch.float32"], name
+            assert s["same_gather"] is (name == "eagle_fp32")
+            for path, width in (("draft", DRAFT_VOCAB // 2 if name == "eagle3_fp32" else 512),
+                                ("target", 512)):
+                equal, launched = s[path]
+                assert equal == {str(m): True for m in ROWS}, (name, path)
+                served = (DRAFT_SERVED if path == "draft" and name == "eagle3_fp32"
+                          else TARGET_SERVED)
+                assert launched == _launched(served, width), (name, path)
+    target = TARGET.replace("on all 2 TP ranks, through", "on all 2 TP ranks (float32 logits), "
+                            "through")
+    assert _summary(logs[0], "eagle3_fp32") == target + (
+        f"drafter Eagle3LlamaForCausalLM: its own Lamport logits gather (vocab {DRAFT_VOCAB}) "
+        f"for rows {DRAFT_SERVED} (float32 logits), through drafter compute_logits x {K}")
+    assert _summary(logs[0], "eagle_fp32") == target + (
+        "drafter EagleLlamaForCausalLM: the target's Lamport logits gather (its head has the "
+        f"target's shard width) for rows {DRAFT_SERVED} (float32 logits), through drafter "
+        f"compute_logits x {K}")
 
 
 def test_local_argmax_reduction_routes_the_drafters_candidates(ranks):
