@@ -16,38 +16,43 @@ from lamport_head.tuning.diagnostics.ranks import gpu_cycles
 pytestmark = pytest.mark.gpu
 
 ROWS = (1, 2, 3, 7, 8, 16, 33, 64)
-POISON = 0x7FBF7FBF  # a NaN pair the kernel never writes on its own (not NAN_PAIR)
+POISON = 0x7FBF7FBF  # a NaN pair (a NaN FP32) the kernel never writes on its own (not NAN_PAIR)
+DTYPES = [torch.bfloat16, torch.float32]  # the logits dtypes a gather serves (issue 42)
 
 
-def _poison_allocator(rows, width, device):
+def _poison_allocator(rows, width, device, dtype=torch.bfloat16):
     """Leave freed blocks full of POISON where the next outputs will be allocated."""
-    blocks = [torch.full((rows, width // 2), POISON, dtype=torch.int32, device=device)
-              for _ in range(4)]
+    blocks = [torch.full((rows, width * dtype.itemsize // 4), POISON, dtype=torch.int32,
+                         device=device) for _ in range(4)]
     del blocks
 
 
-def _shards(tp, rows, shard, device):
-    data = planted(tp, rows, shard, device=device)
+def _shards(tp, rows, shard, device, dtype=torch.bfloat16):
+    data = planted(tp, rows, shard, device=device, dtype=dtype)
     return [data[r] for r in range(tp)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tp", [2, 4, 8])
 @pytest.mark.parametrize("vocab", [163840, 151936, 129280])
-def test_emulated_bitwise_2000_calls(tp, vocab):
+def test_emulated_bitwise_2000_calls(tp, vocab, dtype):
+    """Planted data (reference.PLANTED: the sentinel word, -0.0, NaN payloads, ±Inf,
+    denormals) of either dtype, outputs poisoned, M changing every call: bitwise the
+    reference, the sentinel word arriving as 0."""
     device = torch.device("cuda", torch.cuda.current_device())
     shard = vocab // tp
-    gather = EmulatedGather(device, tp, shard, ROWS)
+    gather = EmulatedGather(device, tp, shard, ROWS, dtype=dtype)
     rng = random.Random(tp * 1000 + vocab)
     previous = None
     for call in range(2000):
         rows = rng.choice([m for m in ROWS if m != previous])  # M changes every call
         previous = rows
-        shards = _shards(tp, rows, shard, device)
-        _poison_allocator(rows, tp * shard, device)
+        shards = _shards(tp, rows, shard, device, dtype)
+        _poison_allocator(rows, tp * shard, device, dtype)
         outs = gather(shards)
         want = reference_gather(shards)
         for r, out in enumerate(outs):
-            assert out.shape == (rows, tp * shard) and out.dtype == torch.bfloat16
+            assert out.shape == (rows, tp * shard) and out.dtype == dtype
             assert_same_words(out, want, f"call {call}, rank {r}, M={rows}")
     gather.check()
     assert gather.armed(), "mailbox words left un-armed after the run"
@@ -77,14 +82,15 @@ def test_staged_kernels_over_47_kib_of_slots_launch_and_are_bitwise(threads, unr
     assert gather.armed()
 
 
-def test_explicitly_poisoned_outputs():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_explicitly_poisoned_outputs(dtype):
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 8, 163840 // 8
-    gather = EmulatedGather(device, tp, shard, ROWS)
+    gather = EmulatedGather(device, tp, shard, ROWS, dtype=dtype)
     for rows in (1, 64, 33, 2):
-        shards = _shards(tp, rows, shard, device)
-        outs = [torch.full((rows, tp * shard // 2), POISON, dtype=torch.int32,
-                           device=device).view(torch.bfloat16) for _ in range(tp)]
+        shards = _shards(tp, rows, shard, device, dtype)
+        outs = [torch.full((rows, tp * shard * dtype.itemsize // 4), POISON, dtype=torch.int32,
+                           device=device).view(dtype) for _ in range(tp)]
         gather.launch(shards, outs, gather.ctas[rows])
         want = reference_gather(shards).view(torch.int32)
         for out in outs:
@@ -207,16 +213,18 @@ def test_a_null_stream_launch_under_another_context_is_retried_in_the_kernels():
     assert gather.armed()
 
 
-def test_fallbacks_take_stock_bitwise():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fallbacks_take_stock_bitwise(dtype):
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 4, 1024
-    gather = EmulatedGather(device, tp, shard, (1, 2))
+    gather = EmulatedGather(device, tp, shard, (1, 2), dtype=dtype)
     g = gather.ranks[0]
     stock = lambda x: torch.cat([x] * tp, dim=-1)  # noqa: E731
-    x = planted(5, shard, device=device)  # 5 rows: not served
+    x = planted(5, shard, device=device, dtype=dtype)  # 5 rows: not served
     assert same_bits(g(x, stock), stock(x))
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16  # the other dtype
     # (a non-contiguous or unaligned tensor is copied, never stock: test_head_gather_cpu)
-    for bad in (x[:1].float(), x[:1].half(), x[:1, :-8], x[0], x[:1].unsqueeze(0)):
+    for bad in (x[:1].to(other), x[:1].half(), x[:1, :-8], x[0], x[:1].unsqueeze(0)):
         got = g(bad, stock)
         assert same_bits(got, stock(bad))
     # no fallback launched a kernel: the rank's device epoch (its parity) never moved
@@ -230,20 +238,21 @@ def _check_steps(steps, outs, tp):
             assert_same_words(out, want, f"step {i}, rank {r}, M={shards[0].shape[0]}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tp", [2, 4, 8])
-def test_free_running_ranks_bitwise(tp):
+def test_free_running_ranks_bitwise(tp, dtype):
     """No join between steps: a virtual rank may be whole calls ahead of another. The
     default plan (no table) must keep every rank's CTAs co-resident with PDL's early
     launches (TP 8, M = 8 back to back used to time out). Distinct data every step,
     checked after the run."""
     device = torch.device("cuda", torch.cuda.current_device())
     shard = 163840 // tp
-    gather = EmulatedGather(device, tp, shard, ROWS)
+    gather = EmulatedGather(device, tp, shard, ROWS, dtype=dtype)
     rng = random.Random(tp)
     for batch in range(6):
         ms = [8] * 16 if batch == 0 else [rng.choice(ROWS) for _ in range(40)]
-        steps = [_shards(tp, m, shard, device) for m in ms]
-        _poison_allocator(64, tp * shard, device)
+        steps = [_shards(tp, m, shard, device, dtype) for m in ms]
+        _poison_allocator(64, tp * shard, device, dtype)
         outs = gather.free_run(steps)
         torch.cuda.synchronize(device)
         _check_steps(steps, outs, tp)

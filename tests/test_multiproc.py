@@ -15,13 +15,16 @@ from lamport_head.status import STOP_EXIT_CODE
 pytestmark = [pytest.mark.gpu, pytest.mark.multiproc]
 VOCAB3 = "129024"  # splits into 3 shards of whole 16-byte fragments (163840 does not)
 DRAFT_VOCAB = "32000"  # an EAGLE3 draft head: 16000 a rank at TP 2, a multiple of 8
+DTYPES = ["bfloat16", "float32"]  # the logits dtypes (float32: an FP32 lm_head, issue 42)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_free_running_processes_bitwise(n):
-    codes, outs, wall = launch(n, "--calls", "300", timeout=420)
+def test_free_running_processes_bitwise(n, dtype):
+    codes, outs, wall = launch(n, "--calls", "300", "--dtype", dtype, timeout=420)
     assert codes == [0] * n, show(outs)
     line = next(x for x in outs[0].splitlines() if x.startswith("ranks check:"))
+    assert f"V=163840 {dtype}," in line
     print(f"\n{line} ({wall:.0f} s wall)")
     assert "bitwise equal to the reference on every rank and call, every mailbox word armed" in line
     assert "timings in this mode are not performance" in line
@@ -61,9 +64,12 @@ def test_slow_process_past_the_budget_all_raise_and_a_late_push_is_harmless():
     print("\n" + outs[0].strip())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2, 4])
-def test_install_across_processes_serves_bitwise(n):
-    codes, outs, _ = launch(n, "--install", "--calls", "60")
+def test_install_across_processes_serves_bitwise(n, dtype):
+    """The table's section is written for ``dtype`` and the model's head gathers it
+    (float32: vLLM's head_dtype): served rows bitwise the reference, the others stock."""
+    codes, outs, _ = launch(n, "--install", "--calls", "60", "--dtype", dtype)
     assert codes == [0] * n, show(outs)
     line = next(x for x in outs[0].splitlines() if x.startswith("ranks install:"))
     print("\n" + line)
@@ -79,9 +85,11 @@ def test_one_process_failing_its_mailbox_leaves_every_process_stock():
     assert "served rows none (stock) on every rank" in outs[0], show(outs)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2, 4])
-def test_captured_gathers_across_processes_bitwise(n):
-    codes, outs, wall = launch(n, "--graph", "--rows", "1,8,64", "--calls", "100", timeout=300)
+def test_captured_gathers_across_processes_bitwise(n, dtype):
+    codes, outs, wall = launch(n, "--graph", "--rows", "1,8,64", "--calls", "100", "--dtype",
+                               dtype, timeout=300)
     assert codes == [0] * n, show(outs)
     line = next(x for x in outs[0].splitlines() if x.startswith("ranks graph:"))
     print(f"\n{line} ({wall:.0f} s wall)")

@@ -63,6 +63,8 @@ SEED = 1234
 def _args(argv):
     p = argparse.ArgumentParser(prog="python -m lamport_head.tuning.diagnostics.ranks")
     p.add_argument("--vocab", type=int, default=163840)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the logits' dtype (float32: an FP32 lm_head's)")
     p.add_argument("--rows", default="1,2,3,5,8,16,33,64")
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--budget", type=float, default=2.0)
@@ -85,8 +87,9 @@ def _args(argv):
 class Calls:
     """The same call sequence on every rank: call i's M and every rank's shard."""
 
-    def __init__(self, rows, tp, shard, device):
+    def __init__(self, rows, tp, shard, device, dtype=torch.bfloat16):
         self.rows, self.tp, self.shard, self.device = rows, tp, shard, device
+        self.dtype = dtype
         rng, previous, self.m = random.Random(SEED), None, []
         for i in range(100_000):
             if i < len(rows):  # every served row count early, 1 and the cap included
@@ -104,14 +107,14 @@ class Calls:
         from lamport_head.tuning.support.reference import planted
 
         g = torch.Generator(device=self.device).manual_seed(SEED * 1_000_003 + i)
-        data = planted(self.tp, m, self.shard, generator=g, device=self.device)
+        data = planted(self.tp, m, self.shard, generator=g, device=self.device, dtype=self.dtype)
         return [data[r] for r in range(self.tp)]
 
 
-def _poison(rows, width, device):
+def _poison(rows, width, device, dtype=torch.bfloat16):
     """Leave freed blocks full of POISON where the next output will be allocated."""
-    blocks = [torch.full((rows, width // 2), POISON, dtype=torch.int32, device=device)
-              for _ in range(2)]
+    blocks = [torch.full((rows, width * dtype.itemsize // 4), POISON, dtype=torch.int32,
+                         device=device) for _ in range(2)]
     del blocks
 
 
@@ -144,7 +147,7 @@ def run_calls(gather, calls, first, count, bad, device, stock=None):
     me = gather.rank
     for i in range(first, first + count):
         shards = calls.shards(i)
-        _poison(calls.m[i], gather.width, device)
+        _poison(calls.m[i], gather.width, device, calls.dtype)
         out = gather(shards[me], stock or _no_stock)
         want = reference_gather(shards).view(torch.int32)
         bad[i] += (out.view(torch.int32) != want).any()
@@ -175,7 +178,8 @@ def check(args, ranks, gather, calls):
                        f"rank {r}: {n} bad calls (first {f}), armed {a}"
                        for r, (f, n, a, _) in enumerate(report)))
         print(f"ranks check: tp={ranks.world}, {args.calls} free-running calls, M in {rows}, "
-              f"V={args.vocab}, {_mode(ranks)}: {verdict}; {slowest * 1e3:.1f} ms per call",
+              f"V={args.vocab} {args.dtype}, {_mode(ranks)}: {verdict}; "
+              f"{slowest * 1e3:.1f} ms per call",
               flush=True)
     return ok
 
@@ -184,7 +188,7 @@ def graph(args, ranks, gather, calls):
     from lamport_head.tuning.support.reference import reference_gather
 
     me, device, ms = ranks.rank, ranks.device, calls.rows
-    static = [torch.zeros(m, calls.shard, dtype=torch.bfloat16, device=device) for m in ms]
+    static = [torch.zeros(m, calls.shard, dtype=calls.dtype, device=device) for m in ms]
     stream = torch.cuda.Stream(device)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=stream):
@@ -328,7 +332,7 @@ def _late_push(gather, ranks, peer):
     """Behind a GPU sleep, overwrite row 0 of ``peer``'s parity-0 box with data, as a
     push of the abandoned call would if it landed late."""
     _sleep_s(0.3, ranks.device)
-    gather.box.peer_view(peer)[: gather.width // 2].fill_(0x12345678)
+    gather.box.peer_view(peer)[: gather.width * gather.dtype.itemsize // 4].fill_(0x12345678)
 
 
 def _contexts(ranks):
@@ -358,7 +362,7 @@ def install(args, ranks, calls):
     if ranks.is_root:
         name = torch.cuda.get_device_name(ranks.device)
         text = (f"schema: 1\ndevices:\n  {name}:\n  - tp: {ranks.world}\n    dcp: 1\n"
-                + f"    vocab: {args.vocab}\n    rows:\n"
+                + f"    vocab: {args.vocab}\n    dtype: {args.dtype}\n    rows:\n"
                 + "".join(f"      {m}: {{ctas: 8, enabled: true}}\n" for m in served)
                 + f"      {calls.rows[-2]}: {{ctas: 8, enabled: false}}\n")
         fd, path = tempfile.mkstemp(suffix=".yaml")
@@ -370,12 +374,12 @@ def install(args, ranks, calls):
     os.environ["LAMPORT_HEAD_TABLE"] = path
     if args.fail_alloc_rank == ranks.rank:
         refuse_allocation()
-    model, stock_calls = _vllm_shaped(ranks, shard)
+    model, stock_calls = _vllm_shaped(ranks, shard, calls.dtype)
     got = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device).rows
     from lamport_head.table import load_table
 
     entries = load_table(path).entries(torch.cuda.get_device_name(ranks.device), ranks.world, 1,
-                                       vocab=args.vocab)
+                                       vocab=args.vocab, dtype=args.dtype)
     want_rows = () if args.fail_alloc_rank is not None else tuple(
         sorted(m for m, e in entries.items() if e.enabled))  # measured rows and filled gaps
     bad = _bitwise(model, calls, min(args.calls, 60), ranks, want_rows)
@@ -416,9 +420,10 @@ def refuse_allocation():
         MAILBOXES[kind] = refused
 
 
-def _vllm_shaped(ranks, shard):
-    """A model shaped as vLLM's (LogitsProcessor + vocab-parallel BF16 lm_head) whose
-    stock gather is vLLM's; and the list of row counts that took stock."""
+def _vllm_shaped(ranks, shard, dtype=torch.bfloat16):
+    """A model shaped as vLLM's (LogitsProcessor + vocab-parallel BF16 lm_head, its
+    head_dtype ``dtype``: float32 for an FP32 lm_head) whose stock gather is vLLM's; and
+    the list of row counts that took stock."""
     import types
 
     from lamport_head.tuning.support.stock import all_gather_logits
@@ -429,8 +434,8 @@ def _vllm_shaped(ranks, shard):
         stock_calls.append(x.shape[0])
         return all_gather_logits(x, ranks.group)
 
-    lp = types.SimpleNamespace(logits_as_input=False, head_dtype=None, use_all_gather=True,
-                               _gather_logits=stock)
+    lp = types.SimpleNamespace(logits_as_input=False, use_all_gather=True, _gather_logits=stock,
+                               head_dtype=None if dtype == torch.bfloat16 else dtype)
     head = types.SimpleNamespace(weight=torch.zeros(shard, 16, dtype=torch.bfloat16,
                                                     device=ranks.device), tp_size=ranks.world)
     return types.SimpleNamespace(logits_processor=lp, lm_head=head), stock_calls
@@ -473,14 +478,15 @@ def autotune(args, ranks):
     cap = max(int(x) for x in args.rows.split(","))
     rows = tuple(range(1, cap + 1))  # what a server of cap rows gathers
     shard = args.vocab // ranks.world
-    model, stock_calls = _vllm_shaped(ranks, shard)
+    dtype = getattr(torch, args.dtype)
+    model, stock_calls = _vllm_shaped(ranks, shard, dtype)
     torch.cuda.synchronize(ranks.device)
     start = time.monotonic()
     outcome = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device,
                                     rows=rows)
     seconds = time.monotonic() - start
     served, measured = outcome.rows, outcome.measured
-    calls = Calls(list(rows), ranks.world, shard, ranks.device)
+    calls = Calls(list(rows), ranks.world, shard, ranks.device, dtype)
     count = min(args.calls, 200)
     bad = _bitwise(model, calls, count, ranks, served)
     report = _gathered(ranks, (list(served), measured, bad, len(stock_calls), seconds))
@@ -505,7 +511,7 @@ def main(argv=None):
     ranks = init_ranks()
     rows = sorted({int(x) for x in args.rows.split(",")})
     shard = args.vocab // ranks.world
-    calls = Calls(rows, ranks.world, shard, ranks.device)
+    calls = Calls(rows, ranks.world, shard, ranks.device, getattr(torch, args.dtype))
     if args.install or args.autotune:
         ok = autotune(args, ranks) if args.autotune else install(args, ranks, calls)
         dist.destroy_process_group()
@@ -514,7 +520,7 @@ def main(argv=None):
     from lamport_head.status import RECOVERABLE
 
     gather = HeadGather(None, ranks.device, ranks.world, ranks.rank, shard, rows,
-                        budget_s=args.budget, mode=RECOVERABLE)
+                        budget_s=args.budget, mode=RECOVERABLE, dtype=calls.dtype)
     if args.kill_rank is not None:
         os._exit(0 if kill(args, ranks, gather, calls) else 1)  # a peer is gone: no teardown
     if args.graph:
