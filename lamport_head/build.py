@@ -7,10 +7,11 @@ here, so what the tuner times and the limit it searches under are what install
 builds:
 
 - ``Kernels(device, tp, shard, pdl, dtype)``: one rank's kernels for rows of ``shard``
-  values of ``dtype`` (``dtypes.words``: ``shard x itemsize / 4`` words a row). ``compiled(config)`` is the
-  one kernel of ``config``'s compile-time knobs; no mode is part of it (serving's
-  give-up is a launch argument, ``kernels.protocol``), so the tuner times the cubin
-  serving launches. ``limit(config, sharing)`` is the most CTAs per rank of that
+  values of ``dtype`` (``dtypes.words``: ``shard x itemsize / 4`` words a row).
+  ``compiled(config)`` is the one kernel of ``config``'s compile-time knobs; no mode
+  is part of it (serving's give-up is a launch argument, ``kernels.protocol``), so the
+  tuner times the cubin serving launches. ``limit(config, sharing)`` is the most CTAs
+  per rank of that
   kernel that stay co-resident with ``sharing`` ranks on the device
   (``plan.co_resident_limit``): what ``plan`` accepts for a served row and where the
   tuner's search stops. ``launcher(config, mode)`` launches it with the mode's flag.

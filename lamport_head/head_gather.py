@@ -14,8 +14,9 @@ Invariants a change must keep:
   stream, so the calls stay one sequence (graph replays must be issued in that
   order by the caller, as engines do).
 - Every shape the kernel does not serve takes ``stock``: rows not in ``rows``, not
-  2-D, not the gather's dtype (``dtype``), the wrong width. The decision depends on the shape only, so every
-  rank takes the same path (and a captured graph holds the same path on every rank);
+  2-D, not the gather's dtype (``dtype``), the wrong width. The decision depends on
+  the shape and dtype only, so every rank takes the same path (and a captured graph
+  holds the same path on every rank);
   a non-contiguous or unaligned tensor (the allocator's choice, which may differ by
   rank) is copied, a negative- or conjugate-bit view is resolved first (the kernel
   reads the storage, which holds the bits before the lazy negation: it would gather

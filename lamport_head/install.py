@@ -80,8 +80,9 @@ def _device_name(device):
 
 def _build(group, device, tp, rank, shard, entries, budget_s, dtype=dtypes.DEFAULT):
     """The serving gather of ``entries`` (``{rows: table.TableRow}``, the enabled ones)
-    for logits of ``dtype`` (a ``dtypes`` name): its plan is their configs. A give-up stops the GPU context (``mode="serving"``: its
-    launch flag, ``build.launch_flag``), so no step with missing data reaches the
+    for logits of ``dtype`` (a ``dtypes`` name): its plan is their configs. A give-up
+    stops the GPU context (``mode="serving"``: its launch flag, ``build.launch_flag``),
+    so no step with missing data reaches the
     engine's sampler or its host. Built on ``build``'s one path: the kernel is the one
     the tuner timed for the row, under the tuner's occupancy limit."""
     from .head_gather import HeadGather

@@ -640,8 +640,8 @@ def fix_for(path, kind):
 def load_layers() -> Table:
     """The merged view of ``layer_paths()``: a higher layer's section for the same
     (GPU model, TP, DCP, emulated, vocabulary, stock, dtype) replaces the lower one's
-    (one for another vocabulary or dtype stays beside it); each section keeps the file it came from in
-    ``source``.
+    (one for another vocabulary or dtype stays beside it); each section keeps the file
+    it came from in ``source``.
 
     Lenient, so that one bad byte never costs more than it spoils: a section the loader
     cannot read is skipped and the file's other sections serve; a layer that cannot be

@@ -115,6 +115,11 @@ def test_a_served_section_shows_stock_and_what_serves_above_it(tmp_path):
     (("verify", "--tp", "3"), "lamport-head: verify: vocab 163840 / tp 3 is not a multiple of 8"),
     (("verify", "--vocab", "1000"), "lamport-head: verify: vocab 1000 / tp 8 is not a multiple "
                                     "of 8"),
+    # FP32 logits: a 16-byte fragment is 4 values (1004 / 2 = 502 is not; 1000 / 8 = 125 not)
+    (("verify", "--dtype", "float32", "--vocab", "1004", "--tp", "2"),
+     "lamport-head: verify: vocab 1004 / tp 2 is not a multiple of 4 (float32)"),
+    (("tune", "--dtype", "float32", "--vocab", "1000"),
+     "lamport-head: tune: vocab 1000 / tp 8 is not a multiple of 4 (float32)"),
 ])
 def test_gpu_commands_check_their_arguments_before_looking_for_a_gpu(argv, message):
     """The argument's error on any machine (with or without CUDA), like bench's: never

@@ -262,8 +262,9 @@ def _install_worker(rank, tp, cache, fail):
                               "kernel": "abcdef123456"}
     make_target = firstuse.make_target
 
-    def real_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None):
-        target = make_target(ranks, vocab, limits, stock)  # the real DistributedTarget
+    def real_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None,
+                    dtype="bfloat16"):
+        target = make_target(ranks, vocab, limits, stock, dtype)  # the real DistributedTarget
         # The occupancy calculator needs a GPU; the limit is not under test here.
         target._limits.update({(t, u): 128 for t in limits.threads for u in (4, 8)})
         return target
@@ -432,8 +433,9 @@ def _alone_worker(rank, tp, cache, at_call):
                               "kernel": "abcdef123456"}
     make_target = firstuse.make_target
 
-    def real_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None):
-        target = make_target(ranks, vocab, limits, stock)
+    def real_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None,
+                    dtype="bfloat16"):
+        target = make_target(ranks, vocab, limits, stock, dtype)
         target._limits.update({(t, u): 128 for t in limits.threads for u in (4, 8)})
         return target
 

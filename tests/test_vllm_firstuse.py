@@ -76,7 +76,8 @@ def _rank(rank, world, run, cache, model_dir):
     provenance.facts = lambda: dict(FACTS)
     timed, stocks = [], []
 
-    def make_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None):
+    def make_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None,
+                    dtype="bfloat16"):
         stocks.append(stock)  # what first-use tuning was handed to time against
         return CollectiveTarget(ranks, vocab, "", timed)
 

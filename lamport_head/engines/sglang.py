@@ -38,8 +38,9 @@ logits do not take the plain TP all-gather along the last dim (DP attention,
 ``--enable-dp-lm-head``, the TP lm_head all-to-all, an FP32 lm_head output whose dtype
 depends on the device), with one log line. An FP32 lm_head (``--enable-fp32-lm-head``,
 or a model config's ``enable_lm_head_fp32``: ``use_fp32_lm_head``) gathers FP32 logits:
-routed through a gather built for float32 (its table section measured for float32). Everything not served (rows, dtype, shape, ...) calls SGLang's own
-gatherer, so its result is SGLang's, bitwise. SGLang is imported only here, lazily.
+routed through a gather built for float32 (its table section measured for float32).
+Everything not served (rows, dtype, shape, ...) calls SGLang's own gatherer, so its
+result is SGLang's, bitwise. SGLang is imported only here, lazily.
 """
 
 import functools
@@ -344,8 +345,9 @@ def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
     while its runner loads) after the target's install; a ``Drafter`` saying how.
 
     - Its head has the shard width and its logits the dtype of the gather the target
-      was served by, on the same TP group (``target``: the target's ``Target``, default this process's): that
-      gather serves it (``install.reroute``: no collective; the gather was agreed by
+      was served by, on the same TP group (``target``: the target's ``Target``, default
+      this process's): that gather serves it (``install.reroute``: no collective; the
+      gather was agreed by
       every rank and the site's facts are the same on every rank).
     - Else its own install (``install.install`` with the draft rows): collective over
       the draft TP group, agreed, fail-stop as the target's; its outcome never

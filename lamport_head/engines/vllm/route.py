@@ -97,8 +97,9 @@ def install_drafter_gather(draft, target, ranks, rows=None,
       built (no mailbox, no first-use tuning), one line.
     - Its head has the shard width and its logits the dtype of the gather the target
       was served by (EAGLE and MTP share the target's lm_head; a drafter of the same
-      vocabulary and head dtype): the target's gather serves it too (``install.reroute``: no collective; the gather was agreed
-      by every rank, the site's facts are the same on every rank).
+      vocabulary and head dtype): the target's gather serves it too
+      (``install.reroute``: no collective; the gather was agreed by every rank, the
+      site's facts are the same on every rank).
     - Else its own install (another vocabulary, e.g. an EAGLE3 head of 32000, or the
       target stayed stock): ``install.install`` with the drafter's ``rows``,
       collective, agreed, fail-stop as the target's (for its own logits' dtype): every

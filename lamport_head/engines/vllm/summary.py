@@ -3,8 +3,8 @@ logits collective a step takes and whether a Lamport gather serves it.
 
 Built from values only (the installs' ``Outcome``s, ``find``'s paths): rewording a log
 line changes no summary (tests/test_outcome.py). Every rank takes the same outcomes
-(install's are agreed), so rank 0's line speaks for the group. A served gather's logits dtype is named where it
-is not BF16 ("(float32 logits)": an FP32 lm_head).
+(install's are agreed), so rank 0's line speaks for the group. A served gather's
+logits dtype is named where it is not BF16 ("(float32 logits)": an FP32 lm_head).
 """
 
 from ...dtypes import DEFAULT as DEFAULT_DTYPE
