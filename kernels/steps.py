@@ -373,7 +373,7 @@ def repoll_staged(own: Int64, dst: Int64, pending: Int32, base: Int32, stride: I
     that arrived; the mask still dirty. One fragment's registers at a time, so a pass
     is up to ``unroll`` dependent loads: measured on one H200 (emulated TP 8, M = 16
     and 64; TP 2, M = 64) within the run-to-run spread of re-polling with
-    ``cp.async`` (NOTES v0.3.4)."""
+    ``cp.async`` (CHANGELOG.md, 0.3.4)."""
     again = opaque(base)  # the offsets computed here, not held through the wait loop
     for i in cutlass.range_constexpr(unroll):
         if (pending >> i) & 1:

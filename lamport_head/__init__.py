@@ -1,6 +1,6 @@
 """lamport-head: the tensor-parallel logits gather of LLM decode on a Lamport mailbox.
 
-Public names (the README's "Use" section; each module's docstring holds its design):
+Public names (the README's "Explicit calls"; each module's docstring holds its design):
 ``HeadGather``, ``install_logits_gather`` (an ``Outcome``: rows served, or a ``Stock``
 reason and its message), ``table`` (``load_table``, ``Table``,
 ``TableRow``, ``TableError``; docs/design.md holds the contract). Heavy modules load

@@ -34,7 +34,7 @@ BENCH_BUDGET_S = 0.5
 MAX_BUDGET_S = 3600.0  # the timer is read every poll: a longer wait is a typo
 # The floor. A gather gives up at 3/4 of the budget, so the budget must dwarf the
 # ordinary skew between the ranks' launches of one step, or healthy steps give up. The
-# worst skew measured so far (NOTES.md): 0.45 ms between 8 emulated ranks' waits on one
+# worst skew measured so far (docs/figures.md): 0.45 ms between 8 emulated ranks' waits on one
 # H200 (GEMMs run one after another), 0.38 ms of host launches, and 19-30 ms per call
 # with 8 processes time-slicing one GPU; a host stall of a rank (a GC pause) adds to
 # it. 0.5 s is over 15x the worst of those, and its give-up (0.375 s) over 12x.
