@@ -197,6 +197,11 @@ def parser():
     return p
 
 
+def _plan_text(plan):
+    """A plan as the table writes its entries: ``1: ctas=20,threads=256,unroll=4; ...``."""
+    return "; ".join(f"{m}: {c.label()}" for m, c in sorted(plan.items()))
+
+
 def _fail(message, code=2):
     print(f"lamport-head: {message}", file=sys.stderr)
     return code
@@ -436,7 +441,7 @@ def verify(args):
         return _fail(f"verify: vocab {args.vocab} / tp {args.tp} is not a multiple of 8")
     device = torch.device("cuda", torch.cuda.current_device())
     shard = args.vocab // args.tp
-    gather = EmulatedGather(device, args.tp, shard, args.rows)
+    gather = EmulatedGather.default(device, args.tp, shard, args.rows)
     rng = random.Random(0)
     for call in range(args.calls):
         rows = rng.choice(args.rows)
@@ -450,7 +455,7 @@ def verify(args):
     if not gather.armed():
         return _fail("verify: mailbox words left un-armed", 1)
     print(f"verify: {args.calls} emulated calls, tp={args.tp}, vocab={args.vocab}, rows "
-          f"{args.rows}, CTAs {gather.ctas}: bitwise equal to the reference, mailbox armed")
+          f"{args.rows}, plan {_plan_text(gather.plan)}: bitwise equal to the reference, mailbox armed")
     return 0
 
 

@@ -35,10 +35,14 @@ from typing import NamedTuple
 
 import torch
 
-from . import settings
-from .collective import all_gather_objects, raised_together
+# modules, not names, where a test replaces a name (mailbox.device_key, its deadline,
+# head_gather.HeadGather, provenance.facts): read at the call
+from . import head_gather, mailbox, provenance, settings
+from .collective import all_gather_objects, raised_together, within
 from .outcome import Outcome, Stock
-from .table import NCCL_STOCK
+from .status import SERVING
+from .table import MAX_ROWS, NCCL_STOCK, TableError, load_table, user_path
+from .tablefile import set_aside_agreed
 
 logger = logging.getLogger("lamport_head")
 
@@ -77,11 +81,8 @@ def _build(group, device, tp, rank, shard, entries, budget_s):
     launch flag, ``build.launch_flag``), so no step with missing data reaches the
     engine's sampler or its host. Built on ``build``'s one path: the kernel is the one
     the tuner timed for the row, under the tuner's occupancy limit."""
-    from .head_gather import HeadGather
-    from .status import SERVING
-
     plan = {m: e.config for m, e in entries.items()}
-    gather = HeadGather(group, device, tp, rank, shard, plan, budget_s=budget_s, mode=SERVING,
+    gather = head_gather.HeadGather(group, device, tp, rank, shard, plan, budget_s=budget_s, mode=SERVING,
                         clamp=True)
     for m, (asked, most) in sorted(gather.clamped.items()):
         logger.warning("lamport-head: the table's %d CTAs for %d rows cannot all be co-resident "
@@ -167,9 +168,6 @@ def install(site, ranks, rows=None, *, measure):
         # Every rank, whichever host's table is broken: the broken copies are set aside
         # (a host whose copy reads whole keeps it), and every rank chooses as if no table
         # held this section, so the hosts measure together and each writes a whole one.
-        from .table import user_path
-        from .tablefile import set_aside_agreed
-
         set_aside_agreed(user_path(), view.broken, keys, rank, group)
         view = replace(view, entries={}, emulated_entries={}, real="missing",
                        emulated="missing")
@@ -314,8 +312,6 @@ def decode_rows(requests, per_request):
     """The row counts an engine's decode steps gather: 1 .. ``requests`` x ``per_request``
     (logits rows per request: 1 + its draft tokens), capped at ``table.MAX_ROWS``.
     ``requests`` None (the engine resolves it later, from memory): up to the cap."""
-    from .table import MAX_ROWS
-
     top = MAX_ROWS if requests is None else min(int(requests) * int(per_request), MAX_ROWS)
     return tuple(range(1, top + 1))
 
@@ -338,11 +334,8 @@ def _bounded_vote(tp, dcp, device, rows, vocab, stock):
     rank whose reading blocks (a table on a hung file system, a device query) still
     reaches the agreement in time, its vote's reason saying so, and every rank stays
     stock; the reading left behind touches nothing its peers see."""
-    from .collective import within
-    from .mailbox import RENDEZVOUS_WAIT_S
-
     try:
-        return within(RENDEZVOUS_WAIT_S, "reading the tables and settings (install's vote)",
+        return within(mailbox.RENDEZVOUS_WAIT_S, "reading the tables and settings (install's vote)",
                       _local_vote, tp, dcp, device, rows, vocab, stock)
     except TimeoutError as exc:
         return None, None, _Vote(None, None, (Stock.RANK.label, f"TimeoutError: {exc}"),
@@ -425,10 +418,6 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
     Only sections measured at ``vocab`` (the model's V = TP x shard width) against
     ``stock`` (the engine's gather the route replaces) count: one measured at another
     V or against another stock reads as missing (first-use tuning measures this one)."""
-    from .mailbox import device_key
-    from .provenance import section_status
-    from .table import TableError, load_table
-
     try:
         table = load_table()  # lenient: what it skipped is one line each, the rest serves
         for problem in table.problems:
@@ -436,9 +425,7 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
                 logger.warning("lamport-head: HEAD_GATHER table: %s", problem.line)
         on = settings.autotune_enabled()
         if on:  # which environment's version of a key serves (first use measures the rest)
-            from .provenance import facts
-
-            table.facts = facts()
+            table.facts = provenance.facts()
 
         def read(emulated):
             section = table.section(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock)
@@ -446,14 +433,14 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock):
             enabled = {m: e for m, e in entries.items()
                        if e.enabled and (rows is None or m in rows)}
             # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
-            state = section_status(section) if on else ("missing" if section is None
+            state = provenance.section_status(section) if on else ("missing" if section is None
                                                          else "current")
             return enabled, state
 
         (entries, real), (emulated_entries, emulated) = read(False), read(True)
         key = None
         try:
-            key = device_key(device)
+            key = mailbox.device_key(device)
         except Exception:  # no device key: first-use tuning will not guess
             pass
         others = tuple(v for v in table.vocabs(name, tp, dcp) if v != vocab)

@@ -480,7 +480,7 @@ def test_drafter_torchrun_path_times_the_same_shapes(tmp_path, monkeypatch, caps
     monkeypatch.setattr(draftbench, "make_target", lambda command, tp, vocab: chosen)
     from lamport_head import build
 
-    monkeypatch.setattr(build, "KERNELS", types.SimpleNamespace(arch=lambda d: 90,
+    monkeypatch.setattr(build, "TOOLCHAIN", types.SimpleNamespace(arch=lambda d: 90,
                                                                 pdl=lambda a: True))
     monkeypatch.setattr(rankbench, "copy_bandwidth_gbs", lambda device: BANDWIDTH)
     monkeypatch.setattr(rankbench, "median_eager", lambda *a: (2.0, 1.0))

@@ -156,7 +156,7 @@ NOT_OURS = {"_exit": "os._exit (a killed rank leaves without teardown)",
 def test_diagnostics_reach_the_runtime_through_public_names_only():
     """No private attribute of a runtime object is read, called or overwritten by the
     diagnostics (fault injection goes through ``mailbox.MAILBOXES``; timers through
-    ``build.KERNELS`` and ``status_address``)."""
+    ``build.TOOLCHAIN`` and ``status_address``)."""
     for path in sorted((ROOT / "tuning" / "diagnostics").glob("*.py")):
         private = sorted({n.attr for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
                           if isinstance(n, ast.Attribute) and n.attr.startswith("_")
