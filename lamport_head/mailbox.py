@@ -50,7 +50,10 @@ import os
 import socket
 
 import torch
+import torch.distributed as dist
+from torch._C._autograd import DeviceType
 
+from . import peermem  # through the module: tests replace segments_for and p2p_status
 from .collective import all_gather_objects, attempt, barrier, within
 from .kernels.protocol import (CONTROL_EPOCH, MAX_TP, PEER_CONTROL, PEER_ROWS, SENTINEL_I32,
                                box_words)
@@ -72,8 +75,6 @@ def multicast_off(symm_mem, device):
     probe = getattr(getattr(symm_mem, "_SymmetricMemory", None), "has_multicast_support", None)
     if probe is None or torch.device(device).type != "cuda":
         return
-    from torch._C._autograd import DeviceType
-
     if probe(DeviceType.CUDA, torch.device(device).index):
         raise RuntimeError(f"torch symmetric memory still reports NVLink multicast on {device} "
                            f"with {MULTICAST_OFF_ENV}=1 (read before we could set it?): "
@@ -214,11 +215,9 @@ class IpcMailbox(_ProcessMailbox):
 
     def _allocate(self, count):
         """Local: this rank's box (mapped here, exported) and its descriptor inbox."""
-        from .peermem import FdChannel, segments_for
-
         # the inbox first: a socket closes itself when dropped, a cuMem box does not
-        self._channel = FdChannel()
-        self._segments = segments_for(self.device)
+        self._channel = peermem.FdChannel()
+        self._segments = peermem.segments_for(self.device)
         self._mapped = {}
         self._own = self._segments.create(count * 4)
         return self._segments.tensor(self._own, count)
@@ -229,18 +228,16 @@ class IpcMailbox(_ProcessMailbox):
         before it on one: the inboxes' names and the boxes' sizes, then whether every
         rank sent its descriptor to every peer. What follows (receiving and mapping)
         is local; the caller agrees on it."""
-        from .peermem import RECEIVE_WAIT_S
-
         facts = exchange(lambda: (self._channel.name, self._own.size), self.group, self.tp,
                          "describe its mailbox")
         peers = [r for r in range(self.tp) if r != self.rank]
 
         def send():
             self._channel.send_all({r: facts[r][0] for r in peers}, self.rank, self._own.fd,
-                                   RECEIVE_WAIT_S)
+                                   peermem.RECEIVE_WAIT_S)
 
         exchange(send, self.group, self.tp, "send its mailbox's file descriptor to its peers")
-        fds = self._channel.receive(peers, RECEIVE_WAIT_S)
+        fds = self._channel.receive(peers, peermem.RECEIVE_WAIT_S)
         try:
             for r in peers:
                 self._mapped[r] = self._segments.open(fds[r], facts[r][1])
@@ -291,7 +288,7 @@ class SymmetricMailbox(_ProcessMailbox):
         """Local: also everything ``connect`` needs before torch's rendezvous (the
         module, the group), so that a rank failing at it fails here, in the step the
         ranks agree on, never in ``connect`` while its peers sit in the rendezvous."""
-        import torch.distributed as dist
+        # lazy: only this backend loads torch's symmetric memory (``_symmetric_available``)
         import torch.distributed._symmetric_memory as symm_mem
 
         multicast_off(symm_mem, self.device)
@@ -358,17 +355,15 @@ MAILBOXES = {"ipc": IpcMailbox, "symmetric": SymmetricMailbox}
 def device_key(device):
     """``(host, GPU UUID)``: what names this rank's GPU to every other process (a local
     index names another GPU, or none, where each process sees its own devices)."""
-    from .peermem import nvml_uuid
-
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     if uuid is None:
         raise RuntimeError(f"torch reports no UUID for {device}: cannot name this GPU to "
                            "the other ranks")
-    return socket.gethostname(), nvml_uuid(uuid)
+    return socket.gethostname(), peermem.nvml_uuid(uuid)
 
 
 def _symmetric_available():
-    try:
+    try:  # lazy: a probe; some torch builds lack symmetric memory
         import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
 
         return hasattr(symm_mem, "rendezvous") and hasattr(symm_mem, "empty")
@@ -435,12 +430,10 @@ def check_peer_reach(keys, me):
     which sees every GPU whatever this process sees). Ranks sharing this GPU need
     nothing; a pair NVML cannot tell about is left to the mapping, whose failure the
     ranks agree on, naming it."""
-    from .peermem import p2p_status
-
     host, gpu = keys[me]
     for r, (h, g) in enumerate(keys):
         if h == host and g != gpu:
-            ok, why = p2p_status(gpu, g)
+            ok, why = peermem.p2p_status(gpu, g)
             if ok is False:
                 raise RuntimeError(f"GPU {gpu} (rank {me}) cannot reach GPU {g}'s memory "
                                    f"(rank {r}): {why}")

@@ -33,6 +33,7 @@ the same contract over memfd shared memory, for mailboxes on the CPU device (the
 bed's ranks).
 """
 
+import array
 import contextlib
 import ctypes
 import mmap
@@ -40,11 +41,12 @@ import os
 import secrets
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 import torch
 
-from .kernels.launch import checked
+from .kernels.launch import bind_primary_context, checked
 
 RECEIVE_WAIT_S = 30.0  # a peer that said it sent its descriptor: how long to wait for it
 
@@ -72,10 +74,8 @@ class CudaSegments:
         thread (``kernels.launch.bind_primary_context``; a stand-in's own in tests)."""
         self.device = torch.device(device)
         if driver is None:
-            from cuda.bindings import driver
-        if bind is None:
-            from .kernels.launch import bind_primary_context as bind
-        self.cu, self._bind = driver, bind
+            from cuda.bindings import driver  # lazy: loads the CUDA driver (a GPU process only)
+        self.cu, self._bind = driver, bind or bind_primary_context
         with self._current():
             self.ordinal = int(checked(self.cu.cuCtxGetDevice(), "cuCtxGetDevice"))
             for attr in ("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
@@ -243,8 +243,6 @@ class FdChannel:
         """``fd`` to the channel named ``to``, from ``rank`` (the message says who);
         never waits long: BlockingIOError (or TimeoutError, once ``receive`` set the
         socket's timeout) when that inbox is full."""
-        import array
-
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
         self.sock.sendmsg([struct.pack("<i", rank)], rights, socket.MSG_DONTWAIT, to)
 
@@ -255,8 +253,6 @@ class FdChannel:
         inbox is waited out while this rank reads its own into what ``receive`` returns:
         every rank makes progress. RuntimeError naming the peers not reached in
         ``wait_s``."""
-        import time
-
         pending, end = dict(targets), time.monotonic() + wait_s
         while pending:
             for peer, name in list(pending.items()):
@@ -292,8 +288,6 @@ class FdChannel:
     def receive(self, ranks, wait_s=RECEIVE_WAIT_S):
         """``{rank: fd}`` from each of ``ranks`` (the caller owns them); RuntimeError
         naming the ranks whose descriptor did not come within ``wait_s``."""
-        import time
-
         want, end = set(ranks), time.monotonic() + wait_s
         while not want <= self._got.keys():
             left = end - time.monotonic()

@@ -67,6 +67,7 @@ import yaml
 
 from .config import GatherConfig
 from .settings import TABLE_ENV, cache_dir, table_override
+from .tablefile import TornTable, check_seal
 
 SCHEMA = 1
 MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are far smaller)
@@ -261,7 +262,7 @@ class Section:
 def version(provenance):
     """What environment a section was measured in (``provenance.STALE_KEYS``' values);
     ``()`` for a section with none of them (hand-written: one version only)."""
-    from .provenance import STALE_KEYS
+    from .provenance import STALE_KEYS  # lazy: cycle (provenance imports table)
 
     if not isinstance(provenance, dict) or not any(k in provenance for k in STALE_KEYS):
         return ()
@@ -405,8 +406,6 @@ def read(text, path="<string>"):
 
 
 def _parse(text, path, strict):
-    from .tablefile import TornTable, check_seal
-
     try:
         text = check_seal(text)
     except TornTable as exc:
