@@ -1,48 +1,31 @@
 """Lamport mailboxes: per rank, ``[2 parities, cap rows, words]`` int32 words, armed,
-plus a control block (layout: ``lamport_head.kernels.protocol``).
+plus a control block (layout: ``kernels.protocol``; docs/design.md, the protocol).
 
-Peers store into a box with pushes; only the box's own rank reads and re-arms it
-(the gather kernel does that per fragment). ``peers`` is an int64 ``[3, tp]``
-device tensor: each rank's parity-0 box, parity-1 box and control block, as mapped
-in this process: the table the kernel pushes through.
+Peers push into a box; only its own rank reads and re-arms it. ``peers`` is the
+int64 ``[3, tp]`` device table of each rank's parity boxes and control block, as
+mapped in this process.
 
 Backends, one interface (``peers``, ``tp``, ``cap``, ``words``, ``sharing``,
 ``emulated``, ``arm()``, ``armed()``, ``barrier()``, ``close()``):
 
-- ``ipc``: every rank of one host, on distinct GPUs or sharing one (NCCL and symmetric
-  memory both refuse sharing): a cuMem allocation of the rank's own GPU exported as a
-  POSIX file descriptor, which every peer imports and maps in its own context for its
-  own device (``lamport_head.peermem``: why, and which CUDA guarantee keeps a dead
-  peer's pages out of other processes' hands). GPUs are named by UUID. Creates no
-  multicast object, whatever the environment says.
-- ``symmetric``: torch symmetric memory (``empty`` + ``rendezvous``, peer pointers
-  only), only where ranks span hosts of one multi-node NVLink domain (forced). Its
-  rendezvous binds an NVLink multicast object unless told not to, so multicast is
-  switched off in this process before the first allocation, and the allocation
-  refuses to go on if torch still reports multicast support (``multicast_off``).
-- ``local``: ``tp`` virtual ranks in one process (``LocalMailbox``): tests, emulation.
+- ``ipc``: the ranks of one host, on distinct GPUs or sharing one: a cuMem box
+  exported as a file descriptor and mapped by each peer in its own context
+  (``peermem``: why). GPUs are named by UUID. No multicast object, ever.
+- ``symmetric``: torch symmetric memory, only for ranks spanning hosts of one NVLink
+  domain (forced); multicast is switched off before the first allocation, which
+  refuses to go on if torch still reports it (``multicast_off``).
+- ``local``: ``tp`` virtual ranks in one process (tests, emulation).
 
-Real-rank backends are built in two steps so that a local failure can never strand
-a peer inside a collective: the constructor only allocates (local), ``connect()``
-exchanges addresses (collective). The caller agrees between the steps (HeadGather
-does: allocate, agree, connect, agree, arm, sync, barrier). Inside ``connect()`` the
-same rule: a local step that comes before a collective (exporting an IPC handle,
-deriving peer addresses) goes through ``exchange``, so every rank issues the same
-collectives in the same order and a failure raises on every rank, naming the rank.
-``close()`` waits for every rank (barrier) before the box can be freed: a peer may
-still push into it.
+Invariants a change must keep (docs/design.md, the fail-stop rule):
 
-Torch's symmetric-memory rendezvous is one call with phases of its own (an all-gather
-of handles over the group's store, an exchange of file descriptors over a local
-socket, importing and mapping each peer, a store barrier with a timeout of its own);
-a rank failing inside it leaves its peers waiting in a later phase, which no
-agreement of ours can reach and not every phase of which honours a timeout we could
-set. So the rendezvous runs in a helper thread given ``RENDEZVOUS_WAIT_S``: a rank
-whose rendezvous has not returned by then takes that as its failure, every rank
-carries its outcome into ``exchange``, and every rank raises. A rendezvous left
-behind finishes or fails in its thread, unused; later symmetric-memory rendezvous in
-that process may then be out of step (torch numbers them per process), which is one
-more reason install leaves every rank stock.
+- A local failure never strands a peer in a collective: the constructor only
+  allocates, ``connect()`` exchanges; the caller agrees between the steps. Inside
+  ``connect()`` a local step before a collective goes through ``exchange``, so
+  every rank issues the same collectives and a failure raises on every rank.
+- ``close()`` waits for every rank before the box is freed: a peer may still push.
+- Torch's rendezvous runs in a helper thread given ``RENDEZVOUS_WAIT_S`` (a rank
+  failing inside it would leave its peers in a phase no agreement reaches); one not
+  back in time is that rank's failure, and every rank raises.
 """
 
 

@@ -1,36 +1,22 @@
-"""Peer memory for the ``ipc`` mailbox: each rank's box is a CUDA virtual-memory (cuMem)
-allocation of its own GPU, exported as a POSIX file descriptor; every peer imports that
-descriptor and maps it in ITS OWN context, granting access to ITS OWN device only.
+"""Peer memory for the ``ipc`` mailbox: each rank's box is a cuMem allocation of its own
+GPU, exported as a POSIX file descriptor; every peer maps it in ITS OWN context,
+granting access to ITS OWN device only (NCCL's and torch symmetric memory's mechanism
+on one host).
 
-Why this mechanism (it is NCCL's and torch symmetric memory's on one host):
+Invariants a change must keep:
 
-- The mapping lives in the importer's context. The old path (torch's CUDA tensor
-  sharing, ``cudaIpcOpenMemHandle`` under the EXPORTER's device) made each peer's box
-  memory of a context on the peer's GPU in this process, with no peer access from this
-  GPU, and created a context on every peer GPU. Here every driver call runs with this
-  rank's device current, ``cuMemSetAccess`` names this rank's device only, and no call
-  names another device: no process touches a GPU other than its own.
-- A dead peer's pages can never become another process's memory while we may store into
-  them. CUDA's guarantee (``cuMemRelease``): "the memory allocation will be freed when
-  all outstanding mappings to the memory are unmapped and when all outstanding references
-  to the handle (including its shareable counterparts) are also released". A survivor's
-  import holds a handle reference and a mapping until its ``close()``, whatever the
-  exporter's process does, so pushes and give-up marks into a dead peer's box land in
-  pages nobody else can be given.
-- GPUs are named by UUID, never by a process's local index (each process may see other
-  devices, or only its own). The reachability check (``p2p_status``) asks NVML, which
-  sees every GPU of the host whatever ``CUDA_VISIBLE_DEVICES`` says; the driver needs no
-  visibility of the exporter's GPU to map its memory.
+- Every driver call runs with this rank's device current; no call names another
+  device (``cuMemSetAccess`` names this rank's only).
+- A survivor's import holds a handle reference and a mapping until its ``close()``,
+  so a dead peer's pages cannot become another process's memory while we may still
+  store into them (CUDA's ``cuMemRelease`` guarantee).
+- GPUs are named by UUID, never a local index; reachability is NVML's
+  (``p2p_status``), which sees every GPU whatever ``CUDA_VISIBLE_DEVICES`` says.
+- Descriptors travel over abstract Unix datagram sockets (``FdChannel``,
+  SCM_RIGHTS), each bound before names are exchanged: a send never waits for a peer.
 
-Descriptors travel between the host's ranks over abstract-namespace Unix datagram
-sockets (``FdChannel``, SCM_RIGHTS): each rank binds one before the ranks exchange
-names, so a send never waits for a peer to be ready.
-
-``CudaSegments`` talks to the driver through ``cuda.bindings.driver`` (installed with the
-CuTe DSL); tests hand it a stand-in module (tests/fake_driver.py) whose memory is shared
-host memory, so the code path that names devices is the real one. ``HostSegments`` is
-the same contract over memfd shared memory, for mailboxes on the CPU device (the CPU test
-bed's ranks).
+``CudaSegments`` uses ``cuda.bindings.driver`` (tests hand it tests/fake_driver.py);
+``HostSegments`` is the same contract over memfd memory, for the CPU device.
 """
 
 import array
