@@ -1,31 +1,17 @@
-"""The engine-neutral install core: route one engine's logits gather through a
-HeadGather for the rows the HEAD_GATHER table enables on this GPU model and (TP, DCP).
+"""The engine-neutral install core: route one engine's logits gather (a ``GatherSite``,
+found by an adapter in ``lamport_head.engines``) through a HeadGather for the rows the
+HEAD_GATHER table enables on this GPU model, (TP, DCP), V and stock.
 
-It knows no engine. An adapter (``lamport_head.engines.vllm``, ``.sglang``) finds the
-processor and lm_head and hands a ``GatherSite`` (the object and attribute to route,
-the head's weight and TP size, where it sits, the engine's own facts) and the
-first-use measuring (``measure``, injected: the runtime never imports the tuner).
-``decode_rows`` is the engines' one bound on the rows (requests x rows per request,
-capped); ``reroute`` routes an engine's replacement model through the gather already
-built, with no collective.
+Invariants a change must keep (docs/design.md, the fail-stop rule):
 
-Fail-stop order: the site checks (the same on every rank by construction) need no
-collective; then each rank reads alone what may differ or fail on it alone (its
-device's name, the tables, LAMPORT_HEAD_DISABLE and LAMPORT_HEAD_FORCE, first-use
-tuning settings) into its vote, and every rank, whatever it read, meets at the
-agreement on the entries to serve (one all-gather: a rank whose reading failed or
-differs takes every rank to stock). Only then the HeadGather is built, itself collective and fail-stop (local
-part, agree, map the peers' mailboxes, agree, arm, barrier): every rank serves the
-rows or every rank stays stock. When no layer holds a real-rank section for this
-GPU model, TP, DCP and vocabulary (V = TP x the head's shard width: a section measured
-at another V is none) or the user table's is stale, the agreed view says so on
-every rank alike, and first-use tuning (``measure``, collective and fail-stop)
-measures, writes the user table and hands back the entries to build; what follows it
-reads the agreed view, never the environment again. A missing table entry, a
-non-CUDA device or a build or measurement every rank failed together leaves the stock
-gather with one log line. No rank switches to stock alone: the stock path is itself a
-collective, so a failure of this rank alone (``collective.raised_together`` false)
-raises and stops the worker (fail-stop: the engine stops every rank).
+- Order: the site checks (the same on every rank by construction) need no collective;
+  each rank then reads alone what may differ on it (device, tables, environment) into
+  its ``_Vote``; every rank meets at one agreement and decides from the same gathered
+  votes; only then is the gather built (itself collective). No rank switches to stock
+  alone: a failure of this rank alone raises and stops the worker.
+- First-use tuning (``measure``) is injected by the adapter: this module never imports
+  the tuner. It runs, collectively, only when the agreed view asks for it; what
+  follows reads the agreed view, never the environment again.
 """
 
 import logging
