@@ -4,6 +4,8 @@ Imports nothing from the runtime or the tuner. ``protocol`` (the constants) is p
 Python; the compiler entry points load the DSL only when first asked for.
 """
 
+import importlib
+
 from .arch import ARCHS, has_pdl
 from .protocol import SENTINEL, THREADS
 
@@ -14,9 +16,7 @@ __all__ = ["ARCHS", "SENTINEL", "THREADS", "has_pdl", *_LAZY]
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
+    if name in _LAZY:  # lazy: these load the CuTe DSL (first compile only)
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value

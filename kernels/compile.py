@@ -2,16 +2,13 @@
 
 The key is everything the kernel specializes on: (tp, shard words, threads, unroll,
 pdl, arch, timers, staged). M, the CTA count, rank, budget, the status address and
-``serving`` (which way to give up: ``protocol``) are run-time arguments, so one
-compilation serves every row count and both modes. Invariant: no key names a mode;
-the kernel a tuner times for a key is the kernel serving launches for it.
+``serving`` are run-time arguments. Invariant: no key names a mode; the kernel a
+tuner times for a key is the kernel serving launches for it.
 
-The DSL's callable goes through TVM-FFI: it takes torch tensors directly and launches
-on the caller's current torch stream (the TVM-FFI environment stream), so the stream
-is always explicit; a DSL launch with no stream would go to the legacy default
-stream, which serializes emulated ranks. Serving launches the same kernel through
-the driver instead (``launch.DriverLaunch``: the cubin, no argument marshalling).
-Compiling needs no GPU (``arch`` names the target).
+The DSL's callable (TVM-FFI) launches on the caller's current torch stream, always
+explicit: a DSL launch with no stream would go to the legacy default stream, which
+serializes emulated ranks. Serving launches the cubin through the driver
+(``launch.DriverLaunch``). Compiling needs no GPU (``arch`` names the target).
 """
 
 import os

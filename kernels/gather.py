@@ -1,67 +1,23 @@
 """The Lamport logits gather: ``[M, V/TP]`` BF16 shards -> ``[M, V]`` on every rank.
 
-Mailbox layout, peer table, control block and status record: ``protocol``. ``peers``
-(the int64 ``[3, tp]`` table) and ``out`` (a contiguous ``[M, V]`` BF16 tensor the
-host just allocated) come as addresses: ints, not tensors, so a call converts one
-tensor (the shard, which also gives M, the device and the stream) instead of three.
+One launch per call; ``Gather.kernel`` is the protocol step by step (docs/design.md,
+"One call, step by step"; ``steps``: each step and its invariant; ``protocol``: the
+layout). ``peers`` and ``out`` come as addresses, so a call converts one tensor.
 
-One launch per call. ``Gather.kernel`` is the protocol, step by step
-(``steps`` holds each step and the invariant it keeps):
+Invariants a change must keep:
 
-1. load the peer table (before PDL's wait: it does not depend on the previous
-   kernel), wait for the previous kernel (PDL), start the clock, read this rank's
-   epoch (its low bit is the parity: the kernel keeps the alternation in device
-   memory, so a CUDA graph replay alternates like an eager call) and the fail-stop
-   mark; a call that begins marked pushes nothing and delivers no peer fragment;
-2. ``push`` this rank's rows to every peer (not when marked) and to the output;
-3. per batch: ``fetch`` every fragment, ``repoll`` the dirty ones until they all
-   arrived, the budget ran out or the mark appeared, then ``deliver`` (copy and
-   re-arm; NaN for what never came). After a give-up the remaining batches are
-   fetched once, without waiting, so every missing rank is recorded. A kernel that
-   finds the mark already set delivers no peer fragment at all: the mark was set
-   before any late push of a void call could land in this box, so what the box
-   holds now may be such a push (NaN instead, until ``reset`` re-arms);
-   Serving only: a thread still waiting at half the budget raises the slow
-   heartbeat (``raise_slow``; ``protocol``), once; so does one past half the budget
-   before a push batch, before its CTA's count, before the give-up's stores
-   (``steps.heartbeat``; every place: ``protocol``);
-4. on its own time-out, ``mark_peers``: the missing ranks and the mark in every
-   rank's control block; on any give-up, ``publish`` the host flag when the failed
-   call was an earlier one (the protocol's "flag waits one call"; recoverable only);
-5. ``advance`` the epoch (the launch's last CTA, once); launched with ``serving``
-   set, that CTA instead records and traps when the mark is set
-   (``record_and_stop``): no later kernel of the stream runs on this step's data.
-
-Serving's give-up is a run-time argument, not a compile-time variant: one compiled
-kernel serves both ways to give up (``protocol``), so the kernel a tuner times is
-the kernel serving launches. ``serving`` (0 or 1) is uniform across the grid; every
-serving-only step (the earlier give-up, the host record's missing ranks before the
-marks, ``record_and_stop``) sits behind a branch on it, the heartbeats behind each
-thread's ``slow`` flag (1 from the start unless serving: the poll loop tests no
-second flag), and the recoverable-only ``publish`` behind its negation, so each value
-runs exactly the stores, fences and order of the variant it replaced (the PTX audit
-evaluates the branches for each value: the trap is unreachable with 0).
-
-Batches of ``protocol.STAGED_FROM`` fragments or more per thread are *staged*
-(compile-time): ``push_staged``/``fetch_staged`` copy a batch's first read into the
-thread's own shared-memory slots with ``cp.async.cg`` (through L2) and deliver each
-fragment as soon as it is read back arrived, so the fragments in flight hold no
-registers and twice as many fit at the same CTAs per SM; ``repoll_staged`` polls the
-dirty ones again one at a time with the volatile load. Same steps, same give-up
-(``give_up_staged``); only the order in which a batch's arrived fragments are copied
-out and re-armed differs.
-
-With PDL the kernel waits (``griddepcontrol.wait``) before reading the shard or
-its control words: the shard is the previous kernel's output, the epoch the previous
-gather's, and that gather must have finished re-arming before this one's pushes
-reach a peer that is ahead. Only the peer table is read before the wait. The wait
-orders the previous gather before this one; why that also orders its re-arms before
-a peer's push into the same parity two calls later, with no system fence (measured:
-one costs 1.6-3.3 µs at M = 1), and the fences of the memory model: ``steps``
-(module docstring).
-
-The grid's CTAs must all be co-resident with the peers' (their polls wait on pushes
-from other CTAs); the host checks that, not this module.
+- Before PDL's wait only the peer table is read: the shard and the epoch are the
+  previous kernels'.
+- A call that begins marked pushes nothing and delivers no peer fragment (its box
+  may hold late pushes of a void call: NaN instead, until ``reset``). After a
+  give-up the remaining batches are fetched once, without waiting, so every missing
+  rank is recorded.
+- ``serving`` is a run-time argument, uniform across the grid: serving-only steps
+  sit behind it and the recoverable-only ``publish`` behind its negation, so one
+  compiled kernel serves both modes (the PTX audit evaluates both values).
+- Staged batches (``protocol.STAGED_FROM`` or more fragments per thread) differ only
+  in the order a batch's fragments are copied out and re-armed.
+- Every CTA of every rank must be co-resident; the host checks that, not this module.
 """
 
 import cutlass

@@ -1,34 +1,19 @@
-"""``DriverLaunch``: a compiled gather launched straight through the CUDA driver.
-
-An engine calls the gather eagerly every decode step, so the host time of one
-launch is what every step pays. The DSL's own callable (``CompiledGather.launch``,
-through TVM-FFI) converts the shard tensor and marshals every argument per call;
-this launcher loads the kernel from the compiled cubin once, keeps the launch
-configuration and the argument values in ctypes memory, and per call writes them
-and calls ``cuLaunchKernelEx`` with the caller's stream (always explicit).
+"""``DriverLaunch``: a compiled gather launched straight through the CUDA driver
+(``cuLaunchKernelEx`` from the cubin, arguments kept in ctypes memory), so an eager
+decode step pays no per-call argument marshalling.
 
 Invariants a change must keep:
 
-- The argument slots follow the kernel's parameter list exactly (``PARAMS``: name
-  and width, in order); ``kernel_entry`` checks the count and the widths against the
-  PTX ``.entry`` of the compiled kernel when the launcher is built, so a signature
-  change fails there. PTX names its parameters by position only: a swap of two of
-  the same width is caught by the bitwise GPU tests, not here.
-- PDL: a kernel compiled with it is launched with programmatic stream serialization
-  (what the DSL's launch sets for ``use_pdl``), one compiled without it, plainly.
-- The kernel is loaded into the context that is current when the launcher is built
-  (the caller makes the device's primary context current, as torch uses it). A
-  launch whose stream names its context needs no current context (measured on the
-  H200); one on the null stream (handle 0) from a thread where another context is
-  current is refused with CUDA_ERROR_INVALID_HANDLE or INVALID_CONTEXT, and only those two codes
-  are retried, once, with the kernel's context pushed. Any other code raises with no
-  retry: the driver may report an earlier asynchronous error on a launch that was
-  queued, and launching a collective twice would put this rank a call ahead.
-- One launcher serves one caller at a time (its slots are rewritten per call); the
-  driver copies the values at the launch, and under stream capture into the graph.
-- ``serving`` is the launcher's, fixed when it is built (one gather, one mode): its
-  slot is written once, never per call, and every launch of the launcher gives up
-  the same way.
+- The argument slots follow the kernel's parameters exactly (``PARAMS``);
+  ``kernel_entry`` checks count and widths against the PTX ``.entry`` (a swap of two
+  of one width is caught by the bitwise GPU tests, not here).
+- A PDL kernel launches with programmatic stream serialization, others plainly.
+- The kernel loads into the context current when the launcher is built. Only
+  CUDA_ERROR_INVALID_HANDLE and INVALID_CONTEXT are retried, once, with that context
+  pushed; any other code raises: launching a collective twice would put this rank a
+  call ahead.
+- One launcher serves one caller at a time (its slots are rewritten per call).
+- ``serving`` is fixed when the launcher is built (one gather, one mode).
 """
 
 import ctypes
@@ -119,7 +104,7 @@ def load_function(cubin: bytes, name: str, context: int, smem: int = 0) -> int:
     (``context``: its handle, a cache key), loaded once per process and shared by the
     occupancy check and the launcher; allowed ``smem`` bytes of dynamic shared memory
     (ValueError when the device has fewer per CTA)."""
-    from cuda.bindings import driver as cu
+    from cuda.bindings import driver as cu  # lazy: loads the CUDA driver
 
     library = checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
     kernel = checked(cu.cuLibraryGetKernel(library, name.encode()), "cuLibraryGetKernel")
@@ -144,7 +129,7 @@ def bind_primary_context(index: int) -> int:
     runtime call that needs one: switching torch's current device or stream does not,
     so a thread whose first CUDA work is a driver call (load a kernel, map a mailbox)
     binds it here first, as vLLM's cuMem allocator does."""
-    from cuda.bindings import driver as cu
+    from cuda.bindings import driver as cu  # lazy: loads the CUDA driver
 
     checked(cu.cuInit(0), "cuInit")
     device = checked(cu.cuDeviceGet(index), "cuDeviceGet")

@@ -1,38 +1,22 @@
 """Memory primitives of the Lamport gather, as single inline-PTX instructions.
 
-Every mailbox access moves one 16-byte fragment (four 32-bit words) so that a
-fragment is published or armed as a whole:
+Every mailbox access moves one 16-byte fragment (four words), so a fragment is
+published or armed whole:
 
-- ``store_sys``: ``st.relaxed.sys.global.v4`` — a push into a peer's mailbox, which
-  another GPU polls; relaxed at system scope so it is neither cached nor merged.
-- ``load_volatile``: ``ld.volatile.global.v4`` — a poll of this rank's own mailbox;
-  volatile so every re-poll goes to memory.
-- ``load``/``store``: plain 16-byte accesses for the shard (written before the
-  kernel starts) and the output and re-arm (read after the kernel ends).
-- ``scrub``: a word equal to the sentinel becomes 0; compared as integers, since
-  a float compare would treat the BF16 pair (+0, -0) as zero and ftz could flush
-  denormal pairs to it.
-- ``load_word_volatile``/``store_word_sys``/``fence_sys``: the control words (the
-  fail-stop mark in every mailbox and the host-visible status record): details are
-  stored, then ``fence.sc.sys``, then the flag, so a reader that sees the flag sees
-  the details.
-- ``fence_acq_rel_sys``/``fence_acq_rel_gpu``: the acquire/release fences of the
-  protocol's other orderings (``steps``: which fence protects which invariant): the
-  re-arm before the same parity's next push, the last-CTA count, a mark before what
-  it announces.
-- ``copy_async``/``wait_async``/``load_shared``: the staged variant's fragments go
-  from global memory into the thread's own shared-memory slots with ``cp.async.cg``
-  (through L2), so a batch in flight
-  holds no registers; ``wait_async`` (``cp.async.wait_all``) makes them readable by
-  the thread that issued them (each thread reads only its own slots: no barrier).
-  ``.cg`` bypasses L1 (SASS: ``LDGSTS.E.BYPASS``) and reads L2, where the peers'
-  pushes land. The PTX memory model calls ``cp.async`` a weak operation, so only a
-  batch's first read is staged: a fragment still armed is polled again with the
-  volatile load, whose progress the model gives. A read older than a peer's store
-  can only see the sentinel (a fragment is taken only when no word is): time, never
-  bits.
-- ``trap``: a gather that gives up in a serving process stops its context, after
-  its record is out (``steps.record_and_stop``).
+- ``store_sys`` (``st.relaxed.sys.global.v4``): a push into a peer's mailbox.
+- ``load_volatile`` (``ld.volatile.global.v4``): a poll; every re-poll goes to memory.
+- ``load``/``store``: plain accesses for the shard, the output and the re-arm.
+- ``scrub``: the sentinel word becomes 0, compared as an integer (a float compare
+  takes (+0, -0) for zero; ftz could flush denormal pairs to it).
+- ``load_word_volatile``/``store_word_sys``/``fence_sys``: control words and the
+  status record (details, ``fence.sc.sys``, then the flag).
+- ``fence_acq_rel_sys``/``fence_acq_rel_gpu``: the orderings ``steps`` lists.
+- ``copy_async``/``wait_async``/``load_shared``: the staged variant
+  (``cp.async.cg``, through L2, into the thread's own slots: no barrier). ``cp.async``
+  is weak in the PTX model, so only a batch's first read is staged; a fragment still
+  armed is polled again with the volatile load. A stale read sees the sentinel: time
+  lost, never bits.
+- ``trap``: serving's stop, after the record is out (``steps.record_and_stop``).
 
 Pointer operands are raw 64-bit global addresses (``Int64``).
 """

@@ -1,94 +1,28 @@
-"""The mailbox protocol's constants: the one definition every layer imports.
+"""The mailbox protocol's constants: the one definition every layer imports. Plain
+Python (no DSL import). Layout, writers and readers, the two modes: docs/design.md,
+the protocol.
 
-Plain Python (no DSL import), so the runtime, the tuner and the tests can read it
-without compiling anything.
+Invariants a change must keep:
 
-Mailbox of one rank, int32 words, contiguous::
-
-    [parity 0: cap rows x W words][parity 1: cap rows x W words][control: CONTROL_WORDS]
-
-``W = V / 2`` (a full logits row). Box words start armed with ``SENTINEL``; control
-words start at 0. The peer table handed to the kernel is int64 ``[3, tp]``: rows
-``PEER_PARITY0``/``PEER_PARITY1`` hold each rank's parity boxes, row ``PEER_CONTROL``
-each rank's control block (addresses as mapped in the calling process). Every
-rank's parity-1 box lies the same distance after its parity-0 box (one layout per
-rank), which the kernel uses to pick the parity's boxes without reloading the table.
-The table is written once, before any gather, so the kernel reads it before PDL's
-wait.
-
-Control block (cleared only by ``reset``), written by peers, read by its owner:
-``CONTROL_MARK`` is 0, or ``MARK_TOP - s`` once some rank gave up waiting in call
-``s`` (its epoch): the fail-stop mark, kept at the smallest such ``s`` (atomic max;
-only two failures straddling the epoch's wrap, once in ``EPOCH_SPAN`` calls, keep the
-later one, and every rank still raises, a call later);
-``CONTROL_MISSING + r`` is 1 when some rank found rank ``r``'s fragments missing.
-Owned by the rank's own kernels: ``CONTROL_EPOCH`` counts this rank's launches (the
-parity of a call is its epoch's low bit, so eager calls and CUDA-graph replays share
-one alternation) and ``CONTROL_DONE`` counts a launch's finished CTAs; the last CTA
-to finish resets it and advances the epoch. The next launch on the stream reads the
-epoch only after this one completed (stream order; PDL's ``griddepcontrol.wait``).
-
-Why the status flag waits one call: a give-up in call ``s`` marks every rank, so
-every rank's call ``s + 1`` fails (it starts marked, or waits for a rank that
-started marked and sees the mark). Only kernels of epoch ``> s`` raise the host
-flag, so every rank's flag comes from its call ``s + 1``: a host that syncs once
-per step (as a serving loop does) raises at call ``s + 2`` on every rank alike.
-Calls ``s`` and ``s + 1`` return NaN where fragments are missing, never stale bytes.
-
-Two ways to give up, chosen at launch (the kernel's ``serving`` argument, 0 or 1),
-one per gather; one compiled kernel holds both, so the kernel a tuner times is the
-kernel serving launches (the tuner launches it with 0: a failure while tuning never
-stops a context):
-
-- recoverable (``serving`` 0; tools, tuning, tests): as above. Calls ``s`` and
-  ``s + 1`` hand out NaN where fragments are missing, every rank raises from ``s + 2``
-  until a collective ``reset``. A caller that must never use such a step syncs and
-  calls ``check()``.
-- stop (``serving`` 1; serving: engines never call ``check()``): a launch that gives
-  up, or begins marked, ends in ``trap`` once all its CTAs are done: the last CTA
-  copies the failed epoch and the missing ranks into the status record, fences,
-  raises the flag, waits ``budget >> STOP_SHIFT`` (an eighth), then traps. Its waits
-  give up at ``budget - (budget >> GIVE_UP_SHIFT)`` (three quarters), so the trap
-  comes at seven eighths and the context is gone within the budget. The eighth
-  between the flag and the trap is for peers giving up at the same moment: they
-  write this rank's mailbox while marking, and none may write into a context that
-  has already stopped (measured on one H200, 4 processes: a rank marking a peer that
-  had trapped hung in its own kernel). The context is gone before any later kernel
-  of the stream (the sampler, the copy of the tokens to the host) can run, so no
-  value of a step with missing data is ever used; the engine's next CUDA call
-  raises, and the host names the missing ranks from the status record (pinned host
-  memory, readable with the context dead). Peers stop too: the give-up marked every
-  rank's mailbox. The host's watcher ends the process if the trap has not stopped
-  the context soon after it was due (``lamport_head.status``).
-
-Status record (host-visible, one per rank; the kernel writes it, the host reads it
-without a device sync): ``STATUS_EPOCH`` is the call ``s`` that failed and
-``STATUS_PEERS + r`` is 1 for each rank recorded missing (both copied from the
-control block), then a system-scope fence, then ``STATUS_FLAG``. Every writer of a
-word writes the same value, so no update can be lost.
-
-Serving's heartbeat of a slow launch: a thread of a serving launch past half the
-budget writes ``STATUS_SLOW`` = its epoch + 1 (host memory) and ``CONTROL_SLOW`` = 1
-(its own control block), once per thread; healthy launches write neither. The
-launch's last CTA clears both when the launch finishes without a give-up (the wait
-ended in time); a give-up leaves them and raises the flag. So a host that sees
-``STATUS_SLOW`` stay up, with no flag, past the moment the trap was due knows the
-launch is stuck before its record (a store into a peer whose context died, say).
-
-Where a thread checks (``steps.heartbeat``; the PTX audit asserts each place): after
-each poll that left fragments dirty; before each push batch after the first (a
-batch's system-scope stores can stall); in thread 0 of every CTA before the release
-fence of the CTA count (a fence waits for the CTA's stores); the give-up's marks come
-only after a wait past three quarters of the budget (raised by then) and write the
-missing ranks into ``STATUS_PEERS`` (no flag) before any store into a peer; the last
-CTA's give-up raises the heartbeat, whatever the time, before the record's fences.
-What no check can see: a thread stuck in one store or fence that it began before half
-the budget, while every other thread of the launch is stuck too or waits at a
-barrier (``bar.sync`` cannot be left on a clock). A watcher that only polls the clock
-would share the SM's memory pipeline with the stuck stores (its own store to host
-memory could wait behind them) and would cost every launch the poll of a progress
-word at its end; that case is the host's to see (a launch not complete past the
-budget and the grace, with neither heartbeat nor flag), not the kernel's.
+- A rank's mailbox, int32 words: ``[parity 0: cap x W][parity 1: cap x W][control]``,
+  ``W = V / 2``. Box words start armed (``SENTINEL``), control words at 0. Every
+  rank's parity-1 box lies the same distance after its parity-0 box, so the kernel
+  picks the parity without reloading the peer table (int64 ``[PEER_ROWS, tp]``,
+  written once, before any gather: read before PDL's wait).
+- The control block is cleared only by ``reset``: ``CONTROL_MARK`` is 0 or
+  ``MARK_TOP - s`` for the earliest failed call ``s`` (atomic max); ``CONTROL_MISSING
+  + r`` is 1 once some rank found rank r missing; ``CONTROL_EPOCH`` (its low bit is
+  the parity) and ``CONTROL_DONE`` belong to the owner's kernels.
+- The host flag waits one call: only kernels of epoch > s raise it, so every rank
+  raises at s + 2 alike; calls s and s + 1 return NaN where data is missing.
+- Status record: the details, a system fence, then ``STATUS_FLAG``; every writer of
+  a word writes the same value, so no update is lost.
+- Serving's timeline (the shifts below): the slow heartbeat at 1/2 of the budget,
+  the give-up at 3/4, the trap at 7/8. The eighth after the flag lets peers giving
+  up at the same moment finish marking this rank: a rank marking a peer that had
+  trapped hangs in its own kernel. A thread stuck in one store or fence with the
+  rest at a barrier raises no heartbeat: the host's watcher sees that case
+  (``lamport_head.status``), not the kernel.
 """
 
 SENTINEL = 0x80000000  # "not yet published": the BF16 pair (+0, -0), the FP32 -0.0

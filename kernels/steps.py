@@ -1,65 +1,35 @@
-"""The gather's protocol steps as device functions; ``Gather.kernel`` composes them.
+"""The gather's protocol steps as device functions; ``Gather.kernel`` composes them
+(docs/design.md, the protocol: "One call, step by step").
 
 A *fragment* is 16 bytes (``WORDS`` int32 words) of one row of one rank's shard; it
-is published, polled, copied and re-armed as a whole. Offsets are bytes from the
-start of a parity box (or of the output: both are ``[rows, width]`` words).
+is published, polled, copied and re-armed whole. Offsets are bytes from the start of
+a parity box (or of the output: both are ``[rows, width]`` words).
 
-Invariants every step keeps:
+Invariants a change must keep:
 
-- ``push``: this rank's own fragments go, scrubbed, to the output and never through
-  its own box; the peers' copies go with system-scope stores, and not at all once
-  the fail-stop mark is seen (the call is void; ``reset`` re-arms every box).
-- staged variant (``push_staged``, ``fetch_staged``, ``repoll_staged``,
-  ``give_up_staged``): the same steps, with a batch's first read copied into the
-  thread's own shared-memory slots (``slot``) instead of registers; a slot is
-  rewritten only after the thread read it. Its dirty fragments are then polled one
-  at a time with the volatile load (``repoll_staged``: one fragment's registers, no
-  slot). Fragments are located again from their index (``locate``) rather than held.
-- ``fetch``/``repoll``/``fetch_staged``: all of a batch's loads are issued before the
-  first check; only dirty fragments are polled again.
-- ``deliver`` (and the staged steps, all through ``take``): the reader re-arms what
-  it copied; nobody else re-arms a box.
-- ``give_up``: a fragment that never arrived is written as NaN, never left as what
-  the allocator had; its rank joins the thread's ``missing`` mask.
-- ``mark_peers``: a rank whose own wait ran out names the missing ranks in every
-  rank's control block, fences, then raises every rank's mark, so every rank's next
-  kernel stops at once; ``publish``: details, then ``fence_sys``, then the flag.
-- ``epoch_of``/``advance``: every CTA reads the epoch before any CTA of the launch
-  can advance it; only the launch's last CTA advances it, once.
-- ``record_and_stop`` (serving only): the record, a fence, the flag, a fence, an
-  eighth of the budget, then ``trap``; only the launch's last CTA, after every CTA
-  delivered and marked.
-- serving's steps (``serving``, a run-time Int32, uniform across the grid: nonzero
-  is serving) run only behind it: the host record's missing ranks in ``mark_peers``
-  and ``record_and_stop`` behind a branch on it; the heartbeats behind each thread's
-  ``slow`` flag, which a launch that is not serving starts at 1 ("raised": nothing
-  left to raise), so the loops test no second flag. A launch with 0 writes none of
+- ``push``: own fragments go scrubbed to the output, never through the own box; to
+  peers by system-scope stores, and not at all once the mark is seen.
+- The reader re-arms what it copied, only through ``take``; nobody else re-arms.
+- A fragment that never arrived is written as NaN; its rank joins ``missing``.
+- A batch's loads are all issued before the first check; only dirty fragments are
+  polled again. Staged: a slot is rewritten only after its thread read it; repolls
+  use the volatile load (``cp.async`` is weak).
+- Every CTA reads the epoch before any can advance it; only the launch's last CTA
+  advances it, once (``advance``).
+- Serving-only steps sit behind ``serving`` (uniform across the grid) or a thread's
+  ``slow`` flag (1 from the start unless serving): a launch with 0 writes none of
   them and never traps.
 
-The memory model's orderings, each by one fence (the PTX audit asserts each's place):
+Fences (the PTX audit, tests/test_kernels_ptx.py, checks each place):
 
-- re-arm before the next push: NO fence, by measurement. A rank's re-arms of parity p
-  (call s, weak stores into its own box) must land before any peer's push into p in
-  call s + 2. They are ordered by the kernel boundary: PDL's wait (or stream order)
-  releases call s + 1 only once call s has completed with its memory operations
-  performed; the re-arms target this GPU's own memory, whose L2 is the point of
-  coherence every peer's remote store into it passes; and a peer's push into p in
-  call s + 2 is causally after its poll saw this rank's push of call s + 1, issued after
-  the wait. The PTX model has no kernel boundaries, so it cannot state this; a
-  ``fence.acq_rel.sys`` after PDL's wait would, and costs the critical path a system
-  fence's latency: on the H200 (emulated, default plan, µs per step, same run) TP 8
-  M = 1 7.31 -> 10.62 (10.52 with one fence per CTA behind a barrier), TP 2 M = 1
-  4.09 -> 5.70 (5.69), M = 64 within 3 %. Were the order ever broken, the word would
-  read as armed: the poll waits, the call gives up (fail-stop), never wrong data.
-- the last-CTA count (``advance``): ``bar.sync``, then thread 0's
-  ``fence.acq_rel.gpu`` (release: every thread of the CTA's marks, missing ranks,
-  slow word, and its epoch read, before the count), ``atom.add``, and in the CTA
-  that completes the count a second ``fence.acq_rel.gpu`` (acquire) before it reads
-  anything: the last CTA sees every other CTA's mark (a launch that gave up is never
-  taken for a clean one) and no CTA's epoch read can see the advanced epoch.
-- a mark before what it announces (``write_record``, ``fence.acq_rel.sys`` first):
-  the mark was read (by the caller) before the missing-rank words; the marking rank
-  stored those, ``fence.sc.sys``, then raised the mark (``mark_peers``).
+- re-arm before the same parity's next push: none; the kernel boundary orders it
+  (docs/design.md, "Parities and re-arm"; a fence's cost: docs/figures.md). Broken,
+  a poll times out and the call fail-stops: never wrong data.
+- the last-CTA count (``advance``): ``bar.sync``, release ``fence.acq_rel.gpu``,
+  ``atom.add``, then an acquire ``fence.acq_rel.gpu`` in the last CTA.
+- a mark before what it announces: the marker stores the missing ranks,
+  ``fence.sc.sys``, then the mark (``mark_peers``); a reader of the mark fences
+  ``fence.acq_rel.sys`` before reading them (``write_record``).
 """
 
 import cutlass
@@ -93,26 +63,15 @@ def epoch_of(control: Int64) -> Int32:
 @cute.jit
 def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64,
             budget: Int64, start: Int64, slow: Int32, serving: Int32, tp: cutlass.Constexpr):
-    """The last CTA to finish moves the epoch on (modulo ``EPOCH_SPAN``). Every thread
-    read ``epoch`` before its CTA reached the barrier, so no CTA of this launch can see
-    the new value. Launched ``serving``, the last CTA of a launch that finds the
-    mark set (it gave up, began marked, or a peer gave up meanwhile) stops the
-    context instead (``record_and_stop``): every CTA has delivered by then, so every
-    thread's missing ranks are in the control block.
+    """The last CTA to finish moves the epoch on (modulo ``EPOCH_SPAN``); served, one that
+    finds the mark set records and traps instead (``record_and_stop``): every CTA has
+    delivered, so every missing rank is in the control block.
 
-    The textbook last-block pattern (invariant: whatever a CTA wrote or read before
-    its arrival happens before whatever the last CTA reads or writes after the
-    count): ``bar.sync`` gathers the CTA's threads' writes into thread 0's view (CTA
-    scope, cumulative), thread 0 releases them at GPU scope (``fence.acq_rel.gpu``)
-    before its ``atom.add``, and the CTA whose add completes the count acquires with
-    a second ``fence.acq_rel.gpu`` before its first read. Without the pair the model
-    lets the last CTA read "no mark" after another CTA of the launch gave up (a
-    serving step with NaN columns would finish normally), and lets an epoch read of
-    some CTA see the advanced epoch (load buffering).
-
-    Serving: thread 0 raises the slow heartbeat (``heartbeat``; ``slow`` is 1 from the
-    start unless serving) before the release fence when the launch is already past half the budget (the fence waits for the
-    CTA's stores, a push into a dead peer's memory among them)."""
+    The last-block pattern: whatever a CTA did before the count happens before what the
+    last CTA does after it (``bar.sync``, release fence, ``atom.add``, acquire fence).
+    Without the pair the last CTA could read "no mark" after another CTA gave up, or a
+    CTA's epoch read see the advanced epoch. Thread 0's ``heartbeat`` comes before the
+    release fence, which waits for the CTA's stores (into a dead peer, perhaps)."""
     cute.arch.sync_threads()
     if tid == 0:
         heartbeat(start, budget, slow, status, control, epoch)  # before the fence
@@ -133,11 +92,10 @@ def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64
 @cute.jit
 def heartbeat(start: Int64, budget: Int64, slow: Int32, status: Int64, own_control: Int64,
               epoch: Int32) -> Int32:
-    """Serving: ``raise_slow`` once this thread is past half the budget (``start``: the
-    launch's clock, taken after PDL's wait), unless it already did or the launch is
-    not serving (``slow``, then 1 from the start: no timer read, no store); the
-    new ``slow``. Called before each step that can stall (a push batch, the give-up's
-    stores, the last-CTA fences) and after each poll that left fragments dirty."""
+    """Serving: ``raise_slow`` once this thread is past half the budget (``start``: taken
+    after PDL's wait), unless ``slow`` is already 1 (raised, or not serving: no timer
+    read, no store); returns the new ``slow``. Called before each step that can stall
+    and after each poll that left fragments dirty."""
     if slow == 0:
         if cute.arch.globaltimer() - start > (budget >> SLOW_SHIFT):
             slow = raise_slow(status, own_control, epoch)
@@ -160,18 +118,10 @@ def raise_slow(status: Int64, own_control: Int64, epoch: Int32) -> Int32:
 @cute.jit
 def record_and_stop(status: Int64, own_control: Int64, budget: Int64, epoch: Int32,
                     tp: cutlass.Constexpr):
-    """Serving's give-up: the failed epoch and the missing ranks (from the mark's
-    control block) into the status record, a fence, the flag, then ``trap``
-    ``budget >> STOP_SHIFT`` later: peers giving up at the same moment finish marking
-    this rank's mailbox before its context dies. The record is out before the
-    context dies, so the host can name the ranks (and its watcher knows when the
-    trap is due).
-
-    First, whatever the time, the slow heartbeat of this call (``STATUS_SLOW`` =
-    ``epoch`` + 1; no fence): the record's fences can stall (a peer's memory that no
-    longer answers), and then the heartbeat, with no flag, is what the host's
-    watchdog sees; when they do not, the flag follows and wins (the host reads it
-    first)."""
+    """Serving's give-up: the slow heartbeat first (no fence: if the record's fences stall,
+    it is what the host's watchdog sees), then the record (``write_record``: missing
+    ranks, failed epoch, fence, flag), then ``trap`` ``budget >> STOP_SHIFT`` later, so
+    peers giving up at the same moment finish marking this rank's mailbox first."""
     store_word_sys(status + STATUS_SLOW * 4, epoch + 1)
     write_record(status, own_control, Int32(MARK_TOP) - mark_of(own_control), tp)
     fence_sys()
@@ -370,10 +320,7 @@ def repoll_staged(own: Int64, dst: Int64, pending: Int32, base: Int32, stride: I
                   unroll: cutlass.Constexpr) -> Int32:
     """Poll a staged batch's dirty fragments once more, one at a time with the volatile
     load (its progress is the memory model's, unlike ``cp.async``'s), delivering each
-    that arrived; the mask still dirty. One fragment's registers at a time, so a pass
-    is up to ``unroll`` dependent loads: measured on one H200 (emulated TP 8, M = 16
-    and 64; TP 2, M = 64) within the run-to-run spread of re-polling with
-    ``cp.async`` (NOTES v0.3.4)."""
+    that arrived; the mask still dirty. One fragment's registers at a time."""
     again = opaque(base)  # the offsets computed here, not held through the wait loop
     for i in cutlass.range_constexpr(unroll):
         if (pending >> i) & 1:
@@ -412,16 +359,12 @@ def give_up_staged(dst: Int64, pending: Int32, missing: Int32, base: Int32, stri
 @cute.jit
 def mark_peers(peers: Int64, missing: Int32, epoch: Int32, status: Int64, serving: Int32,
                tp: cutlass.Constexpr):
-    """After this rank's own wait ran out in call ``epoch``: name the ``missing``
-    ranks in every rank's control block, fence, then raise every rank's mark. The
-    control blocks' addresses are read from the peer table here, on this rare path,
-    not held in registers through the poll loop (they cost a CTA per SM at TP 8).
-
-    Serving: first the same ranks into this rank's host record (``STATUS_PEERS``,
-    no flag, no fence: every writer writes 1, as the record does), so a launch that
-    stalls in the stores below (into a peer whose memory no longer answers) has told
-    the host which ranks it found missing. The thread raised the heartbeat already:
-    its wait ran past three quarters of the budget (``Gather.still_waiting``)."""
+    """After this rank's own wait ran out in call ``epoch``: the ``missing`` ranks into
+    every rank's control block, a fence, then every rank's mark. The control blocks'
+    addresses are read from the peer table here, not held through the poll loop
+    (registers: a CTA per SM at TP 8). Serving: first the same ranks into the host
+    record (``STATUS_PEERS``, no flag), so a launch that stalls in the stores below has
+    told the host whom it found missing."""
     if serving != 0:
         for p in cutlass.range_constexpr(tp):
             if (missing >> p) & 1:
@@ -439,9 +382,9 @@ def mark_peers(peers: Int64, missing: Int32, epoch: Int32, status: Int64, servin
 
 @cute.jit
 def publish(status: Int64, own_control: Int64, epoch: Int32, tp: cutlass.Constexpr):
-    """A call after the failed one raises the host flag: the failed epoch and the
-    missing ranks (copied from the mark's block), a fence, then the flag. The failed
-    call itself does not (see ``protocol``: every rank's flag comes from call s + 1)."""
+    """A call after the failed one raises the host flag (``write_record``); the failed call
+    itself does not: every rank's flag comes from call s + 1 (docs/design.md, the two
+    modes)."""
     mark = mark_of(own_control)
     if mark != 0:
         failed = Int32(MARK_TOP) - mark
@@ -453,16 +396,10 @@ def publish(status: Int64, own_control: Int64, epoch: Int32, tp: cutlass.Constex
 
 @cute.jit
 def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.Constexpr):
-    """The host-visible record of a give-up: the missing ranks (copied from the
-    mark's control block) and the failed epoch, a system-scope fence, then the flag,
-    so a host that reads the flag reads the details.
-
-    Every caller read the mark first (``failed`` comes from it). Invariant: the
-    missing-rank words read here are at least those the mark announces: the marking
-    rank stored them, fenced (``fence.sc.sys``) and then raised the mark
-    (``mark_peers``), so this side's acquire, ``fence.acq_rel.sys`` between the
-    mark's read and theirs, is the first thing here (one place for both callers,
-    ``publish`` and ``record_and_stop``)."""
+    """The host-visible record of a give-up: the missing ranks (from the mark's control
+    block), the failed epoch, a system fence, then the flag. Every caller read the mark
+    first; the ``fence.acq_rel.sys`` here, first, makes the missing-rank words read at
+    least those the mark announces (the marker fenced between them and the mark)."""
     fence_acq_rel_sys()  # acquire: the mark read before, what it announces after
     for p in cutlass.range_constexpr(tp):
         if load_word_volatile(own_control + (CONTROL_MISSING + p) * 4) != Uint32(0):

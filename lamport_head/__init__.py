@@ -1,6 +1,6 @@
 """lamport-head: the tensor-parallel logits gather of LLM decode on a Lamport mailbox.
 
-Public names (the README's "Use" section; each module's docstring holds its design):
+Public names (the README's "Explicit calls"; each module's docstring holds its design):
 ``HeadGather``, ``install_logits_gather`` (an ``Outcome``: rows served, or a ``Stock``
 reason and its message), ``table`` (``load_table``, ``Table``,
 ``TableRow``, ``TableError``; docs/design.md holds the contract). Heavy modules load
@@ -10,6 +10,7 @@ lazily so that ``import lamport_head`` is cheap and works without a GPU or vLLM.
 "0+unknown" when the package runs from a tree that was never installed.
 """
 
+import importlib
 import importlib.metadata
 
 try:
@@ -30,14 +31,10 @@ __all__ = [*_LAZY, "table"]
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
-
         module, attr = _LAZY[name]
         value = getattr(importlib.import_module(f".{module}", __name__), attr)
         globals()[name] = value
         return value
     if name == "table":
-        import importlib
-
         return importlib.import_module(".table", __name__)
     raise AttributeError(f"module 'lamport_head' has no attribute {name!r}")

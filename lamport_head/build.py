@@ -1,61 +1,46 @@
-"""The one build path of a gather: the kernel of a configuration, its occupancy limit,
-the launch flag of a mode, and the collective build of a rank's gather.
+"""The one build path of a gather: ``Kernels`` (one rank's compiled kernels, their
+occupancy limit and launchers), ``launch_flag`` (a mode as the kernel's argument) and
+``build`` (a rank's gather, collective on real ranks).
 
-``install`` (serving), ``tuning.support.emulate.EmulatedGather`` and both tuner targets
-(``tuning.harness``; first-use tuning through ``DistributedTarget``) build through
-here, so what the tuner times and the limit it searches under are what install
-builds:
+Invariants a change must keep:
 
-- ``Kernels(device, tp, shard, pdl, dtype)``: one rank's kernels for rows of ``shard``
-  values of ``dtype`` (``dtypes.words``: ``shard x itemsize / 4`` words a row).
-  ``compiled(config)`` is the one kernel of ``config``'s compile-time knobs; no mode
-  is part of it (serving's give-up is a launch argument, ``kernels.protocol``), so the
-  tuner times the cubin serving launches. ``limit(config, sharing)`` is the most CTAs
-  per rank of that
-  kernel that stay co-resident with ``sharing`` ranks on the device
-  (``plan.co_resident_limit``): what ``plan`` accepts for a served row and where the
-  tuner's search stops. ``launcher(config, mode)`` launches it with the mode's flag.
-- ``launch_flag(mode)``: the kernel's ``serving`` argument of a mode: 1 for serving
-  (a give-up traps), 0 for everything else, the tuner included (a failure while
-  tuning stays recoverable on every rank).
-- ``build(...)``: a rank's gather, all the parts ``HeadGather`` serves with
-  (``Built``). On real ranks it is collective and never strands a peer: the backend's
-  facts, then the local part (checks, compile, occupancy, plan, status record), the
-  mailbox's allocation, mapping and arming, each under the start-up deadline
-  (``mailbox.RENDEZVOUS_WAIT_S``) with its collectives on the calling thread
-  (``collective.step``), and an agreement after each: a rank failing or blocking in
-  one takes every rank to the same error within the deadline.
-
-The compiler and the driver are reached only through ``KERNELS`` (``DeviceKernels``),
-the seam a test replaces with a CPU stand-in.
+- ``install`` (serving), the emulation and both tuner targets build here, so the
+  tuner times the cubin serving launches, under the limit serving checks.
+- No mode is part of a compiled kernel: serving's give-up is the launch flag.
+- On real ranks the build never strands a peer: each step (the backend's facts, the
+  local part, the mailbox's allocation, mapping and arming) runs under the start-up
+  deadline (``mailbox.RENDEZVOUS_WAIT_S``) with its collectives on the calling thread
+  (``collective.step``), and the ranks agree after each.
+- The compiler and the driver are reached only through ``TOOLCHAIN``, the seam a
+  test replaces with a CPU stand-in.
 """
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from . import dtypes, kernels
+from . import mailbox as boxes  # its start-up deadline is read per build (a test shortens it)
 from .collective import agree, attempt, step
 from .config import GatherConfig
 from .kernels.arch import has_pdl
-from . import dtypes
+from .kernels.launch import DriverLaunch, bind_primary_context, kernel_entry
 from .mailbox import MAILBOXES, choose_backend
-from .plan import co_resident_limit, plan
+from .occupancy import device_arch, resident_ctas
+from .plan import Limit, fit
 from .status import MODES, SERVING, StatusRecord
 
 
-class DeviceKernels:
-    """Where a gather's kernels come from: the device's compile target, the compiled
-    gather of a ``GatherConfig``, how many CTAs of it the device holds, and its
-    launcher. The only place a build touches the compiler and the driver."""
+class Toolchain:
+    """The compiler and the driver, as a build reaches them: the device's compile
+    target, the compiled gather of a ``GatherConfig``, how many CTAs of it the device
+    holds, and its launcher."""
 
     def arch(self, device) -> str:
         """The compile target of ``device``; ValueError for a device the kernel cannot
         run on."""
         if device.type != "cuda":
             raise ValueError(f"HeadGather needs a CUDA device, got {device}")
-        from .occupancy import device_arch
-
         return device_arch(device)
 
     def pdl(self, arch) -> bool:
@@ -65,40 +50,31 @@ class DeviceKernels:
     def compiled(self, tp, words, config, pdl, arch):
         """The compiled gather (``.launch``, ``.cubin``, ``.threads``) of rows of ``words``
         32-bit words a rank (``dtypes.words``: the kernel moves words, whatever the
-        dtype) for ``config``'s compile-time knobs, compiled once per process; one for
-        every mode."""
-        from .kernels import compile_gather
-
-        return compile_gather(tp, words, pdl=pdl, arch=arch, **config.kernel_knobs())
+        dtype) for ``config``'s compile-time knobs, compiled once per process (the DSL
+        loads on first use)."""
+        return kernels.compile_gather(tp, words, pdl=pdl, arch=arch, **config.kernel_knobs())
 
     def launcher(self, compiled, device, serving):
-        """How a gather launches ``compiled`` on ``device`` with the launch flag
-        ``serving``: through the driver (``kernels.launch.DriverLaunch``: the TVM-FFI
-        callable costs the host 1.4x a ``torch.add_`` per call, this launch 0.9x),
-        loaded into the device's primary context (torch's). Called as
-        ``launcher(shard, out, peers, rank, ctas, budget, status, stream)``."""
-        from .kernels import DriverLaunch
-        from .kernels.launch import bind_primary_context
-
+        """``compiled`` launched through the driver (``kernels.launch.DriverLaunch``, the
+        cheaper host path) in the device's primary context, with the launch flag
+        ``serving``. Called as ``launcher(shard, out, peers, rank, ctas, budget, status,
+        stream)``."""
         with torch.cuda.device(device):
             bind_primary_context(torch.device(device).index)
             return DriverLaunch(compiled, serving=serving)
 
     def resident(self, compiled, device) -> int:
         """CTAs of ``compiled`` the whole device holds at once."""
-        from .kernels.launch import kernel_entry
-        from .occupancy import resident_ctas
-
         return resident_ctas(bytes(compiled.cubin), kernel_entry(compiled.ptx), compiled.threads,
                              device.index, compiled.smem)
 
 
-KERNELS = DeviceKernels()
+TOOLCHAIN = Toolchain()
 
 
 def launch_flag(mode) -> int:
-    """The kernel's ``serving`` argument for ``mode``: 1 (serving's give-up, trap) or 0
-    (recoverable: tools, tests, every tuner)."""
+    """The kernel's ``serving`` argument for ``mode``, the one check of a mode: 1
+    (serving's give-up traps) or 0 (recoverable: tools, tests, every tuner)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return int(mode == SERVING)
@@ -114,41 +90,41 @@ def cuda_device(device):
 
 class Kernels:
     """One rank's kernels for (device, tp, shard, dtype): the compile target, PDL (None:
-    where the architecture has it), and per configuration the compiled kernel, its
-    occupancy limit and its launcher. Local: no collective. ``KERNELS`` is read when
-    it is built (the seam tests replace)."""
+    where the architecture has it), and per configuration the compiled kernel of rows
+    of ``words`` (``dtypes.words``: ``shard x itemsize / 4``), its occupancy limit and
+    its launcher. Local: no collective. ``TOOLCHAIN`` is read when it is built (the
+    seam tests replace)."""
 
     def __init__(self, device, tp, shard, pdl=None, dtype=dtypes.DEFAULT):
         self.device, self.tp, self.shard = device, tp, shard
         self.words = dtypes.words(shard, dtype)  # a row's 32-bit words: what the kernel moves
-        self._kernels = KERNELS
-        self.arch = self._kernels.arch(device)
-        self.pdl = self._kernels.pdl(self.arch) if pdl is None else bool(pdl)
+        self._toolchain = TOOLCHAIN
+        self.arch = self._toolchain.arch(device)
+        self.pdl = self._toolchain.pdl(self.arch) if pdl is None else bool(pdl)
 
     def compiled(self, config):
         """The one compiled kernel of ``config``'s knobs (its ``ctas`` is run-time)."""
-        return self._kernels.compiled(self.tp, self.words, config, self.pdl, self.arch)
+        return self._toolchain.compiled(self.tp, self.words, config, self.pdl, self.arch)
 
     def resident(self, config) -> int:
         """CTAs of ``config``'s kernel the whole device holds (its ``ctas`` ignored)."""
-        return self._kernels.resident(self.compiled(config), self.device)
+        return self._toolchain.resident(self.compiled(config), self.device)
 
-    def limit(self, config, sharing) -> int:
-        """Most CTAs per rank of ``config``'s kernel (its ``ctas`` ignored) that stay
-        co-resident when ``sharing`` ranks share the device: what ``plan`` accepts."""
-        key = GatherConfig(1, **config.kernel_knobs())
-        return co_resident_limit(self.resident(key), sharing, self.pdl)
+    def limit(self, sharing) -> Limit:
+        """The co-resident limit of these kernels with ``sharing`` ranks on the device:
+        what ``plan.fit`` checks a plan against."""
+        return Limit(self.resident, sharing, self.pdl)
 
-    def launcher(self, config, mode):
-        return self._kernels.launcher(self.compiled(config), self.device, launch_flag(mode))
+    def launcher(self, config, flag):
+        return self._toolchain.launcher(self.compiled(config), self.device, flag)
 
 
 @dataclass
 class Built:
-    """What a rank's gather serves with: the plan (``configs``: ``{rows: GatherConfig}``;
-    ``clamped``: ``{rows: (asked, limit)}`` or None), a launcher per row count, the
-    mailbox, the status record and the spin budget (ns); ``dtype``: the torch dtype of
-    the logits it serves."""
+    """What a rank's gather serves with: the plan (``{rows: GatherConfig}``, fitted),
+    ``clamped`` (``{rows: (asked, limit)}``, or None when not asked to clamp), a
+    launcher per row count, the mailbox, the status record, the spin budget (ns) and
+    ``dtype``, the torch dtype of the logits it serves."""
 
     device: torch.device
     tp: int
@@ -157,7 +133,7 @@ class Built:
     mode: str
     sharing: int
     kernels: Kernels
-    configs: dict
+    plan: dict
     clamped: dict | None
     launchers: dict
     status: StatusRecord
@@ -167,52 +143,45 @@ class Built:
 
     @property
     def cap(self):
-        return max(self.configs)
+        return max(self.plan)
 
 
-def local(device, tp, rank, shard, rows, asked, *, sharing, mode, pdl=None, budget_s,
-          clamp=False, dtype=None, **knobs) -> Built:
+def local(device, tp, rank, shard, choose, *, sharing, mode, pdl=None, budget_s,
+          clamp=False, dtype=None) -> Built:
     """Everything of a rank's build that can fail on this rank alone: the checks, the
-    kernels, the plan (``plan.plan`` of ``rows`` with ``asked`` as its ``ctas``: the CTA
-    count or GatherConfig asked for per row, None the default; compile, occupancy;
-    ``clamp``: rows cut to the limit), the launchers and the host-visible status
-    record. No mailbox (``Built.box`` None). ``dtype``: the logits' torch dtype (None:
-    BF16), one of ``dtypes.NAMES``; ``shard`` must be whole fragments of it."""
+    kernels, the plan (``choose(limit)``, fitted to the limit; ``clamp``: rows over it
+    cut to it), the launchers and the host-visible status record. No mailbox.
+    ``dtype``: the logits' (a torch dtype or ``dtypes`` name; None: BF16); ``shard``
+    must be whole 16-byte fragments of it."""
+    flag = launch_flag(mode)
     dtype = dtypes.torch_dtype(dtypes.DEFAULT if dtype is None else dtype)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if tp < 2 or not 0 <= rank < tp:
         raise ValueError(f"need tp >= 2 and 0 <= rank < tp, got tp={tp} rank={rank}")
     dtypes.words(shard, dtype)  # ValueError unless whole 16-byte fragments
     if not budget_s > 0:
         raise ValueError(f"the spin budget must be a positive number of seconds, got {budget_s!r}")
-    kernels = Kernels(device, tp, shard, pdl, dtype)
+    rank_kernels = Kernels(device, tp, shard, pdl, dtype)
+    limit = rank_kernels.limit(sharing)
     clamped = {} if clamp else None
-    configs = plan(rows, asked, tp=tp, shard=shard, resident=kernels.resident, sharing=sharing,
-                   pdl=kernels.pdl, clamped=clamped, dtype=dtype, **knobs)
-    launchers = {m: kernels.launcher(c, mode) for m, c in configs.items()}
-    return Built(device, tp, rank, shard, mode, sharing, kernels, configs, clamped, launchers,
+    plan = fit(choose(limit), limit, clamped)
+    launchers = {m: rank_kernels.launcher(c, flag) for m, c in plan.items()}
+    return Built(device, tp, rank, shard, mode, sharing, rank_kernels, plan, clamped, launchers,
                  StatusRecord(rank, tp), int(budget_s * 1e9), dtype=dtype)
 
 
-def build(group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None, backend=None,
+def build(group, device, tp, rank, shard, choose, *, mailbox=None, backend=None,
           **local_args) -> Built:
-    """A rank's gather (``HeadGather``'s arguments; ``local_args``: ``local``'s). ``rows``
-    and ``ctas`` as ``HeadGather``'s: the row counts and the CTA count or GatherConfig
-    asked for per row (``plan.plan``'s ``ctas``), or ``rows`` a plan ``{rows:
-    GatherConfig}`` and ``ctas`` None. With ``mailbox`` (a ``LocalMailbox`` shared by
-    virtual ranks) it is local; else collective over ``group`` (module docstring)."""
-    asked = ctas  # the CTA count or GatherConfig asked for per row (None: the default)
-    if isinstance(rows, Mapping):
-        if ctas is not None:
-            raise ValueError("rows maps row counts to GatherConfigs: pass no ctas")
-        rows, asked = rows.keys(), dict(rows)  # a plan: each row's GatherConfig
+    """A rank's gather. ``choose(limit)`` returns its plan (``{rows: GatherConfig}``)
+    once the co-resident limit is known (``HeadGather`` passes a plan given, its
+    ``default`` constructor the heuristic). ``local_args``: ``local``'s. With
+    ``mailbox`` (a ``LocalMailbox`` shared by virtual ranks) it is local; else
+    collective over ``group`` (module docstring)."""
     device = cuda_device(device)
     if mailbox is not None:  # emulated: one process, nothing to agree on
         words = dtypes.words(shard, local_args.get("dtype") or dtypes.DEFAULT)
         if mailbox.tp != tp or mailbox.words != tp * words:
             raise ValueError("the shared mailbox does not fit this gather")
-        built = local(device, tp, rank, shard, rows, asked, sharing=mailbox.sharing, **local_args)
+        built = local(device, tp, rank, shard, choose, sharing=mailbox.sharing, **local_args)
         if mailbox.cap < built.cap:
             raise ValueError(f"the shared mailbox holds {mailbox.cap} rows, not {built.cap}")
         built.box = mailbox
@@ -228,7 +197,7 @@ def build(group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None, back
     agree(error, group, device, "to describe its GPU")
     kind, sharing = backend_of
     built, error = bounded("building the gather (checks, compile, occupancy)",
-                           lambda: local(device, tp, rank, shard, rows, asked, sharing=sharing,
+                           lambda: local(device, tp, rank, shard, choose, sharing=sharing,
                                          **local_args))
     agree(error, group, device, "to build the gather (checks, compile, occupancy)")
     box, error = bounded(f"allocating its {kind} mailbox", MAILBOXES[kind], group, device, tp,
@@ -257,10 +226,8 @@ def build(group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None, back
 
 def start_up(device, what, fn, *args):
     """``fn(*args)``, one start-up step of this rank, under the start-up deadline
-    (``mailbox.RENDEZVOUS_WAIT_S``, read now): ``collective.step`` (its collectives stay
-    on this thread; a step given up on never enters one later), with ``device`` current
-    in its threads."""
-    from .mailbox import RENDEZVOUS_WAIT_S
-
+    (``mailbox.RENDEZVOUS_WAIT_S``, read now): ``collective.step``
+    (its collectives stay on this thread), with ``device`` current in its threads."""
     scope = (lambda: torch.cuda.device(device)) if device.type == "cuda" else None
-    return step(RENDEZVOUS_WAIT_S, f"lamport-head start-up: {what}", fn, *args, scope=scope)
+    return step(boxes.RENDEZVOUS_WAIT_S, f"lamport-head start-up: {what}", fn, *args,
+                scope=scope)

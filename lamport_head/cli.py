@@ -8,15 +8,20 @@ the top of the import graph, beside the engine adapters: it reaches the tuner
 
 import argparse
 import os
+import random
 import shutil
 import sys
 
+from lamport_head import __version__
 from lamport_head.config import SWEEP_THREADS, SWEEP_UNROLL
 from lamport_head.dtypes import DEFAULT as DEFAULT_DTYPE
 from lamport_head.dtypes import NAMES as DTYPES
 from lamport_head.dtypes import fragment
+from lamport_head.kernels.protocol import THREADS, UNROLL_MAX
 from lamport_head.settings import BENCH_BUDGET_S
-from lamport_head.table import KIMI_K2_VOCAB, MAX_ROWS, mailbox_cost
+from lamport_head.table import (KIMI_K2_VOCAB, LEGACY_VOCAB, MAX_ROWS, TableError, fill, fix_for,
+                                load_table, mailbox_cost, normalize, row_span)
+from lamport_head.tuning.lmhead import KIMI_K2_HIDDEN  # no torch: every command's parser needs it
 
 
 def _rows(text):
@@ -101,9 +106,6 @@ _DTYPE_HELP = ("the logits' dtype (float32: an engine's FP32 lm_head, vLLM's hea
 
 
 def parser():
-    from lamport_head import __version__
-    from lamport_head.tuning.lmhead import KIMI_K2_HIDDEN  # no torch: cheap
-
     fmt = _Help
     p = _Parser(prog="lamport-head", description=__doc__.splitlines()[0].split(": ", 1)[1],
                 formatter_class=fmt)
@@ -207,13 +209,18 @@ def parser():
     return p
 
 
+def _plan_text(plan):
+    """A plan as the table writes its entries: ``1: ctas=20,threads=256,unroll=4; ...``."""
+    return "; ".join(f"{m}: {c.label()}" for m, c in sorted(plan.items()))
+
+
 def _fail(message, code=2):
     print(f"lamport-head: {message}", file=sys.stderr)
     return code
 
 
 def _need_cuda(command):
-    import torch
+    import torch  # lazy: --help and show must not pay torch's import
 
     if not torch.cuda.is_available():
         return _fail(f"{command}: no CUDA GPU on this machine; it measures the gather on GPUs "
@@ -232,8 +239,6 @@ def main(argv=None):
 def _main(argv=None):
     args = parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])  # for provenance
-    from lamport_head.table import TableError
-
     tp, dcp = getattr(args, "tp", None), getattr(args, "dcp", None)
     if tp is not None and dcp is not None and tp % dcp:
         return _fail(f"{args.command}: --dcp {dcp} does not divide --tp {tp}")
@@ -249,14 +254,14 @@ def _main(argv=None):
         if args.command == "tune":
             if args.auto:
                 return auto_tune(args, argv)
-            from lamport_head.tuning.tune import run
+            from lamport_head.tuning.tune import run  # lazy: the tuner
 
             return run(args)
         if args.command == "bench":
             if args.drafter:
-                from lamport_head.tuning.draftbench import run
+                from lamport_head.tuning.draftbench import run  # lazy: the tuner
             else:
-                from lamport_head.tuning.bench import run
+                from lamport_head.tuning.bench import run  # lazy: the tuner
 
             return run(args)
         if args.command == "verify":
@@ -272,8 +277,6 @@ def check_arguments(args):
     """What is wrong with a GPU command's arguments, in one line (None: nothing), checked
     before anything looks for a GPU. ``tune --auto`` without ``--tp`` takes the GPUs'
     count as TP later (checked then); ``verify`` under torchrun takes torchrun's."""
-    from lamport_head.kernels.protocol import THREADS, UNROLL_MAX
-
     command = args.command
     if command == "tune":
         for t in args.threads:
@@ -293,14 +296,14 @@ def check_arguments(args):
         return f"vocab {args.vocab} / tp {args.tp} is not a multiple of {values}" + (
             "" if args.dtype == DEFAULT_DTYPE else f" ({args.dtype})")
     if command == "bench" and args.drafter:
-        from lamport_head.tuning.draftbench import check
+        from lamport_head.tuning.draftbench import check  # lazy: the tuner
 
         return check(args)
     return None
 
 
 def auto_tune(args, argv):
-    import torch
+    import torch  # lazy: --help and show must not pay torch's import
 
     count = torch.cuda.device_count()
     rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--auto"]
@@ -319,8 +322,6 @@ def auto_tune(args, argv):
 
 
 def show(args):
-    from lamport_head.table import LEGACY_VOCAB, TableError, fix_for, load_table, normalize
-
     try:  # lenient: a skipped section or layer is one line saying what to do about it
         table = load_table(args.table, strict=False) if args.table else load_table()
     except TableError as exc:  # the one file asked for cannot be read whole
@@ -335,7 +336,7 @@ def show(args):
     device = args.device
     known = sorted({s.device for s in table.sections}, key=normalize)
     if device is None:
-        import torch
+        import torch  # lazy: torch, only to name this machine's GPU
 
         if torch.cuda.is_available():
             device = torch.cuda.get_device_name()
@@ -408,8 +409,6 @@ def show(args):
 
 def _what_exists(sections):
     """The sections there are, in one clause: 'sections: NVIDIA H200 tp=8 dcp=1 (emulated)'."""
-    from lamport_head.table import normalize
-
     if not sections:
         return "these tables have no sections"
     names = sorted(sections, key=lambda s: (normalize(s.device), s.tp, s.dcp, s.emulated))
@@ -421,8 +420,6 @@ def _show_rows(section):
     """(key, row, entry, note) in row order (``row``: the ``TableRow`` serving reads;
     ``entry``: the row key's entry as written): the measured entries, and between them
     the rows serving fills in (entry ``{}``, a note naming the source)."""
-    from lamport_head.table import fill, row_span
-
     entries = fill(section.rows)
     measured = sorted((row_span(key), key, entry) for key, entry in section.raw["rows"].items())
     last = None
@@ -435,15 +432,13 @@ def _show_rows(section):
 
 
 def verify(args):
-    import random
+    import torch  # lazy: --help and show must not pay torch's import
 
-    import torch
-
-    from lamport_head.tuning.support.emulate import EmulatedGather
-    from lamport_head.tuning.support.reference import planted, reference_gather
+    from lamport_head.tuning.support.emulate import EmulatedGather  # lazy: the tuner
+    from lamport_head.tuning.support.reference import planted, reference_gather  # lazy: the tuner
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # real ranks: the free-running check
-        from lamport_head.tuning.diagnostics.ranks import main as ranks_main
+        from lamport_head.tuning.diagnostics.ranks import main as ranks_main  # lazy: the tuner
 
         return ranks_main(["--calls", str(args.calls), "--vocab", str(args.vocab),
                            "--rows", ",".join(map(str, args.rows)), "--dtype", args.dtype])
@@ -453,7 +448,7 @@ def verify(args):
     device = torch.device("cuda", torch.cuda.current_device())
     shard = args.vocab // args.tp
     dtype = getattr(torch, args.dtype)
-    gather = EmulatedGather(device, args.tp, shard, args.rows, dtype=dtype)
+    gather = EmulatedGather.default(device, args.tp, shard, args.rows, dtype=dtype)
     rng = random.Random(0)
     for call in range(args.calls):
         rows = rng.choice(args.rows)
@@ -467,8 +462,8 @@ def verify(args):
     if not gather.armed():
         return _fail("verify: mailbox words left un-armed", 1)
     print(f"verify: {args.calls} emulated calls, tp={args.tp}, vocab={args.vocab}, "
-          f"{args.dtype}, rows "
-          f"{args.rows}, CTAs {gather.ctas}: bitwise equal to the reference, mailbox armed")
+          f"{args.dtype}, rows {args.rows}, plan {_plan_text(gather.plan)}: bitwise equal to "
+          "the reference, mailbox armed")
     return 0
 
 

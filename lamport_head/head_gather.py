@@ -1,70 +1,33 @@
 """HeadGather: the vocab-parallel lm_head's gather ``[M, V/TP] -> [M, V]`` (BF16, or
-FP32 from an FP32 lm_head: one dtype a gather) for a set of row counts, on two parities
-of a Lamport mailbox.
+FP32 from an FP32 lm_head: one dtype a gather) for the row counts of a plan, on two
+parities of a Lamport mailbox (docs/design.md: the protocol and the fail-stop rule).
 
 Invariants a change must keep:
 
-- Parity alternates per launch, kept by the kernel itself (the rank's epoch in
-  device memory), and every rank launches in the same order (the model runner's):
-  two uses of a parity are then separated by a use of the other, so a rank pushes
-  into a parity only after every peer finished reading and re-arming it. Under CUDA
-  graph capture the launch is recorded like any other: each replay reads and
-  advances the epoch, so replays and eager calls interleave on one stream. An eager
-  call on another stream than the previous call first waits for the previous
-  stream, so the calls stay one sequence (graph replays must be issued in that
-  order by the caller, as engines do).
-- Every shape the kernel does not serve takes ``stock``: rows not in ``rows``, not
-  2-D, not the gather's dtype (``dtype``), the wrong width. The decision depends on
-  the shape and dtype only, so every rank takes the same path (and a captured graph
-  holds the same path on every rank);
-  a non-contiguous or unaligned tensor (the allocator's choice, which may differ by
-  rank) is copied, a negative- or conjugate-bit view is resolved first (the kernel
-  reads the storage, which holds the bits before the lazy negation: it would gather
-  x where the engine holds -x), and a tensor on another device raises.
+- Every rank launches in the same order (the model runner's); parity alternates per
+  launch, kept by the kernel (the rank's epoch in device memory), so graph replays and
+  eager calls interleave on one stream. An eager call on another stream first waits
+  for the previous one.
+- Whether a call is served depends on its shape and dtype only (rows in the plan,
+  2-D, the gather's dtype, the shard's width), so every rank takes the same path; what may differ
+  by rank (a non-contiguous or unaligned tensor, a lazy negation) is resolved by a
+  copy, never by taking stock alone. A tensor on another device raises.
 - Bytes move unchanged but for the sentinel word 0x80000000 (``dtypes``): the BF16
   pair (+0, -0) arrives as (+0, +0), an FP32 -0.0 as +0.0.
-- Fail-stop, serving mode (``mode="serving"``, what install builds for engines): a
-  wait past three quarters of the spin budget marks every rank's mailbox, and the
-  launch that gave up (or began marked) stops this process's GPU context (``trap``)
-  once all its CTAs are done, after writing the status record (timing:
-  ``kernels.protocol``). No later kernel of the stream runs, so no value of that step
-  reaches a sampler or the host: the engine's next CUDA call raises, every peer stops
-  the same way, and the watcher logs the missing ranks (the engine's own error cannot
-  name them). The watcher is also the watchdog (``status.Watcher``): a context that
-  did not stop when its trap was due, or a launch whose slow heartbeat stays up with
-  no record, ends the process. Nothing here recovers; the engine restarts.
-- Fail-stop, recoverable mode (tools, tuning, tests; asked for by name, never a
-  default: an engine that forgot ``check()`` would hand on NaN): a wait past the
-  spin budget in call s writes the missing fragments as NaN and marks every rank's
-  mailbox; every rank's call s + 1 then fails too and
-  raises the host flag, so a loop that syncs once per step raises ``GatherTimeout``
-  at call s + 2 on every rank alike (``check()`` after a sync raises as soon as the
-  mark is there), and keeps raising until a collective ``reset()``. No rank ever
-  switches to ``stock`` on its own. A host that runs ahead of its GPU (async
-  scheduling) reads the flag without a sync, so it raises within its in-flight depth
-  of calls after s + 2, possibly later than a peer; that peer's raise stops the
-  engine (vLLM and SGLang treat a worker's exception as fatal) and the NCCL watchdog
-  bounds any rank left waiting in a collective meanwhile. Calls s and s + 1 return
-  tensors holding NaN where a rank's fragments are missing: a caller that must never
-  hand on such a step syncs and calls ``check()`` before using it. A graph replay
-  runs no ``__call__``: its caller ``poll()``s first.
-- Construction is collective on real ranks, and never strands a peer: the local
-  part (checks, compile, occupancy, allocation) runs first, the ranks agree, then the
-  mailboxes are mapped, the ranks agree again, arm, and meet at a barrier. Every step
-  (the backend's facts, compile, allocation, mapping, arm + sync) runs under the
-  start-up deadline (``mailbox.RENDEZVOUS_WAIT_S``) with its collectives kept on the
-  constructing thread (``collective.step``): a rank blocking in one fails it at the
-  deadline and every rank raises, within it.
-- What each row count launches is ``plan.plan``'s answer, checked against the
-  occupancy limit (every CTA of every rank sharing the device resident at once);
-  construction is ``build.build`` (kernels, limit, launch flag, the collective build:
-  the one build path install, the emulation and the tuner share). What is here is
-  the per-call object: checks, launch, stream order, poll and failure, reset, close.
+- ``mode`` has no default (``kernels.protocol`` has each): ``"serving"`` (engines,
+  which never call ``check()``: a give-up stops this process's GPU context, the
+  watcher names the missing ranks and is the watchdog) or ``"recoverable"`` (tools,
+  tests, tuning: a give-up hands out NaN for two calls, then every rank raises
+  ``GatherTimeout`` until a collective ``reset()``). No rank switches to stock alone.
+- Construction is ``build.build``: collective on real ranks, under the start-up
+  deadline, never stranding a peer.
 """
+
+from functools import partial
 
 import torch
 
-from . import build
+from . import build, plan as plans
 from .config import GatherConfig
 from .kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, DEFAULT_THREADS, DEFAULT_UNROLL,
                                MARK_TOP, slow_after, trap_grace)
@@ -75,51 +38,49 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class HeadGather:
-    """``gather(logits, stock)``: the Lamport gather for ``rows``; ``stock`` otherwise.
+    """``gather(logits, stock)``: the Lamport gather for the plan's row counts;
+    ``stock(logits)`` otherwise.
 
-    ``rows``: the row counts served, with ``ctas`` what is asked for each: None (a
-    heuristic), an int (a CTA count) for every row count, or ``{rows: CTA count or
-    GatherConfig}``; or ``rows`` is a plan, each row count's ``GatherConfig`` (``ctas``
-    None), built beforehand (``plan.plan``, or the configs of a table's enabled entries,
-    ``{m: e.config}``). ``threads``/``unroll`` apply where no GatherConfig is given.
-    ``mailbox``: a ``LocalMailbox`` shared by virtual ranks (one-GPU emulation); None
-    builds this rank's mailbox over ``group`` (None: the default group) with the
-    ``backend`` chosen by ``mailbox.choose_backend``. ``configs``: the plan served,
-    ``{rows: GatherConfig}``; ``ctas``: its CTA counts, ``{rows: int}``. ``pdl``: None
-    takes it where the architecture has it (sm_90 on). ``dtype``: the logits' dtype
-    this gather serves (``torch.bfloat16`` or ``torch.float32``; ``shard`` whole
-    16-byte fragments of it); a call of another dtype takes ``stock``.
+    ``rows``: the plan, ``{rows: GatherConfig}`` (a table's enabled entries' configs,
+    ``plan.uniform``); ``HeadGather.default`` builds with the built-in heuristic's.
+    ``mode``: ``"serving"`` or ``"recoverable"``, no default. ``mailbox``: a
+    ``LocalMailbox`` shared by virtual ranks (one-GPU emulation); None builds this
+    rank's over ``group`` with the ``backend`` ``mailbox.choose_backend`` picks.
+    ``pdl``: None takes it where the architecture has it. ``clamp``: a row whose CTAs
+    cannot all be co-resident is cut to the limit (listed in ``clamped``, ``{rows:
+    (asked, limit)}``) instead of refusing the gather. ``plan``: the plan served.
+    ``dtype``: the one logits dtype served (``torch.bfloat16`` or ``torch.float32``;
+    ``shard`` whole 16-byte fragments of it); a call of another takes ``stock``."""
 
-    ``clamp``: a row whose CTAs cannot all be co-resident is cut to the limit (and
-    listed in ``clamped``, ``{rows: (asked, limit)}``) instead of refusing the whole
-    gather; the limit is a fact of the GPU model and the kernel, so every rank cuts
-    alike.
+    def __init__(self, group, device, tp, rank, shard, rows, *, mode, mailbox=None, pdl=None,
+                 budget_s=SPIN_BUDGET_S, backend=None, clamp=False, dtype=torch.bfloat16):
+        self._serve(build.build(group, device, tp, rank, shard, lambda limit: rows,
+                                mailbox=mailbox, backend=backend, mode=mode, pdl=pdl,
+                                budget_s=budget_s, clamp=clamp, dtype=dtype), group)
 
-    ``mode``, one explicit choice with no default (``kernels.protocol`` has the protocol
-    of each). Neither is safe for every caller: a default of ``"recoverable"`` hands a
-    direct user that never calls ``check()`` NaN for two calls after a peer fails, and
-    a default of ``"serving"`` stops the GPU context of a tool that meant to recover;
-    so the caller names the one its loop is written for:
-    ``"recoverable"`` (tools, tuning, tests: a give-up hands out NaN for two calls,
-    then every rank raises ``GatherTimeout`` until a collective ``reset()``) or
-    ``"serving"`` (engines, which never call ``check()``: a give-up stops this
-    process's GPU context before any later kernel can use the step, and a watcher
-    logs the missing ranks from the status record)."""
+    @classmethod
+    def default(cls, group, device, tp, rank, shard, rows, *, threads=DEFAULT_THREADS,
+                unroll=None, mode, mailbox=None, pdl=None, budget_s=SPIN_BUDGET_S,
+                backend=None, dtype=torch.bfloat16):
+        """The gather of the row counts ``rows`` on the built-in heuristic's plan
+        (``plan.default``), chosen once the device's co-resident limit is known."""
+        gather = cls.__new__(cls)
+        choose = partial(plans.default, rows, tp=tp, shard=shard, threads=threads, unroll=unroll,
+                         dtype=dtype)
+        gather._serve(build.build(group, device, tp, rank, shard, choose, mailbox=mailbox,
+                                  backend=backend, mode=mode, pdl=pdl, budget_s=budget_s,
+                                  dtype=dtype), group)
+        return gather
 
-    def __init__(self, group, device, tp, rank, shard, rows, ctas=None, *, mailbox=None,
-                 threads=DEFAULT_THREADS, unroll=None, pdl=None,
-                 budget_s=SPIN_BUDGET_S, backend=None, mode, clamp=False,
-                 dtype=torch.bfloat16):
-        built = build.build(group, device, tp, rank, shard, rows, ctas, mailbox=mailbox,
-                            backend=backend, mode=mode, pdl=pdl, budget_s=budget_s, clamp=clamp,
-                            threads=threads, unroll=unroll, dtype=dtype)
+    def _serve(self, built, group):
+        self.group, self.device, self.mode, self.kernels = group, built.device, built.mode, \
+            built.kernels
+        self.tp, self.rank, self.shard, self.width = built.tp, built.rank, built.shard, \
+            built.tp * built.shard
+        self.sharing, self.plan, self.clamped = built.sharing, built.plan, built.clamped
         self.dtype = built.dtype  # the one logits dtype served (a torch dtype)
-        self.group, self.device, self.mode, self.kernels = group, built.device, mode, built.kernels
-        self.serving = build.launch_flag(mode)  # the kernel's argument every launch passes
-        self.tp, self.rank, self.shard, self.width = tp, rank, shard, tp * shard
-        self.sharing, self.configs, self.clamped = built.sharing, built.configs, built.clamped
-        self.rows, self.cap = frozenset(self.configs), built.cap
-        self.ctas = {m: c.ctas for m, c in self.configs.items()}
+        self.rows, self.cap = frozenset(self.plan), built.cap
+        self._ctas = {m: c.ctas for m, c in self.plan.items()}  # per call: no attribute walk
         self.box, self._launch, self._status = built.box, built.launchers, built.status
         self.budget_ns, self.status_address = built.budget_ns, built.status.address
         self.peers_address = self.box.peers.data_ptr()  # the kernel reads the table by address
@@ -127,18 +88,18 @@ class HeadGather:
         self._index = self.device.index if self.device.type == "cuda" else -1
         self._closed = False
         self._stream_id, self._stream = None, None
-        # serving: the engine's own error cannot name the ranks once the context stopped
+        # serving: once the context stopped the engine's own error cannot name the ranks,
         # and a trap that never surfaces must not leave the engine waiting: the watchdog
-        # (the slow heartbeat comes at half the budget; the trap is due at 7/8)
+        budget_s = self.budget_ns / 1e9
         self._watcher = Watcher(self._status, device=self.device,
                                 stop_after_s=trap_grace(budget_s) + STOP_GRACE_S,
                                 stuck_after_s=slow_after(budget_s) + STOP_GRACE_S) \
-            if mode == SERVING else None
+            if self.mode == SERVING else None
 
     def resident(self, threads=DEFAULT_THREADS, unroll=DEFAULT_UNROLL):
         """CTAs per rank of this kernel shape that fit on the device alongside the
         ranks sharing it (``build.Kernels.limit``): the most ``plan`` accepts."""
-        return self.kernels.limit(GatherConfig(1, threads, unroll), self.sharing)
+        return self.kernels.limit(self.sharing)(GatherConfig(1, threads, unroll))
 
     def poll(self):
         """Raise ``GatherTimeout`` if this rank's host flag is up (a host-memory read,
@@ -172,7 +133,7 @@ class HeadGather:
             logits = logits.clone(memory_format=torch.contiguous_format)
         stream = self._follow_stream()
         out = logits.new_empty((shape[0], self.width))  # under capture: the graph's own
-        launch(logits, out.data_ptr(), self.peers_address, self.rank, self.ctas[shape[0]],
+        launch(logits, out.data_ptr(), self.peers_address, self.rank, self._ctas[shape[0]],
                self.budget_ns, self.status_address, stream)
         return out
 

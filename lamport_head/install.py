@@ -1,31 +1,17 @@
-"""The engine-neutral install core: route one engine's logits gather through a
-HeadGather for the rows the HEAD_GATHER table enables on this GPU model and (TP, DCP).
+"""The engine-neutral install core: route one engine's logits gather (a ``GatherSite``,
+found by an adapter in ``lamport_head.engines``) through a HeadGather for the rows the
+HEAD_GATHER table enables on this GPU model, (TP, DCP), V and stock.
 
-It knows no engine. An adapter (``lamport_head.engines.vllm``, ``.sglang``) finds the
-processor and lm_head and hands a ``GatherSite`` (the object and attribute to route,
-the head's weight and TP size, where it sits, the engine's own facts) and the
-first-use measuring (``measure``, injected: the runtime never imports the tuner).
-``decode_rows`` is the engines' one bound on the rows (requests x rows per request,
-capped); ``reroute`` routes an engine's replacement model through the gather already
-built, with no collective.
+Invariants a change must keep (docs/design.md, the fail-stop rule):
 
-Fail-stop order: the site checks (the same on every rank by construction) need no
-collective; then each rank reads alone what may differ or fail on it alone (its
-device's name, the tables, LAMPORT_HEAD_DISABLE and LAMPORT_HEAD_FORCE, first-use
-tuning settings) into its vote, and every rank, whatever it read, meets at the
-agreement on the entries to serve (one all-gather: a rank whose reading failed or
-differs takes every rank to stock). Only then the HeadGather is built, itself collective and fail-stop (local
-part, agree, map the peers' mailboxes, agree, arm, barrier): every rank serves the
-rows or every rank stays stock. When no layer holds a real-rank section for this
-GPU model, TP, DCP and vocabulary (V = TP x the head's shard width: a section measured
-at another V is none) or the user table's is stale, the agreed view says so on
-every rank alike, and first-use tuning (``measure``, collective and fail-stop)
-measures, writes the user table and hands back the entries to build; what follows it
-reads the agreed view, never the environment again. A missing table entry, a
-non-CUDA device or a build or measurement every rank failed together leaves the stock
-gather with one log line. No rank switches to stock alone: the stock path is itself a
-collective, so a failure of this rank alone (``collective.raised_together`` false)
-raises and stops the worker (fail-stop: the engine stops every rank).
+- Order: the site checks (the same on every rank by construction) need no collective;
+  each rank then reads alone what may differ on it (device, tables, environment) into
+  its ``_Vote``; every rank meets at one agreement and decides from the same gathered
+  votes; only then is the gather built (itself collective). No rank switches to stock
+  alone: a failure of this rank alone raises and stops the worker.
+- First-use tuning (``measure``) is injected by the adapter: this module never imports
+  the tuner. It runs, collectively, only when the agreed view asks for it; what
+  follows reads the agreed view, never the environment again.
 """
 
 import logging
@@ -35,10 +21,14 @@ from typing import NamedTuple
 
 import torch
 
-from . import dtypes, settings
-from .collective import all_gather_objects, raised_together
+# modules, not names, where a test replaces a name (mailbox.device_key, its deadline,
+# head_gather.HeadGather, provenance.facts): read at the call
+from . import dtypes, head_gather, mailbox, provenance, settings
+from .collective import all_gather_objects, raised_together, within
 from .outcome import Outcome, Stock
-from .table import NCCL_STOCK
+from .status import SERVING
+from .table import MAX_ROWS, NCCL_STOCK, TableError, load_table, user_path
+from .tablefile import set_aside_agreed
 
 logger = logging.getLogger("lamport_head")
 
@@ -85,12 +75,9 @@ def _build(group, device, tp, rank, shard, entries, budget_s, dtype=dtypes.DEFAU
     so no step with missing data reaches the
     engine's sampler or its host. Built on ``build``'s one path: the kernel is the one
     the tuner timed for the row, under the tuner's occupancy limit."""
-    from .head_gather import HeadGather
-    from .status import SERVING
-
     plan = {m: e.config for m, e in entries.items()}
-    gather = HeadGather(group, device, tp, rank, shard, plan, budget_s=budget_s, mode=SERVING,
-                        clamp=True, dtype=dtypes.torch_dtype(dtype))
+    gather = head_gather.HeadGather(group, device, tp, rank, shard, plan, budget_s=budget_s,
+                                    mode=SERVING, clamp=True, dtype=dtypes.torch_dtype(dtype))
     for m, (asked, most) in sorted(gather.clamped.items()):
         logger.warning("lamport-head: the table's %d CTAs for %d rows cannot all be co-resident "
                        "with this version's kernel on this device: served with %d (re-tune with "
@@ -176,9 +163,6 @@ def install(site, ranks, rows=None, *, measure):
         # Every rank, whichever host's table is broken: the broken copies are set aside
         # (a host whose copy reads whole keeps it), and every rank chooses as if no table
         # held this section, so the hosts measure together and each writes a whole one.
-        from .table import user_path
-        from .tablefile import set_aside_agreed
-
         set_aside_agreed(user_path(), view.broken, keys, rank, group)
         view = replace(view, entries={}, emulated_entries={}, real="missing",
                        emulated="missing")
@@ -340,8 +324,6 @@ def decode_rows(requests, per_request):
     """The row counts an engine's decode steps gather: 1 .. ``requests`` x ``per_request``
     (logits rows per request: 1 + its draft tokens), capped at ``table.MAX_ROWS``.
     ``requests`` None (the engine resolves it later, from memory): up to the cap."""
-    from .table import MAX_ROWS
-
     top = MAX_ROWS if requests is None else min(int(requests) * int(per_request), MAX_ROWS)
     return tuple(range(1, top + 1))
 
@@ -367,11 +349,8 @@ def _bounded_vote(tp, dcp, device, rows, vocab, stock, dtype=dtypes.DEFAULT):
     rank whose reading blocks (a table on a hung file system, a device query) still
     reaches the agreement in time, its vote's reason saying so, and every rank stays
     stock; the reading left behind touches nothing its peers see."""
-    from .collective import within
-    from .mailbox import RENDEZVOUS_WAIT_S
-
     try:
-        return within(RENDEZVOUS_WAIT_S, "reading the tables and settings (install's vote)",
+        return within(mailbox.RENDEZVOUS_WAIT_S, "reading the tables and settings (install's vote)",
                       _local_vote, tp, dcp, device, rows, vocab, stock, dtype)
     except TimeoutError as exc:
         return None, None, _Vote(None, None, (Stock.RANK.label, f"TimeoutError: {exc}"),
@@ -458,10 +437,6 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock, dtype=dtypes.DEFAULT)
     ``stock`` (the engine's gather the route replaces) for ``dtype`` logits count: one
     measured at another V, against another stock or for another dtype reads as
     missing (first-use tuning measures this one)."""
-    from .mailbox import device_key
-    from .provenance import section_status
-    from .table import TableError, load_table
-
     try:
         table = load_table()  # lenient: what it skipped is one line each, the rest serves
         for problem in table.problems:
@@ -469,9 +444,7 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock, dtype=dtypes.DEFAULT)
                 logger.warning("lamport-head: HEAD_GATHER table: %s", problem.line)
         on = settings.autotune_enabled()
         if on:  # which environment's version of a key serves (first use measures the rest)
-            from .provenance import facts
-
-            table.facts = facts()
+            table.facts = provenance.facts()
 
         def read(emulated):
             section = table.section(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock,
@@ -481,14 +454,14 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock, dtype=dtypes.DEFAULT)
             enabled = {m: e for m, e in entries.items()
                        if e.enabled and (rows is None or m in rows)}
             # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
-            state = section_status(section) if on else ("missing" if section is None
+            state = provenance.section_status(section) if on else ("missing" if section is None
                                                          else "current")
             return enabled, state
 
         (entries, real), (emulated_entries, emulated) = read(False), read(True)
         key = None
         try:
-            key = device_key(device)
+            key = mailbox.device_key(device)
         except Exception:  # no device key: first-use tuning will not guess
             pass
         others = tuple(v for v in table.vocabs(name, tp, dcp) if v != vocab)

@@ -1,48 +1,31 @@
 """Lamport mailboxes: per rank, ``[2 parities, cap rows, words]`` int32 words, armed,
-plus a control block (layout: ``lamport_head.kernels.protocol``).
+plus a control block (layout: ``kernels.protocol``; docs/design.md, the protocol).
 
-Peers store into a box with pushes; only the box's own rank reads and re-arms it
-(the gather kernel does that per fragment). ``peers`` is an int64 ``[3, tp]``
-device tensor: each rank's parity-0 box, parity-1 box and control block, as mapped
-in this process: the table the kernel pushes through.
+Peers push into a box; only its own rank reads and re-arms it. ``peers`` is the
+int64 ``[3, tp]`` device table of each rank's parity boxes and control block, as
+mapped in this process.
 
 Backends, one interface (``peers``, ``tp``, ``cap``, ``words``, ``sharing``,
 ``emulated``, ``arm()``, ``armed()``, ``barrier()``, ``close()``):
 
-- ``ipc``: every rank of one host, on distinct GPUs or sharing one (NCCL and symmetric
-  memory both refuse sharing): a cuMem allocation of the rank's own GPU exported as a
-  POSIX file descriptor, which every peer imports and maps in its own context for its
-  own device (``lamport_head.peermem``: why, and which CUDA guarantee keeps a dead
-  peer's pages out of other processes' hands). GPUs are named by UUID. Creates no
-  multicast object, whatever the environment says.
-- ``symmetric``: torch symmetric memory (``empty`` + ``rendezvous``, peer pointers
-  only), only where ranks span hosts of one multi-node NVLink domain (forced). Its
-  rendezvous binds an NVLink multicast object unless told not to, so multicast is
-  switched off in this process before the first allocation, and the allocation
-  refuses to go on if torch still reports multicast support (``multicast_off``).
-- ``local``: ``tp`` virtual ranks in one process (``LocalMailbox``): tests, emulation.
+- ``ipc``: the ranks of one host, on distinct GPUs or sharing one: a cuMem box
+  exported as a file descriptor and mapped by each peer in its own context
+  (``peermem``: why). GPUs are named by UUID. No multicast object, ever.
+- ``symmetric``: torch symmetric memory, only for ranks spanning hosts of one NVLink
+  domain (forced); multicast is switched off before the first allocation, which
+  refuses to go on if torch still reports it (``multicast_off``).
+- ``local``: ``tp`` virtual ranks in one process (tests, emulation).
 
-Real-rank backends are built in two steps so that a local failure can never strand
-a peer inside a collective: the constructor only allocates (local), ``connect()``
-exchanges addresses (collective). The caller agrees between the steps (HeadGather
-does: allocate, agree, connect, agree, arm, sync, barrier). Inside ``connect()`` the
-same rule: a local step that comes before a collective (exporting an IPC handle,
-deriving peer addresses) goes through ``exchange``, so every rank issues the same
-collectives in the same order and a failure raises on every rank, naming the rank.
-``close()`` waits for every rank (barrier) before the box can be freed: a peer may
-still push into it.
+Invariants a change must keep (docs/design.md, the fail-stop rule):
 
-Torch's symmetric-memory rendezvous is one call with phases of its own (an all-gather
-of handles over the group's store, an exchange of file descriptors over a local
-socket, importing and mapping each peer, a store barrier with a timeout of its own);
-a rank failing inside it leaves its peers waiting in a later phase, which no
-agreement of ours can reach and not every phase of which honours a timeout we could
-set. So the rendezvous runs in a helper thread given ``RENDEZVOUS_WAIT_S``: a rank
-whose rendezvous has not returned by then takes that as its failure, every rank
-carries its outcome into ``exchange``, and every rank raises. A rendezvous left
-behind finishes or fails in its thread, unused; later symmetric-memory rendezvous in
-that process may then be out of step (torch numbers them per process), which is one
-more reason install leaves every rank stock.
+- A local failure never strands a peer in a collective: the constructor only
+  allocates, ``connect()`` exchanges; the caller agrees between the steps. Inside
+  ``connect()`` a local step before a collective goes through ``exchange``, so
+  every rank issues the same collectives and a failure raises on every rank.
+- ``close()`` waits for every rank before the box is freed: a peer may still push.
+- Torch's rendezvous runs in a helper thread given ``RENDEZVOUS_WAIT_S`` (a rank
+  failing inside it would leave its peers in a phase no agreement reaches); one not
+  back in time is that rank's failure, and every rank raises.
 """
 
 
@@ -50,7 +33,10 @@ import os
 import socket
 
 import torch
+import torch.distributed as dist
+from torch._C._autograd import DeviceType
 
+from . import peermem  # through the module: tests replace segments_for and p2p_status
 from .collective import all_gather_objects, attempt, barrier, within
 from .kernels.protocol import (CONTROL_EPOCH, MAX_TP, PEER_CONTROL, PEER_ROWS, SENTINEL_I32,
                                box_words)
@@ -72,8 +58,6 @@ def multicast_off(symm_mem, device):
     probe = getattr(getattr(symm_mem, "_SymmetricMemory", None), "has_multicast_support", None)
     if probe is None or torch.device(device).type != "cuda":
         return
-    from torch._C._autograd import DeviceType
-
     if probe(DeviceType.CUDA, torch.device(device).index):
         raise RuntimeError(f"torch symmetric memory still reports NVLink multicast on {device} "
                            f"with {MULTICAST_OFF_ENV}=1 (read before we could set it?): "
@@ -214,11 +198,9 @@ class IpcMailbox(_ProcessMailbox):
 
     def _allocate(self, count):
         """Local: this rank's box (mapped here, exported) and its descriptor inbox."""
-        from .peermem import FdChannel, segments_for
-
         # the inbox first: a socket closes itself when dropped, a cuMem box does not
-        self._channel = FdChannel()
-        self._segments = segments_for(self.device)
+        self._channel = peermem.FdChannel()
+        self._segments = peermem.segments_for(self.device)
         self._mapped = {}
         self._own = self._segments.create(count * 4)
         return self._segments.tensor(self._own, count)
@@ -229,18 +211,16 @@ class IpcMailbox(_ProcessMailbox):
         before it on one: the inboxes' names and the boxes' sizes, then whether every
         rank sent its descriptor to every peer. What follows (receiving and mapping)
         is local; the caller agrees on it."""
-        from .peermem import RECEIVE_WAIT_S
-
         facts = exchange(lambda: (self._channel.name, self._own.size), self.group, self.tp,
                          "describe its mailbox")
         peers = [r for r in range(self.tp) if r != self.rank]
 
         def send():
             self._channel.send_all({r: facts[r][0] for r in peers}, self.rank, self._own.fd,
-                                   RECEIVE_WAIT_S)
+                                   peermem.RECEIVE_WAIT_S)
 
         exchange(send, self.group, self.tp, "send its mailbox's file descriptor to its peers")
-        fds = self._channel.receive(peers, RECEIVE_WAIT_S)
+        fds = self._channel.receive(peers, peermem.RECEIVE_WAIT_S)
         try:
             for r in peers:
                 self._mapped[r] = self._segments.open(fds[r], facts[r][1])
@@ -291,7 +271,7 @@ class SymmetricMailbox(_ProcessMailbox):
         """Local: also everything ``connect`` needs before torch's rendezvous (the
         module, the group), so that a rank failing at it fails here, in the step the
         ranks agree on, never in ``connect`` while its peers sit in the rendezvous."""
-        import torch.distributed as dist
+        # lazy: only this backend loads torch's symmetric memory (``_symmetric_available``)
         import torch.distributed._symmetric_memory as symm_mem
 
         multicast_off(symm_mem, self.device)
@@ -358,17 +338,15 @@ MAILBOXES = {"ipc": IpcMailbox, "symmetric": SymmetricMailbox}
 def device_key(device):
     """``(host, GPU UUID)``: what names this rank's GPU to every other process (a local
     index names another GPU, or none, where each process sees its own devices)."""
-    from .peermem import nvml_uuid
-
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     if uuid is None:
         raise RuntimeError(f"torch reports no UUID for {device}: cannot name this GPU to "
                            "the other ranks")
-    return socket.gethostname(), nvml_uuid(uuid)
+    return socket.gethostname(), peermem.nvml_uuid(uuid)
 
 
 def _symmetric_available():
-    try:
+    try:  # lazy: a probe; some torch builds lack symmetric memory
         import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
 
         return hasattr(symm_mem, "rendezvous") and hasattr(symm_mem, "empty")
@@ -435,12 +413,10 @@ def check_peer_reach(keys, me):
     which sees every GPU whatever this process sees). Ranks sharing this GPU need
     nothing; a pair NVML cannot tell about is left to the mapping, whose failure the
     ranks agree on, naming it."""
-    from .peermem import p2p_status
-
     host, gpu = keys[me]
     for r, (h, g) in enumerate(keys):
         if h == host and g != gpu:
-            ok, why = p2p_status(gpu, g)
+            ok, why = peermem.p2p_status(gpu, g)
             if ok is False:
                 raise RuntimeError(f"GPU {gpu} (rank {me}) cannot reach GPU {g}'s memory "
                                    f"(rank {r}): {why}")

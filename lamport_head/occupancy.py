@@ -10,12 +10,13 @@ import functools
 
 import torch
 
+from .kernels.arch import target
+from .kernels.launch import bind_primary_context, checked, load_function
+
 
 def device_arch(device) -> str:
     """The compile target of ``device`` (``kernels.arch.target``: sm_90a on Hopper and
     later, plain sm_XY before)."""
-    from .kernels.arch import target
-
     return target(*torch.cuda.get_device_capability(device))
 
 
@@ -40,9 +41,7 @@ def resident_ctas(cubin: bytes, name: str, threads: int, device_index: int,
     dynamic shared memory each) that fit on the device (an int that also carries
     ``per_sm`` and ``sms``: ``Resident``). The kernel is loaded as the launcher
     loads it (``kernels.launch.load_function``): once per context."""
-    from cuda.bindings import driver as cu
-
-    from .kernels.launch import bind_primary_context, checked, load_function
+    from cuda.bindings import driver as cu  # lazy: loads the CUDA driver
 
     torch.cuda.init()
     with torch.cuda.device(device_index):

@@ -1,38 +1,25 @@
-"""Peer memory for the ``ipc`` mailbox: each rank's box is a CUDA virtual-memory (cuMem)
-allocation of its own GPU, exported as a POSIX file descriptor; every peer imports that
-descriptor and maps it in ITS OWN context, granting access to ITS OWN device only.
+"""Peer memory for the ``ipc`` mailbox: each rank's box is a cuMem allocation of its own
+GPU, exported as a POSIX file descriptor; every peer maps it in ITS OWN context,
+granting access to ITS OWN device only (NCCL's and torch symmetric memory's mechanism
+on one host).
 
-Why this mechanism (it is NCCL's and torch symmetric memory's on one host):
+Invariants a change must keep:
 
-- The mapping lives in the importer's context. The old path (torch's CUDA tensor
-  sharing, ``cudaIpcOpenMemHandle`` under the EXPORTER's device) made each peer's box
-  memory of a context on the peer's GPU in this process, with no peer access from this
-  GPU, and created a context on every peer GPU. Here every driver call runs with this
-  rank's device current, ``cuMemSetAccess`` names this rank's device only, and no call
-  names another device: no process touches a GPU other than its own.
-- A dead peer's pages can never become another process's memory while we may store into
-  them. CUDA's guarantee (``cuMemRelease``): "the memory allocation will be freed when
-  all outstanding mappings to the memory are unmapped and when all outstanding references
-  to the handle (including its shareable counterparts) are also released". A survivor's
-  import holds a handle reference and a mapping until its ``close()``, whatever the
-  exporter's process does, so pushes and give-up marks into a dead peer's box land in
-  pages nobody else can be given.
-- GPUs are named by UUID, never by a process's local index (each process may see other
-  devices, or only its own). The reachability check (``p2p_status``) asks NVML, which
-  sees every GPU of the host whatever ``CUDA_VISIBLE_DEVICES`` says; the driver needs no
-  visibility of the exporter's GPU to map its memory.
+- Every driver call runs with this rank's device current; no call names another
+  device (``cuMemSetAccess`` names this rank's only).
+- A survivor's import holds a handle reference and a mapping until its ``close()``,
+  so a dead peer's pages cannot become another process's memory while we may still
+  store into them (CUDA's ``cuMemRelease`` guarantee).
+- GPUs are named by UUID, never a local index; reachability is NVML's
+  (``p2p_status``), which sees every GPU whatever ``CUDA_VISIBLE_DEVICES`` says.
+- Descriptors travel over abstract Unix datagram sockets (``FdChannel``,
+  SCM_RIGHTS), each bound before names are exchanged: a send never waits for a peer.
 
-Descriptors travel between the host's ranks over abstract-namespace Unix datagram
-sockets (``FdChannel``, SCM_RIGHTS): each rank binds one before the ranks exchange
-names, so a send never waits for a peer to be ready.
-
-``CudaSegments`` talks to the driver through ``cuda.bindings.driver`` (installed with the
-CuTe DSL); tests hand it a stand-in module (tests/fake_driver.py) whose memory is shared
-host memory, so the code path that names devices is the real one. ``HostSegments`` is
-the same contract over memfd shared memory, for mailboxes on the CPU device (the CPU test
-bed's ranks).
+``CudaSegments`` uses ``cuda.bindings.driver`` (tests hand it tests/fake_driver.py);
+``HostSegments`` is the same contract over memfd memory, for the CPU device.
 """
 
+import array
 import contextlib
 import ctypes
 import mmap
@@ -40,11 +27,12 @@ import os
 import secrets
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 import torch
 
-from .kernels.launch import checked
+from .kernels.launch import bind_primary_context, checked
 
 RECEIVE_WAIT_S = 30.0  # a peer that said it sent its descriptor: how long to wait for it
 
@@ -72,10 +60,8 @@ class CudaSegments:
         thread (``kernels.launch.bind_primary_context``; a stand-in's own in tests)."""
         self.device = torch.device(device)
         if driver is None:
-            from cuda.bindings import driver
-        if bind is None:
-            from .kernels.launch import bind_primary_context as bind
-        self.cu, self._bind = driver, bind
+            from cuda.bindings import driver  # lazy: loads the CUDA driver (a GPU process only)
+        self.cu, self._bind = driver, bind or bind_primary_context
         with self._current():
             self.ordinal = int(checked(self.cu.cuCtxGetDevice(), "cuCtxGetDevice"))
             for attr in ("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
@@ -243,8 +229,6 @@ class FdChannel:
         """``fd`` to the channel named ``to``, from ``rank`` (the message says who);
         never waits long: BlockingIOError (or TimeoutError, once ``receive`` set the
         socket's timeout) when that inbox is full."""
-        import array
-
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
         self.sock.sendmsg([struct.pack("<i", rank)], rights, socket.MSG_DONTWAIT, to)
 
@@ -255,8 +239,6 @@ class FdChannel:
         inbox is waited out while this rank reads its own into what ``receive`` returns:
         every rank makes progress. RuntimeError naming the peers not reached in
         ``wait_s``."""
-        import time
-
         pending, end = dict(targets), time.monotonic() + wait_s
         while pending:
             for peer, name in list(pending.items()):
@@ -292,8 +274,6 @@ class FdChannel:
     def receive(self, ranks, wait_s=RECEIVE_WAIT_S):
         """``{rank: fd}`` from each of ``ranks`` (the caller owns them); RuntimeError
         naming the ranks whose descriptor did not come within ``wait_s``."""
-        import time
-
         want, end = set(ranks), time.monotonic() + wait_s
         while not want <= self._got.keys():
             left = end - time.monotonic()

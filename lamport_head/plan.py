@@ -1,69 +1,44 @@
-"""``plan()``: the plan, ``{rows: GatherConfig}`` (what each served row count
-launches), checked against what the device holds co-resident; ``co_resident_limit``:
-that limit, the one definition. "Plan" means that mapping only (``HeadGather.configs``
-holds the one served); a table's entry for a row count is a ``table.TableRow``.
+"""A plan is ``{rows: GatherConfig}``: what each served row count launches. This module
+holds the one limit a plan must keep (``co_resident_limit``), the one check (``fit``)
+and the two ways to make a plan without a table (``uniform``, ``default``).
 
 Invariants a change must keep:
 
 - A Lamport gather's CTAs wait on pushes from other CTAs (the peers', and on one GPU
   the other ranks'), so every CTA of every rank sharing a device must be resident
-  together; a grid that does not fit waits until its spin budget runs out. So no
-  plan holds more CTAs per rank than ``co_resident_limit`` allows.
-- ``co_resident_limit`` is the only place that limit is derived from the device's
-  count: ``HeadGather`` (through ``plan``), the emulated and the distributed timing
-  targets all call it, so the tuner searches exactly the space serving accepts.
-- The headroom is whole SMs: a quarter of the device's SMs, rounded up
-  (``headroom_sms``), is never planned for. Every CTA of every rank sharing the
-  device, at the kernel's CTAs per SM, fits on the other SMs. Kernels of the
-  engine's other streams (a collective of another group spinning on its peers:
-  NCCL, DeepEP, a custom all-reduce; a copy kernel; the next gather's early launch
-  beyond PDL's) may hold SMs while a gather runs, and two ranks each missing a CTA
-  wait on each other until the budget runs out. What that guarantees, and what not:
-  a kernel already holding up to ``headroom_sms`` whole SMs (one that launched
-  first, at any size of CTA) leaves room for the whole gather
-  (``tests/test_gpu_coresidency.py`` holds exactly that many SMs with a persistent
-  kernel and runs the largest plan beside it, bitwise). A kernel launched after the
-  gather finds the headroom's capacity (``headroom_sms`` x the gather's CTAs per SM
-  of slots), but spread over the SMs as the block scheduler placed the gather's CTAs
-  (it spreads them), not as empty SMs: its CTAs fit at once if no larger than the
-  gather's, else they wait for the gather to end, which it does within its budget
-  (the give-up; the same test holds nearly every SM: the gather completes or gives
-  up cleanly, no hang). Counting slots instead (0.3.4: a quarter of the device's CTA
-  slots) gave the same numbers wherever the SM count is a multiple of 4 (every
-  supported GPU: 108, 132, 148 SMs) but said nothing about SMs. On one GPU the
-  default plan takes 24-48 CTAs of 256 threads per rank, far inside the limit; only
-  the tuner's search reaches it.
-- ``plan`` is pure: the device's resident count comes in as a function, so it runs
+  together: no plan holds more CTAs per rank than ``co_resident_limit``, and every
+  builder (``HeadGather``, the emulated and distributed tuning targets) derives the
+  limit here, so the tuner searches exactly what serving accepts.
+- ``headroom_sms`` whole SMs (a quarter, rounded up) are never planned for: kernels
+  of the engine's other streams may hold them while a gather runs
+  (``tests/test_gpu_coresidency.py`` holds that many with a persistent kernel).
+- Pure: the device's resident count comes in as a function, so all of this runs
   (and is tested) without a GPU.
 """
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Callable
 
 from .config import GatherConfig, default_config
 from .dtypes import DEFAULT as DEFAULT_DTYPE
 from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 
-
 OTHER_STREAMS_SHARE = 4  # 1/4 of the device's SMs (rounded up) stays free for other streams
 
 
 def headroom_sms(sms: int) -> int:
-    """The SMs no plan uses on a device of ``sms`` SMs: a quarter, rounded up (33 of
-    the H100's and H200's 132, 37 of the B200's 148, 27 of the A100's 108)."""
+    """The SMs no plan uses on a device of ``sms`` SMs: a quarter, rounded up."""
     return -(-sms // OTHER_STREAMS_SHARE)
 
 
 def co_resident_limit(resident_per_device: int, sharing: int, pdl: bool) -> int:
     """CTAs per rank that stay co-resident when ``sharing`` ranks share a device that
-    holds ``resident_per_device`` CTAs of the kernel, with ``headroom_sms`` whole SMs
-    left to the engine's other streams: the CTAs of every rank fit on the other SMs.
-    ``resident_per_device`` is ``occupancy.resident_ctas``'s answer, which carries
-    the device's SMs (``.sms``) and the kernel's CTAs per SM (``.per_sm``); a plain
-    int (a CPU stand-in) counts one CTA per SM, so its headroom is a quarter of its
-    slots, rounded up. With PDL a rank's next gather is launched early and holds SM
-    slots beside its current one, which another rank's current kernel on the same
-    device may need: halved when ranks share it."""
+    holds ``resident_per_device`` CTAs of the kernel, ``headroom_sms`` left free.
+    ``resident_per_device`` is ``occupancy.resident_ctas``'s answer (``.sms``,
+    ``.per_sm``); a plain int (a CPU stand-in) counts one CTA per SM. With PDL and
+    ranks sharing the device a rank's next gather holds slots beside its current one:
+    halved."""
     sms = getattr(resident_per_device, "sms", None)
     per_sm = getattr(resident_per_device, "per_sm", None)
     if sms is None or per_sm is None:  # a plain count: one CTA per SM
@@ -73,49 +48,52 @@ def co_resident_limit(resident_per_device: int, sharing: int, pdl: bool) -> int:
     return usable // (sharing * early)
 
 
-def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_THREADS,
-         unroll=None, clamped=None, dtype=DEFAULT_DTYPE) -> dict:
-    """The plan ``{rows: GatherConfig}`` for every row count of ``rows``.
+@dataclasses.dataclass
+class Limit:
+    """``limit(config)``: the most CTAs per rank of ``config``'s kernel (its ``ctas``
+    ignored) that stay co-resident; ``resident(config)`` is the device's count of that
+    kernel, asked once per kernel."""
 
-    ``ctas``, what is asked for each row count: None (``config.default_config`` with
-    ``threads`` and ``unroll``; unroll None: its choice per row count), an int (a CTA
-    count) for every row count, or ``{rows: int or GatherConfig}`` (an int takes
-    ``threads`` and ``unroll``, DEFAULT_UNROLL if None). ``dtype``: the logits' (a
-    ``dtypes`` name or torch dtype): the default's fragments of a ``shard`` row.
-    ``resident(config)``: CTAs of ``config``'s kernel the device holds
-    (its ``ctas`` is ignored: occupancy depends on the compiled kernel only).
-    Raises ValueError when a row count has no configuration or one that cannot be
-    co-resident (``co_resident_limit`` with ``sharing`` and ``pdl``); with
-    ``clamped`` (a dict) such a row is cut to the limit instead and recorded there as
-    ``{rows: (asked, limit)}`` (a table tuned under another limit: an older version's,
-    or a GPU whose kernel needs more registers)."""
-    rows = frozenset(int(r) for r in rows)
-    if not rows or min(rows) < 1:
-        raise ValueError(f"rows must be a non-empty set of positive row counts, got {sorted(rows)}")
-    limits = {}
+    resident: Callable[[GatherConfig], int]
+    sharing: int
+    pdl: bool
+    _known: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    def limit(config):
+    def __call__(self, config: GatherConfig) -> int:
         key = GatherConfig(1, **config.kernel_knobs())
-        if key not in limits:
-            limits[key] = co_resident_limit(resident(key), sharing, pdl)
-        return limits[key]
+        if key not in self._known:
+            self._known[key] = co_resident_limit(self.resident(key), self.sharing, self.pdl)
+        return self._known[key]
 
-    # asked: the CTA count or GatherConfig asked for per row count
-    if ctas is None:
-        asked = {m: default_config(m, tp, shard, threads, unroll, limit, dtype) for m in rows}
-    elif not isinstance(ctas, Mapping):
-        asked = dict.fromkeys(rows, ctas)
-    else:
-        asked = ctas
-    missing = rows - set(asked)
-    if missing:
-        raise ValueError(f"no CTA count for rows {sorted(missing)}")
-    configs = {}
-    for m in sorted(rows):
-        wanted = asked[m]
-        config = (wanted if isinstance(wanted, GatherConfig)
-                  else GatherConfig(int(wanted), threads,
-                                    DEFAULT_UNROLL if unroll is None else unroll))
+
+def uniform(rows, ctas: int, threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL):
+    """The plan launching ``ctas`` CTAs of ``threads`` x ``unroll`` for every row count."""
+    return dict.fromkeys(_row_counts(rows), GatherConfig(ctas, threads, unroll))
+
+
+def default(rows, limit: Limit, *, tp: int, shard: int, threads: int = DEFAULT_THREADS,
+            unroll=None, dtype=DEFAULT_DTYPE):
+    """The built-in heuristic's plan (``config.default_config``) for every row count;
+    ``unroll`` None lets it choose per row count; ``dtype``: the logits' (the fragments
+    of a ``shard`` row)."""
+    return {m: default_config(m, tp, shard, threads, unroll, limit, dtype)
+            for m in _row_counts(rows)}
+
+
+def fit(plan, limit: Limit, clamped=None):
+    """``plan`` checked against ``limit``: ValueError for a row count that is not a
+    positive int, a value that is not a ``GatherConfig``, or CTAs that cannot all be
+    co-resident; with ``clamped`` (a dict) such a row is cut to the limit instead and
+    recorded there as ``{rows: (asked, limit)}`` (a table tuned under another limit)."""
+    if not isinstance(plan, Mapping):
+        raise ValueError(f"a plan maps row counts to GatherConfigs, got {plan!r} (row counts "
+                         "alone: plan.uniform, or the heuristic's constructor .default)")
+    _row_counts(plan)
+    fitted = {}
+    for m in sorted(plan):
+        config = plan[m]
+        if not isinstance(config, GatherConfig):
+            raise ValueError(f"a plan maps row counts to GatherConfigs; rows {m} has {config!r}")
         most = limit(config)
         if config.ctas > most and clamped is not None and most >= 1:
             clamped[m] = (config.ctas, most)
@@ -123,7 +101,15 @@ def plan(rows, ctas=None, *, tp, shard, resident, sharing, pdl, threads=DEFAULT_
         if config.ctas > most:
             raise ValueError(
                 f"{config.ctas} CTAs for {m} rows cannot all be co-resident: this device holds "
-                f"{most} CTAs of {config.threads} threads per rank ({sharing} rank(s) share it"
-                f"{', PDL on' if pdl else ''})")
-        configs[m] = config
-    return configs
+                f"{most} CTAs of {config.threads} threads per rank ({limit.sharing} rank(s) share "
+                f"it{', PDL on' if limit.pdl else ''})")
+        fitted[m] = config
+    return fitted
+
+
+def _row_counts(rows):
+    counts = frozenset(rows)
+    if not counts or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in counts):
+        raise ValueError(f"rows must be a non-empty set of positive row counts, got "
+                         f"{sorted(counts, key=repr)}")
+    return counts

@@ -17,6 +17,9 @@ import importlib.util
 import subprocess
 from pathlib import Path
 
+import torch
+
+from . import __version__, table
 from .settings import commit_override
 
 STALE_KEYS = ("driver", "torch", "cutlass_dsl", "lamport_head", "kernel")
@@ -93,10 +96,6 @@ def runtime_facts():
     """What a timing depends on besides the GPU model: the driver, CUDA, torch, the
     DSL, lamport-head's version (package metadata) and its kernel build. First-use
     tuning re-measures a user-table section whose ``STALE_KEYS`` no longer match."""
-    import torch
-
-    from lamport_head import __version__
-
     driver = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
     return {
         "driver": driver.splitlines()[0] if driver else "unknown",
@@ -111,8 +110,6 @@ def runtime_facts():
 def provenance(device, command, *, name=None, facts=None):
     """The provenance block of a written section: the GPU (``name``, default the
     device's), ``facts`` (default ``runtime_facts()``), date, commit and command."""
-    import torch
-
     return {
         "gpu": name or torch.cuda.get_device_name(device),
         **(facts if facts is not None else runtime_facts()),
@@ -137,11 +134,9 @@ def section_status(section):
     """'missing', 'current', or 'stale: key, ...' for a table section. Only the user
     table (the cache first-use tuning writes) goes stale; the packaged table and
     ``LAMPORT_HEAD_TABLE`` are served as they are."""
-    from .table import user_path
-
     if section is None:
         return "missing"
-    if section.source != str(user_path()):
+    if section.source != str(table.user_path()):
         return "current"
     now = facts()
     old = [k for k in STALE_KEYS if str(section.provenance.get(k)) != str(now[k])]

@@ -33,19 +33,14 @@ SPIN_BUDGET_S = 2.0
 BENCH_BUDGET_S = 0.5
 MAX_BUDGET_S = 3600.0  # the timer is read every poll: a longer wait is a typo
 # The floor. A gather gives up at 3/4 of the budget, so the budget must dwarf the
-# ordinary skew between the ranks' launches of one step, or healthy steps give up. The
-# worst skew measured so far (NOTES.md): 0.45 ms between 8 emulated ranks' waits on one
-# H200 (GEMMs run one after another), 0.38 ms of host launches, and 19-30 ms per call
-# with 8 processes time-slicing one GPU; a host stall of a rank (a GC pause) adds to
-# it. 0.5 s is over 15x the worst of those, and its give-up (0.375 s) over 12x.
+# ordinary skew between the ranks' launches of one step, or healthy steps give up:
+# over 15x the worst skew measured (docs/figures.md, "Figures the code cites").
 MIN_BUDGET_S = 0.5
-# The grace between a serving give-up's status flag and its trap (budget >> STOP_SHIFT,
-# an eighth; ``kernels.protocol``) has a floor of its own: peers giving up in the same
-# step mark this rank's mailbox in it, and a mark into a context that has already
-# trapped hung the marking rank (measured on one H200, 4 processes). It must cover the
-# skew between the ranks' give-ups (their launches' skew, above) with room for the
-# marking stores: 50 ms is 1.7x the worst launch skew measured. The budget's floor
-# gives 62.5 ms; a change of either floor or of STOP_SHIFT is checked here.
+# The floor of the grace between a serving give-up's flag and its trap (an eighth of the
+# budget; ``kernels.protocol``): peers giving up in the same step mark this rank's
+# mailbox in it, so it must cover the ranks' launch skew with room for the marking
+# stores (docs/figures.md). The budget's floor gives 62.5 ms; a change of either floor
+# or of STOP_SHIFT is checked here.
 MIN_GRACE_S = 0.05
 
 

@@ -1,32 +1,19 @@
 """The host side of a gather's give-up: the status record, the error that names the
-missing ranks, and (serving) the watcher that says so in the log when the GPU
-context has stopped.
+missing ranks, and (serving) the watcher that logs it once the context has stopped.
 
-The record is pinned host memory the kernel writes and the host reads with no
-device sync (layout: ``kernels.protocol``): details first, a system-scope fence,
-then the flag. Host memory stays readable after the CUDA context died, which is
-what a serving gather's give-up does (``trap``): the engine's next CUDA call raises
-a bare "unspecified launch failure", and only this record can say which rank never
-published. The watcher reads the flag a few times a second and logs that once.
+Invariants a change must keep:
 
-The watcher is also the serving path's watchdog, as NCCL's is for its collectives:
-the kernel raises the flag an eighth of the budget before it traps
-(``kernels.protocol.STOP_SHIFT``), so once the trap is due (plus ``STOP_GRACE_S`` for
-the driver to surface it) the watcher asks the
-context whether it stopped. If it did not (measured on one H200, 4 processes, a
-killed peer: in every run one of the three survivors' traps never surfaced and its
-token copy waited for ever), the watcher ends the process (``STOP_EXIT_CODE``) after
-saying why: a step with missing data can never finish, and a process that neither
-raises nor exits would hang the engine.
-
-Once the watcher has decided, nothing another thread holds can keep the process
-alive (``end_process``): the exit is armed first, on a timer of its own (a POSIX
-timer whose expiry runs libc's ``_exit`` on a thread of libc's, which needs no GIL,
-and a Python thread beside it), the line goes out in one non-blocking write to
-stderr, and only then is it logged, best-effort, from a thread the exit does not
-wait for beyond ``EXIT_LOG_WAIT_S``. The watcher itself never waits on ``logging``:
-a handler blocked on a pipe nobody drains (a stalled log driver, an engine's handler
-held by another thread) would otherwise hold the very line that ends the hang.
+- The record is pinned host memory the kernel writes and the host reads with no
+  device sync (``kernels.protocol``): details, a system fence, then the flag. It
+  stays readable after a serving give-up's ``trap`` killed the context.
+- The watcher is serving's watchdog: once the trap is due (plus ``STOP_GRACE_S``)
+  and the context has not stopped, it ends the process (``STOP_EXIT_CODE``), saying
+  why: a step with missing data never finishes.
+- Once it has decided, nothing another thread holds keeps the process alive
+  (``end_process``): the exit is armed first on timers of its own (a POSIX timer
+  calling ``_exit``, needing no GIL, and a Python thread), the line goes to stderr
+  in one non-blocking write, and only then to ``logging``, from a thread the exit
+  waits for at most ``EXIT_LOG_WAIT_S``. The watcher never waits on ``logging``.
 """
 
 import ctypes

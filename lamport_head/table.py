@@ -1,66 +1,24 @@
 """The HEAD_GATHER table: per GPU model, (TP, DCP), vocabulary and row count, the CTA
-count and on/off flag of the Lamport gather (plus the measured latencies and
-provenance).
+count and on/off flag of the Lamport gather (plus measured latencies and provenance).
+The format and the layers: docs/tables.md, tables/head_gather.yaml; the contract:
+docs/design.md, "Tables".
 
-Format (YAML; see tables/head_gather.yaml)::
+Invariants a change must keep:
 
-    schema: 1
-    devices:
-      NVIDIA H200:                # torch.cuda.get_device_name(), case-insensitive
-        - tp: 8
-          dcp: 1
-          vocab: 163840           # the full vocabulary V the rows were measured at
-          stock: nccl-all-gather  # the engine's gather the rows were measured against
-          dtype: bfloat16         # the logits dtype the rows were measured at
-          emulated: false         # emulated sections are never used for serving
-          provenance: {gpu: ..., driver: ..., cuda: ..., torch: ..., cutlass_dsl: ...,
-                       lamport_head: ..., kernel: ..., date: ..., commit: ..., command: ...}
-          rows:                   # a row count or an inclusive range "a-b"
-            1: {ctas: 8, enabled: true, lamport_us: 5.1, stock_us: 19.8}
-            2-4: {ctas: 16, enabled: true, threads: 256, unroll: 4}
-            8: {ctas: 32, enabled: true}
-
-The tuner writes one entry per measured row count; serving fills the rows between
-two measured ones (5-7 above) from the row above, enabled only when both neighbours
-are (``fill``). Rows outside the measured span use the stock gather.
-
-A section is keyed by (GPU model, TP, DCP, emulated, V): the bytes a row moves scale
-with V (each rank's shard is V / TP columns), so a section measured at one V is not
-served at another (install asks for the model's V = TP x shard width, finds no
-section and first-use tuning measures one for that V, beside the other). ``vocab`` is
-optional in the file for tables written before sections carried it: such a section
-is taken as V = ``KIMI_K2_VOCAB`` (163840, the tuner's default ``--vocab``), which
-``show`` says. Two sections of one file for the same key are ambiguous: the loader
-rejects them, naming the file and both entries. ``entries``/``section`` without a
-vocabulary take the one section for (GPU, TP, DCP) when there is exactly one, and
-raise ``TableError`` naming the choices when there are several.
-
-A section also names the stock it was measured against (``stock``, one of ``STOCKS``:
-the engine's own gather that the route replaces; a row is enabled where the Lamport
-gather beats it). vLLM's ``_gather_logits`` and the tuner's stand-in are an NCCL
-all-gather (``nccl-all-gather``, what a section written without ``stock`` was measured
-against); SGLang's ``_logits_gatherer`` is a multimem one-shot all-gather
-(``multimem-all-gather``) wherever it built one. A section measured against another
-stock than the engine's is not served: a row that beats NCCL may lose to a one-shot
-multicast gather. The key is then (GPU model, TP, DCP, emulated, V, stock).
-
-A section is measured for one logits dtype (``dtype``, one of ``dtypes.NAMES``:
-``bfloat16`` or ``float32``, an engine's FP32 lm_head): a row of V FP32 values moves
-twice the bytes of a BF16 one, so a section measured for one dtype is not served to a
-model of the other. A section written without ``dtype`` is BF16 (``LEGACY_DTYPE``).
-The key is (GPU model, TP, DCP, emulated, V, stock, dtype).
-
-Validation: every defect is a ``TableError`` naming the file and the entry. ``parse``
-(one file, asked for by name: tools, tests) raises it; serving's layered view
-(``load_layers``, through ``read``) skips what it spoils and no more: a bad section
-costs that section (one ``Problem`` line), a section of a newer schema is skipped (and
-kept by the writer), and a file that cannot be read whole costs that layer; the user
-table's is named in ``Table.broken`` for install to set aside (``tablefile``), never
-``$LAMPORT_HEAD_TABLE``. A table the tool writes is sealed (``tablefile.SEAL``): a cut
-anywhere reads as torn; one without the seal (hand-written) is read as it is. Bounds
-(``MIN_TP``/``MAX_TP``, ``MAX_VOCAB``, ``MAX_CTAS``, ``MAX_ROWS``, finite timings)
-reject what no GPU serves. YAML 1.1 reads a bare on/off/yes/no as a boolean, so such a
-plain scalar is rejected anywhere (write true/false, or quote it).
+- A section is keyed by (GPU model, TP, DCP, emulated, V, stock, dtype): a row measured
+  at one V, against one stock or for one logits dtype (``dtypes.NAMES``: an FP32 row
+  moves twice a BF16 row's bytes) is not served at another. A section without
+  ``vocab`` is V = ``KIMI_K2_VOCAB``, one without ``stock`` ``nccl-all-gather``, one
+  without ``dtype`` ``bfloat16`` (``LEGACY_DTYPE``). Two sections of one file for one
+  key and one environment are rejected, naming both.
+- Serving fills the rows between two measured ones from the row above, enabled only
+  when both neighbours are (``fill``); rows outside the measured span are stock.
+- Every defect is a ``TableError`` naming the file and the entry. ``parse`` (one file
+  by name) raises it; serving's layered view (``load_layers``) skips what a defect
+  spoils and no more (a section, a layer); only the user table is set aside
+  (``Table.broken``, ``tablefile``), never ``$LAMPORT_HEAD_TABLE``.
+- A sealed table (``tablefile.SEAL``) must match its seal; an unsealed one is read as
+  it is. A bare YAML on/off/yes/no is rejected anywhere (write true/false).
 """
 
 import math
@@ -76,6 +34,7 @@ from .config import GatherConfig
 from .dtypes import DEFAULT as LEGACY_DTYPE  # the dtype of a section written without ``dtype``
 from .dtypes import ITEMSIZE, NAMES as DTYPES
 from .settings import TABLE_ENV, cache_dir, table_override
+from .tablefile import TornTable, check_seal
 
 SCHEMA = 1
 MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are far smaller)
@@ -272,7 +231,7 @@ class Section:
 def version(provenance):
     """What environment a section was measured in (``provenance.STALE_KEYS``' values);
     ``()`` for a section with none of them (hand-written: one version only)."""
-    from .provenance import STALE_KEYS
+    from .provenance import STALE_KEYS  # lazy: cycle (provenance imports table)
 
     if not isinstance(provenance, dict) or not any(k in provenance for k in STALE_KEYS):
         return ()
@@ -434,8 +393,6 @@ def read(text, path="<string>"):
 
 
 def _parse(text, path, strict):
-    from .tablefile import TornTable, check_seal
-
     try:
         text = check_seal(text)
     except TornTable as exc:

@@ -144,7 +144,7 @@ def aside_line(path, aside, why):
 def _set_aside_if_broken(path):
     """Under the writer's lock: set ``path`` aside unless it reads whole now (another
     engine on this host healed it since this one read it)."""
-    from .table import TableError, load_table
+    from .table import TableError, load_table  # lazy: cycle (table imports this module)
 
     with locked(path):
         try:
@@ -163,6 +163,7 @@ def set_aside_agreed(path, why, keys, rank, group):
     rank of each host renames (a rank with no key renames its own host's copy too: a
     second rename of one file finds nothing and says so). Every rank logs its host's
     outcome in one line; never raises (what follows does not depend on the outcome)."""
+    # lazy: collective loads torch, and the CLI loads this module (through table) for its help
     from .collective import all_gather_objects
 
     host = keys[rank][0] if keys[rank] is not None else None

@@ -152,7 +152,7 @@ def model(**overrides):
 
 def fake_cuda(monkeypatch_like, rank, case, launch=None):
     """Every CUDA-only piece of HeadGather's construction replaced on CPU: its kernels
-    (``build.KERNELS``: compile and occupancy)
+    (``build.TOOLCHAIN``: compile and occupancy)
     by a CPU stand-in whose launch fills the output with FAKE_BYTE (or is ``launch``),
     the device key, the mailbox by a CPU box whose connect() is a real gloo
     collective. ``case`` picks the failing step ("prepare": the compile)."""
@@ -164,7 +164,7 @@ def fake_cuda(monkeypatch_like, rank, case, launch=None):
     fail_rank = int(case.split("@")[1]) if "@" in case else -1
     step = case.split("@")[0]
 
-    class CpuKernels(build.DeviceKernels):
+    class CpuKernels(build.Toolchain):
         def arch(self, device):
             return "cpu"
 
@@ -199,7 +199,7 @@ def fake_cuda(monkeypatch_like, rank, case, launch=None):
             self.peers = torch.tensor(mailbox.peer_table(bases, self.cap, self.words))
 
     kernels = CpuKernels()
-    set_(build, "KERNELS", kernels)
+    set_(build, "TOOLCHAIN", kernels)
     set_(build, "MAILBOXES", {"ipc": CpuRows, "symmetric": CpuRows})
     set_(mailbox, "device_key", lambda device: ("host", "the one GPU"))
     set_(head_gather, "_raw_stream", lambda index: 0)

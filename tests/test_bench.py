@@ -284,7 +284,7 @@ def _docs_csv(name):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    return _csv(root / "docs" / name), " ".join((root / "README.md").read_text().split())
+    return _csv(root / "docs" / name), " ".join((root / "docs" / "figures.md").read_text().split())
 
 
 @pytest.mark.parametrize("name", ["bench-emulated-tp8.csv", "bench-emulated-tp2.csv"])
@@ -296,8 +296,8 @@ def test_docs_bench_csvs_hold_no_negative_time(name):
                 assert not float(value) < 0, (name, r["rows"], key, value)
 
 
-def test_readme_states_the_figures_of_the_plotted_bench_runs():
-    """'Where it stands' reads its figures from the CSVs the plots draw, naming the plan."""
+def test_figures_doc_states_the_figures_of_the_plotted_bench_runs():
+    """docs/figures.md reads its figures from the CSVs the plots draw, naming the plan."""
     tp8, readme = _docs_csv("bench-emulated-tp8.csv")
     tp2, _ = _docs_csv("bench-emulated-tp2.csv")
     m1 = tp8[0]
@@ -509,7 +509,7 @@ def test_drafter_torchrun_path_times_the_same_shapes(tmp_path, monkeypatch, caps
     monkeypatch.setattr(draftbench, "make_target", lambda command, tp, vocab, dtype="bfloat16": chosen)
     from lamport_head import build
 
-    monkeypatch.setattr(build, "KERNELS", types.SimpleNamespace(arch=lambda d: 90,
+    monkeypatch.setattr(build, "TOOLCHAIN", types.SimpleNamespace(arch=lambda d: 90,
                                                                 pdl=lambda a: True))
     monkeypatch.setattr(rankbench, "copy_bandwidth_gbs", lambda device: BANDWIDTH)
     monkeypatch.setattr(rankbench, "median_eager", lambda *a: (2.0, 1.0))

@@ -25,7 +25,7 @@ SHARD = 64
 SMS = 132
 
 
-class VariantKernels(build.DeviceKernels):
+class VariantKernels(build.Toolchain):
     """Compile and occupancy on CPU; CTAs per SM follow threads, unroll and any
     compile-time variant asked for."""
 
@@ -89,7 +89,7 @@ def test_the_tuners_limit_is_installs_for_every_config_of_the_search_space(
     from lamport_head.tuning.harness import DistributedTarget
 
     kernels = VariantKernels()
-    monkeypatch.setattr(build, "KERNELS", kernels)
+    monkeypatch.setattr(build, "TOOLCHAIN", kernels)
     target = DistributedTarget(Ranks(torch.device("cpu"), 0, tp, shared, "gloo"), tp * SHARD)
     sharing = tp if shared else 1
     for threads in SWEEP_THREADS:

@@ -20,6 +20,7 @@ import torch
 from helpers import no_stock, same_bits
 
 from lamport_head.candidates import SmallGather, pack, packed_width, unpack
+from lamport_head.plan import uniform
 from lamport_head.kernels.protocol import FRAGMENT_BF16, SENTINEL_I32
 from lamport_head.tuning.support.reference import reference_gather
 
@@ -173,7 +174,7 @@ def _rank(rank, world):
         width = packed_width(cols, dtype)
         if width not in gathers:  # one gather per packed width, as install builds them
             gathers[width] = HeadGather(None, torch.device("cpu"), world, rank, width,
-                                        {m: 2 for m in ROWS}, mode=RECOVERABLE)
+                                        uniform(ROWS, 2), mode=RECOVERABLE)
         small = SmallGather(gathers[width], world, cols, dtype)
         for m in ROWS:
             mine = payload(m, cols, dtype, seed=1000 * rank + m)

@@ -260,7 +260,7 @@ def test_a_gather_beside_a_kernel_holding_nearly_every_sm_completes_or_gives_up_
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     nan = torch.tensor(NAN_PAIR, dtype=torch.int32)  # below 2**31: the same int32
     with torch.cuda.stream(work):
-        gather = EmulatedGather(device, tp, shard, (1, 64), budget_s=budget)
+        gather = EmulatedGather.default(device, tp, shard, (1, 64), budget_s=budget)
         calls = _calls(tp, shard, device, (64, 1, 64, 1, 64, 1))
         for shards, want in calls[:2]:
             outs, done = _run(gather, shards)

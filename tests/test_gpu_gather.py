@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import assert_same_words, no_stock, same_bits, words
 
+from lamport_head import build
 from lamport_head.tuning.support.emulate import EmulatedGather
 from lamport_head.head_gather import GatherTimeout
 from lamport_head.kernels.protocol import CONTROL_EPOCH, EPOCH_SPAN, NAN_PAIR
@@ -41,7 +42,7 @@ def test_emulated_bitwise_2000_calls(tp, vocab, dtype):
     reference, the sentinel word arriving as 0."""
     device = torch.device("cuda", torch.cuda.current_device())
     shard = vocab // tp
-    gather = EmulatedGather(device, tp, shard, ROWS, dtype=dtype)
+    gather = EmulatedGather.default(device, tp, shard, ROWS, dtype=dtype)
     rng = random.Random(tp * 1000 + vocab)
     previous = None
     for call in range(2000):
@@ -86,12 +87,12 @@ def test_staged_kernels_over_47_kib_of_slots_launch_and_are_bitwise(threads, unr
 def test_explicitly_poisoned_outputs(dtype):
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 8, 163840 // 8
-    gather = EmulatedGather(device, tp, shard, ROWS, dtype=dtype)
+    gather = EmulatedGather.default(device, tp, shard, ROWS, dtype=dtype)
     for rows in (1, 64, 33, 2):
         shards = _shards(tp, rows, shard, device, dtype)
         outs = [torch.full((rows, tp * shard * dtype.itemsize // 4), POISON, dtype=torch.int32,
                            device=device).view(dtype) for _ in range(tp)]
-        gather.launch(shards, outs, gather.ctas[rows])
+        gather.launch(shards, outs, gather.plan[rows].ctas)
         want = reference_gather(shards).view(torch.int32)
         for out in outs:
             assert torch.equal(words(out), want)
@@ -111,16 +112,16 @@ def test_the_driver_launch_and_the_dsl_callable_agree_bitwise_from_any_thread():
 
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 4, 163840 // 4
-    gather = EmulatedGather(device, tp, shard, ROWS)
+    gather = EmulatedGather.default(device, tp, shard, ROWS)
     here = torch.cuda.current_stream(device)
 
     def dsl(shards, outs):
         for g, stream, x, out in zip(gather.ranks, gather.streams, shards, outs):
             stream.wait_stream(here)
             with torch.cuda.stream(stream):
-                g.kernels.compiled(g.configs[x.shape[0]]).launch(
-                    x, out.data_ptr(), g.peers_address, g.rank, g.ctas[x.shape[0]], g.budget_ns,
-                    g.status_address, g.serving)
+                g.kernels.compiled(g.plan[x.shape[0]]).launch(
+                    x, out.data_ptr(), g.peers_address, g.rank, g.plan[x.shape[0]].ctas, g.budget_ns,
+                    g.status_address, build.launch_flag(g.mode))
         for stream in gather.streams:
             here.wait_stream(stream)
 
@@ -130,7 +131,7 @@ def test_the_driver_launch_and_the_dsl_callable_agree_bitwise_from_any_thread():
         def run():
             seen.append(current_context())
             for g, stream, x, out in zip(gather.ranks, gather.streams, shards, outs):
-                g._launch[x.shape[0]](x, out.data_ptr(), g.peers_address, g.rank, g.ctas[x.shape[0]],
+                g._launch[x.shape[0]](x, out.data_ptr(), g.peers_address, g.rank, g.plan[x.shape[0]].ctas,
                                       g.budget_ns, g.status_address, stream.cuda_stream)
 
         for stream in gather.streams:
@@ -148,7 +149,7 @@ def test_the_driver_launch_and_the_dsl_callable_agree_bitwise_from_any_thread():
                            device=device).view(torch.bfloat16) for _ in range(tp)]
         how = "driver, fresh thread" if call >= 6 else ("driver", "dsl")[call % 2]
         if how == "driver":
-            gather.launch(shards, outs, gather.ctas[rows])
+            gather.launch(shards, outs, gather.plan[rows].ctas)
         elif how == "dsl":
             dsl(shards, outs)
         else:
@@ -172,7 +173,7 @@ def test_a_null_stream_launch_under_another_context_is_retried_in_the_kernels():
 
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard, rows = 2, 163840 // 2, 8
-    gather = EmulatedGather(device, tp, shard, (1, rows))
+    gather = EmulatedGather.default(device, tp, shard, (1, rows))
     shards = _shards(tp, rows, shard, device)
     outs = [torch.full((rows, tp * shard // 2), POISON, dtype=torch.int32,
                        device=device).view(torch.bfloat16) for _ in range(tp)]
@@ -187,7 +188,7 @@ def test_a_null_stream_launch_under_another_context_is_retried_in_the_kernels():
         contexts.append(context)
         try:
             g = gather.ranks[0]
-            first(shards[0], outs[0].data_ptr(), g.peers_address, g.rank, g.ctas[rows], g.budget_ns,
+            first(shards[0], outs[0].data_ptr(), g.peers_address, g.rank, g.plan[rows].ctas, g.budget_ns,
                   g.status_address, 0)
         except Exception as exc:  # reported below, after the peers launched
             errors.append(exc)
@@ -199,7 +200,7 @@ def test_a_null_stream_launch_under_another_context_is_retried_in_the_kernels():
     worker.join()
     for g, stream in zip(gather.ranks[1:], gather.streams[1:]):  # non-blocking streams
         g._launch[rows](shards[g.rank], outs[g.rank].data_ptr(), g.peers_address, g.rank,
-                        g.ctas[rows], g.budget_ns, g.status_address, stream.cuda_stream)
+                        g.plan[rows].ctas, g.budget_ns, g.status_address, stream.cuda_stream)
     torch.cuda.synchronize(device)
     # Destroyed only now: destroying a context waits for the device (measured on the
     # H200: before the peers launched, rank 0's wait for them ran out meanwhile).
@@ -217,7 +218,7 @@ def test_a_null_stream_launch_under_another_context_is_retried_in_the_kernels():
 def test_fallbacks_take_stock_bitwise(dtype):
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 4, 1024
-    gather = EmulatedGather(device, tp, shard, (1, 2), dtype=dtype)
+    gather = EmulatedGather.default(device, tp, shard, (1, 2), dtype=dtype)
     g = gather.ranks[0]
     stock = lambda x: torch.cat([x] * tp, dim=-1)  # noqa: E731
     x = planted(5, shard, device=device, dtype=dtype)  # 5 rows: not served
@@ -247,7 +248,7 @@ def test_free_running_ranks_bitwise(tp, dtype):
     checked after the run."""
     device = torch.device("cuda", torch.cuda.current_device())
     shard = 163840 // tp
-    gather = EmulatedGather(device, tp, shard, ROWS, dtype=dtype)
+    gather = EmulatedGather.default(device, tp, shard, ROWS, dtype=dtype)
     rng = random.Random(tp)
     for batch in range(6):
         ms = [8] * 16 if batch == 0 else [rng.choice(ROWS) for _ in range(40)]
@@ -291,7 +292,7 @@ def _every_rank_raises_at_the_same_call(gather, shards, missing, skip=()):
 def test_slow_rank_inside_the_budget_is_right():
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 4, 163840 // 4
-    gather = EmulatedGather(device, tp, shard, ROWS, budget_s=2.0)
+    gather = EmulatedGather.default(device, tp, shard, ROWS, budget_s=2.0)
     steps = [_shards(tp, m, shard, device) for m in (8, 1, 64, 3)]
     outs = gather.free_run(steps, delay={2: gpu_cycles(0.3, device)})
     torch.cuda.synchronize(device)
@@ -303,7 +304,7 @@ def test_slow_rank_inside_the_budget_is_right():
 def test_slow_rank_past_the_budget_every_rank_raises_none_serves():
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard, slow = 4, 163840 // 4, 1
-    gather = EmulatedGather(device, tp, shard, ROWS, budget_s=0.3)
+    gather = EmulatedGather.default(device, tp, shard, ROWS, budget_s=0.3)
     steps = [_shards(tp, 8, shard, device)]
     start = time.monotonic()
     (outs,) = gather.free_run(steps, delay={slow: gpu_cycles(1.0, device)})
@@ -336,7 +337,7 @@ def test_slow_rank_past_the_budget_every_rank_raises_none_serves():
 def test_dead_rank_times_out_and_gpu_recovers():
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 4, 4096
-    gather = EmulatedGather(device, tp, shard, (1, 4), budget_s=0.5)
+    gather = EmulatedGather.default(device, tp, shard, (1, 4), budget_s=0.5)
     shards = _shards(tp, 4, shard, device)
     start = time.monotonic()
     gather(shards, skip=(2,))
@@ -358,7 +359,7 @@ def test_every_missing_rank_is_named():
     threads gave up first (after a give-up, the remaining batches are still read)."""
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 8, 163840 // 8
-    gather = EmulatedGather(device, tp, shard, (64,), budget_s=0.3)
+    gather = EmulatedGather.default(device, tp, shard, (64,), budget_s=0.3)
     shards = _shards(tp, 64, shard, device)
     gather(shards, skip=(2, 5))
     torch.cuda.synchronize(device)
@@ -375,7 +376,7 @@ def test_the_epoch_wraps_keeping_the_parity_and_the_fail_stop():
     the same call (the failure is seen behind the epochs after the wrap)."""
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 4, 163840 // 4
-    gather = EmulatedGather(device, tp, shard, ROWS, budget_s=0.3)
+    gather = EmulatedGather.default(device, tp, shard, ROWS, budget_s=0.3)
 
     def epochs(value=None):
         torch.cuda.synchronize(device)

@@ -9,6 +9,7 @@ import torch
 from helpers import no_stock
 
 from lamport_head.tuning.support.emulate import EmulatedGather
+from lamport_head.plan import uniform
 from lamport_head.head_gather import GatherTimeout
 from lamport_head.tuning.support.reference import planted, reference_gather
 
@@ -22,7 +23,7 @@ def _graph_ctas(device, tp, shard):
     """A quarter of the default co-residency limit: virtual ranks share one GPU, and
     inside a graph more of a rank's PDL-chained gathers may be resident at once than
     in a stream (on real ranks, one per GPU, only each kernel's own CTAs must fit)."""
-    probe = EmulatedGather(device, tp, shard, (1,))
+    probe = EmulatedGather.default(device, tp, shard, (1,))
     return max(1, probe.ranks[0].resident() // 4)
 
 
@@ -102,7 +103,7 @@ def _eager(gather, shard, bad, i):
 def test_replays_concurrent_bitwise_with_eager_calls_between(tp):
     device = torch.device("cuda", torch.cuda.current_device())
     shard = 163840 // tp
-    gather = EmulatedGather(device, tp, shard, MS, _graph_ctas(device, tp, shard))
+    gather = EmulatedGather(device, tp, shard, uniform(MS, _graph_ctas(device, tp, shard)))
     statics, graphs, outs = _capture(gather, shard)
     replays = 1000
     bad = torch.zeros(replays, tp, len(MS), dtype=torch.int32, device=device)
@@ -124,7 +125,7 @@ def test_replays_concurrent_bitwise_with_eager_calls_between(tp):
 def test_a_rank_missing_from_a_replay_makes_every_rank_raise():
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 4, 163840 // 4
-    gather = EmulatedGather(device, tp, shard, MS, budget_s=0.3)
+    gather = EmulatedGather.default(device, tp, shard, MS, budget_s=0.3)
     statics, graphs, outs = _capture(gather, shard)
     bad = torch.zeros(2, tp, len(MS), dtype=torch.int32, device=device)
     _replay(gather, statics, graphs, outs, shard, bad, 0)

@@ -55,5 +55,5 @@ def test_a_symmetric_mailbox_binds_no_multicast_object(one_rank_group, monkeypat
     assert symm_mem._SymmetricMemory.has_multicast_support(DeviceType.CUDA, device.index) is False
     handle = symm_mem.rendezvous(box.box, dist.group.WORLD)
     assert int(getattr(handle, "multicast_ptr", 0) or 0) == 0
-    print(f"\nmulticast support before: see NOTES; after multicast_off: False; handle "
+    print(f"\nmulticast support before: see CHANGELOG.md 0.3.0; after multicast_off: False; handle "
           f"multicast_ptr {getattr(handle, 'multicast_ptr', None)}")

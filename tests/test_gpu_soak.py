@@ -24,7 +24,7 @@ def test_soak_emulated_tp8():
     device = torch.device("cuda", torch.cuda.current_device())
     tp, vocab = 8, 163840
     shard = vocab // tp
-    gather = EmulatedGather(device, tp, shard, ROWS)
+    gather = EmulatedGather.default(device, tp, shard, ROWS)
     pool = [planted(tp, max(ROWS), shard, device=device) for _ in range(8)]
     gen = torch.Generator(device=device).manual_seed(1)
     weights = torch.randint(1, 1 << 20, (max(ROWS), vocab // 2), generator=gen, device=device,

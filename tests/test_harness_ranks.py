@@ -8,7 +8,7 @@ at install with the real harness, one rank's ``planted`` out of memory: every ra
 stock with one warning, nobody hangs (spawn's deadline), still in step.
 
 What is faked and why: HeadGather's CUDA-only construction (helpers.fake_cuda:
-its kernels through the seam ``build.KERNELS``, the mailbox, the device key)
+its kernels through the seam ``build.TOOLCHAIN``, the mailbox, the device key)
 with a kernel stand-in that writes the gathered bytes (every rank plants the same
 shard: same seed, same calls), and the CUDA timing machinery (events, side streams,
 graphs) as CPU no-ops. The kernel stand-in waits for its peers' shards as the real
@@ -353,7 +353,7 @@ def _identity_worker(rank, tp, cache):
     os.environ.update(LAMPORT_HEAD_CACHE=cache)
     _cpu_ranks(rank, tp, None)
     phase, kernels, launchers = ["tune"], {}, []
-    seam = build.KERNELS  # the seam's object (helpers.fake_cuda's stand-in)
+    seam = build.TOOLCHAIN  # the seam's object (helpers.fake_cuda's stand-in)
     compiled, launcher = seam.compiled, seam.launcher
 
     def compiling(tp_, shard, config, *args, **kwargs):  # one kernel per compile key, as
@@ -377,7 +377,7 @@ def _identity_worker(rank, tp, cache):
     (result,) = outcome.results
     phase[0] = "serve"
     gather = install._build(None, "cpu", tp, rank, SHARD, {ROWS: result.entry}, 10.0)
-    served = [[m, c.label()] for m, c in gather.configs.items()]
+    served = [[m, c.label()] for m, c in gather.plan.items()]
     gather._watcher.stop()
     gather.close()
     written = yaml.safe_load(open(user_path()).read())

@@ -9,7 +9,7 @@ from helpers import no_stock, same_bits
 
 from lamport_head import head_gather
 from lamport_head.status import StatusRecord
-from lamport_head.config import default_ctas
+from lamport_head.config import GatherConfig, default_ctas
 from lamport_head.head_gather import GatherTimeout, HeadGather
 from lamport_head.kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, CONTROL_WORDS, MARK_TOP,
                                            STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS)
@@ -51,7 +51,8 @@ def fake_gather(rows=(1, 2, 4), log=None, dtype=torch.bfloat16):
     g._index = -1  # what Tensor.get_device() answers for CPU tensors
     g.rows, g.cap, g.group = frozenset(rows), max(rows), None
     g._launch = dict.fromkeys(rows, rec)
-    g.ctas = {m: 10 + m for m in rows}
+    g.plan = {m: GatherConfig(10 + m) for m in rows}
+    g._ctas = {m: c.ctas for m, c in g.plan.items()}  # what _serve derives from the plan
     g.peers_address, g.budget_ns = 1234, 10**9
     g.mode, g._watcher = "recoverable", None
     g._status = StatusRecord(g.rank, TP)

@@ -359,8 +359,8 @@ def _protocol_worker(rank, nprocs, table, head):
         ctypes.memmove(dst, full.data_ptr(), full.numel() * 4)
 
     fake_cuda(setattr, rank, "ok", launch=kernel)
-    compiled, words = build.KERNELS.compiled, []
-    build.KERNELS.compiled = lambda tp, w, *a, **k: (words.append(w), compiled(tp, w, *a, **k))[1]
+    compiled, words = build.TOOLCHAIN.compiled, []
+    build.TOOLCHAIN.compiled = lambda tp, w, *a, **k: (words.append(w), compiled(tp, w, *a, **k))[1]
     dtype = getattr(torch, head)
     m = model(lm__tp_size=nprocs, lp__head_dtype=dtype)
     outcome = install_logits_gather(m, None, nprocs, rank, "cpu")
@@ -378,7 +378,7 @@ def _protocol_worker(rank, nprocs, table, head):
         if rows in g.rows:  # an explicit launch into a poisoned output (NaN in either dtype)
             poisoned = torch.full((rows, g.width * dtype.itemsize // 2), 0x7FBF,
                                   dtype=torch.int16).view(dtype)
-            g.launch(shards[rank], poisoned, g.ctas[rows])
+            g.launch(shards[rank], poisoned, g.plan[rows].ctas)
             ok = ok and torch.equal(poisoned.view(torch.int32), want.view(torch.int32))
         out["equal"][rows] = ok
         out["other"][rows] = m.logits_processor._gather_logits(shards[rank].to(other))

@@ -398,7 +398,7 @@ def test_no_system_fence_before_the_pushes_the_kernel_boundary_orders_the_rearms
     """Issue 28 item 4, the re-arm: ordered before a peer's push into the same parity two
     calls later by the kernel boundary (PDL's wait, stream order), with no fence on the
     critical path: a ``fence.acq_rel.sys`` after the wait, measured on the H200, cost TP 8
-    M = 1 7.31 -> 10.62 µs and TP 2 4.09 -> 5.70 (``steps`` docstring). Pinned: nothing
+    M = 1 7.31 -> 10.62 µs and TP 2 4.09 -> 5.70 (docs/figures.md). Pinned: nothing
     of the call's protocol (mailbox loads, stores, atomics) comes before PDL's wait, and
     no system fence comes between the wait and the first push."""
     k = compile_gather(tp, 163840 // tp // 2, unroll=unroll, arch=arch)

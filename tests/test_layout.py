@@ -127,7 +127,14 @@ def test_the_walk_sees_relative_lazy_and_string_imports(tmp_path):
 
 def test_serving_loads_no_tool(tmp_path):
     """Every runtime module and every public name of the package, imported in a fresh
-    process: no tool, no tuner module, no optuna among the loaded modules."""
+    process: no tool, no tuner module, no optuna among the loaded modules.
+
+    The one exception is first-use tuning: when no table section serves this GPU model,
+    TP, DCP, V and stock, install's ``engines.measure_first_use`` imports
+    ``tuning.firstuse``, the Optuna sweep and ``tuning.support`` inside the engine's
+    ``load_model`` (README, "First-use tuning"; docs/tuning.md). ``LAMPORT_HEAD_AUTOTUNE=0``
+    turns it off. A process whose tables cover it imports none of them:
+    ``tests/test_install.py::test_serving_from_a_table_imports_neither_the_tuner_nor_optuna_nor_the_cli``."""
     names = sorted(n for n in _runtime() if n != "lamport_head")
     code = ("import importlib, json, sys\nimport lamport_head\n"
             "[getattr(lamport_head, n) for n in lamport_head.__all__]\n"
@@ -149,7 +156,7 @@ NOT_OURS = {"_exit": "os._exit (a killed rank leaves without teardown)",
 def test_diagnostics_reach_the_runtime_through_public_names_only():
     """No private attribute of a runtime object is read, called or overwritten by the
     diagnostics (fault injection goes through ``mailbox.MAILBOXES``; timers through
-    ``build.KERNELS`` and ``status_address``)."""
+    ``build.TOOLCHAIN`` and ``status_address``)."""
     for path in sorted((ROOT / "tuning" / "diagnostics").glob("*.py")):
         private = sorted({n.attr for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
                           if isinstance(n, ast.Attribute) and n.attr.startswith("_")

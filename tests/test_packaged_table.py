@@ -1,4 +1,4 @@
-"""The packaged table is what the README and the writer say a table is: one entry per
+"""The packaged table is what docs/tables.md and the writer say a table is: one entry per
 measured row count (never a range carrying one row's figures), each with its own
 latencies, and only emulated sections until real ranks are measured."""
 

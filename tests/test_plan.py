@@ -1,4 +1,5 @@
-"""plan(): row counts to GatherConfigs under the one co-resident limit, without a GPU;
+"""Plans (``{rows: GatherConfig}``): made by ``uniform`` or the heuristic ``default``,
+checked by ``fit`` under the one co-resident limit, without a GPU;
 and that limit is the same function of (resident CTAs per device, sharing, PDL) for
 HeadGather and for the emulated timing target (the tuner searches what serving
 accepts)."""
@@ -12,7 +13,7 @@ from lamport_head import build
 from lamport_head.config import STAGE_ABOVE_ROUNDS, GatherConfig, default_config, default_ctas
 from lamport_head.head_gather import HeadGather
 from lamport_head.status import RECOVERABLE
-from lamport_head.plan import co_resident_limit, plan
+from lamport_head.plan import Limit, co_resident_limit, default, fit, uniform
 
 TP, SHARD = 4, 64
 
@@ -64,15 +65,18 @@ def resident_by_threads(config):
     return 4096 // config.threads  # 16 of 256 threads, 32 of 128 (12 and 24 plannable)
 
 
-def test_plan_from_none_int_and_mappings():
-    kw = dict(tp=TP, shard=SHARD * 64, resident=resident_by_threads, sharing=1, pdl=True)
-    heuristic = plan({1, 8}, **kw)
+LIMIT = Limit(resident_by_threads, 1, True)
+
+
+def test_the_ways_to_make_a_plan_give_one_shape():
+    heuristic = fit(default({1, 8}, LIMIT, tp=TP, shard=SHARD * 64), LIMIT)
     assert heuristic == {m: GatherConfig(default_ctas(m, TP, SHARD * 64, 256, 4, 12))
                          for m in (1, 8)}
-    assert plan([2, 3], 5, threads=128, unroll=2, **kw) == dict.fromkeys(
+    assert uniform([2, 3], 5, threads=128, unroll=2) == dict.fromkeys(
         (2, 3), GatherConfig(5, 128, 2))
-    mixed = plan({1, 2}, {1: 3, 2: GatherConfig(24, 128, 8)}, **kw)
-    assert mixed == {1: GatherConfig(3), 2: GatherConfig(24, 128, 8)}
+    assert uniform({4}, 7) == {4: GatherConfig(7)}
+    mixed = {1: GatherConfig(3), 2: GatherConfig(24, 128, 8)}
+    assert fit(mixed, LIMIT) == mixed
 
 
 def test_the_default_plan_stages_the_rows_that_take_many_rounds():
@@ -94,8 +98,8 @@ def test_the_default_plan_stages_the_rows_that_take_many_rounds():
     assert default_config(1, tp, shard, 256, None, limit) == GatherConfig(
         default_ctas(1, tp, shard, 256, 4, 10), 256, 4)
     assert default_config(edge + 1, tp, shard, 256, 4, limit) == GatherConfig(10, 256, 4)
-    planned = plan({1, edge + 1}, tp=tp, shard=shard, sharing=1, pdl=False,
-                   resident=lambda c: {4: 14, 8: 10}[c.unroll])  # limits 10 and 7
+    limits = Limit(lambda c: {4: 14, 8: 10}[c.unroll], 1, False)  # limits 10 and 7
+    planned = fit(default({1, edge + 1}, limits, tp=tp, shard=shard), limits)
     assert planned[1].unroll == 4 and planned[edge + 1] == GatherConfig(7, 256, 8)
 
     def fewer_registers(config):  # the staged kernel fits more CTAs than the register one
@@ -107,28 +111,30 @@ def test_the_default_plan_stages_the_rows_that_take_many_rounds():
         15, 256, 8)  # an unroll given: its own kernel's limit
 
 
-@pytest.mark.parametrize("rows, ctas, what", [
-    (set(), None, "rows must be a non-empty set of positive row counts"),
-    ({0, 1}, 1, "rows must be a non-empty set"),
-    ({1, 2}, {1: 4}, r"no CTA count for rows \[2\]"),
-    ({1}, 13, "13 CTAs for 1 rows cannot all be co-resident: this device holds 12 CTAs of "
-              r"256 threads per rank \(1 rank\(s\) share it, PDL on\)"),
-    ({1}, {1: GatherConfig(25, 128)}, "25 CTAs for 1 rows cannot all be co-resident"),
-    ({1}, {1: 0}, "ctas must be an int >= 1"),
+@pytest.mark.parametrize("make, what", [
+    (lambda: {}, "rows must be a non-empty set of positive row counts"),
+    (lambda: {0: GatherConfig(1), 1: GatherConfig(1)}, "rows must be a non-empty set"),
+    (lambda: {True: GatherConfig(1)}, "rows must be a non-empty set"),
+    (lambda: {1: 4}, r"a plan maps row counts to GatherConfigs; rows 1 has 4"),
+    (lambda: uniform({1}, 13), "13 CTAs for 1 rows cannot all be co-resident: this device "
+                               r"holds 12 CTAs of 256 threads per rank \(1 rank\(s\) share it, "
+                               r"PDL on\)"),
+    (lambda: {1: GatherConfig(25, 128)}, "25 CTAs for 1 rows cannot all be co-resident"),
+    (lambda: uniform({1}, 0), "ctas must be an int >= 1"),
+    (lambda: uniform(set(), 1), "rows must be a non-empty set"),
 ])
-def test_plan_refuses_what_it_cannot_serve(rows, ctas, what):
+def test_a_plan_that_cannot_be_served_is_refused(make, what):
     with pytest.raises(ValueError, match=what):
-        plan(rows, ctas, tp=TP, shard=SHARD, resident=resident_by_threads, sharing=1, pdl=True)
+        fit(make(), LIMIT)
 
 
 def test_a_row_over_the_limit_is_cut_to_it_only_when_asked():
-    kw = dict(tp=TP, shard=SHARD, resident=resident_by_threads, sharing=1, pdl=True)
     cut = {}
-    got = plan({1, 2, 4}, {1: 13, 2: GatherConfig(30, 128, 2), 4: 5}, clamped=cut, **kw)
+    got = fit({1: GatherConfig(13), 2: GatherConfig(30, 128, 2), 4: GatherConfig(5)}, LIMIT, cut)
     assert got == {1: GatherConfig(12), 2: GatherConfig(24, 128, 2), 4: GatherConfig(5)}
     assert cut == {1: (13, 12), 2: (30, 24)}  # the row within the limit is untouched
     with pytest.raises(ValueError, match="13 CTAs for 1 rows cannot all be co-resident"):
-        plan({1}, 13, **kw)
+        fit(uniform({1}, 13), LIMIT)
 
 
 def test_install_serves_a_table_row_over_the_limit_at_the_limit(monkeypatch, caplog):
@@ -140,7 +146,7 @@ def test_install_serves_a_table_row_over_the_limit_at_the_limit(monkeypatch, cap
     from lamport_head import install
     from lamport_head.table import TableRow
 
-    monkeypatch.setattr(build, "KERNELS", CpuKernels(1056))  # limit 792 per rank
+    monkeypatch.setattr(build, "TOOLCHAIN", CpuKernels(1056))  # limit 792 per rank
     monkeypatch.setattr(build, "choose_backend", lambda group, device, backend: ("ipc", 1))
     built = {}
 
@@ -161,7 +167,8 @@ def test_install_serves_a_table_row_over_the_limit_at_the_limit(monkeypatch, cap
     entries = {1: TableRow(GatherConfig(900), True), 8: TableRow(GatherConfig(64), True)}
     with caplog.at_level(logging.WARNING, logger="lamport_head"):
         gather = install._build(None, "cpu", TP, 0, SHARD, entries, 2.0)
-    assert gather.ctas == {1: 792, 8: 64} and gather.clamped == {1: (900, 792)}
+    assert gather.plan == {1: GatherConfig(792), 8: GatherConfig(64)}
+    assert gather.clamped == {1: (900, 792)}
     assert built["armed"]
     lines = [r.getMessage() for r in caplog.records if "co-resident" in r.getMessage()]
     assert lines == ["lamport-head: the table's 900 CTAs for 1 rows cannot all be co-resident "
@@ -170,7 +177,7 @@ def test_install_serves_a_table_row_over_the_limit_at_the_limit(monkeypatch, cap
     gather._watcher.stop()
 
 
-class CpuKernels(build.DeviceKernels):
+class CpuKernels(build.Toolchain):
     """The seam: kernels that 'compile' on CPU, and a device holding ``per_device``
     CTAs of any of them."""
 
@@ -204,35 +211,43 @@ def shared_box(tp, sharing):
 def test_the_emulated_targets_limit_is_what_head_gather_accepts(monkeypatch, tp, per_device):
     from lamport_head.tuning.harness import EmulatedTarget
 
-    monkeypatch.setattr(build, "KERNELS", CpuKernels(per_device))
+    monkeypatch.setattr(build, "TOOLCHAIN", CpuKernels(per_device))
     limit = EmulatedTarget("cpu", tp, tp * SHARD).limit(256, 4)
     # virtual ranks share the GPU and PDL is on: halved once, not twice
     assert limit == co_resident_limit(per_device, tp, True) == (per_device * 3 // 4) // (2 * tp)
     box = shared_box(tp, tp)
     gather = HeadGather(None, "cpu", tp, 0, SHARD, {1: GatherConfig(limit)},
                         mailbox=box, mode=RECOVERABLE)
-    assert gather.ctas == {1: limit} and gather.resident(256, 4) == limit
+    assert gather.plan == {1: GatherConfig(limit)} and gather.resident(256, 4) == limit
     with pytest.raises(ValueError, match="cannot all be co-resident"):
         HeadGather(None, "cpu", tp, 0, SHARD, {1: GatherConfig(limit + 1)},
                    mailbox=box, mode=RECOVERABLE)
 
 
-def test_rows_may_be_a_plan_and_then_ctas_must_be_none(monkeypatch):
-    monkeypatch.setattr(build, "KERNELS", CpuKernels(1 << 16))
+def test_a_gather_takes_one_plan_and_its_heuristic_by_name(monkeypatch):
+    """HeadGather's ``rows`` is a plan only; the heuristic is ``HeadGather.default``,
+    which plans under the same limit (``plan.fit``) as a plan given."""
+    monkeypatch.setattr(build, "TOOLCHAIN", CpuKernels(1 << 16))
     configs = {1: GatherConfig(8, 128, 2), 4: GatherConfig(16)}
     g = HeadGather(None, "cpu", TP, 1, SHARD, configs,
                    mailbox=shared_box(TP, TP), mode=RECOVERABLE)
-    assert g.rows == frozenset({1, 4}) and g.cap == 4 and g.configs == configs
-    assert g.ctas == {1: 8, 4: 16}
-    same = HeadGather(None, "cpu", TP, 1, SHARD, [1, 4], {1: 8, 4: 16},
-                      mailbox=shared_box(TP, TP), mode=RECOVERABLE)
-    assert same.configs == {1: GatherConfig(8), 4: GatherConfig(16)}
-    with pytest.raises(ValueError, match="pass no ctas"):
-        HeadGather(None, "cpu", TP, 1, SHARD, configs, 8,
-                   mailbox=shared_box(TP, TP), mode=RECOVERABLE)
+    assert g.rows == frozenset({1, 4}) and g.cap == 4 and g.plan == configs
+    by_name = HeadGather.default(None, "cpu", TP, 1, SHARD, [1, 4], mailbox=shared_box(TP, TP),
+                                 mode=RECOVERABLE)
+    limit = Limit(lambda c: 1 << 16, TP, True)
+    assert by_name.plan == fit(default({1, 4}, limit, tp=TP, shard=SHARD), limit)
+    with pytest.raises(ValueError, match="a plan maps row counts to GatherConfigs"):
+        HeadGather(None, "cpu", TP, 1, SHARD, {1: 8}, mailbox=shared_box(TP, TP),
+                   mode=RECOVERABLE)
+    with pytest.raises(ValueError, match=r"a plan maps row counts to GatherConfigs, got \[1, 4\]"):
+        HeadGather(None, "cpu", TP, 1, SHARD, [1, 4], mailbox=shared_box(TP, TP),
+                   mode=RECOVERABLE)
+    with pytest.raises(TypeError):  # no second shape: a CTA count is plan.uniform's
+        HeadGather(None, "cpu", TP, 1, SHARD, [1, 4], 8, mailbox=shared_box(TP, TP),
+                   mode=RECOVERABLE)
 
 
 def test_without_the_seam_a_cpu_device_is_refused():
     with pytest.raises(ValueError, match="HeadGather needs a CUDA device, got cpu"):
-        HeadGather(None, "cpu", TP, 1, SHARD, [1], 8,
+        HeadGather(None, "cpu", TP, 1, SHARD, uniform([1], 8),
                    mailbox=shared_box(TP, TP), mode=RECOVERABLE)

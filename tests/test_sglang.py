@@ -186,7 +186,7 @@ class ReplayingRunner:
     def forward(self, batch):
         g = self.model.language_model.logits_processor.head_gather
         out = torch.empty(batch.shape[0], g.width, dtype=torch.bfloat16)
-        g.launch(batch, out, g.ctas[batch.shape[0]])
+        g.launch(batch, out, g.plan[batch.shape[0]].ctas)
         self.replays += 1
         return out
 
@@ -452,14 +452,14 @@ def _draft_worker(rank, nprocs, table, case):
     os.environ["LAMPORT_HEAD_TABLE"] = table
     fake_cuda(setattr, rank, "ok")
     if case == "compile@1":
-        compiled = build.KERNELS.compiled
+        compiled = build.TOOLCHAIN.compiled
 
         def failing(tp, words, *args, **kwargs):
             if words == DRAFT_SHARD // 2 and rank == 1:  # the draft head's BF16 words
                 raise RuntimeError("injected: the draft head's kernel failed to compile")
             return compiled(tp, words, *args, **kwargs)
 
-        build.KERNELS.compiled = failing
+        build.TOOLCHAIN.compiled = failing
     seen = capture_log()
     fake_sglang(sys.modules.__setitem__, requests=2, group=dist.group.WORLD, topk=1)
     sgl.register()

@@ -281,7 +281,7 @@ def _scenarios(rank, tp, run):
             if m in g.rows:
                 halves = g.width * x.element_size() // 2  # NaN in either dtype
                 poisoned = torch.full((m, halves), 0x7FBF, dtype=torch.int16).view(dtype)
-                g.launch(x, poisoned, g.ctas[m])
+                g.launch(x, poisoned, g.plan[m].ctas)
                 row["poisoned_launch"] = same_bits(poisoned, reference.scrub(want))
             y = x.to(other)
             row["other_stock"] = same_bits(proc._logits_gatherer(y), kept(y))

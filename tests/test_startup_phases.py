@@ -137,7 +137,7 @@ def _block_ipc(rank, phase, blocking):
 
         mailbox.device_key = device_key
     elif phase == "prepare":
-        build.KERNELS.compiled = blocked(build.KERNELS.compiled)
+        build.TOOLCHAIN.compiled = blocked(build.TOOLCHAIN.compiled)
     elif phase == "alloc":
         mailbox.IpcMailbox._allocate = blocked(mailbox.IpcMailbox._allocate)
     elif phase == "export":

@@ -101,7 +101,7 @@ def _rank(rank, world, run, cache, table, models):
 
     fake_cuda(setattr, rank, "ok", launch=launch)
     mailbox.device_key = lambda device: ("host", f"gpu{rank}")  # one GPU per rank
-    kernels = build.KERNELS
+    kernels = build.TOOLCHAIN
     compiled = kernels.compiled
 
     def compile_or_fail(tp, words, *args, **kwargs):  # the drafter's compile, rank 1 only

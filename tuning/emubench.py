@@ -78,7 +78,7 @@ class EmulatedRunner:
         self.target, self.hidden, self.budget_s = target, hidden, budget_s
         self.device, self.tp, self.shard = target.device, target.tp, target.shard
         self.steps, self.reps, self.calls = steps, reps, calls
-        self.pdl = build.KERNELS.pdl(build.KERNELS.arch(self.device))
+        self.pdl = build.TOOLCHAIN.pdl(build.TOOLCHAIN.arch(self.device))
         self.streams = [torch.cuda.Stream(self.device) for _ in range(self.tp)]
         self.notes = []
 

@@ -232,7 +232,7 @@ class EmulatedTarget:
         key = (threads, unroll)
         if key not in self._limits:
             kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype)
-            self._limits[key] = kernels.limit(GatherConfig(1, threads, unroll), self.tp)
+            self._limits[key] = kernels.limit(self.tp)(GatherConfig(1, threads, unroll))
         return self._limits[key]
 
     def _gather(self, rows, config):
@@ -377,7 +377,7 @@ class DistributedTarget:
             def local():
                 sharing = self.tp if self.ranks.shared else 1
                 kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype)
-                return kernels.limit(GatherConfig(1, threads, unroll), sharing)
+                return kernels.limit(sharing)(GatherConfig(1, threads, unroll))
 
             # A compile that fails on one rank raises on every rank, together.
             resident, error = attempt(local)

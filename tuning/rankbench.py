@@ -39,7 +39,7 @@ class RanksRunner:
         target.budget_s = budget_s  # every gather the target builds waits at most this
         self.group, self.device = target.group, target.device
         self.mode = SHARED if target.emulated else RANKS
-        self.pdl = build.KERNELS.pdl(build.KERNELS.arch(self.device))
+        self.pdl = build.TOOLCHAIN.pdl(build.TOOLCHAIN.arch(self.device))
         self.notes = []
 
     def _local(self, fn, what):

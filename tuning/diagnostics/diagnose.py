@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from lamport_head.plan import uniform
 from lamport_head.tuning.support.emulate import EmulatedGather
 from lamport_head.tuning.support.reference import planted, reference_gather
 from lamport_head.settings import BENCH_BUDGET_S
@@ -53,12 +54,13 @@ def main(tp=8, vocab=163840, steps=20):
     print(f"{'rows':>4} {'ctas':>5} {'pdl':>5} {'joined µs':>10} {'streams µs':>11} {'ok':>3}")
     for rows in (1, 8, 64):
         for pdl in (False, True):
-            probe = EmulatedGather(device, tp, shard, {rows}, pdl=pdl)
+            probe = EmulatedGather.default(device, tp, shard, {rows}, pdl=pdl)
             limit = probe.ranks[0].resident()
-            base = probe.ctas[rows]
+            base = probe.plan[rows].ctas
             choices = sorted({c for c in (1, 4, base // 2, base, 2 * base, limit // 2) if 1 <= c <= limit // 2})
             for ctas in choices:
-                g = EmulatedGather(device, tp, shard, {rows}, {rows: ctas}, pdl=pdl, budget_s=BENCH_BUDGET_S)
+                g = EmulatedGather(device, tp, shard, uniform({rows}, ctas), pdl=pdl,
+                                   budget_s=BENCH_BUDGET_S)
                 data = planted(tp, rows, shard, device=device)
                 shards = [data[r] for r in range(tp)]
                 joined = gated_gpu_us(lambda n: [g(shards) for _ in range(n)], device, steps, 5)

@@ -32,7 +32,7 @@ def _median_us(step, calls):
 def main(rows=1, tp=2, vocab=163840, calls=2000):
     device = torch.device("cuda", torch.cuda.current_device())
     shard = vocab // tp
-    emu = EmulatedGather(device, tp, shard, {rows})
+    emu = EmulatedGather.default(device, tp, shard, {rows})
     shards = [torch.randn(rows, shard, device=device).to(torch.bfloat16) for _ in range(tp)]
     outs = [torch.empty(rows, tp * shard, device=device, dtype=torch.bfloat16) for _ in range(tp)]
     small = torch.zeros(16, device=device)
@@ -61,18 +61,18 @@ def main(rows=1, tp=2, vocab=163840, calls=2000):
 
     handles = [s.cuda_stream for s in emu.streams]
     with torch.cuda.device(device):
-        plain = [DriverLaunch(g.kernels.compiled(g.configs[rows]), pdl=False, serving=False)
+        plain = [DriverLaunch(g.kernels.compiled(g.plan[rows]), pdl=False, serving=False)
                  for g in emu.ranks]
     pieces = {
         "torch.add_ (one dispatch)": alone(lambda: small.add_(1)),
         "new_empty [M, V]": alternate(lambda g, r: shards[r].new_empty((rows, g.width))),
         "poll (status record)": alternate(lambda g, r: g.poll()),
-        "launch (preallocated out)": alternate(lambda g, r: g.launch(shards[r], outs[r], g.ctas[rows])),
+        "launch (preallocated out)": alternate(lambda g, r: g.launch(shards[r], outs[r], g.plan[rows].ctas)),
         "same, the DSL's TVM-FFI callable": alternate(lambda g, r: g.kernels.compiled(
-            g.configs[rows]).launch(shards[r], outs[r].data_ptr(), g.peers_address, g.rank,
-                                    g.ctas[rows], g.budget_ns, g.status_address, 0)),
+            g.plan[rows]).launch(shards[r], outs[r].data_ptr(), g.peers_address, g.rank,
+                                    g.plan[rows].ctas, g.budget_ns, g.status_address, 0)),
         "same, no PDL attribute": alternate(lambda g, r: plain[r](
-            shards[r], outs[r].data_ptr(), g.peers_address, g.rank, g.ctas[rows], g.budget_ns,
+            shards[r], outs[r].data_ptr(), g.peers_address, g.rank, g.plan[rows].ctas, g.budget_ns,
             g.status_address, handles[r])),
         "one ctypes driver call": alone(current_context),
         "whole HeadGather call": alternate(lambda g, r: g(shards[r], never_stock)),

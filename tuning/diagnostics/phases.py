@@ -42,7 +42,7 @@ from ..harness import gated_gpu_us
 from ..lmhead import KIMI_K2_HIDDEN, LmHead
 
 
-class _TimedKernels(build.DeviceKernels):
+class _TimedKernels(build.Toolchain):
     """The runtime's kernels, compiled with the phase timers."""
 
     def compiled(self, tp, words, config, pdl, arch):
@@ -100,12 +100,12 @@ def main(argv=None):
                    help="each step: the rank's lm_head shard GEMM, then the gather of its output")
     args = p.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device())
-    build.KERNELS = _TimedKernels()
+    build.TOOLCHAIN = _TimedKernels()
     shard = args.vocab // args.tp
     batch = TIMER_CALLS // 2  # calls queued back to back, each in its own stamp slot
     for rows in (int(x) for x in args.rows.split(",")):
-        emu = EmulatedGather(device, args.tp, shard, {rows})
-        ctas = emu.ctas[rows]
+        emu = EmulatedGather.default(device, args.tp, shard, {rows})
+        ctas = emu.plan[rows].ctas
         words = timer_words(ctas)
         buffers = [torch.zeros(words, dtype=torch.int32, pin_memory=True) for _ in emu.ranks]
         for gather, buf in zip(emu.ranks, buffers):

@@ -519,8 +519,8 @@ def main(argv=None):
     from lamport_head.head_gather import HeadGather
     from lamport_head.status import RECOVERABLE
 
-    gather = HeadGather(None, ranks.device, ranks.world, ranks.rank, shard, rows,
-                        budget_s=args.budget, mode=RECOVERABLE, dtype=calls.dtype)
+    gather = HeadGather.default(None, ranks.device, ranks.world, ranks.rank, shard, rows,
+                                budget_s=args.budget, mode=RECOVERABLE, dtype=calls.dtype)
     if args.kill_rank is not None:
         os._exit(0 if kill(args, ranks, gather, calls) else 1)  # a peer is gone: no teardown
     if args.graph:

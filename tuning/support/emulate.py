@@ -8,7 +8,6 @@ that and raises a clear error otherwise.
 """
 
 import time
-from collections.abc import Mapping
 
 import torch
 
@@ -20,24 +19,34 @@ from lamport_head.mailbox import LocalMailbox
 
 
 class EmulatedGather:
-    """``gather(shards) -> outs``: one emulated step of ``tp`` ranks on ``device``."""
+    """``gather(shards) -> outs``: one emulated step of ``tp`` ranks on ``device``.
+    ``plan``: ``{rows: GatherConfig}`` as ``HeadGather`` takes it;
+    ``EmulatedGather.default`` builds on the built-in heuristic's plan."""
 
-    def __init__(self, device, tp, shard, rows, ctas=None, *, threads=DEFAULT_THREADS,
-                 unroll=None, pdl=None, budget_s=SPIN_BUDGET_S, dtype=torch.bfloat16):
-        """``rows`` and ``ctas`` as ``HeadGather`` takes them (``ctas``: the CTA count
-        or GatherConfig asked for per row; or ``rows`` a plan, each row count's
-        ``GatherConfig``); ``dtype``: the logits' dtype every rank serves."""
+    def __init__(self, device, tp, shard, plan, *, pdl=None, budget_s=SPIN_BUDGET_S,
+                 dtype=torch.bfloat16):
+        """``dtype``: the logits' dtype every virtual rank serves."""
+        self._build(device, tp, shard, max(plan), dtype, lambda box, r: HeadGather(
+            None, self.device, tp, r, shard, plan, mailbox=box, pdl=pdl, budget_s=budget_s,
+            mode=RECOVERABLE, dtype=dtype))
+
+    @classmethod
+    def default(cls, device, tp, shard, rows, *, threads=DEFAULT_THREADS, unroll=None, pdl=None,
+                budget_s=SPIN_BUDGET_S, dtype=torch.bfloat16):
+        """The emulated gather of the row counts ``rows`` on the heuristic's plan."""
+        emu = cls.__new__(cls)
+        emu._build(device, tp, shard, max(rows), dtype, lambda box, r: HeadGather.default(
+            None, emu.device, tp, r, shard, rows, threads=threads, unroll=unroll, mailbox=box,
+            pdl=pdl, budget_s=budget_s, mode=RECOVERABLE, dtype=dtype))
+        return emu
+
+    def _build(self, device, tp, shard, cap, dtype, rank_gather):
         self.device = torch.device(device)
-        if not isinstance(rows, Mapping):
-            rows = frozenset(rows)
         self.tp, self.shard, self.dtype = tp, shard, dtype
-        self.box = LocalMailbox(self.device, tp, max(rows), tp * words(shard, dtype))
-        self.ranks = [HeadGather(None, self.device, tp, r, shard, rows, ctas, mailbox=self.box,
-                                 threads=threads, unroll=unroll, pdl=pdl, budget_s=budget_s,
-                                 mode=RECOVERABLE, dtype=dtype)
-                      for r in range(tp)]
+        self.box = LocalMailbox(self.device, tp, cap, tp * words(shard, dtype))
+        self.ranks = [rank_gather(self.box, r) for r in range(tp)]
         self.streams = [torch.cuda.Stream(self.device) for _ in range(tp)]
-        self.ctas = self.ranks[0].ctas
+        self.plan = self.ranks[0].plan
         self.host_s = 0.0  # host seconds spent inside the ranks' HeadGather calls
 
     @property
