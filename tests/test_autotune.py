@@ -211,7 +211,8 @@ def test_a_section_without_vocab_serves_only_the_tuners_default_vocabulary(tmp_p
     assert _user_table(tmp_path)[1] is None
     for r in _start(tmp_path, env=env):  # V = 128
         assert r["served"] == SERVED and r["rows"] == MEASURED
-        assert any(x.endswith("; vocab=128 (the tables hold sections for vocab 163840 only)")
+        assert any(x.endswith("; vocab=128, bfloat16 (the tables hold sections for vocab 163840 "
+                              "only)")
                    for x in r["log"]), r["log"]
     assert [s["vocab"] for s in _user_table(tmp_path)[1]["devices"]["NVIDIA H200"]] == [128]
 
