@@ -74,8 +74,8 @@ def kernel_entry(ptx: str, params=PARAMS) -> str:
     entries = _ENTRY.findall(ptx)
     if len(entries) != 1:
         raise ValueError(f"expected one .entry in the gather's PTX, found {len(entries)}")
-    name, params = entries[0]
-    widths = [_PTX_WIDTH.get(t) for t in re.findall(r"\.param\s+(\.\w+)", params)]
+    name, declared = entries[0]
+    widths = [_PTX_WIDTH.get(t) for t in re.findall(r"\.param\s+(\.\w+)", declared)]
     want = [ctypes.sizeof(c) for _, c in params]
     if widths != want:
         raise ValueError(f"the kernel's parameters have widths {widths}, the launcher's "
