@@ -54,8 +54,11 @@ class Gather:
     value, so a launch needs no device copy of them and a graph replay no pointer
     kept alive; only ``offsets[0..tp]`` are read (compile-time indices: no local
     memory). A rank of 0 rows pushes, polls nothing and still advances its epoch:
-    every rank moves the parity every call. With ``all_to_all`` False the kernel is
-    the gather, parameter for parameter."""
+    every rank moves the parity every call. Open: polling nothing, such a rank's call
+    waits for no peer, so nothing in the kernel orders its next call's pushes after a
+    peer's re-arm of that parity (two calls ahead): its caller must, until it polls a
+    token per peer (tests/test_gpu_all_to_all.py, ``ZERO_ROW_RACE``). With
+    ``all_to_all`` False the kernel is the gather, parameter for parameter."""
 
     def __init__(self, tp: int, shard_words: int, threads: int, unroll: int, pdl: bool,
                  timers: bool = False, staged: bool = False, all_to_all: bool = False):
