@@ -9,7 +9,8 @@ import importlib
 from .arch import ARCHS, has_pdl
 from .protocol import SENTINEL, THREADS
 
-_LAZY = {"CompiledGather": "compile", "compile_gather": "compile", "Gather": "gather",
+_LAZY = {"CompiledGather": "compile", "compile_gather": "compile",
+         "compile_all_to_all": "compile", "Gather": "gather",
          "DriverLaunch": "launch"}
 
 __all__ = ["ARCHS", "SENTINEL", "THREADS", "has_pdl", *_LAZY]

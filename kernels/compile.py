@@ -1,9 +1,10 @@
 """``compile_gather``: one compiled Gather per shape key, cached per process.
 
 The key is everything the kernel specializes on: (tp, shard words, threads, unroll,
-pdl, arch, timers, staged). M, the CTA count, rank, budget, the status address and
-``serving`` are run-time arguments. Invariant: no key names a mode; the kernel a
-tuner times for a key is the kernel serving launches for it.
+pdl, arch, timers, staged, all_to_all). M, the CTA count, rank, budget, the status
+address and ``serving`` are run-time arguments (the all-to-all's row offsets too).
+Invariant: no key names a mode (``serving``); the kernel a tuner times for a key is
+the kernel serving launches for it.
 
 The DSL's callable (TVM-FFI) launches on the caller's current torch stream, always
 explicit: a DSL launch with no stream would go to the legacy default stream, which
@@ -42,13 +43,14 @@ class CompiledGather:
     cubin: bytes
     pdl: bool = False
     smem: int = 0  # dynamic shared memory per CTA (bytes): the staged variant's slots
+    all_to_all: bool = False  # ``launch`` takes the row offsets last (``Gather.exchange``)
 
 
 def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
                    unroll: int = DEFAULT_UNROLL,
                    pdl: bool | None = None,
                    arch: str = "sm_90a", timers: bool = False,
-                   staged: bool | None = None) -> CompiledGather:
+                   staged: bool | None = None, all_to_all: bool = False) -> CompiledGather:
     """The compiled gather for this key, compiled at most once per process.
 
     ``pdl``: None takes it where ``arch`` has it (``arch.has_pdl``: sm_90 and later),
@@ -58,7 +60,9 @@ def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
     timestamps go after the status record (``protocol.TIMER_PHASES``), so the status
     address must then point at a buffer that large. ``staged``: None stages the
     batches through shared memory from ``protocol.STAGED_FROM`` fragments per thread
-    (``protocol.staged``); True or False forces it (diagnostics: an A/B of the two)."""
+    (``protocol.staged``); True or False forces it (diagnostics: an A/B of the two).
+    ``all_to_all``: the kernel's all-to-all mode (``Gather``), its ``launch`` the
+    gather's arguments then a tuple of ``MAX_TP + 1`` row offsets."""
     if pdl is None:
         pdl = has_pdl(arch)
     elif pdl and not has_pdl(arch):
@@ -75,28 +79,38 @@ def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
         raise ValueError(f"unroll must be an int in [1, {UNROLL_MAX}], got {unroll!r}")
     if staged is None:
         staged = protocol.staged(unroll)
-    key = (tp, shard_words, threads, unroll, bool(pdl), arch, bool(timers), bool(staged))
+    key = (tp, shard_words, threads, unroll, bool(pdl), arch, bool(timers), bool(staged),
+           bool(all_to_all))
     with _LOCK:
         if key not in _CACHE:
             _CACHE[key] = _compile(*key)
         return _CACHE[key]
 
 
-def _compile(tp, shard_words, threads, unroll, pdl, arch, timers, staged):
+def compile_all_to_all(tp: int, shard_words: int, **options) -> CompiledGather:
+    """``compile_gather(tp, shard_words, all_to_all=True, **options)``."""
+    return compile_gather(tp, shard_words, all_to_all=True, **options)
+
+
+def _compile(tp, shard_words, threads, unroll, pdl, arch, timers, staged, all_to_all):
     rows = cute.sym_int32()
     shard = make_fake_compact_tensor(cutlass.BFloat16, (rows, 2 * shard_words), stride_order=(1, 0), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     with tempfile.TemporaryDirectory(prefix="lamport-head-") as dump:
         options = (f"--gpu-arch={arch} --enable-tvm-ffi --keep-ptx --keep-cubin "
                    f"--dump-dir={dump}")
-        launch = cute.compile(
-            Gather(tp, shard_words, threads, unroll, pdl, timers, staged), shard,
-            cutlass.Int64(0), cutlass.Int64(0), cutlass.Int32(0), cutlass.Int32(1),
-            cutlass.Int64(0), cutlass.Int64(0), cutlass.Int32(0), stream, options=options)
+        gather = Gather(tp, shard_words, threads, unroll, pdl, timers, staged, all_to_all)
+        args = (shard, cutlass.Int64(0), cutlass.Int64(0), cutlass.Int32(0), cutlass.Int32(1),
+                cutlass.Int64(0), cutlass.Int64(0), cutlass.Int32(0), stream)
+        if all_to_all:
+            offsets = tuple(cutlass.Int32(0) for _ in range(MAX_TP + 1))
+            launch = cute.compile(gather.exchange, *args, offsets, options=options)
+        else:
+            launch = cute.compile(gather, *args, options=options)
         ptx, cubin = launch.__ptx__, launch.__cubin__
         if isinstance(ptx, str) and os.path.exists(ptx):
             ptx = open(ptx).read()
         if isinstance(cubin, str) and os.path.exists(cubin):
             cubin = open(cubin, "rb").read()
     return CompiledGather(launch, threads, ptx or "", cubin or b"", pdl,
-                          staged_bytes(threads, unroll) if staged else 0)
+                          staged_bytes(threads, unroll) if staged else 0, all_to_all)

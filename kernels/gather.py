@@ -42,15 +42,31 @@ class Gather:
     ``protocol.staged``). Run-time: M (the shard's rows), the CTA count, the rank,
     the spin budget, the status record's address and ``serving`` (1: serving's
     give-up, trap; 0: the recoverable one; see ``protocol``); the parity comes from
-    the rank's epoch in device memory."""
+    the rank's epoch in device memory.
+
+    ``all_to_all`` (compile-time): the same protocol, addressed by rank. Shard rows
+    ``offsets[q]..offsets[q + 1]`` go to rank q, into rows from 0 of its box (this
+    rank's own: straight to the output), and this rank polls and delivers only its
+    ``offsets[rank + 1] - offsets[rank]`` rows of every peer: the output is
+    ``[that, tp * shard]``. The offsets (prefix sums of the splits, the same on
+    every rank, ``offsets[tp]`` = M) change every call, so they are run-time: the
+    kernel's last ``MAX_TP + 1`` Int32 parameters (``launch.ALL_TO_ALL_PARAMS``), by
+    value, so a launch needs no device copy of them and a graph replay no pointer
+    kept alive; only ``offsets[0..tp]`` are read (compile-time indices: no local
+    memory). A rank of 0 rows pushes, polls nothing and still advances its epoch:
+    every rank moves the parity every call. Open: polling nothing, such a rank's call
+    waits for no peer, so nothing in the kernel orders its next call's pushes after a
+    peer's re-arm of that parity (two calls ahead): its caller must, until it polls a
+    token per peer (tests/test_gpu_all_to_all.py, ``ZERO_ROW_RACE``). With
+    ``all_to_all`` False the kernel is the gather, parameter for parameter."""
 
     def __init__(self, tp: int, shard_words: int, threads: int, unroll: int, pdl: bool,
-                 timers: bool = False, staged: bool = False):
+                 timers: bool = False, staged: bool = False, all_to_all: bool = False):
         if shard_words % WORDS:
             raise ValueError(f"shard of {shard_words} words is not whole 16-byte fragments")
         self.tp, self.shard_words, self.threads = tp, shard_words, threads
         self.unroll, self.pdl, self.timers = unroll, pdl, timers
-        self.staged = staged
+        self.staged, self.all_to_all = staged, all_to_all
 
     @cute.jit
     def stamp(self, stamps, phase: cutlass.Constexpr):
@@ -98,14 +114,24 @@ class Gather:
                  budget: Int64, status: Int64, serving: Int32, stream):
         # The kernel takes only scalars (``launch.PARAMS``): a host can launch it
         # straight through the driver with no tensor to convert.
+        self.launch(shard, out, peers, rank, ctas, budget, status, serving, stream, ())
+
+    @cute.jit
+    def exchange(self, shard: cute.Tensor, out: Int64, peers: Int64, rank: Int32, ctas: Int32,
+                 budget: Int64, status: Int64, serving: Int32, stream, offsets: tuple):
+        """The all-to-all's entry: ``__call__``'s arguments, then the ``MAX_TP + 1`` row
+        offsets (``launch.ALL_TO_ALL_PARAMS``)."""
+        self.launch(shard, out, peers, rank, ctas, budget, status, serving, stream, offsets)
+
+    def launch(self, shard, out, peers, rank, ctas, budget, status, serving, stream, offsets):
         self.kernel(Int64(shard.iterator.toint()), Int32(shard.shape[0]), out, peers, rank,
-                    budget, status, serving).launch(
+                    budget, status, serving, offsets).launch(
             grid=(ctas, 1, 1), block=(self.threads, 1, 1), stream=stream,
             use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, shard: Int64, rows: Int32, out: Int64, peers: Int64, rank: Int32,
-               budget: Int64, status: Int64, serving: Int32):
+               budget: Int64, status: Int64, serving: Int32, offsets):
         tp: cutlass.Constexpr = self.tp
         unroll: cutlass.Constexpr = self.unroll
         frags: cutlass.Constexpr = self.shard_words // WORDS  # fragments of a shard row
@@ -163,16 +189,24 @@ class Gather:
         # (nothing to raise): the heartbeats test this one flag, never ``serving``
         slow = Int32(serving == 0)
         watch = (start, budget, slow, status, own_control, epoch)  # serving's heartbeat
+        routing = None  # the gather: every fragment to every rank
+        mine = rows  # rows this rank delivers
+        if cutlass.const_expr(self.all_to_all):
+            routing = (rank, tuple(offsets[q] for q in range(tp + 1)))
+            mine = Int32(0)
+            for q in cutlass.range_constexpr(tp):
+                if rank == q:
+                    mine = offsets[q + 1] - offsets[q]
         if cutlass.const_expr(self.staged):
             slow = push_staged(shard, out, targets, Int64(rank * self.shard_words), rows, me,
                                stride, cause, watch, stage, tid, self.threads, tp, frags, width,
-                               unroll)
+                               unroll, routing)
         else:
             slow = push(shard, out, targets, Int64(rank * self.shard_words), rows,
-                        me, stride, cause, watch, tp, frags, width, unroll)
+                        me, stride, cause, watch, tp, frags, width, unroll, routing)
         self.stamp(stamps, 2)
 
-        polls = rows * (tp - 1) * frags
+        polls = mine * (tp - 1) * frags
         missing = Int32(0)
         base = me
         while base < polls:

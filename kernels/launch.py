@@ -14,11 +14,16 @@ Invariants a change must keep:
   call ahead.
 - One launcher serves one caller at a time (its slots are rewritten per call).
 - ``serving`` is fixed when the launcher is built (one gather, one mode).
+- The compiled kernel's mode picks the slots: ``PARAMS`` for the gather,
+  ``ALL_TO_ALL_PARAMS`` (the same, then ``MAX_TP + 1`` row offsets) for the
+  all-to-all; every launch of the all-to-all writes all of its offsets.
 """
 
 import ctypes
 import functools
 import re
+
+from .protocol import MAX_TP
 
 # The kernel's parameters, in order (``Gather.kernel``): the shard's address, its
 # rows (M), the output's address, the peer table's, the rank, the spin budget (ns),
@@ -27,6 +32,10 @@ import re
 PARAMS = (("shard", ctypes.c_uint64), ("rows", ctypes.c_int32), ("out", ctypes.c_uint64),
           ("peers", ctypes.c_uint64), ("rank", ctypes.c_int32), ("budget", ctypes.c_int64),
           ("status", ctypes.c_uint64), ("serving", ctypes.c_int32))
+# The all-to-all's (``Gather(all_to_all=True)``): the gather's, then the row offsets
+# (prefix sums of the splits, ``offset0`` = 0); a launch for tp ranks fills the tail
+# past ``offset{tp}`` with M, which the kernel never reads.
+ALL_TO_ALL_PARAMS = PARAMS + tuple((f"offset{q}", ctypes.c_int32) for q in range(MAX_TP + 1))
 _PTX_WIDTH = {".u64": 8, ".s64": 8, ".b64": 8, ".u32": 4, ".s32": 4, ".b32": 4}
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
@@ -35,6 +44,10 @@ _RETRIED = (201, 400)  # CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE
 
 class _Values(ctypes.Structure):
     _fields_ = list(PARAMS)
+
+
+class _AllToAllValues(ctypes.Structure):
+    _fields_ = list(ALL_TO_ALL_PARAMS)
 
 
 class _AttributeValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes, 8-byte aligned
@@ -55,18 +68,18 @@ class _Config(ctypes.Structure):  # CUlaunchConfig
                 ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint32)]
 
 
-def kernel_entry(ptx: str) -> str:
+def kernel_entry(ptx: str, params=PARAMS) -> str:
     """The name of the PTX's one kernel, after checking that its parameters are
-    ``PARAMS`` (count and widths); ValueError otherwise."""
+    ``params`` (count and widths); ValueError otherwise."""
     entries = _ENTRY.findall(ptx)
     if len(entries) != 1:
         raise ValueError(f"expected one .entry in the gather's PTX, found {len(entries)}")
-    name, params = entries[0]
-    widths = [_PTX_WIDTH.get(t) for t in re.findall(r"\.param\s+(\.\w+)", params)]
-    want = [ctypes.sizeof(c) for _, c in PARAMS]
+    name, declared = entries[0]
+    widths = [_PTX_WIDTH.get(t) for t in re.findall(r"\.param\s+(\.\w+)", declared)]
+    want = [ctypes.sizeof(c) for _, c in params]
     if widths != want:
         raise ValueError(f"the kernel's parameters have widths {widths}, the launcher's "
-                         f"slots {want} ({', '.join(n for n, _ in PARAMS)})")
+                         f"slots {want} ({', '.join(n for n, _ in params)})")
     return name
 
 
@@ -154,10 +167,14 @@ class DriverLaunch:
     ``serving`` (bool) is this launcher's: every launch passes it (``PARAMS``). Build it
     with the device's context current (``__init__`` loads the kernel there).
     ``pdl=False`` launches a PDL kernel without the attribute (diagnostics: its wait is
-    then a no-op, the stream serializes it fully)."""
+    then a no-op, the stream serializes it fully). An all-to-all kernel
+    (``compiled.all_to_all``) takes ``offsets`` too: the tp + 1 row offsets."""
 
     def __init__(self, compiled, pdl=None, *, serving):
-        self.name = kernel_entry(compiled.ptx)
+        self.all_to_all = bool(getattr(compiled, "all_to_all", False))
+        params, values = ((ALL_TO_ALL_PARAMS, _AllToAllValues) if self.all_to_all
+                          else (PARAMS, _Values))
+        self.name = kernel_entry(compiled.ptx, params)
         self.context = current_context()
         if not self.context:
             raise RuntimeError("DriverLaunch: no CUDA context is current (make the device's "
@@ -165,11 +182,14 @@ class DriverLaunch:
         self.smem = compiled.smem
         self.function = load_function(bytes(compiled.cubin), self.name, self.context, self.smem)
         self.pdl = compiled.pdl if pdl is None else bool(pdl) and compiled.pdl
-        self._values = _Values()
+        self._values = values()
         self.serving = self._values.serving = int(bool(serving))
         base = ctypes.addressof(self._values)
-        self._params = (ctypes.c_void_p * len(PARAMS))(
-            *(base + getattr(_Values, n).offset for n, _ in PARAMS))
+        self._params = (ctypes.c_void_p * len(params))(
+            *(base + getattr(values, n).offset for n, _ in params))
+        if self.all_to_all:  # the offsets' slots, consecutive int32: written as one array
+            self._offsets = (ctypes.c_int32 * (MAX_TP + 1)).from_address(
+                base + _AllToAllValues.offset0.offset)
         self._attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
         self._attribute.value.programmaticStreamSerializationAllowed = 1
         self._config = _Config(gridDimY=1, gridDimZ=1, blockDimX=compiled.threads, blockDimY=1,
@@ -181,10 +201,16 @@ class DriverLaunch:
         self._launch = _driver().cuLaunchKernelEx
         self.refusals = 0  # launches the driver refused (tests: the retry path ran)
 
-    def __call__(self, shard, out, peers, rank, ctas, budget, status, stream):
+    def __call__(self, shard, out, peers, rank, ctas, budget, status, stream, offsets=()):
         v = self._values
         v.shard, v.rows, v.out, v.peers = shard.data_ptr(), shard.shape[0], out, peers
         v.rank, v.budget, v.status = rank, budget, status
+        if self.all_to_all:
+            n = len(offsets)
+            if not 2 < n <= MAX_TP + 1:
+                raise ValueError(f"an all-to-all launch takes tp + 1 row offsets, got {offsets!r}")
+            self._offsets[:n] = offsets
+            self._offsets[n:] = (offsets[-1],) * (MAX_TP + 1 - n)
         self._config.gridDimX, self._config.hStream = ctas, stream
         code = self._launch(*self._args)
         if code:

@@ -135,11 +135,13 @@ def record_and_stop(status: Int64, own_control: Int64, budget: Int64, epoch: Int
 def push(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int32,
          first: Int32, stride: Int32, stop: Int32, watch, tp: cutlass.Constexpr,
          frags: cutlass.Constexpr, width: cutlass.Constexpr,
-         unroll: cutlass.Constexpr) -> Int32:
+         unroll: cutlass.Constexpr, routing=None) -> Int32:
     """This rank's fragments (``first``, ``first + stride``, ...) to the output and,
     unless ``stop``, into row m of every peer's box (``targets[1:]``); before each
     batch after the first, ``heartbeat`` (``watch``: its arguments; its flag ``slow``
-    starts at 1 unless serving); returns the flag."""
+    starts at 1 unless serving); returns the flag. All-to-all (``routing``: the rank
+    and its tp + 1 row offsets): each fragment to its one destination instead
+    (``route``, ``send_fragment``)."""
     pushes = rows * frags
     base = first
     slow = watch[2]
@@ -156,9 +158,14 @@ def push(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int3
         for i in cutlass.range_constexpr(unroll):
             f = base + i * stride
             if f < pushes:
-                offset = push_offset(f, column, frags, width)
-                push_fragment(tuple(held[i, k] for k in range(WORDS)), offset, dst, targets,
-                              stop, tp)
+                if cutlass.const_expr(routing is None):
+                    offset = push_offset(f, column, frags, width)
+                    push_fragment(tuple(held[i, k] for k in range(WORDS)), offset, dst,
+                                  targets, stop, tp)
+                else:
+                    offset, step, box = route(f, column, routing, targets, frags, width, tp)
+                    send_fragment(tuple(held[i, k] for k in range(WORDS)), offset, dst, step,
+                                  box, stop)
         base = base + stride * unroll
     return slow
 
@@ -182,6 +189,46 @@ def push_fragment(words, offset: Int64, dst: Int64, targets: cute.Tensor, stop: 
         for step in cutlass.range_constexpr(1, tp):
             store_sys(targets[step] + offset, clean)
     store(dst + offset, clean)  # every rank's output holds the same bits
+
+
+@cute.jit
+def route(f: Int32, column: Int64, routing, targets: cute.Tensor, frags: cutlass.Constexpr,
+          width: cutlass.Constexpr, tp: cutlass.Constexpr):
+    """All-to-all: where this rank's fragment ``f`` goes (``routing``: this rank and the
+    tp + 1 row offsets). Row m of the shard belongs to rank q, the last with
+    ``offsets[q] <= m`` (non-decreasing, so a rank of an empty split is never
+    chosen), and lands in row ``m - offsets[q]`` of q's box, this rank's ``column``
+    onwards (q == this rank: of the output). Returns that byte offset, q's distance
+    in push order (0: this rank) and q's box of this parity (``targets[distance]``;
+    unused at distance 0)."""
+    rank, offsets = routing
+    m = f // frags
+    first = offsets[0]
+    q = Int32(0)
+    for p in cutlass.range_constexpr(1, tp):
+        if offsets[p] <= m:
+            q = Int32(p)
+            first = offsets[p]
+    offset = (Int64(m - first) * width + column + Int64(f - m * frags) * WORDS) * 4
+    step = (q - rank + tp) % tp
+    box = targets[0]
+    for s in cutlass.range_constexpr(1, tp):
+        if step == s:
+            box = targets[s]
+    return offset, step, box
+
+
+@cute.jit
+def send_fragment(words, offset: Int64, dst: Int64, step: Int32, box: Int64, stop: Int32):
+    """All-to-all's ``push_fragment``: a fragment of this rank's (``words``), scrubbed,
+    at ``offset`` of its one destination: this rank's output (``step`` 0) or, unless
+    ``stop``, its rank's ``box`` by a system-scope store."""
+    clean = tuple(scrub(words[k]) for k in range(WORDS))
+    if step == 0:
+        store(dst + offset, clean)
+    else:
+        if stop == 0:
+            store_sys(box + offset, clean)
 
 
 @cute.jit
@@ -267,7 +314,7 @@ def slot(stage: Int32, i: cutlass.Constexpr, tid: Int32, threads: cutlass.Conste
 def push_staged(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int32,
                 first: Int32, stride: Int32, stop: Int32, watch, stage: Int32, tid: Int32,
                 threads: cutlass.Constexpr, tp: cutlass.Constexpr, frags: cutlass.Constexpr,
-                width: cutlass.Constexpr, unroll: cutlass.Constexpr) -> Int32:
+                width: cutlass.Constexpr, unroll: cutlass.Constexpr, routing=None) -> Int32:
     """``push``, the batch's shard fragments staged through shared memory."""
     pushes = rows * frags
     base = first
@@ -284,9 +331,14 @@ def push_staged(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, row
         for i in cutlass.range_constexpr(unroll):
             f = again + i * stride
             if f < pushes:
-                offset = push_offset(f, column, frags, width)
-                push_fragment(load_shared(slot(stage, i, tid, threads)), offset, dst, targets,
-                              stop, tp)
+                if cutlass.const_expr(routing is None):
+                    offset = push_offset(f, column, frags, width)
+                    push_fragment(load_shared(slot(stage, i, tid, threads)), offset, dst,
+                                  targets, stop, tp)
+                else:
+                    offset, step, box = route(f, column, routing, targets, frags, width, tp)
+                    send_fragment(load_shared(slot(stage, i, tid, threads)), offset, dst, step,
+                                  box, stop)
         base = base + stride * unroll
     return slow
 
@@ -409,5 +461,5 @@ def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.C
     store_word_sys(status + STATUS_FLAG * 4, 1)
 
 
-__all__ = ["heartbeat", "push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
+__all__ = ["heartbeat", "route", "send_fragment", "push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
            "publish", "raise_slow", "record_and_stop", "write_record", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]

@@ -1,25 +1,11 @@
 """The agreement collectives every multi-rank path uses, on NCCL or gloo alike.
 
-Fail-stop rule: a rank never leaves a collective sequence alone. Whatever can fail
-locally runs first, inside ``attempt``; then every rank calls ``agree`` with its
-outcome and either every rank goes on or every rank raises. gloo gets CPU tensors
-(it refuses CUDA ones for these ops), NCCL the rank's device.
-
-``group=None`` is the default (world) group.
-
-Start-up steps are also bounded in time (``step``): a rank that blocks in a step (a
-compile, an IPC open, a sync that never returns) must not hold its peers in the
-next collective until the group's own timeout (gloo's: 30 min; vLLM's CPU group sets
-none). ``step`` runs the step in a helper thread and hands its collectives back to
-the calling thread, so that every collective of a rank is issued by one thread, in
-order, and a step given up on can never issue one later: the helper's next
-collective raises instead. A local part that precedes a collective goes through
-``attempt`` (``mailbox.exchange`` does), which a step bounds itself: a rank blocking
-there still reaches the collective, with its timeout as its error, so its peers are
-never left waiting inside it. The step is given up on only when the helper is in
-code of its own, past every collective of the step or before the first (or is
-blocked there for ``seconds``); the caller then agrees on the ``TimeoutError`` as on
-any failure.
+A rank never leaves a collective sequence alone: local work runs in ``attempt``, then
+every rank calls ``agree`` and all go on or all raise (docs/design.md, "Together or
+alone"). ``step`` bounds a start-up step in time, since the group's own timeout is 30
+min (gloo) or none (vLLM's CPU group), and keeps a rank's collectives on one thread, in
+order. gloo gets CPU tensors (it refuses CUDA ones), NCCL the rank's device;
+``group=None`` is the world group.
 """
 
 import contextlib
@@ -40,17 +26,14 @@ _TOGETHER = "_lamport_head_raised_together"
 
 
 def raised_together(exc) -> bool:
-    """Whether ``exc`` was raised on every rank at the same step (``agree``, or a
-    failure a caller marked with ``together``): every rank is out of the collective
-    sequence alike, so every rank may take the same fallback. Any other exception
-    left this rank alone, its peers possibly inside a collective it will never join:
-    the only safe outcome is to stop (fail-stop), never a fallback of its own."""
+    """Whether every rank raised ``exc`` at the same step (``agree``, or ``together``):
+    only then may every rank take the same fallback. Any other exception must stop
+    this rank (fail-stop), never send it to a fallback of its own."""
     return bool(getattr(exc, _TOGETHER, False))
 
 
 def together(exc):
-    """Mark ``exc`` as raised on every rank alike (a decision made from gathered facts,
-    the same everywhere); returns it, to be raised."""
+    """Mark ``exc`` as raised on every rank alike (decided from gathered facts); returns it."""
     setattr(exc, _TOGETHER, True)
     return exc
 
@@ -118,11 +101,9 @@ def barrier(group=None, device="cpu"):
 
 
 def agree(error, group=None, device="cpu", what="the step"):
-    """Every rank calls this after a local step: raises on every rank if any failed.
-
-    ``error``: the exception this rank caught (None when its step succeeded). The
-    failing rank re-raises its own error; the others raise ``PeerFailed``; both marked
-    ``raised_together``."""
+    """Collective, after a local step: raises on every rank if any failed (``error``:
+    this rank's exception, or None). The failing rank raises its own, the others
+    ``PeerFailed``; both marked ``raised_together``."""
     if all_min(error is None, group, device):
         return
     if error is not None:
@@ -131,10 +112,9 @@ def agree(error, group=None, device="cpu", what="the step"):
 
 
 def attempt(fn, *args, **kwargs):
-    """``(fn(...), None)``, or ``(None, the exception)``: a local step to agree on.
-    Inside a ``step``'s helper thread it is also bounded by the step's ``seconds``
-    (``within``: a ``TimeoutError`` is its exception), so a rank blocking there still
-    reaches the collective that follows."""
+    """``(fn(...), None)`` or ``(None, the exception)``, for ``agree``. Inside a ``step``
+    it is bounded by the step's ``seconds`` (a ``TimeoutError``), so a rank blocking
+    there still reaches the collective that follows."""
     current = _STEP.get()
     try:
         if current is not None and threading.current_thread() is current.helper:
@@ -146,9 +126,8 @@ def attempt(fn, *args, **kwargs):
 
 def within(seconds, what, fn, *args, why=""):
     """``fn(*args)`` if it returns or raises within ``seconds``; else ``TimeoutError``
-    naming ``what`` (and ``why``), while ``fn`` goes on in a daemon thread, its outcome
-    dropped: a local step that may block for ever (a peer gone inside torch's
-    rendezvous, a CUDA context that never answers) bounded in time."""
+    naming ``what`` (and ``why``), ``fn`` left running in a daemon thread, its outcome
+    dropped."""
     outcome = {}
 
     def run():
@@ -259,21 +238,15 @@ class _Step:
 
 
 def step(seconds, what, fn, *args, scope=None):
-    """``fn(*args)``, a start-up step that may issue collectives, if it ends within
-    ``seconds`` of code of its own; else ``TimeoutError`` naming ``what``.
+    """``fn(*args)``, a start-up step that may issue collectives, unless it spends
+    ``seconds`` in code of its own: then ``TimeoutError`` naming ``what``.
 
-    ``fn`` runs in a helper thread; each collective it issues (through this module:
-    ``all_min``, ``all_gather_objects``, ``agree``, ``barrier``, ...) is run by this
-    thread, so this rank's collectives keep one order on one thread; each ``attempt``
-    in it is bounded by ``seconds`` too (a rank blocking before a collective still
-    reaches it, with its timeout for an error). The helper is given up on only while
-    it runs code of its own (between its collectives and local parts) for
-    ``seconds``: then this thread raises, and the helper, if it ever unblocks, raises
-    ``StepAbandoned`` at its next collective or local part instead of entering it,
-    so its peers never meet it in a collective they have left. What it does alone
-    meanwhile (finish a compile, map a peer's memory, write its own box) touches no
-    peer. ``scope``: a context manager factory entered in the helper thread and in
-    each thread of its local parts (the CUDA device, which is per thread)."""
+    ``fn`` runs in a helper thread; the collectives it issues through this module run
+    on this thread, and its ``attempt``s are bounded by ``seconds``. A helper given up
+    on raises ``StepAbandoned`` at its next collective or local part, so no peer meets
+    it in a collective they have left; its code between them must touch no peer.
+    ``scope``: a context-manager factory entered in the helper and its local parts'
+    threads (the CUDA device is per thread)."""
     current = _Step(seconds, what, scope)
 
     def run():

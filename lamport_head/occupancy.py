@@ -1,9 +1,6 @@
-"""How many CTAs of a compiled kernel a device can hold at once.
-
-A Lamport gather's CTAs wait on pushes from other CTAs (the peers', and on one GPU
-the other virtual ranks'), so every CTA of every rank sharing a device must be
-resident together; a grid that does not fit would wait until its spin budget runs
-out. The count comes from the driver's occupancy calculator on the kernel's cubin.
+"""How many CTAs of a compiled kernel a device holds at once (the driver's occupancy
+calculator). Every CTA of every rank sharing a device must be resident together, or
+the gather waits out its spin budget (docs/design.md, "Co-residency").
 """
 
 import functools
@@ -15,15 +12,13 @@ from .kernels.launch import bind_primary_context, checked, load_function
 
 
 def device_arch(device) -> str:
-    """The compile target of ``device`` (``kernels.arch.target``: sm_90a on Hopper and
-    later, plain sm_XY before)."""
+    """The compile target of ``device`` (``kernels.arch.target``)."""
     return target(*torch.cuda.get_device_capability(device))
 
 
 class Resident(int):
-    """CTAs of a kernel the whole device holds (the int: ``per_sm * sms``), with how:
-    ``per_sm`` (the occupancy calculator's CTAs per SM) and ``sms`` (the device's
-    SMs), so the plan's headroom can be whole SMs (``plan.co_resident_limit``)."""
+    """CTAs the whole device holds (the int, ``per_sm * sms``); ``per_sm`` and ``sms``
+    kept so the plan's headroom can be whole SMs (``plan.co_resident_limit``)."""
 
     def __new__(cls, per_sm: int, sms: int):
         value = super().__new__(cls, per_sm * sms)
@@ -37,10 +32,8 @@ class Resident(int):
 @functools.lru_cache(maxsize=None)
 def resident_ctas(cubin: bytes, name: str, threads: int, device_index: int,
                   smem: int = 0) -> Resident:
-    """CTAs of the cubin's kernel ``name`` (``threads`` per CTA, ``smem`` bytes of
-    dynamic shared memory each) that fit on the device (an int that also carries
-    ``per_sm`` and ``sms``: ``Resident``). The kernel is loaded as the launcher
-    loads it (``kernels.launch.load_function``): once per context."""
+    """``Resident`` CTAs of the cubin's kernel ``name`` (``threads`` per CTA, ``smem``
+    bytes of dynamic shared memory). Loaded as the launcher loads it, once per context."""
     from cuda.bindings import driver as cu  # lazy: loads the CUDA driver
 
     torch.cuda.init()

@@ -1,10 +1,6 @@
-"""What an install did, as a value: ``Outcome`` (the rows served, or why the engine's
-stock gather stays, from the closed set ``Stock``) and ``Ranks`` (the TP group an
-install runs on, the one object the adapters pass along).
-
-Invariant: an adapter decides and describes from these values only, never from the
-log lines an install emits (those are for people and may be reworded at will;
-tests/test_outcome.py rewords every one and checks that no summary changes).
+"""What an install did, as a value: ``Outcome`` (rows served, or a ``Stock`` reason)
+and ``Ranks`` (the TP group an install runs on). Adapters decide from these values
+only, never from log text (docs/design.md, "Rule for adapters"; tests/test_outcome.py).
 """
 
 import enum
@@ -15,10 +11,8 @@ from .dtypes import DEFAULT as DEFAULT_DTYPE
 
 
 class Stock(enum.Enum):
-    """Why the engine's own gather stays: the closed set every stock ``Outcome`` names.
-    Each member's value is ``(name, level)``: its stable name and the level of its one
-    log line (WARNING where a person is expected to act, INFO where stock is the
-    configuration's answer)."""
+    """Why the engine's own gather stays (a closed set). Value ``(label, level)``: the
+    stable name, and its log line's level (WARNING where a person should act)."""
 
     NO_GATHER = ("no-gather", logging.INFO)  # tp = 1: nothing to replace
     NO_PROCESSOR = ("no-processor", logging.INFO)  # no LogitsProcessor found in the model
@@ -48,12 +42,11 @@ class Stock(enum.Enum):
 
 @dataclass(frozen=True)
 class Outcome:
-    """One install's result, the same on every rank of the TP group: ``rows`` served
-    through a Lamport gather (sorted), or ``()`` with ``reason`` and ``message`` saying
-    why the engine's stock gather stays. ``shared``: served by a gather built for
-    another site (no second mailbox). ``measured``: first-use tuning measured (and wrote
-    the user table) during this install. ``dtype``: the logits dtype the serving gather
-    was built for (``dtypes.NAMES``; a call of another takes the stock gather)."""
+    """One install's result, the same on every rank: ``rows`` served (sorted), or ``()``
+    with a ``Stock`` ``reason`` and ``message``, never both. ``shared``: served by another
+    site's gather. ``measured``: first-use tuning measured during this install.
+    ``dtype``: the logits dtype the serving gather was built for (``dtypes.NAMES``; a
+    call of another takes the stock gather)."""
 
     rows: tuple = ()
     reason: object = None  # a Stock when rows is empty, else None
@@ -82,8 +75,8 @@ class Outcome:
         return cls((), reason, message)
 
     def within(self, rows):
-        """This outcome for a site gathering only ``rows`` (None: any): served rows
-        outside them dropped, ``ROWS_OUTSIDE`` when none is left."""
+        """This outcome for a site gathering only ``rows`` (None: any); ``ROWS_OUTSIDE``
+        when none is left."""
         if not self.rows or rows is None:
             return self
         kept = tuple(m for m in self.rows if m in rows)
@@ -95,11 +88,10 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Ranks:
-    """The TP group an install runs on, as every adapter passes it: ``group`` where the
-    ranks agree and exchange mailboxes (the engine's CPU group where it has one, so a
-    rank whose CUDA context broke still reaches every agreement), ``device_group`` the
-    engine's device group (first-use tuning times its stock gather there; None:
-    ``group``), ``tp`` ranks of which this is ``rank``, on ``device``, DCP size ``dcp``."""
+    """The TP group an install runs on. ``group``: where ranks agree and exchange
+    mailboxes (the engine's CPU group where it has one: a rank whose CUDA context broke
+    still reaches it). ``device_group``: where first-use tuning times the stock gather
+    (None: ``group``)."""
 
     group: object
     tp: int

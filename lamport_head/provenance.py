@@ -1,13 +1,8 @@
-"""What a timing depends on besides the GPU model, and whether a table section still
-matches it: the runtime facts (driver, CUDA, torch, DSL, lamport-head's version, the
-kernel build), the provenance block written with a measured section, and the
-section's staleness.
-
-Runtime, not tuner: serving asks ``section_status`` (first-use tuning's "is the user
-table's section stale?") and the tuner writes ``provenance``; neither pulls the other
-in. Nothing here imports the kernels (``kernel_identity`` reads their files), optuna
-or a CUDA context. Invariant: ``STALE_KEYS`` are facts ``runtime_facts`` reports, and
-a section is stale exactly when one of them differs from this process's value.
+"""What a timing depends on besides the GPU model (``runtime_facts``), the provenance
+block of a measured section, and whether a section is stale (docs/design.md,
+"Compatibility promise"). Runtime, not tuner: imports no kernel (``kernel_identity``
+reads their files), no optuna, no CUDA context. A user-table section is stale exactly
+when one of ``STALE_KEYS`` (each a ``runtime_facts`` key) differs from this process's.
 """
 
 import datetime
@@ -48,11 +43,9 @@ CODE_DIRS = ("lamport_head", "kernels", "tuning")
 
 
 def source_commit(package=None):
-    """The commit of the lamport-head checkout this package is imported from (12 hex
-    digits, ``+dirty`` when its code differs from that commit: ``CODE_DIRS``), or None
-    when the package is not a checkout's own ``lamport_head`` directory (an installed
-    wheel; a virtual environment inside another project's repository, whose commit
-    says nothing about this code)."""
+    """The commit of the checkout this package is imported from (12 hex digits,
+    ``+dirty`` when ``CODE_DIRS`` differ from it); None when the package is not a
+    checkout's own ``lamport_head`` (a wheel, or a venv inside another repository)."""
     package = Path(package or Path(__file__).resolve().parent).resolve()
     top = _run("git", "rev-parse", "--show-toplevel", cwd=package)
     if not top or (Path(top) / "lamport_head").resolve() != package:
@@ -73,10 +66,9 @@ def _version(name):
 
 
 def kernel_identity(sources=None):
-    """12 hex digits naming the kernel build a timing belongs to: the bytes of the
-    kernel package's ``*.py`` files (by name; default: the installed
-    ``lamport_head.kernels`` directory) and the nvidia-cutlass-dsl version. Reads the
-    files without importing the package, which would import cutlass."""
+    """12 hex digits naming a kernel build: the kernel package's ``*.py`` files
+    (default: the installed ``lamport_head.kernels``) and the nvidia-cutlass-dsl
+    version. Reads the files: importing the package would import cutlass."""
     if sources is None:
         sources = importlib.util.find_spec("lamport_head.kernels").submodule_search_locations
     elif isinstance(sources, (str, Path)):
@@ -93,9 +85,7 @@ def kernel_identity(sources=None):
 
 
 def runtime_facts():
-    """What a timing depends on besides the GPU model: the driver, CUDA, torch, the
-    DSL, lamport-head's version (package metadata) and its kernel build. First-use
-    tuning re-measures a user-table section whose ``STALE_KEYS`` no longer match."""
+    """The driver, CUDA, torch, DSL and lamport-head versions and the kernel build."""
     driver = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
     return {
         "driver": driver.splitlines()[0] if driver else "unknown",
@@ -132,8 +122,7 @@ def facts():
 
 def section_status(section):
     """'missing', 'current', or 'stale: key, ...' for a table section. Only the user
-    table (the cache first-use tuning writes) goes stale; the packaged table and
-    ``LAMPORT_HEAD_TABLE`` are served as they are."""
+    table goes stale; the packaged table and ``LAMPORT_HEAD_TABLE`` serve as they are."""
     if section is None:
         return "missing"
     if section.source != str(table.user_path()):

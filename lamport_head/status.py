@@ -33,9 +33,9 @@ from .kernels.protocol import STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STATUS_SL
 logger = logging.getLogger("lamport_head")
 
 WATCH_PERIOD_S = 0.05  # how soon after a serving give-up its log line appears
-# After the trap is due: how long the driver may take to surface it (measured on one
-# H200: 0.3-1.0 s with 2-4 processes time-slicing the GPU), then how long the probe of
-# the context may block before the watcher takes the context for stuck.
+# After the trap is due: how long the driver may take to surface it (docs/figures.md,
+# "Figures the code cites"), then how long the probe of the context may block before
+# the watcher takes the context for stuck.
 STOP_GRACE_S, PROBE_WAIT_S = 0.6, 0.3
 STOP_EXIT_CODE = 70  # a serving process whose GPU context did not stop (EX_SOFTWARE)
 # Once the watchdog decided to end the process: how long the best-effort log (through
@@ -87,9 +87,8 @@ class StatusRecord:
         return bool(self._flag.value)
 
     def missing(self) -> list:
-        """The ranks the record names as missing (``STATUS_PEERS``), flag or not: the
-        kernel copies them there before it raises the flag; empty when no rank could
-        tell (host memory, no sync)."""
+        """The ranks ``STATUS_PEERS`` names, flag or not (written before the flag); empty
+        when no rank could tell. Host memory, no sync."""
         record = self.words.tolist()
         return [r for r in range(self.tp) if record[STATUS_PEERS + r]]
 
@@ -102,10 +101,9 @@ class StatusRecord:
 
 
 def context_stopped(device, wait_s=PROBE_WAIT_S) -> bool:
-    """Whether ``device``'s CUDA context in this process has stopped (a device sync
-    raises its sticky error). A sync that returns, is still blocked after ``wait_s``,
-    or is refused because another thread is capturing a graph, means the context
-    still runs (the sync goes on in a daemon thread, harmlessly)."""
+    """Whether ``device``'s CUDA context in this process has stopped (a sync raises its
+    sticky error). A sync that returns, blocks past ``wait_s`` (left in a daemon
+    thread) or is refused during another thread's capture means it still runs."""
     try:
         within(wait_s, "the CUDA context probe", torch.cuda.synchronize, device)
     except TimeoutError:  # still blocked: the context runs
@@ -131,11 +129,9 @@ _SIGEV_THREAD, _CLOCK_MONOTONIC = 2, 1
 
 
 def _arm_native_exit(code, after_s) -> bool:
-    """A POSIX timer that runs libc's ``_exit(code)`` ``after_s`` from now on a thread
-    libc starts (``SIGEV_THREAD``; the notify function gets the timer's value, here
-    ``code``, as its one integer argument): it needs no GIL and no Python thread, so a
-    thread holding the GIL for ever cannot stop it. False where it cannot be armed
-    (not Linux, no ``timer_create``)."""
+    """A POSIX timer (``SIGEV_THREAD``) calling libc's ``_exit`` with the timer's value,
+    ``code``, ``after_s`` from now: no GIL needed, so no Python thread can stop it.
+    False where it cannot be armed (not Linux, no ``timer_create``)."""
     if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
         return False
     for name in (None, ctypes.util.find_library("rt")):
@@ -158,10 +154,9 @@ def _arm_native_exit(code, after_s) -> bool:
 
 
 def arm_exit(code=STOP_EXIT_CODE, after_s=EXIT_BOUND_S) -> bool:
-    """Arm this process's end: ``after_s`` from now it leaves with ``code``, whatever
-    its threads hold by then (handler locks, the GIL, a blocked write). Two clocks,
-    whichever fires first: a POSIX timer run by libc (``_arm_native_exit``; its
-    answer is returned) and a daemon thread (where the former cannot be armed)."""
+    """``after_s`` from now the process leaves with ``code``, whatever its threads hold.
+    Two clocks, the first wins: ``_arm_native_exit`` (its answer is returned) and a
+    daemon thread (for where the timer cannot be armed)."""
     def later():
         time.sleep(after_s)
         os._exit(code)
@@ -171,13 +166,10 @@ def arm_exit(code=STOP_EXIT_CODE, after_s=EXIT_BOUND_S) -> bool:
 
 
 def write_line(text) -> bool:
-    """``text`` as one line on stderr in one write that never blocks: True if it went
-    out whole. The write goes through a descriptor of its own where the system gives
-    one (``/proc/self/fd/2`` reopened: a pipe, a terminal, a file, in append mode), so
-    switching it to non-blocking changes nothing for the other processes sharing the
-    stream; a socket (journald) is sent to with ``MSG_DONTWAIT``. Elsewhere a plain
-    write, which the armed exit bounds. At most ``_LINE_MAX`` bytes: a pipe takes
-    that all at once or not at all, never a torn line."""
+    """``text`` as one line on stderr in one write that never blocks; True if it went
+    out whole. Non-blocking only on a descriptor of its own (``/proc/self/fd/2``
+    reopened), so processes sharing the stream are untouched; a socket gets
+    ``MSG_DONTWAIT``. At most ``_LINE_MAX`` bytes, so a pipe never tears the line."""
     data = (text.rstrip("\n")[:_LINE_MAX - 1] + "\n").encode("utf-8", "replace")[:_LINE_MAX]
     try:
         fd = os.open("/proc/self/fd/2", os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK
@@ -201,8 +193,8 @@ def write_line(text) -> bool:
 
 
 def _log_aside(level, message, *args):
-    """``logger.log(level, ...)`` from a daemon thread, so that a handler another thread
-    holds blocks that thread, never the caller; the thread, to wait for it."""
+    """``logger.log(...)`` from a daemon thread (returned), so a held handler never
+    blocks the caller."""
     thread = threading.Thread(target=logger.log, args=(level, message, *args),
                               name="lamport-head-log", daemon=True)
     thread.start()
@@ -211,9 +203,8 @@ def _log_aside(level, message, *args):
 
 def end_process(line, code=STOP_EXIT_CODE):
     """The watchdog's last resort, in an order no other thread can hold up: arm the
-    exit (``arm_exit``: ``EXIT_BOUND_S`` at most from here), write ``line`` to stderr
-    (``write_line``), log it at CRITICAL and flush the handlers from a thread of its
-    own, wait for that at most ``EXIT_LOG_WAIT_S``, and leave at once (no teardown: a
+    exit (``EXIT_BOUND_S``), ``line`` to stderr, CRITICAL through ``logging`` from a
+    thread waited on at most ``EXIT_LOG_WAIT_S``, then ``_exit`` with no teardown (a
     CUDA call could wait on the stuck context)."""
     arm_exit(code, EXIT_BOUND_S)
     write_line(f"CRITICAL lamport_head: {line}")
@@ -234,29 +225,19 @@ def end_process(line, code=STOP_EXIT_CODE):
 
 
 def _missing(ranks) -> str:
-    """What the watchdog's line says of the missing ranks: their numbers where the
-    record holds them, else that no rank could tell."""
+    """The watchdog line's words for the missing ranks ("unknown" when none)."""
     if ranks:
         return f"rank(s) {', '.join(map(str, ranks))} never published"
     return "the missing rank(s) unknown: no rank could tell"
 
 
 class Watcher:
-    """Serving only: a daemon thread that, once the record's flag is up, logs the
-    failure once at ERROR (the give-up stopped the context, so the engine's own error,
-    "CUDA error: unspecified launch failure", cannot name the rank; this line does),
-    then, ``stop_after_s`` later (when the kernel's trap is due, plus
-    ``STOP_GRACE_S``), checks that the context stopped; if not, ends the process with a
-    CRITICAL line (``end_process``). Before any flag, a slow heartbeat
-    (``StatusRecord.slow``: a launch still waiting at half the budget) that stays up
-    ``stuck_after_s`` with no flag and the context still running means the launch is
-    stuck before its record: the same end, its line naming the missing ranks the
-    record holds (``StatusRecord.missing``), "unknown" when it holds none. Its log
-    lines go out from threads of their own (``_log_aside``): a logging handler held by
-    another thread never holds the watcher. Until the flag it touches no CUDA state;
-    ``stop()`` ends it. ``stopped`` and ``end`` are the context probe and the exit
-    (``context_stopped`` and ``end_process``, called with the CRITICAL line; tests
-    pass their own)."""
+    """Serving's watcher and watchdog, a daemon thread (docs/design.md, "A survivor
+    when a peer dies"). Once the flag is up it logs the failure once at ERROR (the
+    engine's CUDA error cannot name the rank), then ends the process (``end``) if the
+    context has not stopped (``stopped``) ``stop_after_s`` later. A slow heartbeat up
+    ``stuck_after_s`` with no flag and the context running ends it too. It touches no
+    CUDA state before the flag and never waits on ``logging``; ``stop()`` ends it."""
 
     def __init__(self, record, period_s=WATCH_PERIOD_S, *, device=None, stop_after_s=None,
                  stuck_after_s=None, stopped=None, end=end_process):

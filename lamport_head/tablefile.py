@@ -1,23 +1,12 @@
-"""The user table's bytes on disk: sealed, written durably, set aside when broken.
+"""The table file's bytes on disk: sealed, written durably, set aside when broken
+(docs/tables.md, "When a table is broken: healing and set-aside"). Invariants:
 
-Invariants:
-
-- A table the tool writes starts with one seal line (``SEAL``: the SHA-256 and the
-  byte count of everything after that line). A file whose first line begins like
-  the seal and does not match what follows it reads as torn (``check_seal``): a cut
-  anywhere, a line boundary included, changes the count. A file without the seal (a
-  table a person wrote) is read as it is.
-- ``write_durably``: temporary file beside the target, its mode what the process's
-  umask gives a new file (a table tuned by one user stays readable to a service
-  running as another), fsync of the file, of the directory (the temporary name),
-  rename, fsync of the directory again (the rename). A host crash leaves the old
-  file or the new one, never a cut one.
-- ``set_aside``: a broken user table is renamed beside itself with a UTC timestamp,
-  never deleted (a person can read what was wrong); ``$LAMPORT_HEAD_TABLE`` is never
-  passed here (the caller's rule: only the tool's own cache heals).
-- ``set_aside_agreed`` is collective and only called when every rank's agreed view
-  says the user table is broken; the first rank of each host renames, every rank
-  logs the same one line, and what follows does not depend on the rename's outcome.
+- A file whose first line begins like ``SEAL`` and does not match the bytes after it
+  reads as torn, a cut at a line boundary included; one without the seal loads as is.
+- ``write_durably``: a crash leaves the old file or the new one whole, never a cut one.
+- ``set_aside`` renames, never deletes; ``$LAMPORT_HEAD_TABLE`` never comes here.
+- ``set_aside_agreed`` is collective, called only when the agreed view says the user
+  table is broken; what follows does not depend on the rename's outcome.
 """
 
 import datetime
@@ -73,10 +62,9 @@ def check_seal(text: str) -> str:
 
 @contextmanager
 def locked(path):
-    """An exclusive lock for a read-modify-write or a set-aside of the table ``path``
-    (``flock`` on ``.STEM.lock`` beside it; blocks until free): writers of different
-    sections at once (several TP groups' rank 0s on one host) lose none, and a set-aside
-    never moves a table another group has just written whole."""
+    """An exclusive ``flock`` on ``.STEM.lock`` beside ``path`` (blocks until free), for a
+    read-modify-write or a set-aside: concurrent writers lose no section, and a
+    set-aside never moves a table another group has just written whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(f".{path.stem}.lock"), "a") as lock:  # kept: locks need a file
@@ -103,7 +91,7 @@ def _fsync_dir(directory):
 
 def write_durably(path, text: str):
     """Replace ``path`` by ``text`` so that a crash at any point leaves the old file or
-    the new one whole (module docstring)."""
+    the new one whole; the mode follows the umask (docs/tables.md, "Durable writes")."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -155,14 +143,10 @@ def _set_aside_if_broken(path):
 
 
 def set_aside_agreed(path, why, keys, rank, group):
-    """Collective: set the broken user table ``path`` aside on every host whose copy is
-    broken. Called by every rank when any rank's vote says its host's copy is broken
-    (``why``: this rank's reading, None where it read whole; a host whose copy reads
-    whole under the lock keeps it).
-    ``keys``: the ranks' device keys from the vote (``(host, gpu)``, or None): the first
-    rank of each host renames (a rank with no key renames its own host's copy too: a
-    second rename of one file finds nothing and says so). Every rank logs its host's
-    outcome in one line; never raises (what follows does not depend on the outcome)."""
+    """Collective, on every rank once any rank's vote says its host's copy is broken:
+    the first rank of each host by ``keys`` (the vote's ``(host, gpu)`` or None; a rank
+    with None acts too) sets that copy aside unless it now reads whole. ``why``: this
+    rank's reading. Every rank logs its host's outcome in one line; never raises."""
     # lazy: collective loads torch, and the CLI loads this module (through table) for its help
     from .collective import all_gather_objects
 

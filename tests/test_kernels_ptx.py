@@ -6,7 +6,12 @@ never uses multicast; PDL exactly where the architecture has it.
 One compiled kernel serves both ways to give up: ``serving`` is a launch argument
 (``launch.PARAMS``). The audits of one mode walk the instructions reachable with that
 value of the argument (``_reachable``: the branches on it evaluated), so each mode is
-pinned to what its compile-time variant was, and the trap is unreachable with 0."""
+pinned to what its compile-time variant was, and the trap is unreachable with 0.
+
+The all-to-all mode (``compile_all_to_all``) is the same kernel addressed by rank: it
+passes the same audits (``_A2A_VARIANTS``) but for one peer store per fragment in
+flight (each fragment has one destination), with the row offsets as its last
+parameters (``launch.ALL_TO_ALL_PARAMS``)."""
 
 import functools
 import re
@@ -14,7 +19,7 @@ import struct
 
 import pytest
 
-from lamport_head.kernels import ARCHS, compile_gather, has_pdl
+from lamport_head.kernels import ARCHS, compile_all_to_all, compile_gather, has_pdl
 from lamport_head.kernels.protocol import DEFAULT_UNROLL, NAN_PAIR, staged
 
 
@@ -22,7 +27,7 @@ def _ops(ptx):
     return set(re.findall(r"\b(?:st|ld|multimem)\.[a-z0-9.:]+", ptx))
 
 
-def _audit(k, tp, unroll, arch, staged=False):
+def _audit(k, tp, unroll, arch, staged=False, all_to_all=False):
     """What every compiled variant's PTX must show."""
     ops = _ops(k.ptx)
     assert f".target {arch}" in k.ptx
@@ -44,8 +49,11 @@ def _audit(k, tp, unroll, arch, staged=False):
     assert "atom.global.add.u32" in ops or "atom.global.add.u32" in k.ptx  # the epoch's CTA count
     assert str(NAN_PAIR) in k.ptx or hex(NAN_PAIR) in k.ptx.lower()  # missing -> NaN
     assert ("griddepcontrol.wait" in k.ptx) == has_pdl(arch)  # PDL where the arch has it
-    # every push is one 16-byte store per peer per fragment in flight
-    assert len(re.findall(r"st\.relaxed\.sys\.global\.v4\.u32", k.ptx)) == unroll * (tp - 1)
+    # every push is one 16-byte store per peer per fragment in flight (the all-to-all:
+    # per fragment in flight, to its one destination)
+    pushes = unroll if all_to_all else unroll * (tp - 1)
+    assert len(re.findall(r"st\.relaxed\.sys\.global\.v4\.u32", k.ptx)) == pushes
+    assert k.all_to_all == all_to_all
     assert k.cubin[:4] == b"\x7fELF"
 
 
@@ -390,18 +398,25 @@ def registers(cubin: bytes) -> int:
 # instructions a launch with that ``serving`` can run (``_mode``)
 _FENCE_VARIANTS = [(tp, unroll, serving, arch) for arch in ("sm_90a", "sm_80") for tp in (2, 8)
                    for unroll in (4, 8) for serving in (0, 1)]
+# the same modes of the all-to-all: every audit below runs on both kernels
+_BOTH = [(*v, False) for v in _FENCE_VARIANTS] + [(*v, True) for v in _FENCE_VARIANTS]
 
 
-@pytest.mark.parametrize("tp,unroll,serving,arch", _FENCE_VARIANTS)
-def test_no_system_fence_before_the_pushes_the_kernel_boundary_orders_the_rearms(tp, unroll,
-                                                                                serving, arch):
+def _kernel(tp, unroll, arch, all_to_all):
+    """The audited kernel of the full-width shard (V = 163840) of ``tp`` ranks."""
+    return compile_gather(tp, 163840 // tp // 2, unroll=unroll, arch=arch, all_to_all=all_to_all)
+
+
+@pytest.mark.parametrize("tp,unroll,serving,arch,all_to_all", _BOTH)
+def test_no_system_fence_before_the_pushes_the_kernel_boundary_orders_the_rearms(
+        tp, unroll, serving, arch, all_to_all):
     """Issue 28 item 4, the re-arm: ordered before a peer's push into the same parity two
     calls later by the kernel boundary (PDL's wait, stream order), with no fence on the
     critical path: a ``fence.acq_rel.sys`` after the wait, measured on the H200, cost TP 8
     M = 1 7.31 -> 10.62 µs and TP 2 4.09 -> 5.70 (docs/figures.md). Pinned: nothing
     of the call's protocol (mailbox loads, stores, atomics) comes before PDL's wait, and
     no system fence comes between the wait and the first push."""
-    k = compile_gather(tp, 163840 // tp // 2, unroll=unroll, arch=arch)
+    k = _kernel(tp, unroll, arch, all_to_all)
     ins = _mode(k, serving)
     first_push = next(i for i, t in enumerate(ins) if t.startswith("st.relaxed.sys.global.v4"))
     start = ins.index("griddepcontrol.wait;") if has_pdl(arch) else 0
@@ -411,14 +426,15 @@ def test_no_system_fence_before_the_pushes_the_kernel_boundary_orders_the_rearms
                    for t in ins[start:first_push])
 
 
-@pytest.mark.parametrize("tp,unroll,serving,arch", _FENCE_VARIANTS)
-def test_the_last_cta_count_is_released_and_acquired(tp, unroll, serving, arch):
+@pytest.mark.parametrize("tp,unroll,serving,arch,all_to_all", _BOTH)
+def test_the_last_cta_count_is_released_and_acquired(
+        tp, unroll, serving, arch, all_to_all):
     """Issue 28 item 4, the last-CTA pattern: ``bar.sync``, ``fence.acq_rel.gpu``, the
     done counter's ``atom.add`` (nothing of memory between them), and in the CTA that
     completes the count a second ``fence.acq_rel.gpu`` before its first read or write
     (the mark, the slow word, the counter's reset, the epoch's advance). Serving:
     between the barrier and the fence only the heartbeat (issue 29)."""
-    k = compile_gather(tp, 163840 // tp // 2, unroll=unroll, arch=arch)
+    k = _kernel(tp, unroll, arch, all_to_all)
     ops = _memory_ops(_mode(k, serving))
     adds = [n for n, (_, t) in enumerate(ops) if t.startswith("atom.global.add.u32")]
     assert len(adds) == 1
@@ -432,13 +448,14 @@ def test_the_last_cta_count_is_released_and_acquired(tp, unroll, serving, arch):
     assert [t for _, t in ops].count("fence.acq_rel.gpu;") == 2
 
 
-@pytest.mark.parametrize("tp,unroll,serving,arch", _FENCE_VARIANTS)
-def test_the_record_reads_the_missing_ranks_only_after_an_acquire(tp, unroll, serving, arch):
+@pytest.mark.parametrize("tp,unroll,serving,arch,all_to_all", _BOTH)
+def test_the_record_reads_the_missing_ranks_only_after_an_acquire(
+        tp, unroll, serving, arch, all_to_all):
     """Issue 28 item 4, ``write_record``: the status record (missing ranks, epoch,
     ``fence.sc.sys``, flag) reads the tp missing-rank words of the control block only
     after a ``fence.acq_rel.sys`` that follows the mark's read: the record is in every
     mode once (recoverable: ``publish``; serving: ``record_and_stop``)."""
-    k = compile_gather(tp, 163840 // tp // 2, unroll=unroll, arch=arch)
+    k = _kernel(tp, unroll, arch, all_to_all)
     ops = [t for _, t in _memory_ops(_mode(k, serving))]
     flags = [n for n in range(1, len(ops) - 1) if ops[n] == "fence.sc.sys;"
              and ops[n + 1].startswith("st.relaxed.sys.global.u32")
@@ -485,8 +502,9 @@ def _heartbeat_at(ins, i):
             and ops[1].startswith("st.relaxed.sys.global.u32"))
 
 
-@pytest.mark.parametrize("tp,unroll,serving,arch", _FENCE_VARIANTS)
-def test_serving_raises_the_heartbeat_before_every_step_that_can_stall(tp, unroll, serving, arch):
+@pytest.mark.parametrize("tp,unroll,serving,arch,all_to_all", _BOTH)
+def test_serving_raises_the_heartbeat_before_every_step_that_can_stall(
+        tp, unroll, serving, arch, all_to_all):
     """Issue 29 item 2 (kernel side): the serving variant raises the slow heartbeat
     (``steps.heartbeat``: past half the budget, once per thread) before each push
     batch after the first (inside the push loop, before its system-scope stores),
@@ -495,7 +513,7 @@ def test_serving_raises_the_heartbeat_before_every_step_that_can_stall(tp, unrol
     fences whatever the time, and the give-up's marks write the missing ranks into
     the host record before any store into a peer. A recoverable launch runs none of
     it."""
-    k = compile_gather(tp, 163840 // tp // 2, unroll=unroll, arch=arch)
+    k = _kernel(tp, unroll, arch, all_to_all)
     ins = _mode(k, serving)
     rearm = ins.index("griddepcontrol.wait;") if has_pdl(arch) else 0
     first_push = next(i for i, t in enumerate(ins) if t.startswith("st.relaxed.sys.global.v4"))
@@ -573,3 +591,87 @@ def test_the_fp32_widths_compile_and_pass_the_audit(vocab, tp, arch):
     for serving in (0, 1):
         ops = [t for _, t in _memory_ops(_mode(k, serving))]
         assert ops.count("fence.acq_rel.gpu;") == 2  # the last-CTA release and acquire
+
+
+# Registers of the all-to-all (sm_90a, 256 threads), allocated in units of 8 as above.
+# Measured: TP 8 unroll 4: 72 (the gather's 64: its row offsets and the destination's
+# choice per fragment; 3 CTAs per SM instead of 4 at 256 threads); unroll 8: 60; TP 2
+# unroll 4: 60; unroll 8: 42.
+A2A_REGISTER_CEILING = {(8, 4): 72, (8, 8): 64, (2, 4): 64, (2, 8): 48}
+
+
+@pytest.mark.parametrize("tp,unroll", sorted(A2A_REGISTER_CEILING))
+def test_all_to_all_registers_stay_within_the_ceiling(tp, unroll):
+    k = compile_all_to_all(tp, 163840 // tp // 2, unroll=unroll, arch="sm_90a")
+    allocated = -(-registers(k.cubin) // 8) * 8
+    assert allocated <= A2A_REGISTER_CEILING[tp, unroll], registers(k.cubin)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("unroll", [4, 8])
+def test_the_all_to_all_compiles_and_passes_the_audit(arch, tp, unroll):
+    """Issue 43 item 1: the all-to-all is the gather's kernel addressed by rank. Every
+    audit of the gather holds (``_audit``), with one system-scope push per fragment in
+    flight; one trap, reachable only when launched serving; the row offsets read by
+    compile-time index (no local memory); its own cache entry, never the gather's."""
+    k = compile_all_to_all(tp, 163840 // tp // 2, unroll=unroll, arch=arch)
+    assert k is compile_gather(tp, 163840 // tp // 2, unroll=unroll, arch=arch, all_to_all=True)
+    assert k is not compile_gather(tp, 163840 // tp // 2, unroll=unroll, arch=arch)
+    _audit(k, tp, unroll, arch, staged(unroll), all_to_all=True)
+    assert len(re.findall(r"\btrap;", k.ptx)) == 1
+    assert [_traps(k, serving) for serving in (0, 1)] == [0, 1]
+    assert "ld.local" not in k.ptx and "st.local" not in k.ptx
+
+
+@pytest.mark.parametrize("words", CANDIDATE_WORDS)
+@pytest.mark.parametrize("tp", [2, 8])
+def test_the_all_to_all_compiles_at_the_candidate_widths(words, tp):
+    """A row of a few fragments (one, four): the same audit, both modes."""
+    k = compile_all_to_all(tp, words, arch="sm_90a")
+    _audit(k, tp, DEFAULT_UNROLL, "sm_90a", staged(DEFAULT_UNROLL), all_to_all=True)
+    assert _traps(k, 0) == 0 and _traps(k, 1) == 1
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_the_all_to_all_reads_its_offsets_only_after_the_pdl_wait_and_only_tp_plus_one(tp):
+    """The offsets are parameters (``ld.param``), read where the call needs them; the
+    prologue before PDL's wait is the gather's (the peer table, tp + 2 loads); of the
+    ``MAX_TP + 1`` offset parameters only the first tp + 1 are ever loaded."""
+    from lamport_head.kernels.launch import ALL_TO_ALL_PARAMS, PARAMS
+
+    k = compile_all_to_all(tp, 163840 // tp // 2, arch="sm_90a")
+    before, after = k.ptx.split("griddepcontrol.wait", 1)
+    assert before.count("ld.global.b64") == tp + 2
+    assert not re.search(r"\bld\.(?:volatile\.)?global\.(?:v4\.)?u32", before)
+    names = re.findall(r"\.param\s+\.\w+\s+(\w+)", _ENTRY_PARAMS.search(k.ptx).group(1))
+    assert len(names) == len(ALL_TO_ALL_PARAMS)
+    offsets = names[len(PARAMS):]
+    read = [i for i, name in enumerate(offsets) if re.search(rf"\[{name}\]", k.ptx)]
+    assert read == list(range(tp + 1)) or read == list(range(1, tp + 1)), read
+
+
+def test_the_driver_launcher_picks_the_all_to_all_slots_by_the_kernels_mode():
+    """``launch.ALL_TO_ALL_PARAMS``: the gather's slots, then ``MAX_TP + 1`` int32 row
+    offsets, checked against the all-to-all's PTX entry; the gather's slots are refused
+    on it and its slots on the gather's (``DriverLaunch`` picks by
+    ``compiled.all_to_all``)."""
+    import ctypes
+
+    from lamport_head.kernels.launch import ALL_TO_ALL_PARAMS, PARAMS, _AllToAllValues, kernel_entry
+    from lamport_head.kernels.protocol import MAX_TP
+
+    assert ALL_TO_ALL_PARAMS[:len(PARAMS)] == PARAMS
+    tail = ALL_TO_ALL_PARAMS[len(PARAMS):]
+    assert [n for n, _ in tail] == [f"offset{q}" for q in range(MAX_TP + 1)]
+    assert all(c is ctypes.c_int32 for _, c in tail)
+    starts = [getattr(_AllToAllValues, n).offset for n, _ in tail]
+    assert starts == list(range(starts[0], starts[0] + 4 * len(tail), 4))  # one array
+    for arch in ("sm_90a", "sm_80"):
+        a2a, gather = compile_all_to_all(8, 10240, arch=arch), compile_gather(8, 10240, arch=arch)
+        assert kernel_entry(a2a.ptx, ALL_TO_ALL_PARAMS) and kernel_entry(gather.ptx)
+        with pytest.raises(ValueError, match="widths"):
+            kernel_entry(a2a.ptx)
+        with pytest.raises(ValueError, match="widths"):
+            kernel_entry(gather.ptx, ALL_TO_ALL_PARAMS)
+        assert a2a.all_to_all and not gather.all_to_all

@@ -1,10 +1,12 @@
-"""The gather's exact expected result, in plain torch (any device).
+"""The gather's and the all-to-all's exact expected results, in plain torch (any device).
 
 ``reference_gather(shards)``: the shards concatenated along the vocab axis (NCCL
 all-gather's layout), with every 32-bit word equal to the sentinel replaced by 0, the
 one change the Lamport protocol makes to the bytes: the BF16 pair (+0, -0) becomes
 (+0, +0), the FP32 -0.0 becomes +0.0 (``lamport_head.dtypes``). BF16 and FP32 shards
 alike: the protocol moves words, whatever the values.
+``reference_all_to_all(shards, send_splits)``: rank q's rows of every shard, so
+concatenated, with the same one change.
 """
 
 import torch
@@ -33,6 +35,33 @@ def reference_gather(shards) -> torch.Tensor:
         if s.shape[1] * s.element_size() % 4:
             raise ValueError("shard rows must be whole 32-bit words")
     return scrub(torch.cat(shards, dim=1))
+
+
+def offsets_of(send_splits) -> list:
+    """The row offsets of ``send_splits`` (its prefix sums, from 0): rank q's rows of
+    every shard are ``offsets[q]:offsets[q + 1]``; the all-to-all kernel's argument."""
+    offsets = [0]
+    for n in send_splits:
+        if int(n) != n or n < 0:
+            raise ValueError(f"send_splits must be non-negative ints, got {list(send_splits)}")
+        offsets.append(offsets[-1] + int(n))
+    return offsets
+
+
+def reference_all_to_all(shards, send_splits) -> list:
+    """Rank q's ``[send_splits[q], V]`` output for every q, from the ranks' ``[M, V/TP]``
+    BF16 shards (``M = sum(send_splits)``, the same splits on every rank): rows
+    ``offsets[q]:offsets[q + 1]`` of every shard, in rank order along the vocab axis,
+    sentinel words scrubbed (vLLM's ``all_to_all_vocab_shards``)."""
+    shards = list(shards)
+    if len(send_splits) != len(shards):
+        raise ValueError(f"{len(send_splits)} splits for {len(shards)} ranks")
+    offsets = offsets_of(send_splits)
+    full = reference_gather(shards)  # checks the shards
+    if offsets[-1] != full.shape[0]:
+        raise ValueError(f"send_splits {list(send_splits)} sum to {offsets[-1]}, the shards "
+                         f"hold {full.shape[0]} rows")
+    return [full[offsets[q]:offsets[q + 1]] for q in range(len(shards))]
 
 
 SPECIAL = (SENTINEL, 0x00008000, -0x80000000 | 0x3F80, 0x3F808000, 0, 0x7FC07FC0,
