@@ -37,7 +37,7 @@ def served(dtype) -> bool:
 
 def torch_dtype(dtype):
     """The torch dtype of ``dtype`` (a name or a torch dtype)."""
-    import torch
+    import torch  # lazy: tables and the CLI's help read this module without torch
 
     return getattr(torch, name(dtype))
 

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import yaml
 
+from . import dtypes
 from .config import GatherConfig
 from .dtypes import DEFAULT as LEGACY_DTYPE  # the dtype of a section written without ``dtype``
 from .dtypes import ITEMSIZE, NAMES as DTYPES
@@ -289,9 +290,7 @@ class Table:
         section for the rest of the key whatever its V/stock/dtype, None when there is
         none, ``TableError`` naming the choices when there are several (ask for one)."""
         if dtype is not None:
-            from .dtypes import name
-
-            dtype = name(dtype)
+            dtype = dtypes.name(dtype)
         found = [s for s in self.sections
                  if normalize(s.device) == normalize(device_name) and s.tp == tp
                  and s.dcp == dcp and s.emulated == emulated

@@ -19,6 +19,6 @@ of our log lines into an engine's own handlers is that engine's adapter's
 def measure_first_use(*args, **kwargs):
     """First-use tuning's measuring (``lamport_head.tuning.firstuse.measure``), imported
     only when the install core decided, on every rank alike, to measure."""
-    from lamport_head.tuning.firstuse import measure
+    from lamport_head.tuning.firstuse import measure  # lazy: the tuner, first-use tuning only
 
     return measure(*args, **kwargs)

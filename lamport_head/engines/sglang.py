@@ -44,6 +44,7 @@ result is SGLang's, bitwise. SGLang is imported only here, lazily.
 """
 
 import functools
+import importlib
 import logging
 from typing import NamedTuple
 
@@ -123,7 +124,7 @@ def _why_stock(lp):
 def _sglang_tp():
     """SGLang's TP group: (agreement group: its CPU group where it has one, size, rank
     in group, device group)."""
-    from sglang.srt.distributed.parallel_state import get_tp_group
+    from sglang.srt.distributed.parallel_state import get_tp_group  # lazy: SGLang
 
     tp_group = get_tp_group()
     cpu = getattr(tp_group, "cpu_group", None)
@@ -138,8 +139,6 @@ def rows_from_sglang(runner):
     (``install.decode_rows``). Max running requests unset (SGLang sizes it from the KV
     pool after the model loads, thousands by default): up to the cap. None when this
     SGLang does not answer (not 0.5.23's names): the table's rows."""
-    import importlib
-
     try:
         context = importlib.import_module(CONTEXT)
         requests = getattr(context.get_schedule(), REQUESTS)
@@ -158,8 +157,6 @@ def draft_rows_from_sglang(runner):
     draft decode step ``requests x speculative_eagle_topk`` rows, the draft extend
     one row a request): 1 .. max running requests x topk (1 when unset), capped
     (``install.decode_rows``). None when this SGLang does not answer: the table's rows."""
-    import importlib
-
     try:
         context = importlib.import_module(CONTEXT)
         requests = getattr(context.get_schedule(), REQUESTS)
@@ -276,7 +273,7 @@ def poll_before_forward(runner, gather):
 
 
 def _dcp_size():
-    try:
+    try:  # lazy: SGLang; older releases lack it
         from sglang.srt.runtime_context import get_parallel
 
         return int(getattr(get_parallel(), "attn_dcp_size", 1) or 1)
@@ -467,7 +464,7 @@ def register():
     global _registered
     if _registered:
         return
-    try:
+    try:  # lazy: SGLang
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     except Exception as exc:
         logger.debug("lamport-head: no SGLang hook registry (%s)", exc)

@@ -15,6 +15,7 @@ processors of model-specific subclasses would not be covered, so it is not used 
 """
 
 import functools
+import importlib
 import logging
 import threading
 from typing import NamedTuple
@@ -22,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ... import install
+from ...candidates import SmallGather, packed_width
 from ...outcome import Stock
 from .. import measure_first_use
 from .find import (TOP_K_PATH, candidate_caller, find_drafter_target, find_gather_target,
@@ -83,9 +85,8 @@ def install_candidate_gather(processors, ranks, rows=None, payloads=None, *,
     only, the same on every rank. ``path``: what the summary calls it. Never raises but
     for payloads ``candidates.packed_width`` refuses (before any collective, on every
     rank alike: the caller's error)."""
-    from vllm.distributed import tensor_model_parallel_all_gather
+    from vllm.distributed import tensor_model_parallel_all_gather  # lazy: vLLM
 
-    from ...candidates import SmallGather, packed_width
 
     payloads = tuple(payloads or pair_payloads())
     widths = {}
@@ -146,8 +147,6 @@ def _dispatching():
     2-D last-dimension all-gather of a routed ``(cols, dtype)`` goes through its
     ``SmallGather`` (whose stock is the original); every other call is the original's,
     unchanged (``_gather_logits``, other processors, other threads)."""
-    import importlib
-
     module = importlib.import_module(_LP_MODULE)
     original = getattr(module, _ALL_GATHER)
     if getattr(original, _MARK, False):

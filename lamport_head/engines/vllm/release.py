@@ -11,6 +11,7 @@ missing any name serves stock (the speed-up is lost, never the engine).
 """
 
 import importlib
+import importlib.metadata
 import logging
 from dataclasses import dataclass
 
@@ -58,13 +59,11 @@ class Release:
 def version():
     """The running vLLM's version string (``vllm.__version__``: what vLLM itself reports;
     the installed metadata when the module does not say)."""
-    import vllm
+    import vllm  # lazy: vLLM, in the worker that has it
 
     found = getattr(vllm, "__version__", None)
     if not found:
-        from importlib.metadata import version as installed
-
-        found = installed("vllm")
+        found = importlib.metadata.version("vllm")
     return str(found)
 
 

@@ -143,7 +143,7 @@ def _cpu_group(coordinator):
 def _install_after_load(worker):
     """Every install a loaded worker takes, in the same order on every rank; rank 0 says
     the summary. Returns the target's ``Outcome``."""
-    from vllm.distributed import parallel_state as ps
+    from vllm.distributed import parallel_state as ps  # lazy: vLLM
 
     tp_group = ps.get_tp_group()
     running = releases.say(releases.check(worker, tp_group))
