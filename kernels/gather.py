@@ -30,7 +30,7 @@ from .protocol import (GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1, 
                        TIMER_BASE, TIMER_CALLS, TIMER_PHASES, WORDS)
 from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, advance, batch_of, deliver, epoch_of, fetch,
                     fetch_staged, give_up_staged, mark_of, mark_peers, publish, push, push_staged,
-                    raise_slow, repoll, repoll_staged)
+                    push_token, raise_slow, repoll, repoll_staged)
 
 
 class Gather:
@@ -53,12 +53,14 @@ class Gather:
     kernel's last ``MAX_TP + 1`` Int32 parameters (``launch.ALL_TO_ALL_PARAMS``), by
     value, so a launch needs no device copy of them and a graph replay no pointer
     kept alive; only ``offsets[0..tp]`` are read (compile-time indices: no local
-    memory). A rank of 0 rows pushes, polls nothing and still advances its epoch:
-    every rank moves the parity every call. Open: polling nothing, such a rank's call
-    waits for no peer, so nothing in the kernel orders its next call's pushes after a
-    peer's re-arm of that parity (two calls ahead): its caller must, until it polls a
-    token per peer (tests/test_gpu_all_to_all.py, ``ZERO_ROW_RACE``). With
-    ``all_to_all`` False the kernel is the gather, parameter for parameter."""
+    memory). Every rank waits on every peer every call, as in the gather, so none
+    runs more than a call ahead and a re-arm precedes the same parity's next push
+    (docs/design.md, "Parities and re-arm"): a rank q of 0 rows this call gets from
+    every peer one token (``steps.push_token``: the epoch, a system-scope store, row 0
+    of q's box at the peer's columns, which no data fills while q has no row), polls
+    those tp - 1 as data (budget, give-up, mark), re-arms them and delivers nothing;
+    its epoch advances. With ``all_to_all`` False the kernel is the gather, parameter
+    for parameter, its PTX unchanged."""
 
     def __init__(self, tp: int, shard_words: int, threads: int, unroll: int, pdl: bool,
                  timers: bool = False, staged: bool = False, all_to_all: bool = False):
@@ -190,13 +192,11 @@ class Gather:
         slow = Int32(serving == 0)
         watch = (start, budget, slow, status, own_control, epoch)  # serving's heartbeat
         routing = None  # the gather: every fragment to every rank
-        mine = rows  # rows this rank delivers
         if cutlass.const_expr(self.all_to_all):
             routing = (rank, tuple(offsets[q] for q in range(tp + 1)))
-            mine = Int32(0)
-            for q in cutlass.range_constexpr(tp):
-                if rank == q:
-                    mine = offsets[q + 1] - offsets[q]
+            # before the data: one store of a thread, at the start (no heartbeat due yet)
+            push_token(me, epoch, Int64(rank * self.shard_words), routing, peers,
+                       Int64(parity) * span, cause, tp)
         if cutlass.const_expr(self.staged):
             slow = push_staged(shard, out, targets, Int64(rank * self.shard_words), rows, me,
                                stride, cause, watch, stage, tid, self.threads, tp, frags, width,
@@ -206,7 +206,17 @@ class Gather:
                         me, stride, cause, watch, tp, frags, width, unroll, routing)
         self.stamp(stamps, 2)
 
+        mine = rows  # rows this rank delivers
+        token = None  # the gather's: no token (compile-time: its kernel is unchanged)
+        if cutlass.const_expr(self.all_to_all):  # computed here: no register through the push
+            mine = Int32(0)
+            for q in cutlass.range_constexpr(tp):
+                if rank == q:
+                    mine = offsets[q + 1] - offsets[q]
+            token = Int32(mine == 0)  # 1: this call polls a token per peer, delivers none
         polls = mine * (tp - 1) * frags
+        if cutlass.const_expr(self.all_to_all):
+            polls = polls + token * (tp - 1)  # 0 rows: the peers' tokens (``push_token``)
         missing = Int32(0)
         base = me
         while base < polls:
@@ -214,21 +224,21 @@ class Gather:
                 pending = batch_of(base, stride, polls, unroll)
                 if stopped == 0:  # marked before this call began: deliver none (below)
                     pending = fetch_staged(own, out, pending, base, stride, polls, rank, stage,
-                                           tid, self.threads, frags, width, unroll)
+                                           tid, self.threads, frags, width, unroll, token)
                 while (pending != 0) & (cause == 0):
                     pending = repoll_staged(own, out, pending, base, stride, rank, frags, width,
-                                            unroll)
+                                            unroll, token)
                     if pending != 0:  # a batch that just completed is never a give-up
                         cause, slow = self.still_waiting(start, wait, budget, slow, status,
                                                          own_control, epoch)
                 missing = give_up_staged(out, pending, missing, base, stride, rank, frags, width,
-                                         unroll)
+                                         unroll, token)
             else:
                 held = cute.make_rmem_tensor((unroll, WORDS), Uint32)
                 where = cute.make_rmem_tensor((unroll,), Int64)
                 source = cute.make_rmem_tensor((unroll,), Int32)
                 pending = fetch(own, held, where, source, base, stride, polls, rank, frags, width,
-                                unroll)
+                                unroll, token)
                 if stopped != 0:  # marked before this call began: its box may hold late
                     pending = Int32((1 << unroll) - 1)  # pushes of a void call; deliver none
                 while (pending != 0) & (cause == 0):
@@ -237,7 +247,7 @@ class Gather:
                         cause, slow = self.still_waiting(start, wait, budget, slow, status,
                                                          own_control, epoch)
                 missing = deliver(own, out, held, where, source, pending, missing, base, stride,
-                                  polls, unroll)
+                                  polls, unroll, token)
             base = base + stride * unroll
         self.stamp(stamps, 3)
         if cause == CAUSE_TIMEOUT:

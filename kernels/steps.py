@@ -8,7 +8,9 @@ a parity box (or of the output: both are ``[rows, width]`` words).
 Invariants a change must keep:
 
 - ``push``: own fragments go scrubbed to the output, never through the own box; to
-  peers by system-scope stores, and not at all once the mark is seen.
+  peers by system-scope stores, and not at all once the mark is seen. All-to-all:
+  ``push_token`` too, to each peer of 0 rows this call, which polls the tokens as
+  fragments and writes none of them out (``write_out``).
 - The reader re-arms what it copied, only through ``take``; nobody else re-arms.
 - A fragment that never arrived is written as NaN; its rank joins ``missing``.
 - A batch's loads are all issued before the first check; only dirty fragments are
@@ -41,7 +43,7 @@ from .primitives import (armed, atomic_add_word, atomic_max_word_sys, copy_async
                          load_word_volatile, opaque, scrub, store, store_sys, store_word, store_word_sys,
                          trap, wait_async)
 from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, CONTROL_SLOW,
-                       EPOCH_SPAN, MARK_TOP, NAN_PAIR, PEER_CONTROL, SENTINEL, STATUS_EPOCH, STATUS_FLAG,
+                       EPOCH_SPAN, MARK_TOP, NAN_PAIR, PEER_CONTROL, PEER_PARITY0, SENTINEL, STATUS_EPOCH, STATUS_FLAG,
                        STATUS_PEERS, STATUS_SLOW, SLOW_SHIFT, STOP_SHIFT,
                        WORDS)
 
@@ -232,11 +234,37 @@ def send_fragment(words, offset: Int64, dst: Int64, step: Int32, box: Int64, sto
 
 
 @cute.jit
-def locate(f: Int32, rank: Int32, frags: cutlass.Constexpr, width: cutlass.Constexpr):
+def push_token(me: Int32, epoch: Int32, column: Int64, routing, peers: Int64, shift: Int64,
+               stop: Int32, tp: cutlass.Constexpr):
+    """All-to-all: a rank of 0 rows this call polls one token per peer, so its call
+    waits on every peer's as the gather's does (no rank more than a call ahead).
+    Thread q < tp pushes this rank's token to rank q when q's split is empty and q is
+    not this rank, unless ``stop``: the epoch (below ``EPOCH_SPAN``: never the
+    sentinel) in every word of one fragment, by a system-scope store, at row 0 of q's
+    box of this parity (its address read from the peer table here, as ``mark_peers``
+    does: fewer registers through the push; ``shift`` bytes on), this rank's ``column``
+    onwards: the slot of this rank's first fragment for q, which no data fills in a
+    call where q has no row, and which only q's token poll reads and re-arms."""
+    rank, offsets = routing
+    box = Int64(0)
+    for q in cutlass.range_constexpr(tp):  # compile-time indices: no local memory
+        if me == q:
+            if (offsets[q + 1] == offsets[q]) & (rank != q) & (stop == 0):
+                box = load_address(peers + Int64(PEER_PARITY0 * tp + q) * 8) + shift
+    if box != 0:
+        store_sys(box + column * 4, (Uint32(epoch),) * WORDS)
+
+
+@cute.jit
+def locate(f: Int32, rank: Int32, frags: cutlass.Constexpr, width: cutlass.Constexpr,
+           token=None):
     """Peer fragment ``f`` of this rank's box: its byte offset (box and output alike)
     and the rank that pushes it. Row-major over the row's peer fragments, our own
-    columns skipped."""
+    columns skipped. All-to-all, ``token`` 1 (this rank has 0 rows): the f-th peer's
+    token instead, its first fragment of row 0 (``push_token``)."""
     others: cutlass.Constexpr = width // WORDS - frags  # peer fragments per row
+    if cutlass.const_expr(token is not None):
+        f = f * (Int32(1) + token * Int32(frags - 1))  # f < tp - 1: row 0, peer f's first
     m = f // others
     j = f - m * others
     j = j + frags * Int32(j >= rank * frags)
@@ -247,15 +275,16 @@ def locate(f: Int32, rank: Int32, frags: cutlass.Constexpr, width: cutlass.Const
 @cute.jit
 def fetch(own: Int64, held: cute.Tensor, where: cute.Tensor, source: cute.Tensor,
           base: Int32, stride: Int32, polls: Int32, rank: Int32, frags: cutlass.Constexpr,
-          width: cutlass.Constexpr, unroll: cutlass.Constexpr) -> Int32:
-    """Load a batch of peer fragments from this rank's box; the dirty ones' mask."""
+          width: cutlass.Constexpr, unroll: cutlass.Constexpr, token=None) -> Int32:
+    """Load a batch of peer fragments (``token``: tokens, ``locate``) from this rank's
+    box; the dirty ones' mask."""
     pending = Int32(0)
     for i in cutlass.range_constexpr(unroll):
         f = base + i * stride
         where[i] = Int64(0)
         source[i] = Int32(0)
         if f < polls:
-            where[i], source[i] = locate(f, rank, frags, width)
+            where[i], source[i] = locate(f, rank, frags, width, token)
             words = load_volatile(own + where[i])
             for k in cutlass.range_constexpr(WORDS):
                 held[i, k] = words[k]
@@ -281,25 +310,38 @@ def repoll(own: Int64, held: cute.Tensor, where: cute.Tensor, pending: Int32,
 @cute.jit
 def deliver(own: Int64, dst: Int64, held: cute.Tensor, where: cute.Tensor, source: cute.Tensor,
             pending: Int32, missing: Int32, base: Int32, stride: Int32, polls: Int32,
-            unroll: cutlass.Constexpr) -> Int32:
+            unroll: cutlass.Constexpr, token=None) -> Int32:
     """Copy a batch's arrived fragments out and re-arm them; write the rest as NaN
-    (``give_up``). Returns ``missing`` with those fragments' ranks added."""
+    (``give_up``). Returns ``missing`` with those fragments' ranks added. Tokens
+    (``token`` 1): re-armed, or their ranks missing, and nothing written out."""
     for i in cutlass.range_constexpr(unroll):
         if base + i * stride < polls:
             if (pending >> i) & 1:
-                store(dst + where[i], (Uint32(NAN_PAIR),) * WORDS)  # give_up
+                write_out(dst, where[i], (Uint32(NAN_PAIR),) * WORDS, token)  # give_up
                 missing = missing | (1 << source[i])
             else:
-                take(own, dst, where[i], tuple(held[i, k] for k in range(WORDS)))
+                take(own, dst, where[i], tuple(held[i, k] for k in range(WORDS)), token)
     return missing
 
 
 @cute.jit
-def take(own: Int64, dst: Int64, where: Int64, words):
+def write_out(dst: Int64, where: Int64, words, token=None):
+    """``words`` at byte ``where`` of the output, unless they answer a token poll
+    (``token`` 1: a rank of 0 rows has no output row)."""
+    if cutlass.const_expr(token is None):
+        store(dst + where, words)
+    else:
+        if token == 0:
+            store(dst + where, words)
+
+
+@cute.jit
+def take(own: Int64, dst: Int64, where: Int64, words, token=None):
     """An arrived fragment (``words``, at byte ``where`` of the box and the output):
-    copied out, then its box slot re-armed. Every path that delivers goes through
-    here: the reader re-arms what it copied, and nobody else re-arms a box."""
-    store(dst + where, words)
+    copied out (``write_out``: not a token), then its box slot re-armed. Every path that
+    delivers goes through here: the reader re-arms what it copied, and nobody else
+    re-arms a box."""
+    write_out(dst, where, words, token)
     store(own + where, (Uint32(SENTINEL),) * WORDS)
 
 
@@ -347,12 +389,13 @@ def push_staged(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, row
 def fetch_staged(own: Int64, dst: Int64, pending: Int32, base: Int32, stride: Int32,
                  polls: Int32, rank: Int32, stage: Int32, tid: Int32,
                  threads: cutlass.Constexpr, frags: cutlass.Constexpr,
-                 width: cutlass.Constexpr, unroll: cutlass.Constexpr) -> Int32:
-    """Copy the ``pending`` fragments of a batch into their slots, then deliver each
-    that arrived (copy out, re-arm); the mask of those still dirty."""
+                 width: cutlass.Constexpr, unroll: cutlass.Constexpr, token=None) -> Int32:
+    """Copy the ``pending`` fragments (``token``: tokens, ``locate``) of a batch into
+    their slots, then deliver each that arrived (copy out, re-arm); the mask of those
+    still dirty."""
     for i in cutlass.range_constexpr(unroll):
         if (pending >> i) & 1:
-            where, _ = locate(base + i * stride, rank, frags, width)
+            where, _ = locate(base + i * stride, rank, frags, width, token)
             copy_async(slot(stage, i, tid, threads), own + where)
     wait_async()
     again = opaque(base)  # the offsets again, not held across the wait
@@ -360,8 +403,8 @@ def fetch_staged(own: Int64, dst: Int64, pending: Int32, base: Int32, stride: In
         if (pending >> i) & 1:
             words = load_shared(slot(stage, i, tid, threads))
             if armed(words) == 0:
-                where, _ = locate(again + i * stride, rank, frags, width)
-                take(own, dst, where, words)
+                where, _ = locate(again + i * stride, rank, frags, width, token)
+                take(own, dst, where, words, token)
                 pending = pending & ~(1 << i)
     return pending
 
@@ -369,17 +412,18 @@ def fetch_staged(own: Int64, dst: Int64, pending: Int32, base: Int32, stride: In
 @cute.jit
 def repoll_staged(own: Int64, dst: Int64, pending: Int32, base: Int32, stride: Int32,
                   rank: Int32, frags: cutlass.Constexpr, width: cutlass.Constexpr,
-                  unroll: cutlass.Constexpr) -> Int32:
-    """Poll a staged batch's dirty fragments once more, one at a time with the volatile
-    load (its progress is the memory model's, unlike ``cp.async``'s), delivering each
-    that arrived; the mask still dirty. One fragment's registers at a time."""
+                  unroll: cutlass.Constexpr, token=None) -> Int32:
+    """Poll a staged batch's dirty fragments (``token``: tokens) once more, one at a
+    time with the volatile load (its progress is the memory model's, unlike
+    ``cp.async``'s), delivering each that arrived; the mask still dirty. One
+    fragment's registers at a time."""
     again = opaque(base)  # the offsets computed here, not held through the wait loop
     for i in cutlass.range_constexpr(unroll):
         if (pending >> i) & 1:
-            where, _ = locate(again + i * stride, rank, frags, width)
+            where, _ = locate(again + i * stride, rank, frags, width, token)
             words = load_volatile(own + where)
             if armed(words) == 0:
-                take(own, dst, where, words)
+                take(own, dst, where, words, token)
                 pending = pending & ~(1 << i)
     return pending
 
@@ -397,13 +441,13 @@ def batch_of(base: Int32, stride: Int32, polls: Int32, unroll: cutlass.Constexpr
 @cute.jit
 def give_up_staged(dst: Int64, pending: Int32, missing: Int32, base: Int32, stride: Int32,
                    rank: Int32, frags: cutlass.Constexpr, width: cutlass.Constexpr,
-                   unroll: cutlass.Constexpr) -> Int32:
-    """``give_up`` for a staged batch: NaN for every fragment still ``pending``;
-    ``missing`` with their ranks added."""
+                   unroll: cutlass.Constexpr, token=None) -> Int32:
+    """``give_up`` for a staged batch: NaN for every fragment still ``pending`` (not
+    for tokens: ``write_out``); ``missing`` with their ranks added."""
     for i in cutlass.range_constexpr(unroll):
         if (pending >> i) & 1:
-            where, source = locate(base + i * stride, rank, frags, width)
-            store(dst + where, (Uint32(NAN_PAIR),) * WORDS)
+            where, source = locate(base + i * stride, rank, frags, width, token)
+            write_out(dst, where, (Uint32(NAN_PAIR),) * WORDS, token)
             missing = missing | (1 << source)
     return missing
 
@@ -461,5 +505,5 @@ def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.C
     store_word_sys(status + STATUS_FLAG * 4, 1)
 
 
-__all__ = ["heartbeat", "route", "send_fragment", "push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
+__all__ = ["heartbeat", "route", "send_fragment", "push_token", "write_out", "push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
            "publish", "raise_slow", "record_and_stop", "write_record", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]

@@ -5,7 +5,9 @@
 by the ranks, one stream and one pinned status record per rank, the compiled kernel
 (``compile_all_to_all``) launched per rank through the driver (``DriverLaunch``) with
 that call's row offsets. Every rank launches on every call, its output of 0 rows
-included: the parity moves on every rank every call. Outputs are poisoned first.
+included: the parity moves on every rank every call, and a rank of 0 rows waits on a
+token from every peer (``steps.push_token``), so ranks free-run on the mailbox alone
+(none more than a call ahead). Outputs are poisoned first.
 """
 
 import random
@@ -142,18 +144,7 @@ def test_even_uneven_and_empty_splits_are_bitwise(tp):
     assert ranks.box.armed(), "mailbox words left un-armed"
 
 
-# A rank of 0 rows polls nothing, so its call s waits for no peer's call s push: its
-# call s + 1 may push into a peer's parity box while that peer is still in call s - 1
-# polling and re-arming it (wrong data, or a re-arm that eats the push: a timeout).
-# Joined calls (the test above) and serving's other collectives order it; free-running
-# ranks do not. The kernel needs a token per peer for an empty rank (see the report).
-ZERO_ROW_RACE = pytest.mark.xfail(strict=False, reason=(
-    "a rank of 0 rows waits for no peer, so free-running it can overtake a peer by two "
-    "calls (issue 43: a token fragment per peer for an empty rank)"))
-
-
-@pytest.mark.parametrize("empty", [False, pytest.param(True, marks=ZERO_ROW_RACE)],
-                         ids=["no-empty-rank", "empty-ranks"])
+@pytest.mark.parametrize("empty", [False, True], ids=["no-empty-rank", "empty-ranks"])
 @pytest.mark.parametrize("tp", [2, 8])
 def test_free_running_ranks_with_splits_changing_every_call(tp, empty):
     """300 calls per rank, each rank on its own stream with no join between calls
@@ -182,6 +173,43 @@ def test_free_running_ranks_with_splits_changing_every_call(tp, empty):
     assert ranks.epochs() == [calls] * tp
     assert ranks.flags() == [0] * tp
     assert ranks.box.armed(), "mailbox words left un-armed after the free run"
+
+
+@pytest.mark.parametrize("unroll", [4, 8])
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_a_rank_empty_on_most_calls_runs_free_with_the_others(tp, unroll):
+    """The zero-row race (fixed by the token): rank tp - 1 has 0 rows on nine calls in
+    ten, so its calls are short and it runs ahead as far as the mailbox lets it, while
+    rank 0's stream sleeps before some calls (it lags). Without the token that rank's
+    call s + 1 pushed into rank 0's box of the parity rank 0 was still re-arming in call
+    s - 1 (wrong words, or a timeout). 300 free-running calls: every output bitwise,
+    every epoch 300, every mailbox word re-armed, no flag. Unroll 8: the staged poll."""
+    device = _device()
+    calls, cap, shard = 300, 8, VOCAB // tp
+    ranks = _Ranks(device, tp, shard, cap, unroll=unroll, budget_s=0.5)
+    rng = random.Random(100 + tp)
+    plan = []
+    for call in range(calls):
+        splits = [rng.randint(1, cap) for _ in range(tp - 1)]
+        splits.append(0 if rng.random() < 0.9 else rng.randint(1, cap))
+        if rng.random() < 0.05:
+            splits = [0] * tp  # every rank polls only tokens
+        splits = tuple(splits)
+        plan.append((splits, _shards(tp, sum(splits), shard, device, seed=2000 + call)))
+    outs = [ranks.outputs(splits) for splits, _ in plan]
+    ranks.start()
+    for call, ((splits, shards), out) in enumerate(zip(plan, outs)):
+        if call % 7 == 3:  # rank 0 lags: the empty rank's next calls meet its old parity
+            with torch.cuda.stream(ranks.streams[0]):
+                torch.cuda._sleep(50_000)
+        ranks.launch(shards, splits, out)
+    ranks.join()
+    torch.cuda.synchronize(device)
+    for call, ((splits, shards), out) in enumerate(zip(plan, outs)):
+        _check(out, shards, splits, f"call {call}, splits {splits}")
+    assert ranks.epochs() == [calls] * tp
+    assert ranks.flags() == [0] * tp
+    assert ranks.box.armed(), "mailbox words (tokens) left un-armed after the free run"
 
 
 def test_full_vocab_staged_and_one_fragment_rows():
@@ -230,7 +258,8 @@ def test_the_dsl_callable_and_the_driver_launch_agree():
 def test_a_rank_that_never_launches_is_found_missing_and_its_columns_are_nan():
     """Recoverable give-up, as the gather's: rank 1 skips one call; every rank that
     polls rows writes NaN in rank 1's columns (the rest bitwise), marks every rank
-    and records rank 1 missing; a rank of 0 rows polls nothing and delivers nothing."""
+    and records rank 1 missing; a rank of 0 rows waits on rank 1's token as on data,
+    gives up alike and writes nothing (its output has no row)."""
     device = _device()
     tp, shard = 4, VOCAB // 4
     ranks = _Ranks(device, tp, shard, 8, budget_s=0.05)

@@ -23,6 +23,19 @@ from lamport_head.kernels import ARCHS, compile_all_to_all, compile_gather, has_
 from lamport_head.kernels.protocol import DEFAULT_UNROLL, NAN_PAIR, staged
 
 
+# The all-to-all's token (``steps.push_token``): a system-scope 16-byte store of one
+# register in every word; a data push stores four words of a fragment
+_TOKEN = re.compile(r"^(?:@!?%p\d+\s+)?st\.relaxed\.sys\.global\.v4\.u32\s+\[[^\]]+\],\s*"
+                    r"\{\s*(%r\d+)\s*,\s*\1\s*,\s*\1\s*,\s*\1\s*\};")
+
+
+def _data_pushes(ins):
+    """Indices of the peer pushes of data in ``ins``: the system-scope 16-byte stores
+    but the all-to-all's token."""
+    return [i for i, t in enumerate(ins)
+            if t.startswith("st.relaxed.sys.global.v4") and not _TOKEN.match(t)]
+
+
 def _ops(ptx):
     return set(re.findall(r"\b(?:st|ld|multimem)\.[a-z0-9.:]+", ptx))
 
@@ -50,9 +63,12 @@ def _audit(k, tp, unroll, arch, staged=False, all_to_all=False):
     assert str(NAN_PAIR) in k.ptx or hex(NAN_PAIR) in k.ptx.lower()  # missing -> NaN
     assert ("griddepcontrol.wait" in k.ptx) == has_pdl(arch)  # PDL where the arch has it
     # every push is one 16-byte store per peer per fragment in flight (the all-to-all:
-    # per fragment in flight, to its one destination)
+    # per fragment in flight, to its one destination, and its token: one more, of the
+    # same system-scope kind, one register in all four words: the epoch)
     pushes = unroll if all_to_all else unroll * (tp - 1)
-    assert len(re.findall(r"st\.relaxed\.sys\.global\.v4\.u32", k.ptx)) == pushes
+    tokens = [t for t in _instructions(k.ptx) if _TOKEN.match(t)]
+    assert len(tokens) == (1 if all_to_all else 0), tokens
+    assert len(re.findall(r"st\.relaxed\.sys\.global\.v4\.u32", k.ptx)) == pushes + len(tokens)
     assert k.all_to_all == all_to_all
     assert k.cubin[:4] == b"\x7fELF"
 
@@ -516,12 +532,12 @@ def test_serving_raises_the_heartbeat_before_every_step_that_can_stall(
     k = _kernel(tp, unroll, arch, all_to_all)
     ins = _mode(k, serving)
     rearm = ins.index("griddepcontrol.wait;") if has_pdl(arch) else 0
-    first_push = next(i for i, t in enumerate(ins) if t.startswith("st.relaxed.sys.global.v4"))
+    pushes = _data_pushes(ins)  # the token (all-to-all): one store, before them, at the start
+    first_push = pushes[0]
     beats = [i for i in range(rearm, first_push) if _heartbeat_at(ins, i)]
     assert len(beats) == (1 if serving else 0)
     if serving:  # inside the push loop: the loop's back edge jumps to a label before it
         label = next(ins[i][:-1] for i in range(beats[0], rearm, -1) if ins[i].endswith(":"))
-        pushes = [i for i, t in enumerate(ins) if t.startswith("st.relaxed.sys.global.v4")]
         assert any(re.search(rf"\bbra(?:\.uni)?\s+{re.escape(label)};", t)
                    for t in ins[pushes[-1]:])
     polls = [i for i in range(first_push, len(ins)) if _heartbeat_at(ins, i)]
@@ -596,7 +612,10 @@ def test_the_fp32_widths_compile_and_pass_the_audit(vocab, tp, arch):
 # Registers of the all-to-all (sm_90a, 256 threads), allocated in units of 8 as above.
 # Measured: TP 8 unroll 4: 72 (the gather's 64: its row offsets and the destination's
 # choice per fragment; 3 CTAs per SM instead of 4 at 256 threads); unroll 8: 60; TP 2
-# unroll 4: 60; unroll 8: 42.
+# unroll 4: 60; unroll 8: 42. With the token (``push_token``, its box address loaded
+# where it is pushed, the rank's rows computed after the pushes): TP 8 unroll 4: 66;
+# unroll 8: 48; TP 2 unroll 4: 56; unroll 8: 44 (the selects over the held box
+# addresses instead: 76, 64, 58, 40).
 A2A_REGISTER_CEILING = {(8, 4): 72, (8, 8): 64, (2, 4): 64, (2, 8): 48}
 
 
@@ -649,6 +668,32 @@ def test_the_all_to_all_reads_its_offsets_only_after_the_pdl_wait_and_only_tp_pl
     offsets = names[len(PARAMS):]
     read = [i for i, name in enumerate(offsets) if re.search(rf"\[{name}\]", k.ptx)]
     assert read == list(range(tp + 1)) or read == list(range(1, tp + 1)), read
+
+
+@pytest.mark.parametrize("tp,unroll,serving,arch", _FENCE_VARIANTS)
+def test_the_all_to_all_token_is_the_epoch_in_one_system_scope_store_before_the_data(
+        tp, unroll, serving, arch):
+    """The zero-row race's fix (``steps.push_token``): a rank of 0 rows polls one token
+    per peer, so every call waits on every peer. The token is pushed like data: one
+    ``st.relaxed.sys.global.v4`` (the audit counts it), reachable in both modes, after
+    PDL's wait and before the first data push (no system fence between: the kernel
+    boundary orders the re-arms, as for data); its four words are the epoch's volatile
+    load (never the sentinel: below ``EPOCH_SPAN``), the register whose low bit is
+    the parity; its box address a peer-table load. The gather has none."""
+    k = _kernel(tp, unroll, arch, True)
+    ins = _mode(k, serving)
+    tokens = [i for i, t in enumerate(ins) if _TOKEN.match(t)]
+    assert len(tokens) == 1
+    token = tokens[0]
+    start = ins.index("griddepcontrol.wait;") if has_pdl(arch) else 0
+    assert start < token < _data_pushes(ins)[0]
+    assert not any(t.startswith(("fence", "membar")) for t in ins[start:token])
+    word = _TOKEN.match(ins[token]).group(1)
+    defined = [t for t in ins[:token] if re.match(rf"\S+\s+{re.escape(word)},", t)]
+    assert len(defined) == 1 and defined[0].startswith("ld.volatile.global.u32"), defined
+    assert any(re.match(rf"and\.b32\s+%r\d+,\s*{re.escape(word)},\s*1;", t) for t in ins)
+    assert any(t.startswith("ld.global.b64") for t in ins[start:token])
+    assert not any(_TOKEN.match(t) for t in _instructions(_kernel(tp, unroll, arch, False).ptx))
 
 
 def test_the_driver_launcher_picks_the_all_to_all_slots_by_the_kernels_mode():
