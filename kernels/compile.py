@@ -33,7 +33,8 @@ _LOCK = threading.Lock()
 @dataclass(frozen=True)
 class CompiledGather:
     """``launch(shard, out_address, peers_address, rank, ctas, budget_ns, status_address,
-    serving)`` (the DSL's TVM-FFI callable) plus what a host needs to launch it itself and check
+    serving)`` (the DSL's TVM-FFI callable, declared for a BF16 shard: FP32 logits launch
+    through ``DriverLaunch``, which reads only the address and the rows) plus what a host needs to launch it itself and check
     the launch (cubin, threads, pdl: ``launch.DriverLaunch``, occupancy) and a test
     needs to audit it (ptx)."""
 
@@ -44,6 +45,7 @@ class CompiledGather:
     pdl: bool = False
     smem: int = 0  # dynamic shared memory per CTA (bytes): the staged variant's slots
     all_to_all: bool = False  # ``launch`` takes the row offsets last (``Gather.exchange``)
+    tp: int = 0  # the ranks it was compiled for (an all-to-all launch takes tp + 1 offsets)
 
 
 def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
@@ -113,4 +115,4 @@ def _compile(tp, shard_words, threads, unroll, pdl, arch, timers, staged, all_to
         if isinstance(cubin, str) and os.path.exists(cubin):
             cubin = open(cubin, "rb").read()
     return CompiledGather(launch, threads, ptx or "", cubin or b"", pdl,
-                          staged_bytes(threads, unroll) if staged else 0, all_to_all)
+                          staged_bytes(threads, unroll) if staged else 0, all_to_all, tp)

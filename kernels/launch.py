@@ -68,6 +68,20 @@ class _Config(ctypes.Structure):  # CUlaunchConfig
                 ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint32)]
 
 
+def check_offsets(offsets, tp: int, rows: int):
+    """The row offsets of an all-to-all launch, refused (ValueError) unless they are
+    ``tp + 1`` non-decreasing ints from 0 to ``rows``: rows routed past the last offset
+    would land in a peer's box where no poll re-arms them, and a later call of that
+    parity would deliver them as valid. The splits' agreement across ranks and their
+    fit in the mailbox are the caller's to check."""
+    offsets = tuple(offsets)
+    if (len(offsets) != tp + 1 or offsets[0] != 0 or offsets[-1] != rows
+            or any(b < a for a, b in zip(offsets, offsets[1:]))):
+        raise ValueError(f"an all-to-all launch of {rows} rows over {tp} ranks takes tp + 1 "
+                         f"non-decreasing row offsets from 0 to {rows}, got {offsets!r}")
+    return offsets
+
+
 def kernel_entry(ptx: str, params=PARAMS) -> str:
     """The name of the PTX's one kernel, after checking that its parameters are
     ``params`` (count and widths); ValueError otherwise."""
@@ -162,8 +176,8 @@ def current_context() -> int:
 
 class DriverLaunch:
     """``launch(shard, out, peers, rank, ctas, budget, status, stream)``: the DSL
-    callable's arguments but ``serving`` (``shard`` a contiguous, 16-byte aligned BF16
-    tensor; the rest ints) plus ``stream``, the raw ``cudaStream_t`` to launch on.
+    callable's arguments but ``serving`` (``shard`` a contiguous, 16-byte aligned tensor
+    of any 16-bit or 32-bit dtype, read by address and rows only; the rest ints) plus ``stream``, the raw ``cudaStream_t`` to launch on.
     ``serving`` (bool) is this launcher's: every launch passes it (``PARAMS``). Build it
     with the device's context current (``__init__`` loads the kernel there).
     ``pdl=False`` launches a PDL kernel without the attribute (diagnostics: its wait is
@@ -172,6 +186,7 @@ class DriverLaunch:
 
     def __init__(self, compiled, pdl=None, *, serving):
         self.all_to_all = bool(getattr(compiled, "all_to_all", False))
+        self.tp = getattr(compiled, "tp", 0)
         params, values = ((ALL_TO_ALL_PARAMS, _AllToAllValues) if self.all_to_all
                           else (PARAMS, _Values))
         self.name = kernel_entry(compiled.ptx, params)
@@ -206,9 +221,8 @@ class DriverLaunch:
         v.shard, v.rows, v.out, v.peers = shard.data_ptr(), shard.shape[0], out, peers
         v.rank, v.budget, v.status = rank, budget, status
         if self.all_to_all:
+            offsets = check_offsets(offsets, self.tp, v.rows)
             n = len(offsets)
-            if not 2 < n <= MAX_TP + 1:
-                raise ValueError(f"an all-to-all launch takes tp + 1 row offsets, got {offsets!r}")
             self._offsets[:n] = offsets
             self._offsets[n:] = (offsets[-1],) * (MAX_TP + 1 - n)
         self._config.gridDimX, self._config.hStream = ctas, stream

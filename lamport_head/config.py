@@ -103,6 +103,9 @@ def default_config(rows: int, tp: int, shard: int, threads: int, unroll, limit,
     emulated TP 2: 148 staged CTAs against 74-99). ``limit(config)``: the co-resident
     CTAs of ``config``'s kernel; ``dtype``: the logits' (the shard's bytes)."""
     most = limit(GatherConfig(1, threads, DEFAULT_UNROLL if unroll is None else unroll))
+    if most < 1:
+        raise ValueError(f"no CTA of {threads} threads can be co-resident on this device beside "
+                         "the ranks sharing it")
     if unroll is None:
         rounds = peer_fragments(rows, tp, shard, dtype) / (most * threads * DEFAULT_UNROLL)
         unroll = STAGED_FROM if rounds > STAGE_ABOVE_ROUNDS else DEFAULT_UNROLL

@@ -67,3 +67,29 @@ def test_reference_all_to_all_rejects_splits_that_do_not_fit():
         reference_all_to_all(shards, (1, 2))
     with pytest.raises(ValueError, match="splits for"):
         reference_all_to_all(shards, (4,))
+
+
+@pytest.mark.parametrize("splits", [(2, 2), (0, 5), (3, 0, 1, 0), (0,) * 8, (1, 2, 3, 4, 0, 0, 7, 1)])
+def test_the_launch_takes_the_offsets_of_any_split(splits):
+    from lamport_head.kernels.launch import check_offsets
+
+    offsets = offsets_of(splits)
+    assert check_offsets(offsets, len(splits), sum(splits)) == tuple(offsets)
+
+
+@pytest.mark.parametrize("offsets, tp, rows", [
+    ((0, 1, 2), 2, 4),  # ends short of M: rows 2-3 would land where no poll re-arms them
+    ((0, 1, 5), 2, 4),  # past M
+    ((1, 2, 4), 2, 4),  # not from 0
+    ((0, 3, 2, 4), 3, 4),  # decreasing
+    ((0, 2, 4), 8, 4),  # a TP 8 kernel given TP 2's offsets
+    ((0, 4), 2, 4),  # one offset short
+])
+def test_the_launch_refuses_offsets_that_would_leave_rows_unpolled(offsets, tp, rows):
+    """The kernel routes row m to the last rank q with offsets[q] <= m: offsets that do
+    not cover 0..M exactly would put rows in a box no poll re-arms, and a later call of
+    that parity would deliver them as valid (``launch.check_offsets``)."""
+    from lamport_head.kernels.launch import check_offsets
+
+    with pytest.raises(ValueError, match="non-decreasing row offsets from 0 to"):
+        check_offsets(offsets, tp, rows)

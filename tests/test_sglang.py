@@ -262,6 +262,23 @@ def test_sglang_variants_stay_stock_with_one_line(flags, why, monkeypatch, caplo
                                                      "gather: ")
 
 
+def test_fp32_logits_of_an_fp32_head_with_softcapping_stay_stock(monkeypatch, caplog):
+    """FP32 logits reach SGLang's fused gather and softcap (which bypasses the gatherer on
+    CUDA) whether asked for (``use_fp32_lm_head``) or from an FP32 head: both stay stock
+    with one line, no gather built; a truthy flag (SGLang reads it so) is FP32."""
+    built = []
+    monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
+    monkeypatch.setattr(install, "_build", lambda *a: built.append(a))
+    m = CausalLM(2, head=ParallelLMHead(2, dtype=torch.float32),
+                 lp_flags={"final_logit_softcapping": 30.0})
+    with caplog.at_level("INFO", logger="lamport_head"):
+        assert sgl.install_sglang_logits_gather(m, "tp-group", 2, 0, "cpu").rows == ()
+    assert built == [] and "fused gather and softcap" in caplog.text
+    plain = CausalLM(2, lp_flags={"use_fp32_lm_head": 1})
+    assert sgl._site(plain, plain.logits_processor).dtype == torch.float32
+    assert sgl._site(CausalLM(2), CausalLM(2).logits_processor).dtype is None
+
+
 @pytest.mark.parametrize("head", [
     ParallelLMHead(2, dtype=torch.float16),
     ParallelLMHead(4),  # tp_size != TP (a replicated or attention-TP lm_head)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from lamport_head import dtypes
 from lamport_head.table import MAX_ROWS, load_table
 
 from . import report
@@ -206,7 +207,8 @@ def run(args):
     table = load_table(args.table)
     vocabs = {"target": args.vocab, "draft": args.draft_vocab, "cand": tp * cand}
     targets = {key: runner.target_for(v) for key, v in vocabs.items()}
-    entries = {key: table.entries(name, tp, args.dcp, emulated=chosen.emulated, vocab=v)
+    entries = {key: table.entries(name, tp, args.dcp, emulated=chosen.emulated, vocab=v,
+                                  dtype=dtypes.BFLOAT16)  # the drafter bench is BF16 only
                for key, v in vocabs.items()}
     ranks_here = tp if chosen.emulated else 1
     bandwidth = runner.bandwidth_gbs()

@@ -105,8 +105,9 @@ def find_logits_processor(model):
     return None, None
 
 
-def _why_stock(lp):
-    """Why this LogitsProcessor's logits do not take the plain TP gather; None if they do."""
+def _why_stock(lp, owner=None):
+    """Why this LogitsProcessor's logits do not take the plain TP gather; None if they do.
+    A fact of the model and its config, the same on every rank."""
     missing = [a for a in _REQUIRED if not hasattr(lp, a)]
     if missing:
         return f"this SGLang's LogitsProcessor lacks {', '.join(missing)} (not 0.5.23's)"
@@ -115,7 +116,7 @@ def _why_stock(lp):
     for attr, why in _VARIANTS:
         if getattr(lp, attr, False):
             return why
-    if getattr(lp, FP32_HEAD, False) and getattr(lp, SOFTCAP, None):
+    if _fp32_logits(lp, owner) and getattr(lp, SOFTCAP, None):
         return ("FP32 logits with final logit softcapping: SGLang's fused gather and softcap "
                 "replaces the gather on CUDA")
     return None
@@ -182,15 +183,27 @@ def stock_kind(gatherer) -> str:
     return NCCL_STOCK
 
 
+def _fp32_logits(lp, owner):
+    """Whether the logits reach the gatherer in FP32: an FP32 projection asked for
+    (``use_fp32_lm_head``, any truthy value, as SGLang reads it) or an FP32 head."""
+    head = getattr(getattr(owner, "lm_head", None), "base_layer", getattr(owner, "lm_head", None))
+    weight = getattr(head, "weight", None)
+    return bool(getattr(lp, FP32_HEAD, False)) or (
+        torch.is_tensor(weight) and weight.dtype == torch.float32)
+
+
 def _site(owner, lp):
     """The install core's view of this LogitsProcessor and its owner's lm_head. Its
     logits are FP32 where the processor projects into FP32 (``use_fp32_lm_head``) and
     the head is not LoRA-wrapped (SGLang calls a LoRA head's own forward, in its
-    weight's dtype); else the weight's dtype."""
+    weight's dtype); else the weight's dtype. SGLang wraps the head for LoRA after
+    ``load_model`` (``maybe_init_lora_manager``), after this hook: an FP32 projection
+    with an lm_head LoRA builds a float32 gather that every call passes by, on every
+    rank alike (the logits arrive in the weight's dtype): stock, but reported served."""
     wrapper = owner.lm_head
     head = getattr(wrapper, "base_layer", wrapper)  # a LoRA wrapper keeps the layer here
     lora = hasattr(wrapper, "set_lora") and hasattr(wrapper, "apply_lora")
-    fp32 = getattr(lp, FP32_HEAD, False) is True and not lora
+    fp32 = bool(getattr(lp, FP32_HEAD, False)) and not lora
     return install.GatherSite(processor=lp, attr=GATHERER, weight=getattr(head, "weight", None),
                               head_tp=getattr(head, "tp_size", 1),
                               where=f"{type(owner).__name__}.logits_processor",
@@ -220,7 +233,7 @@ def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call installed one: keep it
         return Outcome.serving(installed.rows, dtype=install.gather_dtype(installed))
-    why = _why_stock(lp)
+    why = _why_stock(lp, owner)
     if why is not None:
         return install.stock(Stock.SITE, why, "SGLang logits gather")
     site = _site(owner, lp)
@@ -369,7 +382,7 @@ def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
     if installed is not None:  # an earlier call routed it: keep it
         return Drafter(name, Outcome.serving(installed.rows, installed is getattr(
             target, "gather", None), install.gather_dtype(installed)), tp * width, rank, tp, dcp)
-    why = _why_stock(lp)
+    why = _why_stock(lp, owner)
     if why is not None:
         return Drafter(name, install.stock(Stock.SITE, why, what), tp * width, rank, tp, dcp)
     shared_gather = getattr(target, "gather", None)
@@ -432,7 +445,7 @@ def reroute_new_model(runner):
     if not gathers:  # stock at load, agreed by every rank then: stays so, no collective
         return install.stock(Stock.NOT_GATHERED, "the model it replaced kept SGLang's logits "
                              "gather", what)
-    why = _why_stock(lp)
+    why = _why_stock(lp, owner)
     if why is not None:
         return install.stock(Stock.SITE, why, what)
     return install.reroute(_site(owner, lp), gathers[-1])
