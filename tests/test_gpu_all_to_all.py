@@ -113,6 +113,27 @@ def _check(outs, shards, splits, what):
                                  f"want {int(words(w)[tuple(bad[0])]):#x})")
 
 
+def _free_run(ranks, plan, device, lag_every=None):
+    """Every call of ``plan`` (``[(splits, shards)]``) on every rank, outputs poisoned
+    before the start, no join between calls; rank 0's stream sleeps before every
+    ``lag_every``-th call (it lags). Then: every output bitwise, every epoch the call
+    count, no flag, every mailbox word (tokens included) re-armed."""
+    outs = [ranks.outputs(splits) for splits, _ in plan]  # poisoned, before the start
+    ranks.start()
+    for call, ((splits, shards), out) in enumerate(zip(plan, outs)):
+        if lag_every and call % lag_every == 3:
+            with torch.cuda.stream(ranks.streams[0]):
+                torch.cuda._sleep(50_000)
+        ranks.launch(shards, splits, out)
+    ranks.join()
+    torch.cuda.synchronize(device)
+    for call, ((splits, shards), out) in enumerate(zip(plan, outs)):
+        _check(out, shards, splits, f"call {call}, splits {splits}")
+    assert ranks.epochs() == [len(plan)] * ranks.tp
+    assert ranks.flags() == [0] * ranks.tp
+    assert ranks.box.armed(), "mailbox words left un-armed after the free run"
+
+
 def _random_splits(rng, tp, cap, empty):
     """Splits of up to ``cap`` rows a rank; ``empty``: some ranks empty, sometimes
     every one."""
@@ -162,17 +183,7 @@ def test_free_running_ranks_with_splits_changing_every_call(tp, empty):
             splits = _random_splits(rng, tp, cap, empty)
         previous = splits
         plan.append((splits, _shards(tp, sum(splits), shard, device, seed=1000 + call)))
-    outs = [ranks.outputs(splits) for splits, _ in plan]  # poisoned, before the start
-    ranks.start()
-    for (splits, shards), out in zip(plan, outs):
-        ranks.launch(shards, splits, out)
-    ranks.join()
-    torch.cuda.synchronize(device)
-    for call, ((splits, shards), out) in enumerate(zip(plan, outs)):
-        _check(out, shards, splits, f"call {call}, splits {splits}")
-    assert ranks.epochs() == [calls] * tp
-    assert ranks.flags() == [0] * tp
-    assert ranks.box.armed(), "mailbox words left un-armed after the free run"
+    _free_run(ranks, plan, device)
 
 
 @pytest.mark.parametrize("unroll", [4, 8])
@@ -196,20 +207,7 @@ def test_a_rank_empty_on_most_calls_runs_free_with_the_others(tp, unroll):
             splits = [0] * tp  # every rank polls only tokens
         splits = tuple(splits)
         plan.append((splits, _shards(tp, sum(splits), shard, device, seed=2000 + call)))
-    outs = [ranks.outputs(splits) for splits, _ in plan]
-    ranks.start()
-    for call, ((splits, shards), out) in enumerate(zip(plan, outs)):
-        if call % 7 == 3:  # rank 0 lags: the empty rank's next calls meet its old parity
-            with torch.cuda.stream(ranks.streams[0]):
-                torch.cuda._sleep(50_000)
-        ranks.launch(shards, splits, out)
-    ranks.join()
-    torch.cuda.synchronize(device)
-    for call, ((splits, shards), out) in enumerate(zip(plan, outs)):
-        _check(out, shards, splits, f"call {call}, splits {splits}")
-    assert ranks.epochs() == [calls] * tp
-    assert ranks.flags() == [0] * tp
-    assert ranks.box.armed(), "mailbox words (tokens) left un-armed after the free run"
+    _free_run(ranks, plan, device, lag_every=7)
 
 
 def test_full_vocab_staged_and_one_fragment_rows():
