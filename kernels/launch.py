@@ -16,7 +16,8 @@ Invariants a change must keep:
 - ``serving`` is fixed when the launcher is built (one gather, one mode).
 - The compiled kernel's mode picks the slots: ``PARAMS`` for the gather,
   ``ALL_TO_ALL_PARAMS`` (the same, then ``MAX_TP + 1`` row offsets) for the
-  all-to-all; every launch of the all-to-all writes all of its offsets.
+  all-to-all; every launch of the all-to-all writes all of its offsets, which its
+  caller checked (``check_offsets``): the launcher copies them as they are.
 """
 
 import ctypes
@@ -220,8 +221,7 @@ class DriverLaunch:
         v = self._values
         v.shard, v.rows, v.out, v.peers = shard.data_ptr(), shard.shape[0], out, peers
         v.rank, v.budget, v.status = rank, budget, status
-        if self.all_to_all:
-            offsets = check_offsets(offsets, self.tp, v.rows)
+        if self.all_to_all:  # checked by the caller (``check_offsets``), once per call
             n = len(offsets)
             self._offsets[:n] = offsets
             self._offsets[n:] = (offsets[-1],) * (MAX_TP + 1 - n)

@@ -47,12 +47,13 @@ class Toolchain:
         """Whether gathers for ``arch`` launch with PDL (``kernels.arch.has_pdl``)."""
         return has_pdl(arch)
 
-    def compiled(self, tp, words, config, pdl, arch):
+    def compiled(self, tp, words, config, pdl, arch, all_to_all=False):
         """The compiled gather (``.launch``, ``.cubin``, ``.threads``) of rows of ``words``
         32-bit words a rank (``dtypes.words``: the kernel moves words, whatever the
         dtype) for ``config``'s compile-time knobs, compiled once per process (the DSL
-        loads on first use)."""
-        return kernels.compile_gather(tp, words, pdl=pdl, arch=arch, **config.kernel_knobs())
+        loads on first use); ``all_to_all``: the kernel's all-to-all mode."""
+        return kernels.compile_gather(tp, words, pdl=pdl, arch=arch, all_to_all=all_to_all,
+                                      **config.kernel_knobs())
 
     def launcher(self, compiled, device, serving):
         """``compiled`` launched through the driver (``kernels.launch.DriverLaunch``, the
@@ -89,14 +90,18 @@ def cuda_device(device):
 
 
 class Kernels:
-    """One rank's kernels for (device, tp, shard, dtype): the compile target, PDL (None:
-    where the architecture has it), and per configuration the compiled kernel of rows
-    of ``words`` (``dtypes.words``: ``shard x itemsize / 4``), its occupancy limit and
-    its launcher. Local: no collective. ``TOOLCHAIN`` is read when it is built (the
-    seam tests replace)."""
+    """One rank's kernels for (device, tp, shard, dtype, collective): the compile target,
+    PDL (None: where the architecture has it), and per configuration the compiled kernel
+    of rows of ``words`` (``dtypes.words``: ``shard x itemsize / 4``), its occupancy limit
+    and its launcher. ``all_to_all``: every kernel is the all-to-all mode (one collective
+    a build). Local: no collective. ``TOOLCHAIN`` is read when it is built (the seam
+    tests replace)."""
 
-    def __init__(self, device, tp, shard, pdl=None, dtype=dtypes.DEFAULT):
+    def __init__(self, device, tp, shard, pdl=None, dtype=dtypes.DEFAULT, all_to_all=False):
         self.device, self.tp, self.shard = device, tp, shard
+        # only a mode that is on reaches the toolchain: a stand-in of the gather alone
+        # keeps its signature
+        self._mode = {"all_to_all": True} if all_to_all else {}
         self.words = dtypes.words(shard, dtype)  # a row's 32-bit words: what the kernel moves
         self._toolchain = TOOLCHAIN
         self.arch = self._toolchain.arch(device)
@@ -104,7 +109,8 @@ class Kernels:
 
     def compiled(self, config):
         """The one compiled kernel of ``config``'s knobs (its ``ctas`` is run-time)."""
-        return self._toolchain.compiled(self.tp, self.words, config, self.pdl, self.arch)
+        return self._toolchain.compiled(self.tp, self.words, config, self.pdl, self.arch,
+                                        **self._mode)
 
     def resident(self, config) -> int:
         """CTAs of ``config``'s kernel the whole device holds (its ``ctas`` ignored)."""
@@ -147,12 +153,13 @@ class Built:
 
 
 def local(device, tp, rank, shard, choose, *, sharing, mode, pdl=None, budget_s,
-          clamp=False, dtype=None) -> Built:
+          clamp=False, dtype=None, all_to_all=False) -> Built:
     """Everything of a rank's build that can fail on this rank alone: the checks, the
     kernels, the plan (``choose(limit)``, fitted to the limit; ``clamp``: rows over it
     cut to it), the launchers and the host-visible status record. No mailbox.
     ``dtype``: the logits' (a torch dtype or ``dtypes`` name; None: BF16); ``shard``
-    must be whole 16-byte fragments of it."""
+    must be whole 16-byte fragments of it. ``all_to_all``: the kernels are the
+    all-to-all mode's (``lamport_head.all_to_all``)."""
     flag = launch_flag(mode)
     dtype = dtypes.torch_dtype(dtypes.DEFAULT if dtype is None else dtype)
     if tp < 2 or not 0 <= rank < tp:
@@ -160,7 +167,7 @@ def local(device, tp, rank, shard, choose, *, sharing, mode, pdl=None, budget_s,
     dtypes.words(shard, dtype)  # ValueError unless whole 16-byte fragments
     if not budget_s > 0:
         raise ValueError(f"the spin budget must be a positive number of seconds, got {budget_s!r}")
-    rank_kernels = Kernels(device, tp, shard, pdl, dtype)
+    rank_kernels = Kernels(device, tp, shard, pdl, dtype, all_to_all)
     limit = rank_kernels.limit(sharing)
     clamped = {} if clamp else None
     plan = fit(choose(limit), limit, clamped)

@@ -52,11 +52,14 @@ class HeadGather:
     ``dtype``: the one logits dtype served (``torch.bfloat16`` or ``torch.float32``;
     ``shard`` whole 16-byte fragments of it); a call of another takes ``stock``."""
 
+    _all_to_all = False  # the kernels' mode (``lamport_head.all_to_all.AllToAll``: True)
+
     def __init__(self, group, device, tp, rank, shard, rows, *, mode, mailbox=None, pdl=None,
                  budget_s=SPIN_BUDGET_S, backend=None, clamp=False, dtype=torch.bfloat16):
         self._serve(build.build(group, device, tp, rank, shard, lambda limit: rows,
                                 mailbox=mailbox, backend=backend, mode=mode, pdl=pdl,
-                                budget_s=budget_s, clamp=clamp, dtype=dtype), group)
+                                budget_s=budget_s, clamp=clamp, dtype=dtype,
+                                all_to_all=self._all_to_all), group)
 
     @classmethod
     def default(cls, group, device, tp, rank, shard, rows, *, threads=DEFAULT_THREADS,
@@ -69,7 +72,7 @@ class HeadGather:
                          dtype=dtype)
         gather._serve(build.build(group, device, tp, rank, shard, choose, mailbox=mailbox,
                                   backend=backend, mode=mode, pdl=pdl, budget_s=budget_s,
-                                  dtype=dtype), group)
+                                  dtype=dtype, all_to_all=cls._all_to_all), group)
         return gather
 
     def _serve(self, built, group):
@@ -118,6 +121,16 @@ class HeadGather:
         launch = self._launch.get(shape[0])
         if launch is None:
             return stock(logits)
+        logits = self._ready(logits)
+        stream = self._follow_stream()
+        out = logits.new_empty((shape[0], self.width))  # under capture: the graph's own
+        launch(logits, out.data_ptr(), self.peers_address, self.rank, self._ctas[shape[0]],
+               self.budget_ns, self.status_address, stream)
+        return out
+
+    def _ready(self, logits):
+        """A served call's shard as the kernel reads it (contiguous, 16-byte aligned, no
+        lazy negation), on this gather's device, the gather open."""
         if self._closed:
             raise RuntimeError("lamport-head: this gather was closed")
         if logits.get_device() != self._index:
@@ -131,11 +144,7 @@ class HeadGather:
             # Where a tensor sits is the allocator's choice and may differ by rank: copy,
             # never take stock alone (every rank must run the same collective).
             logits = logits.clone(memory_format=torch.contiguous_format)
-        stream = self._follow_stream()
-        out = logits.new_empty((shape[0], self.width))  # under capture: the graph's own
-        launch(logits, out.data_ptr(), self.peers_address, self.rank, self._ctas[shape[0]],
-               self.budget_ns, self.status_address, stream)
-        return out
+        return logits
 
     def _follow_stream(self):
         """Keep every call in one stream order: a call on a new stream waits first

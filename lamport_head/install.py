@@ -23,11 +23,11 @@ import torch
 
 # modules, not names, where a test replaces a name (mailbox.device_key, its deadline,
 # head_gather.HeadGather, provenance.facts): read at the call
-from . import dtypes, head_gather, mailbox, provenance, settings
+from . import all_to_all, dtypes, head_gather, mailbox, provenance, settings
 from .collective import all_gather_objects, raised_together, within
 from .outcome import Outcome, Stock
 from .status import SERVING
-from .table import MAX_ROWS, NCCL_STOCK, TableError, load_table, user_path
+from .table import ALL_TO_ALL_STOCK, MAX_ROWS, NCCL_STOCK, TableError, load_table, user_path
 from .tablefile import set_aside_agreed
 
 logger = logging.getLogger("lamport_head")
@@ -68,16 +68,25 @@ def _device_name(device):
     return torch.cuda.get_device_name(device)
 
 
-def _build(group, device, tp, rank, shard, entries, budget_s, dtype=dtypes.DEFAULT):
+def collective(stock):
+    """The class serving a site whose engine collective is ``stock`` (``table.STOCKS``):
+    ``AllToAll`` in place of an all-to-all, ``HeadGather`` in place of an all-gather."""
+    return all_to_all.AllToAll if stock == ALL_TO_ALL_STOCK else head_gather.HeadGather
+
+
+def _build(group, device, tp, rank, shard, entries, budget_s, dtype=dtypes.DEFAULT, *,
+           stock=NCCL_STOCK):
     """The serving gather of ``entries`` (``{rows: table.TableRow}``, the enabled ones)
-    for logits of ``dtype`` (a ``dtypes`` name): its plan is their configs. A give-up
+    for logits of ``dtype`` (a ``dtypes`` name), in place of the engine's ``stock``
+    (``collective``: the all-to-all for ``ALL_TO_ALL_STOCK``): its plan is their
+    configs. A give-up
     stops the GPU context (``mode="serving"``: its launch flag, ``build.launch_flag``),
     so no step with missing data reaches the
     engine's sampler or its host. Built on ``build``'s one path: the kernel is the one
     the tuner timed for the row, under the tuner's occupancy limit."""
     plan = {m: e.config for m, e in entries.items()}
-    gather = head_gather.HeadGather(group, device, tp, rank, shard, plan, budget_s=budget_s,
-                                    mode=SERVING, clamp=True, dtype=dtypes.torch_dtype(dtype))
+    gather = collective(stock)(group, device, tp, rank, shard, plan, budget_s=budget_s,
+                               mode=SERVING, clamp=True, dtype=dtypes.torch_dtype(dtype))
     for m, (asked, most) in sorted(gather.clamped.items()):
         logger.warning("lamport-head: the table's %d CTAs for %d rows cannot all be co-resident "
                        "with this version's kernel on this device: served with %d (re-tune with "
@@ -204,7 +213,8 @@ def install(site, ranks, rows=None, *, measure):
                          f"tp={tp}, dcp={dcp}, vocab={vocab}, stock={stock_kind}, dtype={dtype}"
                          f"{_others(view)}")
     try:  # collective, fail-stop: every rank gets a gather or every rank raises
-        gather = _build(group, device, tp, rank, shard, entries, view.budget_s, dtype)
+        gather = _build(group, device, tp, rank, shard, entries, view.budget_s, dtype,
+                        stock=stock_kind)
     except Exception as exc:  # a capability fallback, taken by every rank together
         _alone(exc, "building the gather")
         return _measured(measured, Stock.BUILD_FAILED, f"building the gather failed: "

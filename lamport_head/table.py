@@ -45,7 +45,10 @@ SECTION_KEYS = {"schema", "tp", "dcp", "vocab", "stock", "dtype", "emulated", "p
 LEGACY_VOCAB = KIMI_K2_VOCAB  # the V of a section written without ``vocab`` (older tables)
 NCCL_STOCK = "nccl-all-gather"  # vLLM's _gather_logits, SGLang without NVLS, the tuner's stand-in
 MULTIMEM_STOCK = "multimem-all-gather"  # SGLang's MultimemAllGatherer (NVLS one-shot)
-STOCKS = (NCCL_STOCK, MULTIMEM_STOCK)
+# vLLM 0.34's all_to_all_vocab_shards (batch-sharded sampling, DSpark): a section against it
+# is the all-to-all's (``lamport_head.all_to_all``), its rows the step's total M
+ALL_TO_ALL_STOCK = "nccl-all-to-all"
+STOCKS = (NCCL_STOCK, MULTIMEM_STOCK, ALL_TO_ALL_STOCK)
 LEGACY_STOCK = NCCL_STOCK  # the stock of a section written without ``stock``
 MAX_CTAS = 1024  # the most CTAs a table entry may ask for
 # Sections of one key kept side by side, one per environment that measured it (the
@@ -508,7 +511,7 @@ def _section(device, sec, where):
     stock = sec.get("stock", LEGACY_STOCK)
     if stock not in STOCKS:
         raise TableError(f"{where}: stock must be one of {', '.join(STOCKS)} (the engine "
-                         f"gather the rows were measured against), got {stock!r}")
+                         f"collective the rows were measured against), got {stock!r}")
     dtype = sec.get("dtype", LEGACY_DTYPE)
     if dtype not in DTYPES:
         raise TableError(f"{where}: dtype must be one of {', '.join(DTYPES)} (the logits dtype "

@@ -128,12 +128,37 @@ class StandInGather:
         return torch.cat(parts, dim=1)
 
 
+class StandInAllToAll(StandInGather):
+    """``StandInGather``'s all-to-all (``AllToAll``'s stand-in): serves the row counts M
+    of ``rows`` with the exchange done by its own collective (an all-gather, then this
+    rank's rows), counting ``calls`` (``(M, tuple(send_splits))``); others take
+    ``stock(logits, send_splits, num_local_rows)``."""
+
+    def __call__(self, logits, send_splits, num_local_rows, stock):
+        import torch.distributed as dist
+
+        from lamport_head.all_to_all import offsets
+
+        if logits.dim() != 2 or logits.shape[0] not in self.rows or logits.dtype != self.dtype:
+            return stock(logits, send_splits, num_local_rows)
+        rank = dist.get_rank(self.group)
+        at = offsets(send_splits, self.tp, rank, num_local_rows, logits.shape[0])
+        self.calls.append((logits.shape[0], tuple(send_splits)))
+        parts = [torch.empty_like(logits) for _ in range(self.tp)]
+        dist.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)[at[rank]:at[rank + 1]]
+
+
 def forced_build(install):
-    """Install forced onto ``StandInGather`` on an "NVIDIA H200" (this rank's process),
-    built for the dtype install asks for."""
+    """Install forced onto ``StandInGather`` (``StandInAllToAll`` in place of an
+    all-to-all) on an "NVIDIA H200" (this rank's process), built for the dtype install
+    asks for."""
+    from lamport_head.table import ALL_TO_ALL_STOCK
+
     install._device_name = lambda device: "NVIDIA H200"
-    install._build = (lambda group, device, tp, r, shard, entries, budget_s, dtype:
-                      StandInGather(group, tp, entries, dtype))
+    install._build = (lambda group, device, tp, r, shard, entries, budget_s, dtype, stock:
+                      (StandInAllToAll if stock == ALL_TO_ALL_STOCK else StandInGather)(
+                          group, tp, entries, dtype))
 
 
 def model(**overrides):

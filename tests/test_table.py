@@ -459,10 +459,22 @@ def test_sections_are_keyed_by_the_stock_they_were_measured_against():
 
 def test_a_stock_the_loader_does_not_know_and_a_repeated_stock_are_refused():
     with pytest.raises(TableError, match=r"stock must be one of nccl-all-gather, "
-                                         r"multimem-all-gather .*got 'nccl'"):
+                                         r"multimem-all-gather, nccl-all-to-all .*got 'nccl'"):
         parse(STOCKS.replace("stock: multimem-all-gather", "stock: nccl"), "s.yaml")
     with pytest.raises(TableError, match="duplicate section .*stock=nccl-all-gather, dtype=bfloat16: ambiguous"):
         parse(STOCKS.replace("stock: multimem-all-gather", "stock: nccl-all-gather"), "s.yaml")
+
+
+def test_an_all_to_all_section_is_keyed_apart_from_the_gathers():
+    """Issue 43: the all-to-all's rows (the step's total M) live in sections of stock
+    ``nccl-all-to-all``, beside the gather's of the same GPU, TP, DCP, V and dtype."""
+    from lamport_head.table import ALL_TO_ALL_STOCK, NCCL_STOCK
+
+    t = parse(STOCKS.replace("stock: multimem-all-gather", f"stock: {ALL_TO_ALL_STOCK}"),
+              "s.yaml")
+    gather = t.entries("NVIDIA H200", 8, 1, vocab=163840, stock=NCCL_STOCK)
+    a2a = t.entries("NVIDIA H200", 8, 1, vocab=163840, stock=ALL_TO_ALL_STOCK)
+    assert gather[1].ctas == 16 and a2a[1].ctas == 8
 
 
 def test_the_writer_writes_stock_and_replaces_only_the_same_stock(tmp_path):

@@ -1,0 +1,125 @@
+"""A CPU stand-in of the kernel's all-to-all mode, over real mailboxes (``IpcMailbox`` on
+the CPU device: memfd shared memory mapped by every rank's process), so the host's
+``AllToAll`` runs end to end on gloo processes with no GPU: its splits, offsets, plan,
+stock fallbacks and output shapes, with the protocol's addressing and re-arm.
+
+What it models of ``kernels.gather.Gather(all_to_all=True)``, per call: the parity is
+the rank's epoch (its control block); rows ``offsets[q]..offsets[q + 1]`` of the shard,
+sentinel words made 0, go to rows 0.. of rank q's box of that parity at this rank's
+columns (its own rows straight to the output); a rank q of 0 rows gets one token word
+from every peer instead (row 0, the peer's first column); then this rank polls its box
+for its rows (or the tokens) of every peer until no word is the sentinel, copies them
+out, re-arms them, and advances its epoch. A poll past the budget raises
+``TimeoutError`` (the give-up, the mark and NaN delivery are the GPU tests').
+
+It is not the kernel: what it proves is the host's side and the addressing rule; the
+kernel's own bytes are tests/test_gpu_all_to_all.py's.
+"""
+
+import ctypes
+import time
+import types
+
+import torch
+
+from lamport_head import build, head_gather, mailbox
+from lamport_head.kernels.protocol import (CONTROL_EPOCH, CONTROL_WORDS, EPOCH_SPAN, PEER_CONTROL,
+                                           PEER_PARITY0, PEER_ROWS, SENTINEL_I32)
+
+
+def _ints(address, count, ctype=ctypes.c_int32, dtype=torch.int32):
+    """``count`` words at ``address`` of this process, as a tensor (no copy)."""
+    return torch.frombuffer((ctype * count).from_address(address), dtype=dtype)
+
+
+class Launch:
+    """One rank's launcher: ``launch(shard, out, peers, rank, ctas, budget, status,
+    stream, offsets)``, as ``DriverLaunch``'s. ``calls``: the offsets of every launch."""
+
+    def __init__(self, tp, words, cap):
+        self.tp, self.words, self.cap = tp, words, cap
+        self.calls = []
+
+    def __call__(self, shard, out, peers, rank, ctas, budget, status, stream, offsets=()):
+        tp, words, cap = self.tp, self.words, self.cap
+        self.calls.append(tuple(offsets))
+        table = _ints(peers, PEER_ROWS * tp, ctypes.c_int64, torch.int64).view(PEER_ROWS, tp)
+        control = _ints(int(table[PEER_CONTROL, rank]), CONTROL_WORDS)
+        epoch = int(control[CONTROL_EPOCH])
+        parity = epoch & 1
+
+        def box(q):
+            return _ints(int(table[PEER_PARITY0 + parity, q]), cap * tp * words).view(
+                cap, tp * words)
+
+        mine = offsets[rank + 1] - offsets[rank]
+        target = _ints(out, max(mine, 1) * tp * words)[:mine * tp * words].view(mine, tp * words)
+        rows = shard.shape[0]
+        source = shard.contiguous().view(torch.int32).view(rows, words)
+        source = source.masked_fill(source == SENTINEL_I32, 0)
+        columns = slice(rank * words, (rank + 1) * words)
+        for step in range(tp):  # push order: this rank, then rank + 1, ...
+            q = (rank + step) % tp
+            part = source[offsets[q]:offsets[q + 1]]
+            if q == rank:
+                target[:, columns] = part
+            elif part.shape[0]:
+                box(q)[:part.shape[0], columns] = part
+            else:
+                box(q)[0, rank * words] = epoch  # the token: never the sentinel
+        own, end = box(rank), time.monotonic_ns() + budget
+        for p in range(tp):
+            if p == rank:
+                continue
+            cols = slice(p * words, (p + 1) * words)
+            region = own[:mine, cols] if mine else own[0, p * words:p * words + 1]
+            while bool((region == SENTINEL_I32).any()):
+                if time.monotonic_ns() > end:
+                    raise TimeoutError(f"rank {rank}, epoch {epoch}: rank {p}'s rows never came")
+                time.sleep(0)
+            if mine:
+                target[:, cols] = region
+            region.fill_(SENTINEL_I32)
+        control[CONTROL_EPOCH] = (epoch + 1) % EPOCH_SPAN
+
+
+class Toolchain(build.Toolchain):
+    """``build.TOOLCHAIN`` on the CPU: the all-to-all's launcher is ``Launch`` (the
+    gather has none here); every plan fits. ``launches``: every launcher built."""
+
+    def __init__(self, cap):
+        self.cap, self.launches = cap, []
+
+    def arch(self, device):
+        return "cpu"
+
+    def pdl(self, arch):
+        return True  # as on Hopper
+
+    def compiled(self, tp, words, config, pdl, arch, all_to_all=False):
+        if not all_to_all:
+            raise NotImplementedError("the CPU stand-in models the all-to-all only")
+        return types.SimpleNamespace(tp=tp, words=words)
+
+    def launcher(self, compiled, device, serving):
+        launch = Launch(compiled.tp, compiled.words, self.cap)
+        self.launches.append(launch)
+        return launch
+
+    def resident(self, compiled, device):
+        return 1 << 20
+
+
+def use(cap, host="host"):
+    """This process's builds on the CPU stand-in (a process of spawned ranks: nothing to
+    restore): the toolchain, real ipc mailboxes of memfd memory, every rank on one
+    "GPU" of ``host``, no CUDA stream or sync. Returns the toolchain."""
+    toolchain = Toolchain(cap)
+    build.TOOLCHAIN = toolchain
+    mailbox.device_key = lambda device: (host, "the one GPU")
+    head_gather._raw_stream = lambda index: 0
+    torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(
+        wait_stream=lambda other: None)
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.is_current_stream_capturing = lambda: False
+    return toolchain

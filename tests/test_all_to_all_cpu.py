@@ -1,0 +1,164 @@
+"""``AllToAll``, the host side of the all-to-all of vocab shards (issue 43), on gloo
+processes with the kernel's CPU stand-in (tests/cpu_kernel.py) over real ipc mailboxes:
+even, uneven and empty splits (a rank with 0 rows), planted -0.0, NaN, Inf and sentinel
+words, outputs poisoned first, ranks free-running (no join between calls: a rank may be
+a call ahead), bitwise against ``reference_all_to_all``; the stock path for row counts
+outside the plan; splits that do not add up refused before any launch.
+"""
+
+import random
+
+import pytest
+import torch
+from helpers import words
+from spawn import spawn
+
+from lamport_head.all_to_all import AllToAll, even_splits, offsets
+from lamport_head.config import GatherConfig
+from lamport_head.tuning.support.reference import planted, reference_all_to_all
+
+SHARD = 64  # BF16 a rank: 32 words, 8 fragments
+POISON = 0x7FBF7FBF
+PLAN_ROWS = (1, 2, 3, 5, 8, 13)
+
+
+def _splits(rng, tp, rows):
+    """``rows`` split over ``tp`` ranks: even, one rank all of them, or random with
+    empty ranks (vLLM's batch sharding: requests of uneven sizes)."""
+    kind = rng.random()
+    if kind < 0.25:
+        return even_splits(rows, tp)
+    if kind < 0.4:
+        out = [0] * tp
+        out[rng.randrange(tp)] = rows
+        return out
+    cuts = sorted(rng.randint(0, rows) for _ in range(tp - 1))
+    return [b - a for a, b in zip([0] + cuts, cuts + [rows])]
+
+
+def _shards(call, tp, rows, dtype):
+    """Every rank's shard of call ``call`` (each rank computes all of them: the
+    reference), with every special word of ``dtype`` planted (``planted``)."""
+    g = torch.Generator().manual_seed(1000 + call)
+    return [planted(rows, SHARD, generator=g, dtype=dtype) for _ in range(tp)]
+
+
+def _free_run(rank, tp, calls, seed, dtype_name, budget_s=20.0):
+    import torch.distributed as dist
+
+    import cpu_kernel
+
+    dtype = getattr(torch, dtype_name)
+    cpu_kernel.use(max(PLAN_ROWS))
+    plan = {m: GatherConfig(2) for m in PLAN_ROWS}
+    a2a = AllToAll(dist.group.WORLD, "cpu", tp, rank, SHARD, plan, mode="recoverable",
+                   backend="ipc", budget_s=budget_s, dtype=dtype)
+    rng = random.Random(seed)  # every rank draws the same splits: they agree, as in vLLM
+    stock_calls, launches, bad = [], [], []
+
+    def stock(x, splits, local):
+        stock_calls.append((x.shape[0], list(splits), local))
+        return "stock"
+
+    outs = []
+    for call in range(calls):
+        rows = rng.choice(PLAN_ROWS + (4, 21))  # 4 and 21: not in the plan
+        splits = _splits(rng, tp, rows)
+        shards = _shards(call, tp, rows, dtype)
+        if call % 2:  # the bare launch into a poisoned output
+            out = torch.full((splits[rank], tp * SHARD * shards[0].element_size() // 4),
+                             POISON, dtype=torch.int32).view(dtype)
+            if rows in plan:
+                a2a.launch(shards[rank], out, 2, splits)
+            else:
+                out = a2a(shards[rank], splits, splits[rank], stock)
+        else:
+            out = a2a(shards[rank], splits, splits[rank], stock)
+        if rows in plan:
+            launches.append(rows)
+        outs.append((call, rows, splits, out))
+    for call, rows, splits, out in outs:
+        if rows not in plan:
+            if out != "stock":
+                bad.append(f"call {call}: M={rows} is not in the plan, yet served")
+            continue
+        shards = _shards(call, tp, rows, dtype)
+        want = reference_all_to_all(shards, splits)[rank]
+        if out.shape != want.shape or not torch.equal(words(out), words(want)):
+            bad.append(f"call {call}, splits {splits}: rank {rank}'s output differs")
+    armed = a2a.box.armed()
+    a2a.close()
+    return {"bad": bad, "stock": stock_calls, "launches": launches, "armed": armed}
+
+
+@pytest.mark.parametrize("tp,dtype", [(2, "bfloat16"), (3, "bfloat16"), (4, "float32")])
+def test_free_running_ranks_with_splits_changing_every_call_are_bitwise(tmp_path, tp, dtype):
+    results = spawn(_free_run, tp, tmp_path, 40, 7 * tp, dtype)
+    for rank, r in enumerate(results):
+        assert r["bad"] == [], f"rank {rank}: {r['bad'][:3]}"
+        assert r["armed"], f"rank {rank}: mailbox words left un-armed"
+    # every rank took the same path on every call: the same launches, the same stock calls
+    assert len({tuple(r["launches"]) for r in results}) == 1
+    assert [(m, s) for m, s, _ in results[0]["stock"]] == \
+        [(m, s) for m, s, _ in results[-1]["stock"]]
+    assert results[0]["launches"] and results[0]["stock"], "both paths must be exercised"
+    assert all(m not in PLAN_ROWS for m, _, _ in results[0]["stock"])
+
+
+def test_the_free_run_covers_empty_uneven_and_even_splits():
+    """The draw the free runs use meets every kind of split (this is what they test)."""
+    rng, seen = random.Random(14), set()
+    for _ in range(40):
+        rows = rng.choice(PLAN_ROWS + (4, 21))
+        s = _splits(rng, 3, rows)
+        seen.add("empty" if 0 in s else "even" if len(set(s)) == 1 else "uneven")
+    assert seen == {"empty", "even", "uneven"}
+
+
+def _rank_with_no_rows(rank, tp):
+    """A step in which one rank receives nothing, then one in which only it does."""
+    import torch.distributed as dist
+
+    import cpu_kernel
+
+    toolchain = cpu_kernel.use(4)
+    a2a = AllToAll(dist.group.WORLD, "cpu", tp, rank, SHARD, {4: GatherConfig(1)},
+                   mode="recoverable", backend="ipc", budget_s=20.0)
+    got = []
+    for call, splits in enumerate(([2, 0, 2], [0, 4, 0], [0, 0, 4], [4, 0, 0])):
+        shards = _shards(call, tp, 4, torch.bfloat16)
+        out = a2a(shards[rank], splits, splits[rank], None)
+        want = reference_all_to_all(shards, splits)[rank]
+        got.append([list(out.shape), torch.equal(words(out), words(want))])
+    armed = a2a.box.armed()
+    a2a.close()
+    return {"got": got, "offsets": [list(o) for o in toolchain.launches[0].calls],
+            "armed": armed}
+
+
+def test_a_rank_with_no_rows_launches_and_receives_nothing(tmp_path):
+    results = spawn(_rank_with_no_rows, 3, tmp_path)
+    for rank, r in enumerate(results):
+        splits = ([2, 0, 2], [0, 4, 0], [0, 0, 4], [4, 0, 0])
+        assert r["got"] == [[[s[rank], 3 * SHARD], True] for s in splits], f"rank {rank}"
+        assert r["offsets"] == [[0, 2, 2, 4], [0, 0, 4, 4], [0, 0, 0, 4], [0, 4, 4, 4]]
+        assert r["armed"]
+
+
+def test_splits_are_checked_against_m_the_ranks_and_this_ranks_rows():
+    assert offsets([1, 0, 3], 3, 2, 3, 4) == (0, 1, 1, 4)
+    assert offsets((2, 2), 2, 0, 2, 4) == (0, 2, 4)
+    for splits, rank, local, rows in [([1, 2], 0, 1, 4),  # sum short of M
+                                      ([1, 2, 1], 0, 1, 4),  # three splits for two ranks
+                                      ([5, -1], 0, 5, 4),  # negative
+                                      ([2, 2], 1, 3, 4),  # this rank's split is not its rows
+                                      ([2.0, 2], 0, 2, 4)]:  # not an int
+        with pytest.raises((ValueError, TypeError)):
+            offsets(splits, 2, rank, local, rows)
+
+
+def test_even_splits_put_the_remainder_on_the_first_ranks():
+    assert even_splits(5, 3) == [2, 2, 1]
+    assert even_splits(2, 4) == [1, 1, 0, 0]
+    assert sum(even_splits(163, 8)) == 163
+
