@@ -277,3 +277,52 @@ def test_a_rank_that_never_launches_is_found_missing_and_its_columns_are_nan():
         control = ranks.box.control(q)
         assert int(control[CONTROL_MARK]) != 0, f"rank {q} not marked"
         assert int(control[CONTROL_MISSING + 1]) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tp", [2, 8])
+def test_the_host_all_to_all_serves_its_plan_and_free_runs(tp, dtype):
+    """``AllToAll`` (the host's object, as install builds it, over one ``LocalMailbox``
+    shared by ``tp`` virtual ranks, each called on its own stream, no join between
+    calls): 120 calls with splits new every call (empty ranks included), every output
+    bitwise against the reference; an M outside the plan takes the stock on every rank;
+    the mailbox re-armed at the end."""
+    from lamport_head.all_to_all import AllToAll
+    from lamport_head.config import GatherConfig
+    from lamport_head.dtypes import words as words_of
+    from lamport_head.mailbox import LocalMailbox
+
+    device = _device()
+    shard, rows = VOCAB // tp, (1, 2, 5, 8, 12)
+    box = LocalMailbox(device, tp, max(rows), tp * words_of(shard, dtype))
+    plan = {m: GatherConfig(4) for m in rows}
+    ranks = [AllToAll(None, device, tp, r, shard, plan, mailbox=box, mode="recoverable",
+                      budget_s=0.5, dtype=dtype) for r in range(tp)]
+    streams = [torch.cuda.Stream(device) for _ in range(tp)]
+    rng, log = random.Random(tp), []
+    here = torch.cuda.current_stream(device)
+    for stream in streams:
+        stream.wait_stream(here)
+    for call in range(120):
+        m = rng.choice(rows + (3,))  # 3: not in the plan
+        cuts = sorted(rng.randint(0, m) for _ in range(tp - 1))  # empty ranks included
+        splits = tuple(b - a for a, b in zip([0] + cuts, cuts + [m]))
+        total = m
+        g = torch.Generator(device=device).manual_seed(3000 + call)
+        data = planted(tp, total, shard, generator=g, device=device, dtype=dtype)
+        shards = [data[r] for r in range(tp)]
+        outs = []
+        for r in range(tp):
+            with torch.cuda.stream(streams[r]):
+                outs.append(ranks[r](shards[r], list(splits), splits[r],
+                                     lambda *a: "stock"))
+        log.append((splits, shards, outs))
+    for stream in streams:
+        here.wait_stream(stream)
+    torch.cuda.synchronize(device)
+    for call, (splits, shards, outs) in enumerate(log):
+        if sum(splits) not in rows:
+            assert outs == ["stock"] * tp, f"call {call}: M={sum(splits)} served"
+            continue
+        _check(outs, shards, splits, f"call {call}, splits {splits}")
+    assert box.armed()
