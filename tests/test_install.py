@@ -152,7 +152,7 @@ def test_ranks_with_different_plans_stay_stock(tmp_path):
 def test_checks_leave_stock_without_collectives(overrides, monkeypatch):
     built = []
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
-    monkeypatch.setattr(install, "_build", lambda *a: built.append(a))
+    monkeypatch.setattr(install, "_build", lambda *a, **k: built.append(a))
     m = model(**overrides)
     assert install_logits_gather(m, None, 2, 0, "cpu").rows == ()
     assert built == [] and not hasattr(m.logits_processor, "head_gather")

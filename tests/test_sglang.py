@@ -249,7 +249,7 @@ def test_one_rank_failing_leaves_every_sglang_rank_stock(tmp_path, case):
 def test_sglang_variants_stay_stock_with_one_line(flags, why, monkeypatch, caplog):
     built = []
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
-    monkeypatch.setattr(install, "_build", lambda *a: built.append(a))
+    monkeypatch.setattr(install, "_build", lambda *a, **k: built.append(a))
     m = CausalLM(2, lp_flags=flags)
     if None in flags.values():
         delattr(m.logits_processor, "use_attn_tp_group")
@@ -268,7 +268,7 @@ def test_fp32_logits_of_an_fp32_head_with_softcapping_stay_stock(monkeypatch, ca
     with one line, no gather built; a truthy flag (SGLang reads it so) is FP32."""
     built = []
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
-    monkeypatch.setattr(install, "_build", lambda *a: built.append(a))
+    monkeypatch.setattr(install, "_build", lambda *a, **k: built.append(a))
     m = CausalLM(2, head=ParallelLMHead(2, dtype=torch.float32),
                  lp_flags={"final_logit_softcapping": 30.0})
     with caplog.at_level("INFO", logger="lamport_head"):
@@ -286,7 +286,7 @@ def test_fp32_logits_of_an_fp32_head_with_softcapping_stay_stock(monkeypatch, ca
 def test_sglang_checks_shared_with_vllm_leave_stock(head, monkeypatch):
     built = []
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
-    monkeypatch.setattr(install, "_build", lambda *a: built.append(a))
+    monkeypatch.setattr(install, "_build", lambda *a, **k: built.append(a))
     m = CausalLM(2, head=head)
     stock = m.logits_processor._logits_gatherer
     assert sgl.install_sglang_logits_gather(m, "tp-group", 2, 0, "cpu").rows == ()

@@ -115,8 +115,8 @@ def _serve(monkeypatch, tmp_path):
     monkeypatch.setenv("LAMPORT_HEAD_TABLE", str(table))
     monkeypatch.setattr(install, "_device_name", lambda d: "NVIDIA H200")
     monkeypatch.setattr(install, "_build",
-                        lambda g, d, tp, r, shard, entries, budget_s, dtype: FakeGather(entries,
-                                                                                       dtype))
+                        lambda g, d, tp, r, shard, entries, budget_s, dtype, stock:
+                        FakeGather(entries, dtype))
     monkeypatch.setattr(install, "all_gather_objects", lambda obj, group=None: [obj])  # one rank
 
 
@@ -178,8 +178,8 @@ def test_a_bf16_section_does_not_serve_an_fp32_head_and_an_fp32_one_does(monkeyp
     monkeypatch.setenv("LAMPORT_HEAD_AUTOTUNE", "0")
     _serve(monkeypatch, tmp_path)
     built = []
-    monkeypatch.setattr(install, "_build", lambda g, d, tp, r, shard, entries, budget_s, dtype: (
-        built.append(dtype), FakeGather(entries, dtype))[1])
+    monkeypatch.setattr(install, "_build", lambda g, d, tp, r, shard, entries, budget_s, dtype,
+                        stock: (built.append(dtype), FakeGather(entries, dtype))[1])
     fp32 = Lm(stock_class()())
     fp32.logits_processor.head_dtype = torch.float32
     with caplog.at_level("INFO", logger="lamport_head"):
