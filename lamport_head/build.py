@@ -164,7 +164,6 @@ def local(device, tp, rank, shard, choose, *, sharing, mode, pdl=None, budget_s,
     dtype = dtypes.torch_dtype(dtypes.DEFAULT if dtype is None else dtype)
     if tp < 2 or not 0 <= rank < tp:
         raise ValueError(f"need tp >= 2 and 0 <= rank < tp, got tp={tp} rank={rank}")
-    dtypes.words(shard, dtype)  # ValueError unless whole 16-byte fragments
     if not budget_s > 0:
         raise ValueError(f"the spin budget must be a positive number of seconds, got {budget_s!r}")
     rank_kernels = Kernels(device, tp, shard, pdl, dtype, all_to_all)
@@ -185,10 +184,9 @@ def build(group, device, tp, rank, shard, choose, *, mailbox=None, backend=None,
     collective over ``group`` (module docstring)."""
     device = cuda_device(device)
     if mailbox is not None:  # emulated: one process, nothing to agree on
-        words = dtypes.words(shard, local_args.get("dtype") or dtypes.DEFAULT)
-        if mailbox.tp != tp or mailbox.words != tp * words:
-            raise ValueError("the shared mailbox does not fit this gather")
         built = local(device, tp, rank, shard, choose, sharing=mailbox.sharing, **local_args)
+        if mailbox.tp != tp or mailbox.words != tp * built.kernels.words:
+            raise ValueError("the shared mailbox does not fit this gather")
         if mailbox.cap < built.cap:
             raise ValueError(f"the shared mailbox holds {mailbox.cap} rows, not {built.cap}")
         built.box = mailbox
