@@ -131,13 +131,20 @@ class StandInGather:
 class StandInAllToAll(StandInGather):
     """``StandInGather``'s all-to-all (``AllToAll``'s stand-in): serves the row counts M
     of ``rows`` with the exchange done by its own collective (an all-gather, then this
-    rank's rows), counting ``calls`` (``(M, tuple(send_splits))``); others take
-    ``stock(logits, send_splits, num_local_rows)``."""
+    rank's rows, ``offsets[rank]:offsets[rank + 1]`` of every shard, in rank order along
+    the vocab axis), counting ``calls`` (``(M, tuple(send_splits))``); others take
+    ``stock(logits, send_splits, num_local_rows)``. Its output is poisoned first (every
+    byte written) and it makes the one change the Lamport protocol makes (sentinel words
+    arrive as 0: ``reference.scrub``), so a test comparing it with the engine's own
+    all-to-all avoids that word or compares with a scrubbed reference."""
+
+    POISON = 0x7FBF  # 16-bit words of a NaN payload no exchange here produces
 
     def __call__(self, logits, send_splits, num_local_rows, stock):
         import torch.distributed as dist
 
         from lamport_head.all_to_all import offsets
+        from lamport_head.tuning.support.reference import scrub
 
         if logits.dim() != 2 or logits.shape[0] not in self.rows or logits.dtype != self.dtype:
             return stock(logits, send_splits, num_local_rows)
@@ -146,7 +153,12 @@ class StandInAllToAll(StandInGather):
         self.calls.append((logits.shape[0], tuple(send_splits)))
         parts = [torch.empty_like(logits) for _ in range(self.tp)]
         dist.all_gather(parts, logits.contiguous(), group=self.group)
-        return torch.cat(parts, dim=1)[at[rank]:at[rank + 1]]
+        width = logits.shape[1]
+        out = logits.new_empty((num_local_rows, self.tp * width))
+        out.view(torch.int16).fill_(self.POISON)
+        for q, part in enumerate(parts):
+            out[:, q * width:(q + 1) * width] = part[at[rank]:at[rank + 1]]
+        return scrub(out)
 
 
 def forced_build(install):

@@ -14,6 +14,8 @@ package, lazily):
   its steps gather; the paths its steps take through and around that gather; the
   drafters' candidate callers; the logits collectives of other kinds, not routed).
 - ``candidates``: the candidate gathers (``get_top_tokens``, ``get_top_k_tokens``).
+- ``vocab_shards``: vLLM 0.34's all-to-all of vocab shards (batch-sharded sampling,
+  DSpark's sharded drafting) on Lamport all-to-alls, each caller's module global routed.
 - ``summary``: rank 0's line, from the installs' ``Outcome`` values.
 - ``route``: the installs and the worker hook (``register``, ``wrap_worker``), and our
   log lines through vLLM's handlers (``attach_to_vllm``).
@@ -38,6 +40,13 @@ target's shard width (no second mailbox, no collective), else by its own install
 take ``get_top_tokens`` (candidates, not logits), routed by the candidate gathers, as
 are the drafters' ``compute_candidates`` (``CANDIDATE_CALLERS``).
 
+Batch-sharded sampling (``enable_batch_sharded_sampling``): each rank samples its share
+of the requests from an all-to-all of vocab-local logits, not a gather. On vLLM 0.34
+every rank then installs Lamport all-to-alls (``install_exchanges``) for the callers of
+``all_to_all_vocab_shards`` a step takes (``exchange_paths``: ``GPUModelRunner.sample``,
+DSpark's sharded sequential sampling), one per shard width and dtype, agreed and
+fail-stop as the gather's; on 0.33 (``all_to_all_logits``) that path stays vLLM's.
+
 Which processor (``find_gather_target``), found the way vLLM's own code finds a model's
 head: multimodal wrappers' ``get_language_model()`` first; LoRA's base layer; a
 processor whose class overrides ``_gather_logits`` (DeepSeek V4.1's) keeps it unless
@@ -53,21 +62,24 @@ really calls, whatever its class.
 
 from .candidates import (CANDIDATE_METHODS, Candidates, install_candidate_gather,
                          install_drafter_candidates, install_pair_candidates)
-from .find import (CANDIDATE_CALLERS, GATHER, TOP_K_PATH, CandidateCaller, candidate_caller,
-                   candidate_path, candidate_rows, draft_model, drafter_paths, drafter_rows,
-                   find_drafter_target, find_gather_target, logits_paths, other_collectives,
-                   owns_gather, pair_payloads, rows_from_vllm, top_k_payloads)
+from .find import (CANDIDATE_CALLERS, GATHER, TOP_K_PATH, CandidateCaller, ExchangePath,
+                   batch_sharded, candidate_caller, candidate_path, candidate_rows, draft_model,
+                   drafter_paths, drafter_rows, dspark_rows, exchange_paths, find_drafter_target,
+                   find_gather_target, logits_paths, other_collectives, owns_gather,
+                   pair_payloads, rows_from_vllm, top_k_payloads)
 from .release import RELEASES
 from .route import (Drafter, attach_to_vllm, install_drafter_gather, install_logits_gather,
                     register, wrap_worker)
 from .summary import summary
+from .vocab_shards import Exchange, install_exchanges
 
 __all__ = [
     "CANDIDATE_CALLERS", "CANDIDATE_METHODS", "GATHER", "RELEASES", "TOP_K_PATH",
-    "CandidateCaller", "Candidates", "Drafter", "attach_to_vllm", "candidate_caller",
-    "candidate_path", "candidate_rows", "draft_model", "drafter_paths", "drafter_rows",
-    "find_drafter_target", "find_gather_target", "install_candidate_gather",
-    "install_drafter_candidates", "install_drafter_gather", "install_logits_gather",
+    "CandidateCaller", "Candidates", "Drafter", "Exchange", "ExchangePath", "attach_to_vllm",
+    "batch_sharded", "candidate_caller", "candidate_path", "candidate_rows", "draft_model",
+    "drafter_paths", "drafter_rows", "dspark_rows", "exchange_paths", "find_drafter_target",
+    "find_gather_target", "install_candidate_gather", "install_drafter_candidates",
+    "install_drafter_gather", "install_exchanges", "install_logits_gather",
     "install_pair_candidates", "logits_paths", "other_collectives", "owns_gather",
     "pair_payloads", "register", "rows_from_vllm", "summary", "top_k_payloads", "wrap_worker",
 ]

@@ -1,10 +1,12 @@
 """What to route in a loaded vLLM model and its config: the LogitsProcessor whose gather
 the model really calls (target, drafter), the row counts its steps gather, the paths
-its steps take through or around that gather, and the drafters' candidate callers.
+its steps take through or around that gather, the drafters' candidate callers, and the
+callers of vLLM 0.34's all-to-all of vocab shards a step takes (``exchange_paths``).
 
-Pure functions of the model's classes, its config-set attributes and the vLLM config:
-every rank answers alike, so no answer here needs a collective. vLLM is not imported:
-its classes are recognized by module and name.
+Pure functions of the model's classes, its config-set attributes and the vLLM config
+(``exchange_paths`` also reads the DSpark speculator's own load-time decision, which
+vLLM's step needs alike on every rank): every rank answers alike, so no answer here
+needs a collective. vLLM is not imported: its classes are recognized by module and name.
 """
 
 import functools
@@ -14,6 +16,8 @@ import torch
 
 from ... import install
 from ...settings import FORCE_ENV, forced
+from ...table import MAX_ROWS
+from .release import DSPARK_EXCHANGE, DSPARK_SHARDED, TARGET_EXCHANGE
 from .release import STOCK_PROCESSOR as _STOCK  # vLLM's own LogitsProcessor class
 
 GATHER = "_gather_logits"  # vLLM LogitsProcessor's gather: [M, V/TP] -> [M, V]
@@ -297,24 +301,87 @@ def logits_paths(model, vllm_config):
       full-vocab logits: through, unless batch-sharded sampling takes sampling.
     - ``compute_logits_local``: with ``parallel_config.enable_batch_sharded_sampling``,
       the V2 runner (0.33: ``use_v2_model_runner``; 0.34 has no other runner and no such
-      field) and a model that has it, each rank samples its share of the requests from
-      an all-to-all of vocab-local logits (``all_to_all_vocab_shards``): no gather.
+      field) and a model that has it (``batch_sharded``), each rank samples its share of
+      the requests from an all-to-all of vocab-local logits: no gather. That all-to-all
+      is a path of its own (``exchange_paths``: 0.34's ``all_to_all_vocab_shards``).
     - ``get_top_tokens``: with ``speculative_config.use_local_argmax_reduction`` the
       drafter's greedy drafts all-gather (value, index) pairs, not logits."""
-    parallel = getattr(vllm_config, "parallel_config", None)
     spec = getattr(vllm_config, "speculative_config", None)
-    sharded = (bool(getattr(parallel, "enable_batch_sharded_sampling", False))
-               and bool(getattr(vllm_config, "use_v2_model_runner", True))
-               and hasattr(model, "compute_logits_local"))
+    sharded = batch_sharded(model, vllm_config)
     around = []
     if sharded:
         around.append("compute_logits_local (enable_batch_sharded_sampling: an all-to-all of "
-                      "vocab-local logits, all_to_all_vocab_shards)")
+                      "vocab-local logits, not a gather)")
     if getattr(spec, "use_local_argmax_reduction", False):
         around.append("the drafter's get_top_tokens (use_local_argmax_reduction: an argmax "
                       "reduced across ranks)")
     return ([] if sharded else ["compute_logits"]), around
 
+
+
+def batch_sharded(model, vllm_config):
+    """Whether the target samples batch-sharded (vLLM's ``batch_sharded_sampling_enabled``
+    on the V2 runner): ``parallel_config.enable_batch_sharded_sampling``, a model with
+    ``compute_logits_local``, and 0.33's ``use_v2_model_runner`` (0.34 has no such field:
+    its only runner is the V2 one)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return (bool(getattr(parallel, "enable_batch_sharded_sampling", False))
+            and bool(getattr(vllm_config, "use_v2_model_runner", True))
+            and hasattr(model, "compute_logits_local"))
+
+
+class ExchangePath(NamedTuple):
+    """One caller of vLLM 0.34's ``all_to_all_vocab_shards`` a step takes: it exchanges
+    the vocab-local logits of ``processor`` (computed with ``head``: the shard width)
+    for ``rows`` row counts M (the rows of a call: ``sum(send_splits)``, the same on
+    every rank)."""
+
+    path: str  # the caller (a key of release.EXCHANGE_CALLERS)
+    processor: object  # the LogitsProcessor whose logits it exchanges (None: not found)
+    head: object  # that processor's vocab-parallel lm_head (None: not found)
+    rows: object  # the row counts M of its calls (tuple), or None when the config does not say
+    where: str  # where the processor sits (or why none was found), for the lines
+
+
+def exchange_paths(model, draft, speculator, vllm_config, tp):
+    """``[ExchangePath, ...]``: the callers of the all-to-all of vocab shards a step takes,
+    the target's first.
+
+    - ``GPUModelRunner.sample``: the target samples batch-sharded (``batch_sharded``):
+      M is the step's logits rows, as the gather's (``rows_from_vllm``).
+    - ``DSparkSpeculator._sample_sequential_sharded``: DSpark drafting (``method``
+      "dspark") on a batch-sharded target, its draft model with
+      ``compute_draft_logits_local``, and the speculator's own load-time decision to shard
+      (``release.DSPARK_SHARDED`` set; it keeps sampling replicated, e.g. without PyNCCL
+      or with the acceptance estimator, and vLLM's step itself needs that decision alike
+      on every rank): M = TP x capacity x num_speculative_tokens (``dspark_rows``).
+    """
+    if not batch_sharded(model, vllm_config):
+        return []
+    lp, head, where = find_gather_target(model, force=True)
+    out = [ExchangePath(TARGET_EXCHANGE, lp, head, rows_from_vllm(vllm_config), where)]
+    spec = getattr(vllm_config, "speculative_config", None)
+    if (draft is not None and str(getattr(spec, "method", "") or "") == "dspark"
+            and hasattr(draft, "compute_draft_logits_local")
+            and getattr(speculator, DSPARK_SHARDED, None) is not None):
+        lp, head, where = find_drafter_target(draft, force=True)
+        out.append(ExchangePath(DSPARK_EXCHANGE, lp, head, dspark_rows(vllm_config, tp),
+                                f"the drafter {type(draft).__name__}: {where}"))
+    return out
+
+
+def dspark_rows(vllm_config, tp):
+    """The row counts of DSpark's sharded all-to-all: every rank sends ``capacity =
+    ceil(requests / TP)`` requests' ``num_speculative_tokens`` rows to each rank (padding
+    included), so M = TP x capacity x k for 1 <= capacity <= ceil(max_num_seqs / TP),
+    capped at ``table.MAX_ROWS``; None when the config does not say."""
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if not isinstance(seqs, int) or seqs < 1:
+        return None
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = int(getattr(spec, "num_speculative_tokens", None) or 1)
+    rows = tuple(tp * c * k for c in range(1, -(-seqs // tp) + 1))
+    return tuple(m for m in rows if m <= MAX_ROWS) or None
 
 
 def _mro(obj):
@@ -326,10 +393,6 @@ def other_collectives(model, draft, vllm_config):
     serves, each with why it is not routed (the summary names them, never as routed).
     From the models' classes and attributes and the config, the same on every rank.
 
-    - DSpark's sharded sequential draft sampling (vLLM 0.34,
-      ``spec_decode/dspark/speculator.py``): with batch-sharded sampling on a target
-      that samples vocab-local, a DSpark drafter with ``compute_draft_logits_local``
-      drafts from an all-to-all of vocab shards (``all_to_all_vocab_shards``).
     - Kimi K3's specialized drafter (``SpecializedK3DSparkForCausalLM``): its draft
       logits go through its own multicast mailbox (``comm.gather_logits``, built at
       load: ``_drafter_comm.logits``) for the shapes it accepts; the others fall to the
@@ -340,20 +403,15 @@ def other_collectives(model, draft, vllm_config):
     - XPress drafts gather 3-D logits ``[requests, 1 + k, V/TP]``; the Lamport gather
       serves 2-D logits, so vLLM's own gather serves those.
     DeepSeek V4.1's processor, whose class has its own gather, is the target's
-    outcome (``Stock.OWN_GATHER``), not repeated here."""
+    outcome (``Stock.OWN_GATHER``), not repeated here; the all-to-alls of vocab shards
+    (batch-sharded sampling, DSpark's sharded sequential sampling) are paths of their own
+    (``exchange_paths``), each with its outcome."""
     spec = getattr(vllm_config, "speculative_config", None)
     method = str(getattr(spec, "method", "") or "")
-    parallel = getattr(vllm_config, "parallel_config", None)
-    sharded = (bool(getattr(parallel, "enable_batch_sharded_sampling", False))
-               and hasattr(model, "compute_logits_local"))
     out = []
     if draft is None:
         return out
     name = type(draft).__name__
-    if method == "dspark" and sharded and hasattr(draft, "compute_draft_logits_local"):
-        out.append((f"drafter {name} compute_draft_logits_local",
-                    "DSpark's sharded sequential sampling: an all-to-all of vocab shards "
-                    "(all_to_all_vocab_shards), not a gather; a later lamport-head release"))
     comm = getattr(draft, "_drafter_comm", None)
     if "SpecializedK3DSparkForCausalLM" in _mro(draft) or getattr(comm, "logits", None):
         out.append((f"drafter {name} comm.gather_logits",

@@ -4,7 +4,9 @@ every name the adapter relies on.
 ``RELEASES`` is the window: the releases the test bed runs the real-vLLM tests on
 (tests/helpers.py reads it from here). ``check()`` looks up ``RELIED`` (the module-level
 names: classes, methods, module globals) in the running vLLM, ``check(worker)`` also the
-names the hook reads off a live worker. Every rank runs the same vLLM, so the answer is
+names the hook reads off a live worker; ``lacks(exchange_names(...))`` the 0.34 names the
+all-to-all of vocab shards relies on, only where a step takes that path (0.33 has none:
+that path alone stays stock). Every rank runs the same vLLM, so the answer is
 the same on every rank: a rank acting on it alone never leaves a peer in a collective.
 Invariant: the adapter consults ``check`` before its first collective, and a release
 missing any name serves stock (the speed-up is lost, never the engine).
@@ -33,6 +35,23 @@ RELIED = (
     ("vllm.model_executor.layers.logits_processor", "tensor_model_parallel_all_gather"),
     ("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
 )
+# vLLM 0.34's all-to-all of vocab shards (batch-sharded sampling): the function, where vLLM
+# defines it, and each caller's module global (the callers import it by name, so the global
+# is what runs; the exchange routes replace it there, ``vocab_shards``), by the caller's
+# name in the summary. Looked up only when a step takes that path: 0.33 has none (its
+# batch-sharded sampling calls ``all_to_all_logits``, not routed), so a missing name leaves
+# that path stock and never the gather (``lacks``).
+EXCHANGE = "all_to_all_vocab_shards"
+EXCHANGE_HOME = "vllm.v1.worker.gpu.sample.batch_shard"
+TARGET_EXCHANGE = "GPUModelRunner.sample"  # the target's batch-sharded sampling
+DSPARK_EXCHANGE = "DSparkSpeculator._sample_sequential_sharded"  # DSpark's sharded drafting
+EXCHANGE_CALLERS = {
+    TARGET_EXCHANGE: "vllm.v1.worker.gpu.model_runner",
+    DSPARK_EXCHANGE: "vllm.v1.worker.gpu.spec_decode.dspark.speculator",
+}
+# DSparkSpeculator's own decision (its load_model) to shard its sequential sampling: the
+# PyNCCL communicator it exchanges with, None when sampling stays replicated
+DSPARK_SHARDED = "_sharded_sequential_comm"
 # what the hook reads off a loaded worker (attribute paths from the worker)
 RELIED_ON_WORKER = ("model_runner.get_model", "device")
 RELIED_ON_GROUP = ("world_size", "rank_in_group", "device_group")  # vLLM's GroupCoordinator
@@ -76,19 +95,33 @@ def _has(obj, dotted):
     return True
 
 
-def check(worker=None, group=None):
-    """The running release: its version and the relied-upon names it lacks (``RELIED``;
-    with ``worker``, ``RELIED_ON_WORKER`` on it, and with ``group``, vLLM's TP group
-    coordinator, ``RELIED_ON_GROUP`` on it). Never raises: a module that fails to
-    import counts its names as missing."""
+def lacks(names):
+    """The ``(module, dotted attribute)`` names the running vLLM lacks, as
+    ``module:attribute``. Never raises: a module that fails to import counts its names as
+    missing."""
     missing = []
-    for module, dotted in RELIED:
+    for module, dotted in names:
         try:
             found = _has(importlib.import_module(module), dotted)
         except Exception:
             found = False
         if not found:
             missing.append(f"{module}:{dotted}")
+    return tuple(missing)
+
+
+def exchange_names(paths):
+    """The names the exchange of each caller in ``paths`` (keys of ``EXCHANGE_CALLERS``)
+    relies on: vLLM's function where it is defined, and the caller's module global."""
+    return ((EXCHANGE_HOME, EXCHANGE),) + tuple((EXCHANGE_CALLERS[p], EXCHANGE) for p in paths)
+
+
+def check(worker=None, group=None):
+    """The running release: its version and the relied-upon names it lacks (``RELIED``;
+    with ``worker``, ``RELIED_ON_WORKER`` on it, and with ``group``, vLLM's TP group
+    coordinator, ``RELIED_ON_GROUP`` on it). Never raises: a module that fails to
+    import counts its names as missing."""
+    missing = list(lacks(RELIED))
     # find.owns_gather tells vLLM's own processor by where its class is defined: a class
     # moved elsewhere (even re-exported here) would read as "has its own gather" everywhere
     try:

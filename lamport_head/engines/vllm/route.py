@@ -1,7 +1,7 @@
 """Installing on vLLM: the explicit ``install_logits_gather`` on a loaded model, the
 drafter's install after the target's, and the worker hook that runs both (and the
-candidate gathers) once a worker's ``load_model`` returns, then has rank 0 say the
-summary.
+candidate gathers, then the all-to-alls of vocab shards: ``vocab_shards``) once a
+worker's ``load_model`` returns, then has rank 0 say the summary.
 
 Every install here is collective over the TP group once it starts (``install.install``:
 every rank takes the same ``Outcome``) and raises only for a failure of this rank
@@ -24,9 +24,10 @@ from .. import measure_first_use
 from . import release as releases
 from .candidates import install_drafter_candidates, install_pair_candidates
 from .find import (GATHER, candidate_path, candidate_rows, draft_model, drafter_paths,
-                   drafter_rows, find_drafter_target, find_gather_target, logits_paths,
-                   other_collectives, owns_gather, rows_from_vllm)
+                   drafter_rows, exchange_paths, find_drafter_target, find_gather_target,
+                   logits_paths, other_collectives, owns_gather, rows_from_vllm)
 from .summary import summary
+from .vocab_shards import install_exchanges
 
 logger = logging.getLogger("lamport_head")
 _MARK = "_lamport_head_wrapped"
@@ -188,11 +189,15 @@ def _install_after_load(worker):
         top_k = install_drafter_candidates(draft, ranks, candidate_rows(config))
         if top_k is not None:
             candidates.append(top_k)
+    # the all-to-alls of vocab shards (batch-sharded sampling), last, on every rank alike
+    speculator = getattr(worker.model_runner, "speculator", None)
+    exchanges = install_exchanges(exchange_paths(model, draft, speculator, config, ranks.tp),
+                                  ranks)
     if ranks.rank == 0:
         through, around = logits_paths(model, config)
         logger.info("lamport-head summary: %s", summary(
             running, type(model).__name__, ranks.tp, dcp, outcome, through, around, drafter,
-            candidates, other_collectives(model, draft, config)))
+            candidates, other_collectives(model, draft, config), exchanges))
     return outcome
 
 

@@ -1,5 +1,6 @@
 """Rank 0's one summary line for a vLLM TP group: the engine's release, then every
-logits collective a step takes and whether a Lamport gather serves it.
+logits collective a step takes (gathers and all-to-alls of vocab shards) and whether a
+Lamport collective serves it.
 
 Built from values only (the installs' ``Outcome``s, ``find``'s paths): rewording a log
 line changes no summary (tests/test_outcome.py). Every rank takes the same outcomes
@@ -8,10 +9,11 @@ logits dtype is named where it is not BF16 ("(float32 logits)": an FP32 lm_head)
 """
 
 from ...dtypes import DEFAULT as DEFAULT_DTYPE
+from .release import EXCHANGE
 
 
 def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), around=(),
-            drafter=None, candidates=(), others=()):
+            drafter=None, candidates=(), others=(), exchanges=()):
     """The line. ``release``: the running vLLM (``release.Release`` or its text);
     ``outcome``: the target's ``Outcome``; ``through``/``around``: ``find.logits_paths``
     (served rows are named only with the paths that really take the gather, and said
@@ -21,7 +23,9 @@ def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), 
     ``candidates.Candidates`` of the drafter's candidate paths, each in a clause of its
     own in place of the drafter's words for that path; ``others``: ``(path, why)`` for
     logits collectives no Lamport gather serves (``find.other_collectives``), each
-    named as not routed."""
+    named as not routed; ``exchanges``: the ``vocab_shards.Exchange`` of each caller of
+    the all-to-all of vocab shards a step takes, each in a clause of its own (served
+    rows, or why vLLM's all-to-all stays)."""
     candidates = list(candidates or ())
     if candidates and drafter is not None:
         paths = {c.path for c in candidates}
@@ -43,7 +47,8 @@ def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), 
     else:
         line = head + f"stock logits gather on all {tp} TP ranks ({_why(outcome)})"
     line = line if drafter is None else line + "; " + _drafter_clause(drafter)
-    clauses = [_candidates_clause(c) for c in candidates]
+    clauses = [_exchange_clause(e) for e in exchanges]
+    clauses += [_candidates_clause(c) for c in candidates]
     clauses += [f"{path}: not routed ({why})" for path, why in others]
     return "; ".join([line] + clauses)
 
@@ -55,6 +60,17 @@ def _dtype(outcome):
 
 def _why(outcome):
     return f"{outcome.reason.label}: {outcome.message}"
+
+
+def _exchange_clause(e):
+    """The summary's words for a caller of the all-to-all of vocab shards
+    (``vocab_shards.Exchange``)."""
+    where = f"{e.path}'s {EXCHANGE}"
+    if not e.outcome.served:
+        return f"{where}: stock all-to-all ({_why(e.outcome)})"
+    shared = " (shared with an earlier path: the same shard width)" if e.outcome.shared else ""
+    return (f"Lamport all-to-all for rows {list(e.outcome.rows)}{_dtype(e.outcome)}{shared} "
+            f"through {where}")
 
 
 def _candidates_clause(c):
