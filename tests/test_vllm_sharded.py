@@ -305,7 +305,8 @@ def test_sample_takes_the_installed_all_to_all_bitwise(ranks):
         assert on["sharder"] and on["wrapped"] and on["routed"] == [["512", "torch.bfloat16"]]
         assert on["splits"] == {str(n): [(n + 1) // 2, n // 2] for n in REQUESTS}
         assert on["equal"] == {str(n): True for n in REQUESTS}
-        assert on["calls"] == {str(n): [n] if n in SERVED else [] for n in REQUESTS}
+        assert on["calls"] == {str(n): [[n, on["splits"][str(n)]]] if n in SERVED else []
+                               for n in REQUESTS}
         for n, found in on["specials"].items():
             assert found == {"nan": True, "inf": True, "-inf": True, "-0.0": True,
                              "sentinel": False}, (n, found)
@@ -318,7 +319,8 @@ def test_the_routed_global_is_the_reference_all_to_all(ranks):
         for name, splits in SPLITS.items():
             assert r["direct"][name] == {"reference": True, "vllm": True,
                                          "rows": [splits[rank], 1024]}, name
-        assert r["direct_calls"] == [4, 5, 1]  # even, uneven, empty; [2, 1]: M=3, stock
+        # even, uneven, empty; [2, 1] (M = 3) took vLLM's own
+        assert r["direct_calls"] == [[4, [2, 2]], [5, [3, 2]], [1, [1, 0]]]
 
 
 def test_the_summary_names_the_all_to_all_path(ranks):

@@ -124,8 +124,8 @@ def install_exchanges(paths, ranks):
                 else tuple(sorted({m for p in group for m in p.rows})))
         outcome = install.install(site, ranks, rows, measure=measure_first_use)
         if outcome.served:
-            served = holder.head_gather  # the AllToAll: what its calls must be
-            _ROUTES[(served.shard, served.dtype)] = holder.exchange
+            # install built it for the site's shard width (key[0]) and logits dtype
+            _ROUTES[(key[0], holder.head_gather.dtype)] = holder.exchange
             for p in group:
                 _dispatching(releases.EXCHANGE_CALLERS[p.path])
         for i, p in enumerate(group):
