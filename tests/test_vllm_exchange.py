@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from lamport_head import install
+from lamport_head import install, mailbox
 from lamport_head.engines import vllm as plugin
 from lamport_head.engines.vllm import release, vocab_shards
 from lamport_head.outcome import Outcome, Ranks, Stock
@@ -217,3 +217,20 @@ def test_summary_names_both_all_to_all_paths():
                           exchanges=[stock]).endswith(
         "; DSparkSpeculator._sample_sequential_sharded's all_to_all_vocab_shards: stock "
         "all-to-all (no-rows: why)")
+
+
+def test_first_use_tuning_does_not_measure_the_all_to_all(monkeypatch, tmp_path):
+    """With first-use tuning on and no section for the all-to-all, the gather's tuner is
+    not run against vLLM's all-to-all: every rank stays stock alike (tuning-failed, one
+    warning), nothing is built, no caller's global is replaced."""
+    modules = _vllm_modules(monkeypatch)
+    built = []
+    _serve(monkeypatch, tmp_path, built)
+    monkeypatch.setenv("LAMPORT_HEAD_AUTOTUNE", "1")
+    monkeypatch.setattr(mailbox, "device_key", lambda device: ("host", "gpu0"))
+    (path,) = plugin.exchange_paths(_lm(width=32), None, None, _config(), 2)  # no section
+    (got,) = plugin.install_exchanges([path], RANKS)
+    assert got.outcome.reason is Stock.TUNING_FAILED and built == []
+    assert "does not measure the all-to-all" in got.outcome.message
+    caller = modules[release.EXCHANGE_CALLERS[TARGET]].all_to_all_vocab_shards
+    assert not getattr(caller, "_lamport_head_wrapped", False)
