@@ -60,8 +60,8 @@ class Exchange(NamedTuple):
 
 class _Holder:
     """The install core's processor for one (shard width, dtype): ``exchange`` is vLLM's
-    ``all_to_all_vocab_shards`` (the stock the route keeps and first-use tuning times),
-    routed by install to the AllToAll (``head_gather``) once served."""
+    ``all_to_all_vocab_shards`` (the stock the route keeps), routed by install to the
+    AllToAll (``head_gather``) once served."""
 
     def __init__(self, original):
         self.exchange = original
@@ -123,9 +123,8 @@ def install_exchanges(paths, ranks):
         else:
             found.append(p)
     keys = {}
-    for p in found:
-        dtype = getattr(p.processor, "head_dtype", None) or getattr(
-            getattr(p.head, "weight", None), "dtype", None)
+    for p in found:  # the site's logits dtype: the one rule, GatherSite.logits_dtype
+        dtype = _site(p, None).logits_dtype
         keys.setdefault((_width(p), str(dtype).removeprefix("torch.")), []).append(p)
     if keys:
         original = getattr(importlib.import_module(releases.EXCHANGE_HOME), releases.EXCHANGE)
