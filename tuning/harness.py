@@ -14,9 +14,12 @@ also agree on every local failure so far):
   virtual ranks' branches, and a rank waiting for a later branch times out.)
 
 Targets: ``EmulatedTarget`` (TP virtual ranks on one GPU; the stock baseline is the
-one-GPU equivalent, a cat of the shards) and ``DistributedTarget`` (one process per
+one-GPU equivalent, a cat of the shards), ``DistributedTarget`` (one process per
 GPU under torchrun; stock is vLLM's: NCCL all-gather into ``[TP*M, V/TP]``, then the
-reorder to ``[M, V]``).
+reorder to ``[M, V]``) and ``AllToAllTarget`` (the same ranks timing the all-to-all of
+vocab shards, ``lamport_head.all_to_all``, against vLLM's ``all_to_all_vocab_shards``
+with the splits vLLM's batch sharding makes: ``support.splits``); ``target_for``
+picks the real-rank one by the stock a route replaces.
 
 What is timed is built by ``lamport_head.build``, as install builds it: the one
 compiled kernel of a configuration (serving's give-up is a launch argument, so the
@@ -27,6 +30,7 @@ launched recoverable (``build.launch_flag``: 0): a failure on one rank while tun
 stops a GPU context.
 """
 
+import itertools
 import math
 import statistics
 import time
@@ -38,8 +42,10 @@ from lamport_head import build, dtypes
 from lamport_head.collective import PeerFailed, agree, all_max, all_min, attempt
 from lamport_head.config import GatherConfig
 from lamport_head.head_gather import SPIN_BUDGET_S
-from lamport_head.tuning.support.reference import planted, reference_gather
-from lamport_head.tuning.support.stock import StockGather
+from lamport_head.table import ALL_TO_ALL_STOCK
+from lamport_head.tuning.support.reference import planted, reference_all_to_all, reference_gather
+from lamport_head.tuning.support.splits import vllm_splits
+from lamport_head.tuning.support.stock import StockAllToAll, StockGather
 
 
 @dataclass(frozen=True)
@@ -320,6 +326,9 @@ class EmulatedTarget:
         return Timing(eager, gpu, host)
 
 
+TIMED_DRAW = 0  # the ``_case`` draw a row count is timed with (all-to-all: its splits)
+
+
 class DistributedTarget:
     """One process per rank under torchrun (``lamport_head.tuning.support.procs.init_ranks``).
 
@@ -339,10 +348,16 @@ class DistributedTarget:
 
     Not covered: a stock collective failing inside the backend is the backend's to
     report (NCCL's watchdog, gloo's timeout). On shared-GPU ranks (gloo) the stock
-    path is gloo's and has no graph figure."""
+    path is gloo's and has no graph figure.
+
+    What is collective-specific (the class built, the stock stand-in, a call's
+    arguments and its expected output) is in ``_collective``, ``_stand_in``, ``_case``
+    and ``_reference_of``; ``AllToAllTarget`` replaces those, and every step above is
+    this class's for both."""
 
     emulated = False
     objective = "eager_us"  # what serving sees
+    _stand_in = StockGather  # the tuner's stock when no engine's is given
 
     def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=SPIN_BUDGET_S,
                  stock=None, dtype=torch.bfloat16):
@@ -376,7 +391,8 @@ class DistributedTarget:
         if key not in self._limits:
             def local():
                 sharing = self.tp if self.ranks.shared else 1
-                kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype)
+                kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype,
+                                        all_to_all=self._collective()._all_to_all)
                 return kernels.limit(sharing)(GatherConfig(1, threads, unroll))
 
             # A compile that fails on one rank raises on every rank, together.
@@ -385,43 +401,68 @@ class DistributedTarget:
             self._limits[key] = all_min(resident, self.group, self.device)
         return self._limits[key]
 
-    def _gather(self, rows, config, pdl=None):
+    def _collective(self):
+        """The class a trial builds: ``HeadGather`` (its ``_all_to_all``: the kernels'
+        mode, which ``limit`` compiles)."""
         from lamport_head.head_gather import HeadGather
+
+        return HeadGather
+
+    def _gather(self, rows, config, pdl=None):
         from lamport_head.status import RECOVERABLE
 
-        return HeadGather(self.group, self.device, self.tp, self.rank, self.shard,
-                          {rows: config}, pdl=pdl, budget_s=self.budget_s, mode=RECOVERABLE,
-                          dtype=self.dtype)
+        return self._collective()(self.group, self.device, self.tp, self.rank, self.shard,
+                                  {rows: config}, pdl=pdl, budget_s=self.budget_s,
+                                  mode=RECOVERABLE, dtype=self.dtype)
 
     def _stock(self, rows, step):
-        """The stock gather: the engine's own (given at construction), else the tuner's
-        stand-in with its buffers built as a local step (``StockGather``: its calls then
-        allocate nothing, so once the ranks met they can fail only in the backend)."""
+        """The stock collective: the engine's own (given at construction), else the
+        tuner's stand-in (``_stand_in``) with its buffers built as a local step (its
+        calls then allocate nothing, so once the ranks met they can fail only in the
+        backend)."""
         if self._engine_stock is not None:
             return self._engine_stock
-        return step.local(StockGather, rows, self.shard, self.group, self.device, self.dtype)
+        return step.local(self._stand_in, rows, self.shard, self.group, self.device,
+                          self.dtype)
 
-    def _call(self, gather, x, failed):
+    def _case(self, rows, draw):
+        """Local: the arguments of a call of ``rows`` rows (``draw``: which of the row
+        count's calls; a gather's are all alike): this rank's planted shard."""
+        return _GatherCase(planted(rows, self.shard, device=self.device, dtype=self.dtype))
+
+    def _output(self, case):
+        """Local: the output a bare launch of ``case`` writes."""
+        return torch.empty(case.rows, self.vocab, dtype=self.dtype, device=self.device)
+
+    def _call(self, gather, case, failed):
         """One gather call; a failure is recorded in ``failed``, the caller's loop goes
         on (the trial's outcome is agreed at its end)."""
-        return _trial_step(failed, gather, x, never_stock)
+        return _trial_step(failed, case.call, gather)
 
     def _reference(self, gathered):
         return reference_gather(gathered.split(self.shard, 1))
 
+    def _reference_of(self, rows, step):
+        """``want(case)``, verification's expected output of a case: the stock gather's
+        output (every rank's shard reaches this rank only through a collective, which
+        every rank calls), sentinel words scrubbed; the stock built as a local step."""
+        stock = self._stock(rows, step)
+        return lambda case: step.local(self._reference, case.stock(stock))
+
     def verify(self, gather, rows, failed, step, calls=3):
         """Collective: True on every rank when every rank's gather matched the reference
-        bitwise in each of ``calls`` calls on fresh planted data, else False on every
-        rank. A call that raises is recorded in ``failed`` (a failed verification); a
-        local step that fails raises on every rank at ``step``'s next meet."""
+        bitwise in each of ``calls`` calls (draws 0 to ``calls`` - 1 of ``_case``) on
+        fresh planted data, else False on every rank. A call that raises is recorded in
+        ``failed`` (a failed verification); a local step that fails raises on every
+        rank at ``step``'s next meet."""
         ok = True
-        stock = self._stock(rows, step)
-        for _ in range(calls):
-            data = step.local(planted, rows, self.shard, device=self.device, dtype=self.dtype)
+        want = self._reference_of(rows, step)
+        for draw in range(calls):
+            case = step.local(self._case, rows, draw)
             step.meet("to plant the verification data")  # the stock step sends it
-            want = step.local(self._reference, stock(data))
-            got = self._call(gather, data, failed)  # every rank calls: peers' kernels wait
-            ok &= bool(step.local(_same_bits, got, want))
+            expected = want(case)
+            got = self._call(gather, case, failed)  # every rank calls: peers' kernels wait
+            ok &= bool(step.local(_same_bits, got, expected))
         step.meet("to check the gather against the reference")
         return not self._max(0.0 if ok else 1.0)
 
@@ -464,14 +505,14 @@ class DistributedTarget:
         failed = [False]
         if not self.verify(gather, rows, failed, step):
             return None
-        x = step.local(planted, rows, self.shard, device=self.device, dtype=self.dtype)
-        out = step.local(torch.empty, rows, self.vocab, dtype=self.dtype, device=self.device)
+        case = step.local(self._case, rows, TIMED_DRAW)
+        out = step.local(self._output, case)
         step.meet("to plant and allocate the trial's data")
-        eager, host = median_eager(lambda: self._call(gather, x, failed), self.device,
+        eager, host = median_eager(lambda: self._call(gather, case, failed), self.device,
                                     self.calls, self.reps, step)
         # the kernel keeps the parity: captured launches continue the call sequence
-        graph, graph_host = _median_graph(lambda: (gather.launch(x, out, config.ctas),
-                                                   gather.launch(x, out, config.ctas)),
+        graph, graph_host = _median_graph(lambda: (case.launch(gather, out, config.ctas),
+                                                   case.launch(gather, out, config.ctas)),
                                           self.device, self.replays, self.reps, step)
         step.local(torch.cuda.synchronize, self.device)
         step.meet("to finish timing the gather")
@@ -514,9 +555,9 @@ class DistributedTarget:
         """Stock timing, reduced (MAX) over ranks; a local failure raises on every rank."""
         step = self._lockstep()
         stock = self._stock(rows, step)
-        x = step.local(planted, rows, self.shard, device=self.device, dtype=self.dtype)
+        case = step.local(self._case, rows, TIMED_DRAW)
         step.meet("to plant the stock path's data")
-        call = lambda: stock(x)  # noqa: E731
+        call = lambda: case.stock(stock)  # noqa: E731
         eager, host = median_eager(call, self.device, self.calls, self.reps, step)
         graph = graph_host = math.nan  # gloo's host copies cannot be captured
         if not self.ranks.shared:
@@ -524,6 +565,102 @@ class DistributedTarget:
                                               self.replays, self.reps, step)
         return Timing(self._max(eager), self._max(graph), self._max(host), self._max(graph),
                       self._max(graph_host))
+
+
+class AllToAllTarget(DistributedTarget):
+    """``DistributedTarget`` timing the all-to-all of vocab shards (``AllToAll``, the
+    kernels' all-to-all mode) on the same steps, the same fail-stop rules and the same
+    figures (MAX over ranks), Lamport and stock in the same run. ``stock``: the engine's
+    own all-to-all (``(shard, send_splits, num_local_rows) -> [num_local_rows, V]``,
+    vLLM's ``all_to_all_vocab_shards``); None: ``StockAllToAll``.
+
+    A call of M rows takes the splits vLLM's batch sharding makes (``vllm_splits``,
+    uneven, ranks of 0 rows at small M), the same on every rank: verification draws
+    0 to ``calls`` - 1, timing (both paths, the same splits) draw ``TIMED_DRAW``. Every
+    rank plants every rank's shard from one seed (the same on every rank: the ranks
+    draw seeds in the same order), so each checks its output bitwise against
+    ``reference_all_to_all`` alone, trusting no collective."""
+
+    _stand_in = StockAllToAll
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._seeds = itertools.count()
+
+    def _collective(self):
+        from lamport_head.all_to_all import AllToAll
+
+        return AllToAll
+
+    def _case(self, rows, draw):
+        generator = torch.Generator(device=self.device).manual_seed(next(self._seeds))
+        shards = planted(self.tp, rows, self.shard, generator=generator, device=self.device,
+                         dtype=self.dtype)
+        return _AllToAllCase(list(shards), vllm_splits(rows, self.tp, draw), self.rank)
+
+    def _reference_of(self, rows, step):
+        """``want(case)``: the case's own reference (no stock: every rank holds every
+        shard)."""
+        return lambda case: step.local(case.want)
+
+
+def target_for(stock_kind):
+    """The real-rank target of the collective that serves in place of ``stock_kind``
+    (``table.STOCKS``), as ``install.collective`` builds it: ``AllToAllTarget`` for the
+    all-to-all, ``DistributedTarget`` for a gather."""
+    return AllToAllTarget if stock_kind == ALL_TO_ALL_STOCK else DistributedTarget
+
+
+@dataclass(frozen=True)
+class _GatherCase:
+    """A gather call's arguments on one rank: its shard ``x``, ``[M, V/TP]``."""
+
+    x: torch.Tensor
+
+    @property
+    def rows(self):
+        """The rows of this rank's output."""
+        return self.x.shape[0]
+
+    def call(self, gather):
+        return gather(self.x, never_stock)
+
+    def launch(self, gather, out, ctas):
+        gather.launch(self.x, out, ctas)
+
+    def stock(self, stock):
+        return stock(self.x)
+
+
+@dataclass(frozen=True)
+class _AllToAllCase:
+    """An all-to-all call's arguments on rank ``rank``: every rank's shard (its own is
+    ``x``) and the splits, the same on every rank."""
+
+    shards: list
+    splits: list
+    rank: int
+
+    @property
+    def x(self):
+        return self.shards[self.rank]
+
+    @property
+    def rows(self):
+        """The rows of this rank's output: its split."""
+        return self.splits[self.rank]
+
+    def call(self, a2a):
+        return a2a(self.x, self.splits, self.rows, never_stock)
+
+    def launch(self, a2a, out, ctas):
+        a2a.launch(self.x, out, ctas, self.splits)
+
+    def stock(self, stock):
+        return stock(self.x, self.splits, self.rows)
+
+    def want(self):
+        return reference_all_to_all(self.shards, self.splits)[self.rank]
 
 
 def _trial_step(failed, fn, *args):
@@ -542,6 +679,6 @@ def _same_bits(got, want):
     return got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-def never_stock(x):
+def never_stock(*args):
     """The stock path of a row count the gather serves: must never run (timing)."""
     raise AssertionError("the timed row count is served: stock must not run")

@@ -1,7 +1,10 @@
-"""The stock gather on real ranks, as vLLM does it: an all-gather into
-``[TP*M, V/TP]`` (rank-major), then the reorder copy to ``[M, V]``.
+"""The stock collectives on real ranks, as vLLM does them: the gather (``StockGather``),
+an all-gather into ``[TP*M, V/TP]`` (rank-major), then the reorder copy to ``[M, V]``;
+the all-to-all of vocab shards (``StockAllToAll``, vLLM 0.34's
+``all_to_all_vocab_shards``), an all-to-all of the shard's rows by the send splits into
+``[TP*n, V/TP]`` (rank-major, n this rank's rows), then the permute to ``[n, V]``.
 
-On NCCL that is NCCL's all-gather. On gloo (several processes sharing one GPU, where
+On NCCL that is NCCL's collective. On gloo (several processes sharing one GPU, where
 NCCL refuses) the shard travels as a host copy and the result comes back to the
 device: the same bytes, at gloo's speed, so only correctness can be read from it.
 """
@@ -52,6 +55,51 @@ class StockGather:
             self.out.view(self.rows, self.tp, self.shard).copy_(
                 self.gathered.view(self.tp, self.rows, self.shard).movedim(0, 1))
         return self.out
+
+
+class StockAllToAll:
+    """The stock all-to-all of vocab shards for one row count M (the step's total rows)
+    with every buffer allocated up front: ``all_to_all_single`` with vLLM's splits (this
+    rank sends ``send_splits[q]`` rows, in order, to rank q and receives
+    ``num_local_rows`` from every rank), then vLLM's permute.
+
+    Invariant: as ``StockGather``'s, a call allocates nothing (the buffers hold any
+    split of M: a rank receives at most M rows of every rank), so only the collective
+    itself can fail in it. The result is a view of one buffer, overwritten by the next
+    call."""
+
+    def __init__(self, rows, shard, group=None, device=None, dtype=torch.bfloat16):
+        self.group, self.tp = group, dist.get_world_size(group)
+        self.rows, self.shard, self.dtype = rows, shard, dtype
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.host = dist.get_backend(group) == "gloo" and device.type == "cuda"
+        self.out = torch.empty(rows, self.tp * shard, dtype=dtype, device=device)
+        if self.host:  # gloo moves host tensors: stage the shard and the received rows there
+            self.staged = torch.empty(rows, shard, dtype=dtype, pin_memory=True)
+            self.received = torch.empty(self.tp * rows, shard, dtype=dtype)
+        else:
+            self.received = torch.empty(self.tp * rows, shard, dtype=dtype, device=device)
+
+    def __call__(self, logits, send_splits, num_local_rows):
+        """``[rows, V/TP]`` contiguous on every rank -> ``[num_local_rows, V]``: rows
+        ``offsets[rank]:offsets[rank + 1]`` of every rank's shard (the splits' prefix
+        sums), rank q's at columns ``q * V/TP`` (vLLM's ``all_to_all_vocab_shards``)."""
+        if (tuple(logits.shape) != (self.rows, self.shard) or logits.dtype != self.dtype
+                or not logits.is_contiguous() or not 0 <= num_local_rows <= self.rows):
+            raise ValueError(f"stock all-to-all built for contiguous [{self.rows}, "
+                             f"{self.shard}] {self.dtype} and at most {self.rows} rows a rank, "
+                             f"got {list(logits.shape)} {logits.dtype}, {num_local_rows} rows")
+        n, tp = num_local_rows, self.tp
+        received = self.received[:tp * n]
+        source = logits
+        if self.host:
+            self.staged.copy_(logits)
+            source = self.staged
+        dist.all_to_all_single(received, source, output_split_sizes=[n] * tp,
+                               input_split_sizes=list(send_splits), group=self.group)
+        out = self.out[:n]
+        out.view(n, tp, self.shard).copy_(received.view(tp, n, self.shard).movedim(0, 1))
+        return out
 
 
 def all_gather_logits(logits: torch.Tensor, group=None) -> torch.Tensor:
