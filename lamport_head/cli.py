@@ -127,6 +127,12 @@ def parser():
     t.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
                    help=_DTYPE_HELP + "; the section is written for it")
     t.add_argument("--emulate", action="store_true", help="TP virtual ranks on one GPU")
+    t.add_argument("--all-to-all", action="store_true",
+                   help="tune the all-to-all of vocab shards instead (vLLM's batch-sharded "
+                   "sampling, all_to_all_vocab_shards): rows are a step's total M, split over "
+                   "the ranks as vLLM's batch sharding splits them (uneven, ranks of 0 rows), "
+                   "against all_to_all_single; written as the section of stock "
+                   "nccl-all-to-all; real ranks only (torchrun)")
     t.add_argument("--auto", action="store_true",
                    help="use every GPU here: torchrun over several, --emulate on one")
     t.add_argument("--storage", help="Optuna storage URL (default: SQLite beside --out)")
@@ -285,6 +291,8 @@ def check_arguments(args):
         for u in args.unroll:
             if not 1 <= u <= UNROLL_MAX:
                 return f"--unroll {u} is not in 1-{UNROLL_MAX}"
+        if args.all_to_all and args.emulate:
+            return "--all-to-all is timed on real ranks only (torchrun): no --emulate"
     tp_given = not (command == "tune" and args.auto and "--tp" not in args.argv
                     and not any(a.startswith("--tp=") for a in args.argv))
     if command == "verify" and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -247,6 +247,36 @@ def fake_cuda(monkeypatch_like, rank, case, launch=None):
     set_(install, "_device_name", lambda device: "NVIDIA H200")
 
 
+class _Event:
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.5  # ms
+
+
+class _Graph:
+    def replay(self):
+        pass
+
+
+def fake_timing(graph=None):
+    """The timing harness's CUDA machinery in this process as CPU no-ops: events (every
+    span 0.5 ms), side streams, and graphs whose capture (``graph``: the context
+    manager ``torch.cuda.graph`` becomes; default one doing nothing) runs the captured
+    work once, eagerly, and whose replay does nothing."""
+    import contextlib
+
+    torch.cuda.Event = _Event
+    torch.cuda.Stream = lambda device=None: types.SimpleNamespace(wait_stream=lambda other: None)
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.CUDAGraph = _Graph
+    torch.cuda.graph = graph or (lambda g, *args, **kwargs: contextlib.nullcontext())
+
+
 def fake_symmetric_memory(rendezvous, empty=None, **more):
     """Install a stand-in ``torch.distributed._symmetric_memory`` in this process: its
     ``rendezvous`` is the caller's, ``empty`` a plain allocation unless given, plus any

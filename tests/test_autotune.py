@@ -73,7 +73,7 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts, shard=64):
                                            traced("rename", rename))
 
     def make_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None,
-                    dtype="bfloat16"):
+                    dtype="bfloat16", *, stock_kind="nccl-all-gather"):
         asked.append(dtype)
         if fail == f"prepare@{rank}":
             raise RuntimeError("injected: no target")

@@ -20,34 +20,17 @@ import contextlib
 import ctypes
 import itertools
 import os
-import types
 
 import pytest
 import torch
 from spawn import spawn
-from helpers import capture_log, fake_cuda, model
+from helpers import capture_log, fake_cuda, fake_timing, model
 
 from lamport_head.tuning.support.reference import reference_gather
 from lamport_head.config import GatherConfig
 
 ROWS, SHARD = 2, 64
 CONFIG = GatherConfig(4, 256, 4)
-
-
-class _Event:
-    def __init__(self, enable_timing=False):
-        pass
-
-    def record(self, stream=None):
-        pass
-
-    def elapsed_time(self, other):
-        return 0.5  # ms
-
-
-class _Graph:
-    def replay(self):
-        pass
 
 
 def _inject(rank, fail):
@@ -168,11 +151,7 @@ def _cpu_ranks(rank, tp, fail=None):
             raise RuntimeError("injected: graph capture failed")
         yield
 
-    torch.cuda.Event = _Event
-    torch.cuda.Stream = lambda device=None: types.SimpleNamespace(wait_stream=lambda other: None)
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.cuda.CUDAGraph = _Graph
-    torch.cuda.graph = graph
+    fake_timing(graph)
     return closes
 
 
@@ -263,8 +242,9 @@ def _install_worker(rank, tp, cache, fail):
     make_target = firstuse.make_target
 
     def real_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None,
-                    dtype="bfloat16"):
-        target = make_target(ranks, vocab, limits, stock, dtype)  # the real DistributedTarget
+                    dtype="bfloat16", *, stock_kind="nccl-all-gather"):
+        # the real DistributedTarget
+        target = make_target(ranks, vocab, limits, stock, dtype, stock_kind=stock_kind)
         # The occupancy calculator needs a GPU; the limit is not under test here.
         target._limits.update({(t, u): 128 for t in limits.threads for u in (4, 8)})
         return target
@@ -434,8 +414,8 @@ def _alone_worker(rank, tp, cache, at_call):
     make_target = firstuse.make_target
 
     def real_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None,
-                    dtype="bfloat16"):
-        target = make_target(ranks, vocab, limits, stock, dtype)
+                    dtype="bfloat16", *, stock_kind="nccl-all-gather"):
+        target = make_target(ranks, vocab, limits, stock, dtype, stock_kind=stock_kind)
         target._limits.update({(t, u): 128 for t in limits.threads for u in (4, 8)})
         return target
 

@@ -77,7 +77,7 @@ def _rank(rank, world, run, cache, model_dir):
     timed, stocks = [], []
 
     def make_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None,
-                    dtype="bfloat16"):
+                    dtype="bfloat16", *, stock_kind="nccl-all-gather"):
         stocks.append(stock)  # what first-use tuning was handed to time against
         return CollectiveTarget(ranks, vocab, "", timed)
 

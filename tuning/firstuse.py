@@ -10,9 +10,12 @@ imported only then, so serving from a table never imports the tuner.
 
 The measuring is ``lamport-head tune``'s: ``tuning.sweep.tune_rows`` per row count,
 rank-agreed (``DistComm``: rank 0 owns an in-memory Optuna study, every rank times
-every trial, a trial's figure is the maximum over ranks), on the ``DistributedTarget``
-harness (every configuration verified bitwise before it is timed, Lamport and stock
-timed in the same run), within small limits (``FIRST_USE_LIMITS``). Rank 0 writes
+every trial, a trial's figure is the maximum over ranks), on the real-rank harness of
+the collective that replaces the site's stock (``harness.target_for``:
+``DistributedTarget`` for a gather, ``AllToAllTarget`` for vLLM's all-to-all of vocab
+shards, its rows the step's total M, its splits vLLM's batch sharding's; every
+configuration verified bitwise before it is timed, Lamport and stock timed in the
+same run), within small limits (``FIRST_USE_LIMITS``). Rank 0 writes
 the measured rows to the user table (``table.user_path()``) with provenance and
 ``vocab: V``, beside the sections for other vocabularies (a second model with another
 V on the same machine gets its own section, the first model's stays); the next start
@@ -100,15 +103,17 @@ def row_unroll(target, rows, tp, shard, threads, dtype=DEFAULT_DTYPE):
     return tuple(dict.fromkeys(picks))
 
 
-def make_target(ranks, vocab, limits=FIRST_USE_LIMITS, stock=None, dtype=DEFAULT_DTYPE):
-    """The real-rank harness first-use tuning measures on; ``stock``: the engine's own
-    gather the route replaces (None: the tuner's NCCL stand-in); ``dtype``: the
-    model's logits dtype (a ``dtypes`` name), the one the trials gather."""
-    from .harness import DistributedTarget
+def make_target(ranks, vocab, limits=FIRST_USE_LIMITS, stock=None, dtype=DEFAULT_DTYPE, *,
+                stock_kind=NCCL_STOCK):
+    """The real-rank harness first-use tuning measures on: the one of the collective
+    serving in place of ``stock_kind`` (``harness.target_for``); ``stock``: the engine's
+    own collective the route replaces (None: the tuner's NCCL stand-in); ``dtype``: the
+    model's logits dtype (a ``dtypes`` name), the one the trials move."""
+    from .harness import target_for
 
-    return DistributedTarget(ranks, vocab, calls=limits.calls, reps=limits.reps,
-                             replays=limits.replays, stock=stock,
-                             dtype=dtypes.torch_dtype(dtype))
+    return target_for(stock_kind)(ranks, vocab, calls=limits.calls, reps=limits.reps,
+                                  replays=limits.replays, stock=stock,
+                                  dtype=dtypes.torch_dtype(dtype))
 
 
 @dataclass
@@ -128,12 +133,15 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
     the same ``Outcome`` (but ``path``: its own host's table). Raises on every rank
     together when any rank fails (nothing is written then).
 
-    ``stock``: the engine's own gather that the route replaces (``[M, V/TP] ->
-    [M, V]``, the callable install found at the site), timed in place of the tuner's
-    NCCL stand-in, so a row is enabled only where the Lamport gather beats the path it
-    replaces (SGLang's multimem one-shot gather where SGLang built one); the section
-    is written with ``stock: stock_kind`` (``table.STOCKS``) and served only against
-    that stock. ``dtype``: the model's logits dtype (a ``dtypes`` name, the head's:
+    ``stock``: the engine's own collective that the route replaces (the callable
+    install found at the site: a gather ``[M, V/TP] -> [M, V]``, or for
+    ``ALL_TO_ALL_STOCK`` vLLM's ``all_to_all_vocab_shards(shard, send_splits,
+    num_local_rows)``, called with the splits the harness draws), timed in place of the
+    tuner's NCCL stand-in, so a row is enabled only where the Lamport collective beats
+    the path it replaces (SGLang's multimem one-shot gather where SGLang built one);
+    ``stock_kind`` (``table.STOCKS``) picks the collective measured (the all-to-all
+    for ``ALL_TO_ALL_STOCK``, whose rows are the step's total M), and the section is
+    written with ``stock: stock_kind`` and served only against that stock. ``dtype``: the model's logits dtype (a ``dtypes`` name, the head's:
     FP32 for an FP32 lm_head): every trial gathers it, and the section is written
     with ``dtype: dtype`` and served only to logits of that dtype."""
     import torch
@@ -149,8 +157,8 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
 
     def prepare():
         ranks = Ranks(torch.device(device), rank, tp, shared, dist.get_backend(group), group)
-        return (make_target(ranks, vocab, limits, stock, dtype), provenance.kernel_identity(),
-                provenance.facts())
+        return (make_target(ranks, vocab, limits, stock, dtype, stock_kind=stock_kind),
+                provenance.kernel_identity(), provenance.facts())
 
     prepared, error = attempt(prepare)
     agree(error, group, device, "to prepare first-use tuning")
@@ -173,7 +181,7 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
             target, m, device=normalize(name), tp=tp, dcp=dcp, vocab=vocab,
             trials=len(limits.ctas) * len(limits.threads) * len(unroll), storage=None,
             comm=comm, margin=limits.margin, threads=limits.threads, unroll=unroll,
-            ctas=limits.ctas, kernel=kernel))
+            ctas=limits.ctas, kernel=kernel, stock_kind=stock_kind))
     emulated = bool(shared or target.emulated)
     seconds = time.monotonic() - start
     # Only measurements are saved: a row count none of whose configurations could be

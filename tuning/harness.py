@@ -350,13 +350,14 @@ class DistributedTarget:
     report (NCCL's watchdog, gloo's timeout). On shared-GPU ranks (gloo) the stock
     path is gloo's and has no graph figure.
 
-    What is collective-specific (the class built, the stock stand-in, a call's
-    arguments and its expected output) is in ``_collective``, ``_stand_in``, ``_case``
-    and ``_reference_of``; ``AllToAllTarget`` replaces those, and every step above is
-    this class's for both."""
+    What is collective-specific (the kernels' mode and so the class built, the stock
+    stand-in, a call's arguments and its expected output) is in ``_all_to_all``,
+    ``_stand_in``, ``_case`` and ``_reference_of``; ``AllToAllTarget`` replaces those,
+    and every step above is this class's for both."""
 
     emulated = False
     objective = "eager_us"  # what serving sees
+    _all_to_all = False  # the kernels' mode (``HeadGather._all_to_all``): the gather's
     _stand_in = StockGather  # the tuner's stock when no engine's is given
 
     def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=SPIN_BUDGET_S,
@@ -392,7 +393,7 @@ class DistributedTarget:
             def local():
                 sharing = self.tp if self.ranks.shared else 1
                 kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype,
-                                        all_to_all=self._collective()._all_to_all)
+                                        all_to_all=self._all_to_all)
                 return kernels.limit(sharing)(GatherConfig(1, threads, unroll))
 
             # A compile that fails on one rank raises on every rank, together.
@@ -402,11 +403,11 @@ class DistributedTarget:
         return self._limits[key]
 
     def _collective(self):
-        """The class a trial builds: ``HeadGather`` (its ``_all_to_all``: the kernels'
-        mode, which ``limit`` compiles)."""
-        from lamport_head.head_gather import HeadGather
+        """The class a trial builds, of the kernels' mode ``limit`` compiles: ``AllToAll``
+        or ``HeadGather`` (read at the call, where a test replaces it)."""
+        from lamport_head import all_to_all, head_gather
 
-        return HeadGather
+        return all_to_all.AllToAll if self._all_to_all else head_gather.HeadGather
 
     def _gather(self, rows, config, pdl=None):
         from lamport_head.status import RECOVERABLE
@@ -581,16 +582,12 @@ class AllToAllTarget(DistributedTarget):
     draw seeds in the same order), so each checks its output bitwise against
     ``reference_all_to_all`` alone, trusting no collective."""
 
+    _all_to_all = True
     _stand_in = StockAllToAll
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._seeds = itertools.count()
-
-    def _collective(self):
-        from lamport_head.all_to_all import AllToAll
-
-        return AllToAll
 
     def _case(self, rows, draw):
         generator = torch.Generator(device=self.device).manual_seed(next(self._seeds))

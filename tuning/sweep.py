@@ -12,7 +12,8 @@ target reduces its figures; the sweep also agrees on failure: a trial that faile
 on any rank failed on all). Non-root ranks never touch the study.
 
 Resume and no repeats: studies live in ``storage`` under names carrying device, TP,
-DCP, vocab, rows, the kernel's identity and the search space (``study_name``); each
+DCP, vocab, the stock collective, rows, the kernel's identity and the search space
+(``study_name``); each
 trial stores its configuration's values (``label``), never an index into a grid. A
 re-run loads its study, counts the finished trials against ``trials``, and a
 configuration already finished is answered from the study, never re-timed.
@@ -31,7 +32,7 @@ from lamport_head.config import CTA_STEPS, SWEEP_THREADS, SWEEP_UNROLL, GatherCo
 from lamport_head.dtypes import DEFAULT as DEFAULT_DTYPE
 from lamport_head.dtypes import name as dtype_name
 from lamport_head.provenance import digest, kernel_identity
-from lamport_head.table import TableRow
+from lamport_head.table import NCCL_STOCK, TableRow
 
 
 @dataclass
@@ -108,15 +109,19 @@ def _no_fit(limits, ctas):
 
 
 
-def study_name(device, tp, dcp, rows, emulated, *, vocab, kernel, space, dtype=DEFAULT_DTYPE):
+def study_name(device, tp, dcp, rows, emulated, *, vocab, kernel, space, dtype=DEFAULT_DTYPE,
+               stock=NCCL_STOCK):
     """The study key: a timing is reused only for the same device, TP, DCP, vocab,
-    logits dtype, rows and kernel build. The search space's hash is in it too: Optuna
-    refuses a categorical parameter whose choices change within a study. BF16's key
-    names no dtype (the keys studies were stored under before dtypes)."""
+    logits dtype, stock collective (``table.STOCKS``: the all-to-all's trials time
+    another collective than the gather's), rows and kernel build. The search space's
+    hash is in it too: Optuna refuses a categorical parameter whose choices change
+    within a study. BF16's key names no dtype and the NCCL gather's no stock (the keys
+    studies were stored under before dtypes and stocks)."""
     grid_hash = digest(*(c.label().encode() for c in space), size=8)
     dtype = dtype_name(dtype)
     return (f"lamport-head|{device}|tp{tp}|dcp{dcp}|vocab{vocab}"
             + ("" if dtype == DEFAULT_DTYPE else f"|{dtype}")
+            + ("" if stock == NCCL_STOCK else f"|{stock}")
             + f"|rows{rows}|kernel-{kernel}|space-{grid_hash}" + ("|emulated" if emulated else ""))
 
 
@@ -134,11 +139,12 @@ def _report(on_trial, *args):
 
 def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=None,
               margin=0.05, threads=SWEEP_THREADS, unroll=SWEEP_UNROLL, seed=0, on_trial=None, kernel=None,
-              ctas=None):
+              ctas=None, stock_kind=NCCL_STOCK):
     """Sweep one row count; every rank calls it, only the root touches Optuna.
 
     ``kernel`` (default ``kernel_identity()``) names the kernel build in the study key.
     ``ctas`` (default: every step) narrows the CTA counts of the grid (``grid``).
+    ``stock_kind``: the stock collective ``target`` times (``table.STOCKS``), in the key.
     Invariant: the result names a configuration timed in this study (these device,
     TP, DCP, vocab, rows, kernel and search space), never one merely indexed alike.
     Fail-stop: every rank returns the same result or raises at the same step. An empty
@@ -163,7 +169,7 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
     def key():  # root only, inside its guard: kernel_identity() reads files
         return study_name(device, tp, dcp, rows, target.emulated, vocab=vocab,
                           kernel=kernel or kernel_identity(), space=space,
-                          dtype=getattr(target, "dtype", DEFAULT_DTYPE))
+                          dtype=getattr(target, "dtype", DEFAULT_DTYPE), stock=stock_kind)
 
     failure = root.run(root.open, key, storage, seed) if root else None
     timed = 0

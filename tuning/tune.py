@@ -6,6 +6,11 @@ and the plot). Under torchrun: one rank per GPU, NCCL for the stock path, the
 mailbox on symmetric memory; rank 0 owns the studies and writes the table: the
 user's table by default (``lamport_head.table.user_path``, a serving layer above the
 packaged one), its Optuna studies beside it.
+
+``--all-to-all`` (torchrun only): the all-to-all of vocab shards instead
+(``harness.AllToAllTarget``: rows are a step's total M, split as vLLM's batch sharding
+splits them, against ``all_to_all_single`` and vLLM's permute), written as the
+section of stock ``nccl-all-to-all`` beside the gather's.
 """
 
 import math
@@ -88,12 +93,14 @@ def plot_records(results, emulated):
 
 def run(args):
     """Entry of the tune subcommand (args from lamport_head.cli)."""
-    from lamport_head.table import normalize, user_path
+    from lamport_head.table import ALL_TO_ALL_STOCK, NCCL_STOCK, normalize, user_path
 
     rows_list = args.rows
+    stock = ALL_TO_ALL_STOCK if args.all_to_all else NCCL_STOCK  # the collective timed
     # time-sliced processes (ranks sharing a GPU) are written emulated, never served
     chosen = make_target("tune", args.tp, args.vocab, emulate=args.emulate,
-                         shared_note="; the section is written emulated: true", dtype=args.dtype)
+                         shared_note="; the section is written emulated: true", dtype=args.dtype,
+                         stock=stock)
     target, device, world, emulated = chosen.target, chosen.device, chosen.world, chosen.emulated
     comm = DistComm(None) if world > 1 else LocalComm()
     name = torch.cuda.get_device_name(device)
@@ -102,7 +109,7 @@ def run(args):
     root = comm.is_root
     if root:
         print(f"lamport-head tune: {name}, tp={args.tp}, dcp={args.dcp}, vocab={args.vocab}, "
-              f"{args.dtype} logits, "
+              f"{args.dtype} logits, against {stock}, "
               f"rows {rows_list}, {'emulated on one GPU' if emulated else f'{world} GPUs'}; "
               f"studies in {storage}", flush=True)
     progress = Progress(args.trials * len(rows_list), enabled=root and not args.quiet)
@@ -111,7 +118,8 @@ def run(args):
         results.append(tune_rows(target, rows, device=normalize(name), tp=args.tp, dcp=args.dcp,
                                  vocab=args.vocab, trials=args.trials, storage=storage, comm=comm,
                                  margin=args.margin, threads=tuple(args.threads),
-                                 unroll=tuple(args.unroll), on_trial=progress.step))
+                                 unroll=tuple(args.unroll), on_trial=progress.step,
+                                 stock_kind=stock))
     progress.close()
     if not root:
         return 0
@@ -121,9 +129,9 @@ def run(args):
         command = f"torchrun --nproc-per-node {world} " + command
     path = merge_section(out, name, args.tp, args.dcp, section_rows(results, emulated),
                          provenance(device, command), emulated=emulated, vocab=args.vocab,
-                         dtype=args.dtype)
-    print(f"wrote {path} ({name}, tp={args.tp}, dcp={args.dcp}, vocab={args.vocab}, {args.dtype}"
-          f"{', emulated' if emulated else ''})")
+                         stock=stock, dtype=args.dtype)
+    print(f"wrote {path} ({name}, tp={args.tp}, dcp={args.dcp}, vocab={args.vocab}, {args.dtype}, "
+          f"stock {stock}{', emulated' if emulated else ''})")
     if args.plot:
         from .plot import plot_rows
 
