@@ -79,6 +79,7 @@ class AllToAll(HeadGather):
 
 def even_splits(rows, tp):
     """``rows`` split over ``tp`` ranks as evenly as possible, the first ranks one more:
-    what a tuner times when no engine says how a step splits."""
+    a bare launch's split when none is given (the tuner draws vLLM's instead:
+    ``tuning.support.splits``)."""
     return [rows // tp + (q < rows % tp) for q in range(tp)]
 

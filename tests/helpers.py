@@ -1,5 +1,6 @@
 """Helpers the tests share: vLLM-shaped stand-ins, HeadGather's CUDA-only construction
-faked on CPU, log capture, bitwise comparisons, a stock path that must not run, a stand-in for
+faked on CPU, the timing harness's CUDA machinery as no-ops, log capture, bitwise
+comparisons, a stock path that must not run, a stand-in for
 torch's symmetric-memory module, and
 first-use tuning's timing target replaced by a collective cost model
 (``CollectiveTarget``).

@@ -141,9 +141,10 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
     the path it replaces (SGLang's multimem one-shot gather where SGLang built one);
     ``stock_kind`` (``table.STOCKS``) picks the collective measured (the all-to-all
     for ``ALL_TO_ALL_STOCK``, whose rows are the step's total M), and the section is
-    written with ``stock: stock_kind`` and served only against that stock. ``dtype``: the model's logits dtype (a ``dtypes`` name, the head's:
-    FP32 for an FP32 lm_head): every trial gathers it, and the section is written
-    with ``dtype: dtype`` and served only to logits of that dtype."""
+    written with ``stock: stock_kind`` and served only against that stock.
+    ``dtype``: the model's logits dtype (a ``dtypes`` name, the head's: FP32 for an
+    FP32 lm_head): every trial moves it, and the section is written with ``dtype:
+    dtype`` and served only to logits of that dtype."""
     import torch
     import torch.distributed as dist
 

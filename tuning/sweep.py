@@ -13,10 +13,10 @@ on any rank failed on all). Non-root ranks never touch the study.
 
 Resume and no repeats: studies live in ``storage`` under names carrying device, TP,
 DCP, vocab, the stock collective, rows, the kernel's identity and the search space
-(``study_name``); each
-trial stores its configuration's values (``label``), never an index into a grid. A
-re-run loads its study, counts the finished trials against ``trials``, and a
-configuration already finished is answered from the study, never re-timed.
+(``study_name``); each trial stores its configuration's values (``label``), never an
+index into a grid. A re-run loads its study, counts the finished trials against
+``trials``, and a configuration already finished is answered from the study, never
+re-timed.
 
 Without a storage (first-use tuning at install) a grid no larger than ``trials`` is
 walked in order in memory (``_Walk``), so serving never imports Optuna; Optuna is
@@ -146,7 +146,8 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
     ``ctas`` (default: every step) narrows the CTA counts of the grid (``grid``).
     ``stock_kind``: the stock collective ``target`` times (``table.STOCKS``), in the key.
     Invariant: the result names a configuration timed in this study (these device,
-    TP, DCP, vocab, rows, kernel and search space), never one merely indexed alike.
+    TP, DCP, vocab, stock, rows, kernel and search space), never one merely indexed
+    alike.
     Fail-stop: every rank returns the same result or raises at the same step. An empty
     grid (no CTA count asked fits the agreed limit) raises ``ValueError`` on every rank
     before anything is timed; whatever fails on the root alone (the study's key, which
