@@ -121,12 +121,17 @@ def _install_worker(rank, tp, cache):
     site = install.GatherSite(processor, "all_to_all", torch.zeros(SHARD, 16, dtype=torch.bfloat16),
                               tp, "the test's sampler", stock=ALL_TO_ALL_STOCK)
     outcome = install.install(site, Ranks(None, tp, rank, "cpu"), ROWS, measure=firstuse.measure)
+    from lamport_head.tuning.support.reference import reference_all_to_all
+
     served = {}
     for m in (max(ROWS), max(ROWS) + 1):  # served; past the rows: the engine's own
         splits = vllm_splits(m, tp)
         shards = _shards(m, tp, m)
         got = processor.all_to_all(shards[rank], splits, splits[rank])
-        served[m] = same_bits(got, _exchanged(shards, splits, rank))
+        # served: the protocol's bytes (sentinel words arrive as 0); else NCCL's, as sent
+        want = (reference_all_to_all(shards, splits)[rank] if m in ROWS
+                else _exchanged(shards, splits, rank))
+        served[m] = same_bits(got, want)
     gather = getattr(processor, "head_gather", None)
     return {"rows": list(outcome.rows), "asked": asked, "timed": sorted({m for m, _ in timed}),
             "class": type(gather).__name__, "served": served,
