@@ -219,18 +219,34 @@ def test_summary_names_both_all_to_all_paths():
         "all-to-all (no-rows: why)")
 
 
-def test_first_use_tuning_does_not_measure_the_all_to_all(monkeypatch, tmp_path):
-    """With first-use tuning on and no section for the all-to-all, the gather's tuner is
-    not run against vLLM's all-to-all: every rank stays stock alike (tuning-failed, one
-    warning), nothing is built, no caller's global is replaced."""
+def test_first_use_tuning_measures_the_all_to_all_against_vllms(monkeypatch, tmp_path):
+    """With first-use tuning on and no section for the all-to-all, first-use tuning
+    measures the all-to-all (``stock_kind``: ``nccl-all-to-all``) against vLLM's own
+    ``all_to_all_vocab_shards`` for the path's rows; the rows it enables are built and
+    routed (tests/test_all_to_all_tuning.py: the measuring itself)."""
+    from lamport_head.config import GatherConfig
+    from lamport_head.table import TableRow
+    from lamport_head.tuning import firstuse
+
     modules = _vllm_modules(monkeypatch)
-    built = []
+    built, asked = [], []
     _serve(monkeypatch, tmp_path, built)
     monkeypatch.setenv("LAMPORT_HEAD_AUTOTUNE", "1")
     monkeypatch.setattr(mailbox, "device_key", lambda device: ("host", "gpu0"))
+
+    def measure(group, device, tp, rank, dcp, shard, rows, shared, name, **kwargs):
+        asked.append((shard, rows, kwargs))
+        entries = {m: TableRow(GatherConfig(4), m < 3) for m in (1, 2, 4)}
+        return firstuse.Outcome({m: e for m, e in entries.items() if e.enabled}, [], False,
+                                0.1, str(tmp_path / "user.yaml"))
+
+    monkeypatch.setattr(firstuse, "measure", measure)
     (path,) = plugin.exchange_paths(_lm(width=32), None, None, _config(), 2)  # no section
     (got,) = plugin.install_exchanges([path], RANKS)
-    assert got.outcome.reason is Stock.TUNING_FAILED and built == []
-    assert "does not measure the all-to-all" in got.outcome.message
+    (shard, rows, kwargs), = asked
+    assert (shard, tuple(rows)) == (32, path.rows)
+    assert kwargs == {"stock": modules[release.EXCHANGE_HOME].all_to_all_vocab_shards,
+                      "stock_kind": ALL_TO_ALL_STOCK, "dtype": "bfloat16"}
+    assert got.outcome.rows == (1, 2) and built == [(32, "bfloat16", ALL_TO_ALL_STOCK)]
     caller = modules[release.EXCHANGE_CALLERS[TARGET]].all_to_all_vocab_shards
-    assert not getattr(caller, "_lamport_head_wrapped", False)
+    assert caller(torch.zeros(2, 32, dtype=torch.bfloat16), [1, 1], 1) == ("lamport", 2)

@@ -25,8 +25,9 @@ for the union of their row counts, installed in the same order on every rank (so
 keys) through ``install.install`` (agreed, fail-stop: every rank serves or every rank
 keeps vLLM's all-to-all). Whether to install is decided before any collective from
 facts every rank shares (the config, the models' classes, the release's names). Only a
-table section measured against the all-to-all (``stock: nccl-all-to-all``) serves:
-first-use tuning does not measure it (``_no_first_use``).
+table section measured against the all-to-all (``stock: nccl-all-to-all``) serves;
+first-use tuning measures one where none is (the tuner's ``AllToAllTarget``, timed
+against vLLM's own ``all_to_all_vocab_shards``).
 """
 
 import functools
@@ -37,9 +38,9 @@ from typing import NamedTuple
 import torch
 
 from ... import install
-from ...collective import together
 from ...outcome import Outcome, Stock
 from ...table import ALL_TO_ALL_STOCK
+from .. import measure_first_use
 from . import release as releases
 
 _MARK = "_lamport_head_wrapped"
@@ -65,17 +66,6 @@ class _Holder:
 
     def __init__(self, original):
         self.exchange = original
-
-
-def _no_first_use(*args, **kwargs):
-    """First-use tuning of an all-to-all: this version's tuner measures gathers only (its
-    harness times a gather against a gather's stock), so with no table section for the
-    all-to-all every rank raises this alike (install calls it only when the agreed view
-    asks to measure): install keeps vLLM's all-to-all on every rank, with one warning. A
-    section written with ``stock: nccl-all-to-all`` serves."""
-    raise together(NotImplementedError(
-        f"first-use tuning does not measure the all-to-all of vocab shards; a table section "
-        f"with stock {ALL_TO_ALL_STOCK} serves it"))
 
 
 def _site(path, holder):
@@ -134,7 +124,7 @@ def install_exchanges(paths, ranks):
         site = _site(group[0], holder)
         rows = (None if any(p.rows is None for p in group)
                 else tuple(sorted({m for p in group for m in p.rows})))
-        outcome = install.install(site, ranks, rows, measure=_no_first_use)
+        outcome = install.install(site, ranks, rows, measure=measure_first_use)
         if outcome.served:
             # install built it for the site's shard width (key[0]) and logits dtype
             _ROUTES[(key[0], holder.head_gather.dtype)] = holder.exchange
