@@ -16,7 +16,10 @@ also agree on every local failure so far):
 Targets: ``EmulatedTarget`` (TP virtual ranks on one GPU; the stock baseline is the
 one-GPU equivalent, a cat of the shards) and ``DistributedTarget`` (one process per
 GPU under torchrun; stock is vLLM's: NCCL all-gather into ``[TP*M, V/TP]``, then the
-reorder to ``[M, V]``).
+reorder to ``[M, V]``). Their all-to-all twins, ``EmulatedAllToAllTarget`` and
+``DistributedAllToAllTarget``, time ``AllToAll`` (vLLM's ``all_to_all_vocab_shards``,
+stock: NCCL's ``all_to_all_single`` then vLLM's permute), M split over the ranks one
+way per M (``splits``), the same on every rank.
 
 What is timed is built by ``lamport_head.build``, as install builds it: the one
 compiled kernel of a configuration (serving's give-up is a launch argument, so the
@@ -27,6 +30,7 @@ launched recoverable (``build.launch_flag``: 0): a failure on one rank while tun
 stops a GPU context.
 """
 
+import functools
 import math
 import statistics
 import time
@@ -35,11 +39,17 @@ from dataclasses import dataclass
 import torch
 
 from lamport_head import build, dtypes
+from lamport_head.all_to_all import AllToAll, even_splits
 from lamport_head.collective import PeerFailed, agree, all_max, all_min, attempt
 from lamport_head.config import GatherConfig
-from lamport_head.head_gather import SPIN_BUDGET_S
-from lamport_head.tuning.support.reference import planted, reference_gather
-from lamport_head.tuning.support.stock import StockGather
+from lamport_head.head_gather import SPIN_BUDGET_S, HeadGather
+from lamport_head.status import RECOVERABLE
+from lamport_head.tuning.support.emulate import EmulatedAllToAll, EmulatedGather
+from lamport_head.tuning.support.reference import (planted, reference_all_to_all,
+                                                   reference_gather, scrub)
+from lamport_head.tuning.support.stock import StockAllToAll, StockGather
+
+ALL_GATHER, ALL_TO_ALL = "all-gather", "all-to-all"  # the collectives a target times
 
 
 @dataclass(frozen=True)
@@ -213,6 +223,7 @@ class EmulatedTarget:
 
     emulated = True
     objective = "gpu_us"  # eager time here is the host issuing TP launches in a row
+    collective = ALL_GATHER
 
     def __init__(self, device, tp, vocab, *, calls=50, reps=7, replays=20,
                  budget_s=SPIN_BUDGET_S, dtype=torch.bfloat16):
@@ -227,30 +238,38 @@ class EmulatedTarget:
 
     def limit(self, threads, unroll):
         """Most CTAs per rank that stay co-resident with the other virtual ranks: what
-        HeadGather accepts for them (``build.Kernels.limit``; every virtual rank shares
-        this GPU, PDL as the architecture has it, as ``_gather`` builds them)."""
+        HeadGather (AllToAll: its own kernel's) accepts for them (``build.Kernels.limit``;
+        every virtual rank shares this GPU, PDL as the architecture has it, as ``build``
+        builds them)."""
         key = (threads, unroll)
         if key not in self._limits:
-            kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype)
+            kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype,
+                                    all_to_all=self.collective == ALL_TO_ALL)
             self._limits[key] = kernels.limit(self.tp)(GatherConfig(1, threads, unroll))
         return self._limits[key]
 
-    def _gather(self, rows, config):
-        from lamport_head.tuning.support.emulate import EmulatedGather
-
-        return EmulatedGather(self.device, self.tp, self.shard, {rows: config},
+    def build(self, plan, pdl=None):
+        """The emulated ranks of ``plan`` (``{rows: GatherConfig}``), launched with
+        ``pdl`` (None: as the architecture has it), waiting at most ``budget_s``."""
+        return EmulatedGather(self.device, self.tp, self.shard, plan, pdl=pdl,
                               budget_s=self.budget_s, dtype=self.dtype)
+
+    def _gather(self, rows, config):
+        return self.build({rows: config})
 
     def _shards(self, rows):
         data = planted(self.tp, rows, self.shard, device=self.device, dtype=self.dtype)
         return [data[r] for r in range(self.tp)]
 
+    def _want(self, shards):
+        """Every rank's exact output of a call on ``shards``."""
+        return [reference_gather(shards)] * self.tp
+
     def verify(self, gather, rows, calls=3):
         for _ in range(calls):
             shards = self._shards(rows)
-            want = reference_gather(shards).view(torch.int32)
-            for out in gather(shards):
-                if not torch.equal(out.view(torch.int32), want):
+            for out, want in zip(gather(shards), self._want(shards)):
+                if not torch.equal(out.view(torch.int32), want.view(torch.int32)):
                     return False
         gather.check()
         return gather.armed()
@@ -286,11 +305,11 @@ class EmulatedTarget:
         """Each virtual rank's graph of ``replays`` gathers on its own stream, all
         replayed concurrently: GPU µs per step (gated) and host µs per gather."""
         steps, graphs = self.replays, []
-        for r, (g, stream) in enumerate(zip(gather.ranks, gather.streams)):
+        for r, stream in enumerate(gather.streams):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 for _ in range(steps):
-                    g(shards[r], never_stock)
+                    gather.call(r, shards[r], never_stock)
             graphs.append(graph)
         here = torch.cuda.current_stream(self.device)
 
@@ -343,6 +362,7 @@ class DistributedTarget:
 
     emulated = False
     objective = "eager_us"  # what serving sees
+    collective = ALL_GATHER
 
     def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=SPIN_BUDGET_S,
                  stock=None, dtype=torch.bfloat16):
@@ -368,7 +388,8 @@ class DistributedTarget:
 
     def limit(self, threads, unroll):
         """Most CTAs per rank every rank's GPU holds: the occupancy calculator on the
-        compiled kernel (local, no mailbox), per rank as install's HeadGather plans
+        compiled kernel of this target's collective (local, no mailbox), per rank as
+        install's HeadGather (AllToAll) plans
         (``build.Kernels.limit``: every rank shares the GPU where ranks share one, PDL
         as the architecture has it), then MIN over ranks (collective). A compile that
         fails on one rank makes every rank raise, together."""
@@ -376,7 +397,8 @@ class DistributedTarget:
         if key not in self._limits:
             def local():
                 sharing = self.tp if self.ranks.shared else 1
-                kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype)
+                kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype,
+                                        all_to_all=self.collective == ALL_TO_ALL)
                 return kernels.limit(sharing)(GatherConfig(1, threads, unroll))
 
             # A compile that fails on one rank raises on every rank, together.
@@ -386,9 +408,6 @@ class DistributedTarget:
         return self._limits[key]
 
     def _gather(self, rows, config, pdl=None):
-        from lamport_head.head_gather import HeadGather
-        from lamport_head.status import RECOVERABLE
-
         return HeadGather(self.group, self.device, self.tp, self.rank, self.shard,
                           {rows: config}, pdl=pdl, budget_s=self.budget_s, mode=RECOVERABLE,
                           dtype=self.dtype)
@@ -407,7 +426,16 @@ class DistributedTarget:
         return _trial_step(failed, gather, x, never_stock)
 
     def _reference(self, gathered):
+        """This rank's exact output, from the stock path's of the same call."""
         return reference_gather(gathered.split(self.shard, 1))
+
+    def _output(self, rows):
+        """A bare launch's output of ``rows`` rows on this rank (a local step's)."""
+        return torch.empty(rows, self.vocab, dtype=self.dtype, device=self.device)
+
+    def _launch(self, gather, x, out, ctas):
+        """The bare launch of ``x`` into ``out`` (capturable: no check, no allocation)."""
+        gather.launch(x, out, ctas)
 
     def verify(self, gather, rows, failed, step, calls=3):
         """Collective: True on every rank when every rank's gather matched the reference
@@ -465,13 +493,13 @@ class DistributedTarget:
         if not self.verify(gather, rows, failed, step):
             return None
         x = step.local(planted, rows, self.shard, device=self.device, dtype=self.dtype)
-        out = step.local(torch.empty, rows, self.vocab, dtype=self.dtype, device=self.device)
+        out = step.local(self._output, rows)
         step.meet("to plant and allocate the trial's data")
         eager, host = median_eager(lambda: self._call(gather, x, failed), self.device,
                                     self.calls, self.reps, step)
         # the kernel keeps the parity: captured launches continue the call sequence
-        graph, graph_host = _median_graph(lambda: (gather.launch(x, out, config.ctas),
-                                                   gather.launch(x, out, config.ctas)),
+        graph, graph_host = _median_graph(lambda: (self._launch(gather, x, out, config.ctas),
+                                                   self._launch(gather, x, out, config.ctas)),
                                           self.device, self.replays, self.reps, step)
         step.local(torch.cuda.synchronize, self.device)
         step.meet("to finish timing the gather")
@@ -485,14 +513,14 @@ class DistributedTarget:
         failed = [False]
         if not self.verify(gather, rows, failed, step):
             return None
-        out = step.local(torch.empty, rows, self.vocab, dtype=self.dtype, device=self.device)
+        out = step.local(self._output, rows)
         step.meet("to allocate the lm_head's gather output")
         alone, _ = _median_graph(lambda: (lm_head(), lm_head()), self.device, self.replays,
                                  self.reps, step)
 
         def pair():
             for _ in range(2):
-                gather.launch(lm_head(), out, config.ctas)
+                self._launch(gather, lm_head(), out, config.ctas)
 
         both, _ = _median_graph(pair, self.device, self.replays, self.reps, step)
         step.local(torch.cuda.synchronize, self.device)
@@ -526,6 +554,70 @@ class DistributedTarget:
                       self._max(graph_host))
 
 
+class EmulatedAllToAllTarget(EmulatedTarget):
+    """``EmulatedTarget`` of the all-to-all (``EmulatedAllToAll``): a call of M rows splits
+    them ``splits(M)`` over the virtual ranks (default ``even_splits``), the same way on
+    every call; limit (the all-to-all kernel's), verification (rank q's rows of the
+    gather's reference) and timings as the gather's."""
+
+    collective = ALL_TO_ALL
+
+    def __init__(self, device, tp, vocab, *, splits=None, **options):
+        super().__init__(device, tp, vocab, **options)
+        self.splits = splits or functools.partial(even_splits, tp=tp)
+
+    def build(self, plan, pdl=None):
+        return EmulatedAllToAll(self.device, self.tp, self.shard, plan, pdl=pdl,
+                                splits={m: self.splits(m) for m in plan},
+                                budget_s=self.budget_s, dtype=self.dtype)
+
+    def _want(self, shards):
+        return reference_all_to_all(shards, self.splits(shards[0].shape[0]))
+
+
+class DistributedAllToAllTarget(DistributedTarget):
+    """``DistributedTarget`` of the all-to-all (``AllToAll``): a call of M rows splits them
+    ``splits(M)`` over the ranks (default ``even_splits``), the same way on every call.
+    ``splits`` is a pure function every rank computes alike: the ranks agree on it with
+    no collective. Stock: vLLM's ``all_to_all_vocab_shards`` (``StockAllToAll``: NCCL's
+    ``all_to_all_single``, then the permute), or the engine's own, called as vLLM calls
+    it (``stock(x, send_splits, num_local_rows)``); the reference is the stock path's
+    output, sentinel words scrubbed. Collective and fail-stop as ``DistributedTarget``."""
+
+    collective = ALL_TO_ALL
+
+    def __init__(self, ranks, vocab, *, splits=None, **options):
+        super().__init__(ranks, vocab, **options)
+        self.splits = splits or functools.partial(even_splits, tp=self.tp)
+
+    def _gather(self, rows, config, pdl=None):
+        return AllToAll(self.group, self.device, self.tp, self.rank, self.shard,
+                        {rows: config}, pdl=pdl, budget_s=self.budget_s, mode=RECOVERABLE,
+                        dtype=self.dtype)
+
+    def _stock(self, rows, step):
+        splits = self.splits(rows)
+        if self._engine_stock is not None:
+            engine = self._engine_stock
+            return lambda x: engine(x, splits, splits[self.rank])
+        return step.local(StockAllToAll, splits, self.shard, self.group, self.device,
+                          self.dtype)
+
+    def _call(self, gather, x, failed):
+        splits = self.splits(x.shape[0])
+        return _trial_step(failed, gather, x, splits, splits[self.rank], never_stock)
+
+    def _reference(self, received):
+        return scrub(received)
+
+    def _output(self, rows):
+        return torch.empty(self.splits(rows)[self.rank], self.vocab, dtype=self.dtype,
+                           device=self.device)
+
+    def _launch(self, gather, x, out, ctas):
+        gather.launch(x, out, ctas, self.splits(x.shape[0]))
+
+
 def _trial_step(failed, fn, *args):
     """``fn(*args)``, or None with ``failed[0]`` set: a failure that condemns the
     configuration (a gather call, its check), never an error, and never a reason for
@@ -542,6 +634,7 @@ def _same_bits(got, want):
     return got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-def never_stock(x):
-    """The stock path of a row count the gather serves: must never run (timing)."""
+def never_stock(x, *split):
+    """The stock path of a row count the gather (or the all-to-all: ``split`` is its
+    splits and rows) serves: must never run (timing)."""
     raise AssertionError("the timed row count is served: stock must not run")
