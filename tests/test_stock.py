@@ -60,7 +60,7 @@ SPLITS = ([1, 0, 2], [0, 0, 3], [1, 1, 1])  # a rank with no rows, all rows to o
 
 def _all_to_all_worker(rank, world):
     from lamport_head.tuning.support.reference import reference_all_to_all, scrub
-    from lamport_head.tuning.support.stock import StockAllToAll
+    from lamport_head.tuning.support.stock import StockAllToAll, all_to_all_logits
 
     stocks = [StockAllToAll(s, SHARD) for s in SPLITS]
     empty = torch.empty
@@ -82,6 +82,10 @@ def _all_to_all_worker(rank, world):
                              same_bits(scrub(got), reference_all_to_all(shards, splits)[rank])])
     finally:
         torch.empty = empty
+    fresh = all_to_all_logits(_shard(rank, 5).float(), [1] * world)  # any dtype, a fresh tensor
+    want = torch.cat([_shard(r, 5).float() for r in range(world)], dim=1)
+    outs.append(torch.equal(fresh, want[rank:rank + 1])
+                and fresh.data_ptr() != stocks[2].out.data_ptr())
     try:
         stocks[0](_shard(rank, 0)[:2])
         outs.append("no error")
@@ -97,5 +101,6 @@ def test_stock_all_to_all_is_vllms_layout_and_allocates_nothing_per_call(tmp_pat
     call into the one buffer of its split, no allocation, no deprecated call."""
     for rank, r in enumerate(spawn(_all_to_all_worker, 3, tmp_path, deadline_s=60)):
         assert r[:6] == [[[s[rank], 3 * SHARD], True, True] for s in SPLITS * 2]
-        assert r[6].startswith(f"stock all-to-all built for contiguous [{ROWS}, {SHARD}]")
-        assert r[7] == []
+        assert r[6] is True
+        assert r[7].startswith(f"stock all-to-all built for contiguous [{ROWS}, {SHARD}]")
+        assert r[8] == []
