@@ -1,8 +1,10 @@
 """``lamport-head bench`` without a GPU: the floor's byte count, the tables and CSV
 (units in every header, every printed figure a CSV column), no stock or single-cat
 figure in the emulated mode, NCCL's columns on real ranks, the plot's title naming
-the mode, the targets' verdicts, a run cut short keeping its rows, and the CLI.
-The measurements are a fake runner (``bench.make_runner`` is the seam)."""
+the mode, the targets' verdicts, a run cut short keeping its rows, and the CLI; the
+same of ``bench --drafter`` and ``bench --all-to-all`` (its floor, its splits, its
+records beside the all-gather's). The measurements are a fake runner
+(``bench.make_runner`` is the seam)."""
 
 import csv
 import json
