@@ -162,3 +162,52 @@ def test_even_splits_put_the_remainder_on_the_first_ranks():
     assert even_splits(2, 4) == [1, 1, 0, 0]
     assert sum(even_splits(163, 8)) == 163
 
+
+
+def _ranks_check(rank, tp, calls):
+    """The real-rank check tool's all-to-all (``diagnostics.ranks.check`` with
+    ``--all-to-all``: free-running calls, M and its split new every call, outputs
+    poisoned first) on the kernel's CPU stand-in: its verdict, and the line rank 0
+    prints."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    import cpu_kernel
+    from lamport_head.status import RECOVERABLE
+    from lamport_head.tuning.diagnostics import ranks as tool
+    from lamport_head.tuning.support.procs import Ranks
+
+    cpu_kernel.use(16)
+    args = tool._args(["--all-to-all", "--calls", str(calls), "--vocab", str(tp * SHARD),
+                       "--rows", "1,2,3,5,8,16"])
+    here = Ranks(torch.device("cpu"), rank, tp, True, "gloo", dist.group.WORLD)
+    rows = sorted({int(x) for x in args.rows.split(",")})
+    plan = tool.Calls(rows, tp, SHARD, here.device)
+    a2a = AllToAll.default(None, here.device, tp, rank, SHARD, rows, budget_s=20.0,
+                           mode=RECOVERABLE)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        ok = tool.check(args, here, a2a, plan)
+    a2a.close()
+    return {"ok": ok, "line": printed.getvalue().strip()}
+
+
+def test_the_rank_tools_free_running_all_to_all_check_passes_on_the_stand_in(tmp_path):
+    """What the multiproc test runs on a GPU (tests/test_multiproc.py): here every call
+    bitwise on every rank, the splits new every call with ranks of no rows."""
+    results = spawn(_ranks_check, 3, tmp_path, 40)
+    assert [r["ok"] for r in results] == [True] * 3, results
+    line = results[0]["line"]
+    assert line.startswith("ranks check: tp=3, all-to-all, splits new every call (")
+    assert "calls with a rank of no rows), 40 free-running calls" in line
+    assert "bitwise equal to the reference on every rank and call, every mailbox word armed" in line
+
+
+def test_the_rank_tool_refuses_all_to_all_beside_another_mode():
+    from lamport_head.tuning.diagnostics import ranks as tool
+
+    for other in (["--graph"], ["--install"], ["--kill-rank", "1"], ["--slow-rank", "1"]):
+        with pytest.raises(SystemExit):
+            tool._args(["--all-to-all", *other])

@@ -117,6 +117,14 @@ class Calls:
         drawn from i alone: the same on every rank (``draw_splits``)."""
         return draw_splits(random.Random(SEED * 7919 + i), self.m[i], self.tp)
 
+    def shards_for(self, i, m):
+        """Every rank's ``[m, shard]`` of draw ``i``: the same on every rank."""
+        from lamport_head.tuning.support.reference import planted
+
+        g = torch.Generator(device=self.device).manual_seed(SEED * 1_000_003 + i)
+        data = planted(self.tp, m, self.shard, generator=g, device=self.device, dtype=self.dtype)
+        return [data[r] for r in range(self.tp)]
+
 
 def draw_splits(rng, rows, tp):
     """``rows`` split over ``tp`` ranks by ``rng`` (ranks drawing from equal generators
@@ -132,14 +140,6 @@ def draw_splits(rng, rows, tp):
         return [rows if q == one else 0 for q in range(tp)]
     cuts = sorted(rng.randint(0, rows) for _ in range(tp - 1))
     return [b - a for a, b in zip([0, *cuts], [*cuts, rows])]
-
-    def shards_for(self, i, m):
-        """Every rank's ``[m, shard]`` of draw ``i``: the same on every rank."""
-        from lamport_head.tuning.support.reference import planted
-
-        g = torch.Generator(device=self.device).manual_seed(SEED * 1_000_003 + i)
-        data = planted(self.tp, m, self.shard, generator=g, device=self.device, dtype=self.dtype)
-        return [data[r] for r in range(self.tp)]
 
 
 def _poison(rows, width, device, dtype=torch.bfloat16):
