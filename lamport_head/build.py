@@ -22,7 +22,6 @@ import torch
 from . import dtypes, kernels
 from . import mailbox as boxes  # its start-up deadline is read per build (a test shortens it)
 from .collective import agree, attempt, step
-from .config import GatherConfig
 from .kernels.arch import has_pdl
 from .kernels.launch import DriverLaunch, bind_primary_context, kernel_entry
 from .mailbox import MAILBOXES, choose_backend

@@ -99,6 +99,7 @@ class _Help(argparse.HelpFormatter):
 # bench --drafter's defaults (here: --help imports no torch)
 DRAFT_VOCAB = 32000  # a typical EAGLE3 draft head (Llama 3's EAGLE3 drafters)
 DRAFT_TOKENS = 3  # k: a usual num_speculative_tokens
+SPLITS = ("even", "uneven")  # bench --all-to-all's --splits (tuning.a2abench.SPLITS)
 
 _ROWS_HELP = "comma-separated row counts M (the decode batch: requests x (1 + draft tokens))"
 _DTYPE_HELP = ("the logits' dtype (float32: an engine's FP32 lm_head, vLLM's head_dtype float32 "
@@ -182,7 +183,9 @@ def parser():
         "gather's visible cost behind it with PDL on and off, host time per eager call against "
         "torch.add_, and what a captured gather costs. One process: TP virtual ranks on this "
         "GPU (emulated; says nothing about NVLink, and has no stock figure). Under torchrun: "
-        "real ranks, also against the stock path (NCCL all-gather + reorder, vLLM's).")
+        "real ranks, also against the stock path (NCCL all-gather + reorder, vLLM's). "
+        "--all-to-all: the all-to-all of vocab shards beside the all-gather instead; "
+        "--drafter: every logits gather of a speculative decode step instead.")
     b.add_argument("--tp", type=_positive, default=8, help="tensor-parallel ranks (TP)")
     b.add_argument("--dcp", type=_positive, default=1, help="DCP of the table section used")
     b.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB, help="vocabulary size V")
@@ -212,6 +215,16 @@ def parser():
                    "must be a multiple of 8 (with --drafter)")
     b.add_argument("--draft-tokens", type=_positive, default=DRAFT_TOKENS,
                    help="draft tokens k per step (with --drafter)")
+    b.add_argument("--all-to-all", action="store_true",
+                   help="the all-to-all of vocab shards instead (vLLM's all_to_all_vocab_shards, "
+                   "batch-sharded sampling: [M, V/TP] -> [splits[rank], V]), per M beside the "
+                   "all-gather of the same M in the same run: each against its HBM floor "
+                   "(emulated) or its NCCL path (torchrun: all_to_all_single + vLLM's permute; "
+                   "all-gather + reorder); writes OUT-all-to-all.csv and .json")
+    b.add_argument("--splits", choices=SPLITS,
+                   help="how the all-to-all splits M over the ranks (with --all-to-all; default: "
+                   "even, vLLM's round robin of one-row requests); uneven: drawn from M and TP "
+                   "alone, the same every run, empty ranks included")
     return p
 
 
@@ -266,6 +279,8 @@ def _main(argv=None):
         if args.command == "bench":
             if args.drafter:
                 from lamport_head.tuning.draftbench import run  # lazy: the tuner
+            elif args.all_to_all:
+                from lamport_head.tuning.a2abench import run  # lazy: the tuner
             else:
                 from lamport_head.tuning.bench import run  # lazy: the tuner
 
@@ -303,6 +318,12 @@ def check_arguments(args):
     if tp_given and (args.vocab % args.tp or (args.vocab // args.tp) % values):
         return f"vocab {args.vocab} / tp {args.tp} is not a multiple of {values}" + (
             "" if args.dtype == DEFAULT_DTYPE else f" ({args.dtype})")
+    if command == "bench" and args.splits is not None and not args.all_to_all:
+        return f"--splits {args.splits} says how --all-to-all splits M: add --all-to-all"
+    if command == "bench" and args.all_to_all:
+        from lamport_head.tuning.a2abench import check  # lazy: the tuner
+
+        return check(args)
     if command == "bench" and args.drafter:
         from lamport_head.tuning.draftbench import check  # lazy: the tuner
 

@@ -29,12 +29,25 @@ tokens all reached the host), ``draft_tokens`` (draft tokens on the host, one a 
 ``draft_wrong`` (how many of them differ from the reference) and ``failed_in`` (which
 gather raised). A fault at step S still comes before the target's gather of step S.
 Without ``--draft-vocab`` the loop, its table and its report are what they were.
+
+The all-to-all path (``--all-to-all``, off by default; issue 43): vLLM 0.34's
+batch-sharded sampling in place of the gather. Each step's M rows are split over the
+ranks anew (``step_splits``: from the step alone, so the same on every rank; ranks with
+no rows included), every rank exchanges its ``[M, V/TP]`` through
+``all_to_all_vocab_shards`` (routed by the install core on a site whose collective is
+the all-to-all, ``stock: nccl-all-to-all``, as vLLM's route is; its stock here gloo's
+``all_to_all_single`` + permute), samples its own ``[splits[rank], V]`` (argmax) and
+copies the tokens to its host as vLLM's async output does (a non-blocking copy, then an
+event synchronized: it waits for the step even where this rank has no rows). Its
+reference is its own rows of the step's logits. The report adds ``tokens`` (tokens on
+the host) and ``empty_steps`` (steps in which this rank had no rows).
 """
 
 import argparse
 import faulthandler
 import json
 import os
+import random
 import sys
 import tempfile
 import time
@@ -42,6 +55,9 @@ import types
 
 import torch
 from helpers import capture_log
+
+from lamport_head.table import ALL_TO_ALL_STOCK
+from lamport_head.tuning.diagnostics.ranks import draw_splits
 
 
 def _args(argv):
@@ -59,12 +75,18 @@ def _args(argv):
                         "drafter")
     p.add_argument("--draft-tokens", type=int, default=3,
                    help="draft gathers per step (K), after the target's")
+    p.add_argument("--all-to-all", action="store_true",
+                   help="the target's logits exchanged by the all-to-all of vocab shards "
+                        "(batch-sharded sampling) instead of gathered")
     p.add_argument("--linger", type=float, default=0.0,
                    help="seconds a stopped rank stays alive (its context and box) before exiting")
     p.add_argument("--trace", action="store_true",
                    help="timestamps of each step from the fault on, and a report of a rank "
                         "still inside a step 8 s after the budget (diagnosis, not the test)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.all_to_all and args.draft_vocab:
+        p.error("--all-to-all samples the target's logits only: no --draft-vocab")
+    return args
 
 
 def _shards(step, rows, tp, shard, seed=None):
@@ -81,13 +103,22 @@ def _draft_seed(step, k):
     return 1_000_003 * step + 7 + 7919 * (k + 1)
 
 
-def _table(ranks, rows, *vocabs):
+def step_splits(step, rows, tp):
+    """How ``step``'s ``rows`` split over the ``tp`` ranks (the all-to-all's
+    ``send_splits``): drawn from the step alone, so the same on every rank, new every
+    step (``draw_splits``: even, all to one rank, or cut at random, ranks with no rows)."""
+    return draw_splits(random.Random(7_000_003 * step + 11), rows, tp)
+
+
+def _table(ranks, rows, *vocabs, stock=None):
     """A real-rank section serving ``rows`` at each vocabulary of ``vocabs`` on this GPU
     (every rank writes its own copy; tables are keyed by V, so the draft head's needs
-    its own section)."""
+    its own section), measured against ``stock`` (None: not written, the gather's)."""
     name = torch.cuda.get_device_name(ranks.device)
+    against = f"    stock: {stock}\n" if stock else ""
     text = (f"schema: 1\ndevices:\n  {name}:\n"
-            + "".join(f"  - tp: {ranks.world}\n    dcp: 1\n    vocab: {vocab}\n    rows:\n"
+            + "".join(f"  - tp: {ranks.world}\n    dcp: 1\n    vocab: {vocab}\n{against}"
+                      "    rows:\n"
                       + "".join(f"      {m}: {{ctas: 8, enabled: true}}\n" for m in rows)
                       for vocab in dict.fromkeys(vocabs)))
     fd, path = tempfile.mkstemp(suffix=".yaml")
@@ -109,14 +140,19 @@ def main(argv=None):
     shard = args.vocab // ranks.world
     drafts = args.draft_tokens if args.draft_vocab else 0
     os.environ["LAMPORT_HEAD_TABLE"] = _table(ranks, rows, args.vocab,
-                                              *([args.draft_vocab] if drafts else []))
+                                              *([args.draft_vocab] if drafts else []),
+                                              stock=ALL_TO_ALL_STOCK if args.all_to_all else None)
     os.environ["LAMPORT_HEAD_BUDGET_S"] = str(args.budget)  # the user's setting, agreed
     lp = types.SimpleNamespace(logits_as_input=False, head_dtype=None, use_all_gather=True,
                                _gather_logits=lambda x: all_gather_logits(x, ranks.group))
     head = types.SimpleNamespace(weight=torch.zeros(shard, 16, dtype=torch.bfloat16,
                                                     device=ranks.device), tp_size=ranks.world)
     model = types.SimpleNamespace(logits_processor=lp, lm_head=head)
-    served = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device).rows
+    exchange = None  # the routed all_to_all_vocab_shards (--all-to-all)
+    if args.all_to_all:
+        served, exchange = _install_all_to_all(ranks, head)
+    else:
+        served = install_logits_gather(model, None, ranks.world, ranks.rank, ranks.device).rows
     if drafts:  # the drafter's install follows the target's, as the plugin's does
         dshard = args.draft_vocab // ranks.world
         dlp, drafter = _install_drafter(ranks, model, dshard, drafts,
@@ -126,6 +162,8 @@ def main(argv=None):
 
     report = {"rank": ranks.rank, "served": list(served), "steps": 0, "wrong": 0,
               "wrong_steps": [], "error": None, "stopped_after_s": None}
+    if exchange is not None:
+        report.update(tokens=0, empty_steps=0)
     if drafts:
         report.update(draft_served=list(drafter.served), draft_shared=drafter.outcome.shared,
                       draft_why=drafter.outcome.message, draft_steps=0, draft_tokens=0, draft_wrong=0,
@@ -145,14 +183,24 @@ def main(argv=None):
                 time.sleep(args.stall_s)
             m = rows[step % len(rows)]
             full, shards = _shards(step, m, ranks.world, shard)
+            if exchange is not None:  # this rank samples its own rows of the step
+                splits = step_splits(step, m, ranks.world)
+                first, mine = sum(splits[:ranks.rank]), splits[ranks.rank]
+                full = full[first:first + mine]
             want = full.float().argmax(dim=-1)
             started = time.monotonic()
             if args.trace and step >= args.at - 1:
                 print(f"trace rank {ranks.rank}: step {step} starts at {time.time():.3f}",
                       flush=True)
             gather = "target"
-            logits = lp._gather_logits(shards[ranks.rank].to(ranks.device))
-            tokens = logits.argmax(dim=-1).cpu()  # the engine's copy of the tokens
+            if exchange is None:
+                logits = lp._gather_logits(shards[ranks.rank].to(ranks.device))
+                tokens = logits.argmax(dim=-1).cpu()  # the engine's copy of the tokens
+            else:
+                logits = exchange(shards[ranks.rank].to(ranks.device), splits, mine)
+                tokens = _to_host(logits.argmax(dim=-1))
+                report["tokens"] += tokens.numel()
+                report["empty_steps"] += int(mine == 0)
             report["steps"] += 1
             if step % 20 == 0 or step >= args.at:
                 print(f"rank {ranks.rank}: step {step} tokens on the host", flush=True)
@@ -186,6 +234,46 @@ def main(argv=None):
     print("engine-step " + json.dumps(report), flush=True)
     sys.stdout.flush()
     os._exit(0)  # no teardown: a peer may be gone, and a stopped context cannot sync
+
+
+def _no_first_use(*args, **kwargs):
+    """First-use tuning: never asked for here (the loop's table has the all-to-all's
+    section); raised alike on every rank, as the vLLM route's own does."""
+    from lamport_head.collective import together
+
+    raise together(NotImplementedError("first-use tuning does not measure the all-to-all"))
+
+
+def _install_all_to_all(ranks, head):
+    """The all-to-all's route, as vLLM's batch-sharded sampling gets it: the install core
+    (collective, fail-stop) on a site whose collective is ``all_to_all_vocab_shards``
+    (``stock: nccl-all-to-all``; its stand-in here gloo's ``all_to_all_single`` + the
+    permute) over the vocab-parallel ``head``. (The served rows, the routed
+    ``exchange(shard, send_splits, num_local_rows)``.)"""
+    from lamport_head import install
+    from lamport_head.outcome import Ranks
+    from lamport_head.tuning.support.stock import all_to_all_logits
+
+    holder = types.SimpleNamespace(
+        exchange=lambda x, splits, rows: all_to_all_logits(x, splits, ranks.group))
+    site = install.GatherSite(processor=holder, attr="exchange", weight=head.weight,
+                              head_tp=head.tp_size, where="engine_step's all_to_all_vocab_shards",
+                              stock=ALL_TO_ALL_STOCK)
+    outcome = install.install(site, Ranks(None, ranks.world, ranks.rank, ranks.device),
+                              measure=_no_first_use)
+    return outcome.rows, holder.exchange
+
+
+def _to_host(tokens):
+    """``tokens`` on the host as vLLM's async model output copies them: a non-blocking
+    copy, then an event recorded behind it and synchronized. The event waits for the
+    step's kernels even where this rank sampled no rows (a copy of nothing waits for
+    nothing, so a rank of no rows would run on unchecked)."""
+    host = tokens.to("cpu", non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host
 
 
 def _install_drafter(ranks, target, dshard, drafts, stock):

@@ -6,6 +6,7 @@ a call ahead), bitwise against ``reference_all_to_all``; the stock path for row 
 outside the plan; splits that do not add up refused before any launch.
 """
 
+import os
 import random
 
 import pytest
@@ -162,3 +163,104 @@ def test_even_splits_put_the_remainder_on_the_first_ranks():
     assert even_splits(2, 4) == [1, 1, 0, 0]
     assert sum(even_splits(163, 8)) == 163
 
+
+
+def _ranks_check(rank, tp, calls):
+    """The real-rank check tool's all-to-all (``diagnostics.ranks.check`` with
+    ``--all-to-all``: free-running calls, M and its split new every call, outputs
+    poisoned first) on the kernel's CPU stand-in: its verdict, and the line rank 0
+    prints."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    import cpu_kernel
+    from lamport_head.status import RECOVERABLE
+    from lamport_head.tuning.diagnostics import ranks as tool
+    from lamport_head.tuning.support.procs import Ranks
+
+    cpu_kernel.use(16)
+    args = tool._args(["--all-to-all", "--calls", str(calls), "--vocab", str(tp * SHARD),
+                       "--rows", "1,2,3,5,8,16"])
+    here = Ranks(torch.device("cpu"), rank, tp, True, "gloo", dist.group.WORLD)
+    rows = sorted({int(x) for x in args.rows.split(",")})
+    plan = tool.Calls(rows, tp, SHARD, here.device)
+    a2a = AllToAll.default(None, here.device, tp, rank, SHARD, rows, budget_s=20.0,
+                           mode=RECOVERABLE)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        ok = tool.check(args, here, a2a, plan)
+    a2a.close()
+    return {"ok": ok, "line": printed.getvalue().strip()}
+
+
+def test_the_rank_tools_free_running_all_to_all_check_passes_on_the_stand_in(tmp_path):
+    """What the multiproc test runs on a GPU (tests/test_multiproc.py): here every call
+    bitwise on every rank, the splits new every call with ranks of no rows."""
+    results = spawn(_ranks_check, 3, tmp_path, 40)
+    assert [r["ok"] for r in results] == [True] * 3, results
+    line = results[0]["line"]
+    assert line.startswith("ranks check: tp=3, all-to-all, splits new every call (")
+    assert "calls with a rank of no rows), 40 free-running calls" in line
+    assert "bitwise equal to the reference on every rank and call, every mailbox word armed" in line
+
+
+def test_the_rank_tool_refuses_all_to_all_beside_another_mode():
+    from lamport_head.tuning.diagnostics import ranks as tool
+
+    for other in (["--graph"], ["--install"], ["--kill-rank", "1"], ["--slow-rank", "1"]):
+        with pytest.raises(SystemExit):
+            tool._args(["--all-to-all", *other])
+
+
+def _engine_step_route(rank, tp, steps):
+    """tests/engine_step.py --all-to-all's install and exchange (the multiproc fault
+    cases' loop, on a GPU) on the kernel's CPU stand-in: its table (a section against
+    the all-to-all), its site through the install core (serving mode), then its steps'
+    exchanges, each rank's rows against the reference and its argmax tokens."""
+    import types
+
+    import torch.distributed as dist
+
+    import cpu_kernel
+    import engine_step
+    from lamport_head import install
+    from lamport_head.tuning.support.procs import Ranks
+
+    cpu_kernel.use(8)
+    torch.cuda.get_device_name = lambda device=None: "NVIDIA H200"
+    install._device_name = lambda device: "NVIDIA H200"
+    here = Ranks(torch.device("cpu"), rank, tp, True, "gloo", dist.group.WORLD)
+    rows = [1, 2, 4, 8]
+    os.environ["LAMPORT_HEAD_TABLE"] = engine_step._table(
+        here, rows, tp * SHARD, stock=engine_step.ALL_TO_ALL_STOCK)
+    head = types.SimpleNamespace(weight=torch.zeros(SHARD, 16, dtype=torch.bfloat16),
+                                 tp_size=tp)
+    served, exchange = engine_step._install_all_to_all(here, head)
+    bad, empty = [], 0
+    for step in range(steps):
+        m = rows[step % len(rows)]
+        full, shards = engine_step._shards(step, m, tp, SHARD)
+        splits = engine_step.step_splits(step, m, tp)
+        first, mine = sum(splits[:rank]), splits[rank]
+        logits = exchange(shards[rank], splits, mine)
+        want = reference_all_to_all(shards, splits)[rank]
+        tokens_right = torch.equal(logits.argmax(dim=-1),
+                                   full[first:first + mine].float().argmax(dim=-1))
+        if not (torch.equal(words(logits), words(want)) and tokens_right):
+            bad.append(step)
+        empty += mine == 0
+    return {"served": list(served), "bad": bad, "empty": empty}
+
+
+def test_the_engine_loops_all_to_all_route_serves_every_step_bitwise(tmp_path):
+    """The route the multiproc fault cases' loop takes on a GPU (engine_step.py
+    --all-to-all), here on the stand-in: its table's section against the all-to-all
+    serves through the install core; every step's rows bitwise, its tokens right, the
+    split new every step, ranks with no rows included."""
+    results = spawn(_engine_step_route, 3, tmp_path, 24)
+    for rank, r in enumerate(results):
+        # measured rows 1, 2, 4, 8; the gaps between enabled rows are filled, so 1-8
+        assert r["served"] == list(range(1, 9)) and r["bad"] == [], f"rank {rank}: {r}"
+    assert sum(r["empty"] for r in results) > 0  # ranks with no rows took part

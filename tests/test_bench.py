@@ -1,8 +1,10 @@
 """``lamport-head bench`` without a GPU: the floor's byte count, the tables and CSV
 (units in every header, every printed figure a CSV column), no stock or single-cat
 figure in the emulated mode, NCCL's columns on real ranks, the plot's title naming
-the mode, the targets' verdicts, a run cut short keeping its rows, and the CLI.
-The measurements are a fake runner (``bench.make_runner`` is the seam)."""
+the mode, the targets' verdicts, a run cut short keeping its rows, and the CLI; the
+same of ``bench --drafter`` and ``bench --all-to-all`` (its floor, its splits, its
+records beside the all-gather's). The measurements are a fake runner
+(``bench.make_runner`` is the seam)."""
 
 import csv
 import json
@@ -526,3 +528,286 @@ def test_drafter_torchrun_path_times_the_same_shapes(tmp_path, monkeypatch, caps
     capsys.readouterr()
     assert _bench(tmp_path, "--drafter", "--tp", "2") == 0
     assert fake.timed == shapes
+
+
+# ---- bench --all-to-all (issue 43 item 5) -------------------------------------------
+
+from lamport_head.all_to_all import even_splits  # noqa: E402
+from lamport_head.tuning import a2abench  # noqa: E402
+from lamport_head.tuning.floor import all_to_all_bytes  # noqa: E402
+from lamport_head.tuning.harness import ALL_GATHER, ALL_TO_ALL  # noqa: E402
+from lamport_head.tuning.support.splits import vllm_splits  # noqa: E402
+
+
+class FakeCollectiveTarget(FakeTarget):
+    """A fake target of one collective (``splits``: the all-to-all's, a function of M)."""
+
+    def __init__(self, tp, collective, splits=None, vocab=V):
+        super().__init__(tp, vocab)
+        self.collective, self.splits = collective, splits
+
+
+def _a2a_figures(collective, rows):
+    """The fake GPU µs of one collective at ``rows`` (any mode), and its stock's."""
+    return (2.0 + rows, 20.0 + rows) if collective == ALL_GATHER else (3.0 + 2 * rows, 25.0 + rows)
+
+
+class FakeAllToAllRunner(FakeRunner):
+    """``FakeRunner`` with the all-to-all bench's measurements; ``timed``: (collective,
+    M, shard, splits or None, CTAs) of every collective timed, in order."""
+
+    def __init__(self, mode, tp, interrupt_at=None):
+        super().__init__(mode, interrupt_at=interrupt_at)
+        self.tp, self.timed = tp, []
+
+    def target_for(self, vocab):
+        return FakeCollectiveTarget(self.tp, ALL_GATHER, vocab=vocab)
+
+    def all_to_all_target(self, splits):
+        return FakeCollectiveTarget(self.tp, ALL_TO_ALL, splits)
+
+    def gather(self, target, rows, config):
+        if rows == self.interrupt_at and target.collective == ALL_TO_ALL:
+            os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` sends, mid-M
+        self.timed.append((target.collective, rows, target.shard,
+                           target.splits(rows) if target.splits else None, config.ctas))
+        gpu, stock = _a2a_figures(target.collective, rows)
+        return {"gpu_us": gpu, **({} if self.mode == report.EMULATED else {"stock_gpu_us": stock})}
+
+
+def _fake_a2a(monkeypatch, mode=report.EMULATED, tp=8, interrupt_at=None):
+    runner = FakeAllToAllRunner(mode, tp, interrupt_at)
+    world = 1 if mode == report.EMULATED else tp
+    chosen = Chosen(FakeTarget(tp), torch.device("cpu"), world, True, mode != report.RANKS)
+    monkeypatch.setattr(a2abench, "make_target", lambda command, tp, vocab, dtype="bfloat16": chosen)
+    monkeypatch.setattr(bench, "make_runner", lambda chosen, args: runner)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    return runner
+
+
+def test_the_all_to_alls_floor_is_the_bytes_each_rank_sends_and_receives():
+    """Rank r reads its [M, V/TP] shard and writes its [splits[r], V]: on one GPU hosting
+    every rank that is 2 M V bytes a value whatever the splits; on real ranks the
+    busiest rank's."""
+    shard = V // 4
+    assert all_to_all_bytes([3, 0, 1, 0], V, 1) == (4 * shard + 3 * V) * 2  # rank 0 receives most
+    assert all_to_all_bytes([1, 1, 1, 1], V, 1) == (4 * shard + V) * 2 == 2 * 4 * V * 2 // 4
+    for splits in ([3, 0, 1, 0], [1, 1, 1, 1], [0, 0, 0, 4], [2, 1, 1, 0]):
+        assert all_to_all_bytes(splits, V, 4) == sum(
+            (4 * shard + n * V) * 2 for n in splits) == 2 * 4 * V * 2
+    assert all_to_all_bytes([2, 1], V, 2, itemsize=4) == 2 * all_to_all_bytes([2, 1], V, 2)
+    assert floor_us(all_to_all_bytes([8] * 8, V, 8), BANDWIDTH) == pytest.approx(
+        2 * 64 * V * 2 / (BANDWIDTH * 1e9) * 1e6)
+    with pytest.raises(ValueError, match="hosts 1 or every one of the 4 ranks"):
+        all_to_all_bytes([1, 1, 1, 1], V, 2)
+
+
+def test_uneven_splits_are_the_tuners_draw_of_vllms_batch_sharding():
+    """``--splits uneven`` is ``vllm_splits`` (draw 0): what first-use tuning times,
+    drawn from M and TP alone (its own tests: tests/test_all_to_all_tuning.py)."""
+    assert a2abench.splits_for("even", 8)(10) == even_splits(10, 8)
+    for tp in (2, 8):
+        for m in (1, 10, 64):
+            assert a2abench.splits_for("uneven", tp)(m) == vllm_splits(m, tp)
+
+
+def test_all_to_all_emulated_tables_csv_and_json(tmp_path, monkeypatch, capsys):
+    """Per M: the all-gather, then the all-to-all (even splits), each on its own target,
+    against its own floor; the all-to-all over the all-gather of the same M; one CSV
+    record per M and collective, named; no stock column; a table per collective."""
+    runner = _fake_a2a(monkeypatch)
+    assert _bench(tmp_path, "--all-to-all") == 0
+    printed = capsys.readouterr().out
+    shard = V // 8
+    assert [x[:4] for x in runner.timed] == [x for m in (1, 8, 64) for x in (
+        (ALL_GATHER, m, shard, None), (ALL_TO_ALL, m, shard, even_splits(m, 8)))]
+    rows = _csv(tmp_path / "b-all-to-all.csv")
+    assert list(rows[0]) == a2abench.fields(report.EMULATED)
+    assert [(int(r["rows"]), r["collective"]) for r in rows] == [
+        (m, c) for m in (1, 8, 64) for c in ("all-gather", "all-to-all")]
+    gather8, a2a8 = ({k: v for k, v in r.items()} for r in rows[2:4])
+    assert gather8["splits"] == "" and a2a8["splits"] == "1/1/1/1/1/1/1/1"
+    assert float(gather8["step_bytes"]) == step_bytes(8, 8, V, 8)  # the gather's protocol bytes
+    assert float(a2a8["step_bytes"]) == 2 * 8 * V * 2  # every rank's bytes sent + received
+    for r, c in ((gather8, ALL_GATHER), (a2a8, ALL_TO_ALL)):
+        gpu = _a2a_figures(c, 8)[0]
+        assert float(r["gpu_us"]) == gpu and r["plan"] == "default" and r["tp"] == "8"
+        floor = float(r["step_bytes"]) / (BANDWIDTH * 1e9) * 1e6
+        assert float(r["floor_us"]) == pytest.approx(floor, rel=1e-3)
+        assert float(r["floor_ratio"]) == pytest.approx(gpu / floor, rel=1e-3)
+    assert float(a2a8["vs_all_gather"]) == pytest.approx(19.0 / 10.0)
+    assert gather8["vs_all_gather"] == ""  # the all-gather's own record has none
+    header = (tmp_path / "b-all-to-all.csv").read_text().splitlines()[0].lower()
+    assert "stock" not in header and "nccl" not in header
+    lines = printed.splitlines()
+    for caption, c, columns in a2abench.tables(report.EMULATED, "even"):
+        at = lines.index(caption)
+        assert lines[at + 1].split() == "  ".join(x.header for x in columns).split()
+        assert [line.split()[0] for line in lines[at + 2:at + 5]] == ["1", "8", "64"]
+    assert "all-to-all, [M, V/TP] -> [splits[rank], V] on each rank, splits even" in printed
+    assert "stock" not in printed.lower().replace(str(tmp_path).lower(), "")
+    meta = json.loads((tmp_path / "b-all-to-all.json").read_text())
+    assert meta["mode"] == "emulated" and meta["splits"] == "even" and meta["copy_gbs"] == BANDWIDTH
+    assert [(r["rows"], r["collective"]) for r in meta["records"]] == [
+        (int(r["rows"]), r["collective"]) for r in rows]
+
+
+def test_all_to_all_uneven_splits_reach_the_target_the_records_and_the_floor(
+        tmp_path, monkeypatch):
+    runner = _fake_a2a(monkeypatch, report.RANKS, tp=4)
+    assert _bench(tmp_path, "--all-to-all", "--splits", "uneven", "--tp", "4") == 0
+    timed = [(m, s) for c, m, _, s, _ in runner.timed if c == ALL_TO_ALL]
+    assert timed == [(m, vllm_splits(m, 4)) for m in (1, 8, 64)]
+    rows = [r for r in _csv(tmp_path / "b-all-to-all.csv") if r["collective"] == "all-to-all"]
+    for r in rows:
+        splits = vllm_splits(int(r["rows"]), 4)
+        assert r["splits"] == "/".join(map(str, splits))
+        # one rank per GPU: the busiest rank's bytes
+        assert float(r["step_bytes"]) == all_to_all_bytes(splits, V, 1)
+    meta = json.loads((tmp_path / "b-all-to-all.json").read_text())
+    assert meta["splits"] == "uneven" and meta["mode"] == "ranks"
+
+
+def test_all_to_all_on_real_ranks_adds_each_collectives_stock(tmp_path, monkeypatch, capsys):
+    _fake_a2a(monkeypatch, report.RANKS, tp=2)
+    assert _bench(tmp_path, "--all-to-all", "--tp", "2") == 0
+    printed = capsys.readouterr().out
+    rows = _csv(tmp_path / "b-all-to-all.csv")
+    assert list(rows[0]) == a2abench.fields(report.RANKS)
+    for r in rows:
+        gpu, stock = _a2a_figures(r["collective"], int(r["rows"]))
+        assert float(r["stock_gpu_us"]) == stock
+        assert float(r["stock_ratio"]) == pytest.approx(stock / gpu, rel=1e-3)
+    assert float(rows[0]["step_bytes"]) == step_bytes(1, 2, V, 1)  # one rank's, real ranks
+    assert "and the stock path, NCCL all_to_all_single + permute (vLLM's)" in printed
+    assert "and the stock path, NCCL all-gather + reorder (vLLM's)" in printed
+    for caption, _, columns in a2abench.tables(report.RANKS, "even"):
+        assert caption in printed
+        assert any(line.split() == "  ".join(c.header for c in columns).split()
+                   for line in printed.splitlines())
+
+
+def test_all_to_all_processes_sharing_a_gpu_say_so(tmp_path, monkeypatch, capsys):
+    _fake_a2a(monkeypatch, report.SHARED, tp=2)
+    assert _bench(tmp_path, "--all-to-all", "--tp", "2") == 0
+    printed = capsys.readouterr().out
+    assert "gloo all_to_all_single + permute (processes sharing a GPU: not performance)" in printed
+    rows = _csv(tmp_path / "b-all-to-all.csv")
+    assert float(rows[1]["step_bytes"]) == 2 * 1 * V * 2  # every rank on the one GPU
+
+
+def test_all_to_all_plans_come_from_each_collectives_own_section(tmp_path, monkeypatch):
+    """The all-gather's plan is the section measured against NCCL's all-gather; the
+    all-to-all's, the one measured against NCCL's all-to-all (same GPU, TP, V)."""
+    runner = _fake_a2a(monkeypatch)
+    table = tmp_path / "t.yaml"
+    table.write_text("schema: 1\ndevices:\n  NVIDIA H200:\n"
+                     "    - {tp: 8, vocab: 163840, emulated: true, rows: {8: {ctas: 5, enabled: false}}}\n"
+                     "    - {tp: 8, vocab: 163840, emulated: true, stock: nccl-all-to-all,\n"
+                     "       rows: {8: {ctas: 7, enabled: false}}}\n")
+    assert cli.main(["bench", "--all-to-all", "--rows", "8", "--table", str(table),
+                     "--out", str(tmp_path / "b")]) == 0
+    assert [(c, ctas) for c, _, _, _, ctas in runner.timed] == [(ALL_GATHER, 5), (ALL_TO_ALL, 7)]
+    assert [r["plan"] for r in _csv(tmp_path / "b-all-to-all.csv")] == ["table", "table"]
+
+
+def test_a_terminated_all_to_all_run_reports_the_row_counts_it_measured(
+        tmp_path, monkeypatch, capsys):
+    _fake_a2a(monkeypatch, interrupt_at=64)
+    previous = signal.getsignal(signal.SIGTERM)
+    assert _bench(tmp_path, "--all-to-all") == 130
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert "interrupted after 2 of 3 row counts: reporting those" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "b-all-to-all.json").read_text())
+    assert [(r["rows"], r["collective"]) for r in meta["records"]] == [
+        (1, ALL_GATHER), (1, ALL_TO_ALL), (8, ALL_GATHER), (8, ALL_TO_ALL)]
+
+
+def test_all_to_all_every_column_states_its_unit_and_is_a_csv_column():
+    for mode in (report.EMULATED, report.RANKS):
+        for _, _, columns in a2abench.tables(mode, "even"):
+            for c in columns:
+                assert c.key in a2abench.fields(mode)
+                if c.key.endswith("_us"):
+                    assert "µs" in c.header, c
+                elif c.digits:
+                    assert "(x)" in c.header, c
+
+
+def test_all_to_all_arguments_and_help(capsys):
+    args = cli.parser().parse_args(["bench", "--all-to-all", "--splits", "uneven"])
+    assert args.all_to_all and args.splits == "uneven"
+    args = cli.parser().parse_args(["bench"])
+    assert not args.all_to_all and args.splits is None
+    assert cli.SPLITS == a2abench.SPLITS
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--all-to-all" in text and "all_to_all_single + vLLM's permute" in text
+    assert "default: even" in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--splits", "uneven"),
+     "lamport-head: bench: --splits uneven says how --all-to-all splits M: add --all-to-all"),
+    (("--all-to-all", "--drafter"),
+     "lamport-head: bench: --all-to-all and --drafter are two benches: run one at a time"),
+    (("--all-to-all", "--plot", "b.png"),
+     "lamport-head: bench: --plot draws the gather bench's figures"),
+    (("--all-to-all", "--splits", "random"),
+     "lamport-head bench: argument --splits: invalid choice"),
+    (("--all-to-all", "--tp", "3"), "lamport-head: bench: vocab 163840 / tp 3 is not a multiple"),
+])
+def test_all_to_all_refuses_bad_arguments_on_any_machine(argv, message):
+    p = subprocess.run([sys.executable, "-m", "lamport_head.cli", "bench", *argv],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith(message), p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_all_to_all_torchrun_path_times_both_collectives_on_the_same_ranks(
+        tmp_path, monkeypatch, capsys):
+    """The real RanksRunner under a fake torchrun (one process here, its collectives the
+    identity): the all-gather on the bench's DistributedTarget, the all-to-all on a
+    AllToAllTarget of the same ranks, budget, V and dtype whose splits are
+    --splits'; both timed with their stock paths."""
+    import types
+
+    from lamport_head import build
+    from lamport_head.tuning.harness import AllToAllTarget
+
+    ranks = types.SimpleNamespace(group=None, device=torch.device("cpu"), world=2, rank=0,
+                                  shared=False)
+    timed, stocked = [], []
+
+    def lamport(self, rows, config, pdl=None):
+        splits = self.splits(rows) if isinstance(self, AllToAllTarget) else None
+        timed.append((self.collective, rows, splits, self.ranks is ranks, self.budget_s,
+                      self.dtype))
+        return Timing(9.0, 3.0, 1.0, 3.0, 1.0)
+
+    monkeypatch.setattr(DistributedTarget, "limit", lambda self, t, u: 16)
+    monkeypatch.setattr(DistributedTarget, "lamport", lamport)
+    monkeypatch.setattr(DistributedTarget, "stock", lambda self, rows: (
+        stocked.append((self.collective, rows)) or Timing(30.0, 20.0, 5.0)))
+    chosen = Chosen(DistributedTarget(ranks, V, dtype=torch.float32), ranks.device, 2, True,
+                    False)
+    monkeypatch.setattr(a2abench, "make_target", lambda command, tp, vocab, dtype="bfloat16": chosen)
+    monkeypatch.setattr(build, "TOOLCHAIN", types.SimpleNamespace(arch=lambda d: 90,
+                                                                pdl=lambda a: True))
+    monkeypatch.setattr(rankbench, "copy_bandwidth_gbs", lambda device: BANDWIDTH)
+    monkeypatch.setattr(rankbench, "agree", lambda *a: None)
+    monkeypatch.setattr(rankbench, "all_min", lambda value, *a: value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert _bench(tmp_path, "--all-to-all", "--tp", "2", "--splits", "uneven", "--budget-s",
+                  "0.25", "--dtype", "float32") == 0
+    assert timed == [x for m in (1, 8, 64) for x in (
+        (ALL_GATHER, m, None, True, 0.25, torch.float32),
+        (ALL_TO_ALL, m, vllm_splits(m, 2), True, 0.25, torch.float32))]
+    assert stocked == [(c, m) for m in (1, 8, 64) for c in (ALL_GATHER, ALL_TO_ALL)]
+    rows = _csv(tmp_path / "b-all-to-all.csv")
+    assert all(float(r["stock_ratio"]) == pytest.approx(20.0 / 3.0, rel=1e-3) for r in rows)
+    assert float(rows[1]["step_bytes"]) == all_to_all_bytes([0, 1], V, 1, itemsize=4)
+

@@ -453,3 +453,53 @@ def test_the_engines_gather_failing_on_one_rank_stops_that_worker_not_stock_alon
     assert any("failed on this rank alone" in line for line in results[1]["log"])
     assert "served" not in results[0], results[0]  # never stock alone, never served
     assert not (tmp_path / "cache" / "head_gather.yaml").exists()
+
+
+def _all_to_all_worker(rank, tp, kind):
+    """An AllToAllTarget on gloo ranks, its kernel the CPU stand-in of the
+    all-to-all (tests/cpu_kernel.py: the protocol's addressing over real ipc mailboxes),
+    CUDA's timing machinery faked as above: per M, the stock path's timing, the trial's
+    (``lamport``: built, verified against the stock all_to_all_single + permute on
+    planted data, timed eager and captured, checked, closed) and the bare launch a trial
+    captures, into its output of this rank's rows (poisoned first)."""
+    import cpu_kernel
+
+    from lamport_head.tuning.a2abench import splits_for
+    from lamport_head.tuning.harness import AllToAllTarget, _AllToAllCase
+    from lamport_head.tuning.support.procs import Ranks
+    from lamport_head.tuning.support.reference import planted, reference_all_to_all
+
+    cpu_kernel.use(8)
+    fake_timing()
+    split = splits_for(kind, tp)
+    target = AllToAllTarget(Ranks(torch.device("cpu"), rank, tp, True, "gloo"), tp * SHARD,
+                            calls=3, reps=2, replays=2, splits=split, budget_s=20.0)
+    got = {}
+    for rows in (1, 5, 8):
+        timed = [_outcome(target.stock, rows), _outcome(target.lamport, rows, GatherConfig(2))]
+        gather = target._gather(rows, GatherConfig(2))
+        g = torch.Generator().manual_seed(rows)
+        shards = [planted(rows, SHARD, generator=g) for _ in range(tp)]
+        case = _AllToAllCase(shards, split(rows), rank)
+        out = target._output(case)
+        out.view(torch.int32).fill_(0x7FBF7FBF)  # poisoned: every word must be written
+        case.launch(gather, out, 2)
+        want = reference_all_to_all(shards, split(rows))[rank]
+        got[rows] = timed + [list(out.shape),
+                             torch.equal(out.view(torch.int32), want.view(torch.int32))]
+        target._close(gather)
+    return got
+
+
+@pytest.mark.parametrize("kind", ["even", "uneven"])
+def test_the_all_to_all_target_verifies_times_and_launches_each_ranks_rows(tmp_path, kind):
+    """Issue 43 item 5's harness: the all-to-all's target runs the gather's trial on its
+    own hooks (AllToAll, its splits, the stock all-to-all, this rank's rows), every rank
+    alike; a wrong hook fails its verification (None) or its launch's bytes."""
+    from lamport_head.tuning.a2abench import splits_for
+
+    tp = 3
+    split = splits_for(kind, tp)
+    for rank, got in enumerate(spawn(_all_to_all_worker, tp, tmp_path, kind, deadline_s=120)):
+        assert got == {str(m): ["timing", "timing", [split(m)[rank], tp * SHARD], True]
+                       for m in (1, 5, 8)}, f"rank {rank}"

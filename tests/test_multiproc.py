@@ -277,3 +277,70 @@ def test_a_peer_killed_from_outside_during_a_large_step_puts_no_wrong_token_on_a
     for r in reports:
         assert r["error"] is not None and r["stopped_after_s"] < budget + 1.0, show(outs)
         assert any(f"rank(s) {victim}" in line for line in r["log"]), show(outs)
+
+
+# ---- the all-to-all of vocab shards (issue 43 item 4) -------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2, 4])
+def test_free_running_processes_all_to_all_bitwise_with_splits_changing_every_call(n, dtype):
+    """AllToAll across processes, free-running (no collective between calls: a rank may
+    be calls ahead), 300 calls, M and its split over the ranks new every call (even, all
+    to one rank, cut at random: ranks with no rows on many calls), planted -0, NaN, Inf
+    and sentinel words, outputs poisoned first: every rank's rows bitwise its rows of
+    the reference on every call, every mailbox word armed at the end."""
+    codes, outs, wall = launch(n, "--all-to-all", "--calls", "300", "--dtype", dtype,
+                               timeout=420)
+    assert codes == [0] * n, show(outs)
+    line = next(x for x in outs[0].splitlines() if x.startswith("ranks check:"))
+    print(f"\n{line} ({wall:.0f} s wall)")
+    empty = re.search(rf"tp={n}, all-to-all, splits new every call \((\d+) calls with a rank "
+                      r"of no rows\)", line)
+    assert empty and int(empty.group(1)) > 0, line
+    assert f"V=163840 {dtype}," in line
+    assert "bitwise equal to the reference on every rank and call, every mailbox word armed" in line
+
+
+# (processes, fault step): the split of the step the fault comes before, on the ranks
+A2A_FAULTS = [(2, 60, [1, 0]),  # the survivor has the step's row; the faulty rank none
+              (2, 64, [0, 1]),  # the survivor has none: it waits on the faulty rank's token
+              (4, 60, [1, 0, 0, 0])]  # rank 0 has the row; ranks 1 and 2 wait on tokens
+
+
+@pytest.mark.parametrize("n,at,split", A2A_FAULTS, ids=[f"n{n}-at{at}" for n, at, _ in A2A_FAULTS])
+@pytest.mark.parametrize("fault", ["kill", "stall"])
+def test_engine_shaped_all_to_all_steps_never_put_a_wrong_token_on_a_host(fault, n, at, split):
+    """Issue 43 item 4, the all-to-all's fail-stop: vLLM's batch-sharded sampling, each
+    step all_to_all_vocab_shards (routed to the Lamport all-to-all, serving mode) ->
+    each rank's argmax of its own rows -> tokens to its host, the split new every step,
+    ranks with no rows included (tests/engine_step.py --all-to-all). The last rank is
+    killed, or stalls on its host past the budget, before step ``at``, whose split is
+    ``split`` (a survivor with no rows waits on the faulty rank's token). No host
+    receives a wrong token, every token of the steps before reached its rank's host;
+    every rank still running stops within budget + 1 s of the step that could not
+    finish, its log naming the missing rank (or the watchdog ends it: exit 70); then a
+    fresh group on this GPU serves bitwise."""
+    from engine_step import step_splits
+
+    budget, bad, rows = 2.0, n - 1, [1, 2, 4, 8]  # engine_step's --rows: step s has rows[s % 4]
+    assert step_splits(at, rows[at % 4], n) == split  # the case this is
+    flag = ["--kill-rank", str(bad)] if fault == "kill" else ["--stall-rank", str(bad),
+                                                              "--stall-s", str(budget + 2)]
+    codes, outs, wall = launch(n, "--all-to-all", "--steps", "400", "--at", str(at), "--budget",
+                               str(budget), *flag, timeout=240, program=ENGINE_STEP)
+    reports = engine_reports(outs)
+    print(f"\n  ({wall:.0f} s wall)")
+    for r, code in zip(reports, codes):
+        print(f"  all-to-all {fault} n={n} at {at} rank {r['rank']} (exit {code}): "
+              f"{r['steps']} steps, {r['tokens']} tokens on the host, {r['wrong']} wrong, "
+              f"{r['empty_steps']} steps with no rows; stopped {r.get('stopped_after_s')} s "
+              f"into step {r.get('failed_step')}: {r['error']}; log: {r.get('log', [])[-1:]}")
+    assert all(r["served"] for r in reports), show(outs)  # the Lamport path, not stock
+    assert sum(r["wrong"] for r in reports) == 0, show(outs)
+    for r in reports:  # every token of the steps before the fault reached its rank's host
+        assert r["steps"] >= at, show(outs)
+        assert r["tokens"] == sum(step_splits(s, rows[s % 4], n)[r["rank"]]
+                                  for s in range(r["steps"])), show(outs)
+    assert all(r["empty_steps"] > 0 for r in reports), show(outs)
+    _every_survivor_stopped(reports, codes, outs, fault, n, at, budget, bad)

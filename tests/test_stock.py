@@ -53,3 +53,54 @@ def test_stock_gather_is_vllms_layout_and_allocates_nothing_per_call(tmp_path):
         assert r[:3] == [True, True, True]
         assert r[3].startswith(f"stock gather built for contiguous [{ROWS}, {SHARD}]")
         assert r[4] == []  # torch 2.13: all_gather_into_tensor warns (FutureWarning) per call
+
+
+SPLITS = ([1, 0, 2], [0, 0, 3], [1, 1, 1])  # a rank with no rows, all rows to one, even
+
+
+def _all_to_all_worker(rank, world):
+    from lamport_head.tuning.support.reference import reference_all_to_all, scrub
+    from lamport_head.tuning.support.stock import StockAllToAll, all_to_all_logits
+
+    stocks = [StockAllToAll(sum(s), SHARD) for s in SPLITS]
+    empty = torch.empty
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a stock call allocated")
+
+    outs = []
+    torch.empty = refuse
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for call, (splits, stock) in enumerate(zip(SPLITS * 2, stocks * 2)):
+                got = stock(_shard(rank, call), splits, splits[rank])
+                shards = [_shard(r, call) for r in range(world)]
+                at = sum(splits[:rank])
+                want = torch.cat(shards, dim=1)[at:at + splits[rank]]
+                outs.append([list(got.shape), same_bits(got, want),
+                             same_bits(scrub(got), reference_all_to_all(shards, splits)[rank])])
+    finally:
+        torch.empty = empty
+    fresh = all_to_all_logits(_shard(rank, 5).float(), [1] * world)  # any dtype, a fresh tensor
+    want = torch.cat([_shard(r, 5).float() for r in range(world)], dim=1)
+    outs.append(torch.equal(fresh, want[rank:rank + 1])
+                and fresh.data_ptr() != stocks[2].out.data_ptr())
+    try:
+        stocks[0](_shard(rank, 0)[:2], SPLITS[0], SPLITS[0][rank])
+        outs.append("no error")
+    except ValueError as exc:
+        outs.append(str(exc))
+    outs.append([f"{w.category.__name__}: {w.message}" for w in caught])
+    return outs
+
+
+def test_stock_all_to_all_is_vllms_layout_and_allocates_nothing_per_call(tmp_path):
+    """vLLM's all_to_all_vocab_shards (all_to_all_single, then the permute) on gloo: rank
+    r gets rows ``splits[:r]`` of every shard side by side, empty ranks included, each
+    call into the one buffer of its split, no allocation, no deprecated call."""
+    for rank, r in enumerate(spawn(_all_to_all_worker, 3, tmp_path, deadline_s=60)):
+        assert r[:6] == [[[s[rank], 3 * SHARD], True, True] for s in SPLITS * 2]
+        assert r[6] is True
+        assert r[7].startswith(f"stock all-to-all built for contiguous [{ROWS}, {SHARD}]")
+        assert r[8] == []

@@ -32,13 +32,12 @@ import time
 
 import torch
 
-from lamport_head.tuning.support.emulate import EmulatedGather
 from lamport_head import build
 from lamport_head.head_gather import GatherTimeout
 from lamport_head.tuning.support.reference import planted
 
 from .floor import copy_bandwidth_gbs
-from .harness import gated_gpu_us, never_stock
+from .harness import EmulatedAllToAllTarget, EmulatedTarget, gated_gpu_us, never_stock
 from .lmhead import LmHead
 from .report import EMULATED
 
@@ -49,8 +48,8 @@ MEASURED = ("gpu_us", "gpu_nopdl_us", "default_gpu_us", "captured_gpu_us", "lm_h
 
 def rank_steps(n, streams, device, emu=None, shards=None, heads=None):
     """``n`` steps, each rank on its own stream (forked from the caller's once, joined
-    once): the rank's lm_head GEMM (``heads``) and/or its gather (``emu``) of the GEMM's
-    output or of ``shards``."""
+    once): the rank's lm_head GEMM (``heads``) and/or its gather or all-to-all (``emu``)
+    of the GEMM's output or of ``shards``."""
     here = torch.cuda.current_stream(device)
     for s in streams:
         s.wait_stream(here)
@@ -59,7 +58,7 @@ def rank_steps(n, streams, device, emu=None, shards=None, heads=None):
             with torch.cuda.stream(s):
                 x = heads[r]() if heads is not None else shards[r]
                 if emu is not None:
-                    emu.ranks[r](x, never_stock)
+                    emu.call(r, x, never_stock)
     for s in streams:
         here.wait_stream(s)
 
@@ -76,6 +75,7 @@ class EmulatedRunner:
 
     def __init__(self, target, hidden, *, budget_s, steps=20, reps=7, calls=50):
         self.target, self.hidden, self.budget_s = target, hidden, budget_s
+        target.budget_s = budget_s  # every gather the target builds waits at most this
         self.device, self.tp, self.shard = target.device, target.tp, target.shard
         self.steps, self.reps, self.calls = steps, reps, calls
         self.pdl = build.TOOLCHAIN.pdl(build.TOOLCHAIN.arch(self.device))
@@ -123,14 +123,14 @@ class EmulatedRunner:
     def _measure(self, rows, config, pdl, body, target=None):
         """Build, verify, ``body(emu, got)``, verify again: the figures ``got``. A
         give-up keeps those taken before it (each was checked); a failed
-        verification keeps none. ``target``: whose shard width (default the bench's)."""
+        verification keeps none. ``target``: whose collective and shard width (default
+        the bench's)."""
         target = target or self.target
         got, what = {}, f"M={rows} {config.label()} pdl={'arch' if pdl is None else pdl}"
         if target is not self.target:
-            what += f" shard {target.shard}"
+            what += f" {target.collective} shard {target.shard}"
         try:
-            emu = EmulatedGather(self.device, self.tp, target.shard, {rows: config}, pdl=pdl,
-                                 budget_s=self.budget_s, dtype=target.dtype)
+            emu = target.build({rows: config}, pdl)
         except ValueError as exc:  # a plan this launch kind cannot hold co-resident
             self.notes.append(f"{what}: not built: {exc}")
             return got
@@ -153,14 +153,19 @@ class EmulatedRunner:
         """The emulated target of ``vocab`` (its shard width, limit and verification)."""
         if vocab == self.target.vocab:
             return self.target
-        from .harness import EmulatedTarget
-
         return EmulatedTarget(self.device, self.tp, vocab, budget_s=self.budget_s,
                               dtype=self.target.dtype)
 
+    def all_to_all_target(self, splits):
+        """The emulated all-to-all target of the bench's vocabulary, M split ``splits(M)``."""
+        return EmulatedAllToAllTarget(self.device, self.tp, self.target.vocab,
+                                      budget_s=self.budget_s, dtype=self.target.dtype,
+                                      splits=splits)
+
     def gather(self, target, rows, config):
-        """``{"gpu_us": ...}``: GPU µs per step of every rank's gather of ``[rows,
-        target.shard]`` (gated, verified before and after; NaN where it failed)."""
+        """``{"gpu_us": ...}``: GPU µs per step of every rank's gather (``target``'s
+        collective: the all-to-all's too) of ``[rows, target.shard]`` (gated, verified
+        before and after; NaN where it failed)."""
         data = planted(self.tp, rows, target.shard, device=self.device, dtype=target.dtype)
         shards = [data[r] for r in range(self.tp)]
 

@@ -30,6 +30,7 @@ launched recoverable (``build.launch_flag``: 0): a failure on one rank while tun
 stops a GPU context.
 """
 
+import functools
 import itertools
 import math
 import statistics
@@ -39,13 +40,17 @@ from dataclasses import dataclass
 import torch
 
 from lamport_head import build, dtypes
+from lamport_head.all_to_all import even_splits
 from lamport_head.collective import PeerFailed, agree, all_max, all_min, attempt
 from lamport_head.config import GatherConfig
 from lamport_head.head_gather import SPIN_BUDGET_S
 from lamport_head.table import ALL_TO_ALL_STOCK
+from lamport_head.tuning.support.emulate import EmulatedAllToAll, EmulatedGather
 from lamport_head.tuning.support.reference import planted, reference_all_to_all, reference_gather
 from lamport_head.tuning.support.splits import vllm_splits
 from lamport_head.tuning.support.stock import StockAllToAll, StockGather
+
+ALL_GATHER, ALL_TO_ALL = "all-gather", "all-to-all"  # the collectives a target times
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,7 @@ class EmulatedTarget:
 
     emulated = True
     objective = "gpu_us"  # eager time here is the host issuing TP launches in a row
+    collective = ALL_GATHER
 
     def __init__(self, device, tp, vocab, *, calls=50, reps=7, replays=20,
                  budget_s=SPIN_BUDGET_S, dtype=torch.bfloat16):
@@ -233,30 +239,38 @@ class EmulatedTarget:
 
     def limit(self, threads, unroll):
         """Most CTAs per rank that stay co-resident with the other virtual ranks: what
-        HeadGather accepts for them (``build.Kernels.limit``; every virtual rank shares
-        this GPU, PDL as the architecture has it, as ``_gather`` builds them)."""
+        HeadGather (AllToAll: its own kernel's) accepts for them (``build.Kernels.limit``;
+        every virtual rank shares this GPU, PDL as the architecture has it, as ``build``
+        builds them)."""
         key = (threads, unroll)
         if key not in self._limits:
-            kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype)
+            kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype,
+                                    all_to_all=self.collective == ALL_TO_ALL)
             self._limits[key] = kernels.limit(self.tp)(GatherConfig(1, threads, unroll))
         return self._limits[key]
 
-    def _gather(self, rows, config):
-        from lamport_head.tuning.support.emulate import EmulatedGather
-
-        return EmulatedGather(self.device, self.tp, self.shard, {rows: config},
+    def build(self, plan, pdl=None):
+        """The emulated ranks of ``plan`` (``{rows: GatherConfig}``), launched with
+        ``pdl`` (None: as the architecture has it), waiting at most ``budget_s``."""
+        return EmulatedGather(self.device, self.tp, self.shard, plan, pdl=pdl,
                               budget_s=self.budget_s, dtype=self.dtype)
+
+    def _gather(self, rows, config):
+        return self.build({rows: config})
 
     def _shards(self, rows):
         data = planted(self.tp, rows, self.shard, device=self.device, dtype=self.dtype)
         return [data[r] for r in range(self.tp)]
 
+    def _want(self, shards):
+        """Every rank's exact output of a call on ``shards``."""
+        return [reference_gather(shards)] * self.tp
+
     def verify(self, gather, rows, calls=3):
         for _ in range(calls):
             shards = self._shards(rows)
-            want = reference_gather(shards).view(torch.int32)
-            for out in gather(shards):
-                if not torch.equal(out.view(torch.int32), want):
+            for out, want in zip(gather(shards), self._want(shards)):
+                if not torch.equal(out.view(torch.int32), want.view(torch.int32)):
                     return False
         gather.check()
         return gather.armed()
@@ -292,11 +306,11 @@ class EmulatedTarget:
         """Each virtual rank's graph of ``replays`` gathers on its own stream, all
         replayed concurrently: GPU µs per step (gated) and host µs per gather."""
         steps, graphs = self.replays, []
-        for r, (g, stream) in enumerate(zip(gather.ranks, gather.streams)):
+        for r, stream in enumerate(gather.streams):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 for _ in range(steps):
-                    g(shards[r], never_stock)
+                    gather.call(r, shards[r], never_stock)
             graphs.append(graph)
         here = torch.cuda.current_stream(self.device)
 
@@ -329,6 +343,27 @@ class EmulatedTarget:
 TIMED_DRAW = 0  # the ``_case`` draw a row count is timed with (all-to-all: its splits)
 
 
+class EmulatedAllToAllTarget(EmulatedTarget):
+    """``EmulatedTarget`` of the all-to-all (``EmulatedAllToAll``): a call of M rows splits
+    them ``splits(M)`` over the virtual ranks (default ``even_splits``), the same way on
+    every call; limit (the all-to-all kernel's), verification (``reference_all_to_all``)
+    and timings as the gather's."""
+
+    collective = ALL_TO_ALL
+
+    def __init__(self, device, tp, vocab, *, splits=None, **options):
+        super().__init__(device, tp, vocab, **options)
+        self.splits = splits or functools.partial(even_splits, tp=tp)
+
+    def build(self, plan, pdl=None):
+        return EmulatedAllToAll(self.device, self.tp, self.shard, plan, pdl=pdl,
+                                splits={m: self.splits(m) for m in plan},
+                                budget_s=self.budget_s, dtype=self.dtype)
+
+    def _want(self, shards):
+        return reference_all_to_all(shards, self.splits(shards[0].shape[0]))
+
+
 class DistributedTarget:
     """One process per rank under torchrun (``lamport_head.tuning.support.procs.init_ranks``).
 
@@ -351,13 +386,13 @@ class DistributedTarget:
     path is gloo's and has no graph figure.
 
     What is collective-specific (the kernels' mode and so the class built, the stock
-    stand-in, a call's arguments and its expected output) is in ``_all_to_all``,
+    stand-in, a call's arguments and its expected output) is in ``collective``,
     ``_stand_in``, ``_case`` and ``_reference_of``; ``AllToAllTarget`` replaces those,
     and every step above is this class's for both."""
 
     emulated = False
     objective = "eager_us"  # what serving sees
-    _all_to_all = False  # the kernels' mode (``HeadGather._all_to_all``): the gather's
+    collective = ALL_GATHER  # what it times: the kernels' mode, the class built, the record's name
     _stand_in = StockGather  # the tuner's stock when no engine's is given
     _captured_stock = True  # the stock is timed in graphs too (engines capture the gather)
 
@@ -385,7 +420,8 @@ class DistributedTarget:
 
     def limit(self, threads, unroll):
         """Most CTAs per rank every rank's GPU holds: the occupancy calculator on the
-        compiled kernel (local, no mailbox), per rank as install's HeadGather plans
+        compiled kernel of this target's collective (local, no mailbox), per rank as
+        install's HeadGather (AllToAll) plans
         (``build.Kernels.limit``: every rank shares the GPU where ranks share one, PDL
         as the architecture has it), then MIN over ranks (collective). A compile that
         fails on one rank makes every rank raise, together."""
@@ -394,7 +430,7 @@ class DistributedTarget:
             def local():
                 sharing = self.tp if self.ranks.shared else 1
                 kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype,
-                                        all_to_all=self._all_to_all)
+                                        all_to_all=self.collective == ALL_TO_ALL)
                 return kernels.limit(sharing)(GatherConfig(1, threads, unroll))
 
             # A compile that fails on one rank raises on every rank, together.
@@ -408,7 +444,8 @@ class DistributedTarget:
         or ``HeadGather`` (read at the call, where a test replaces it)."""
         from lamport_head import all_to_all, head_gather
 
-        return all_to_all.AllToAll if self._all_to_all else head_gather.HeadGather
+        return (all_to_all.AllToAll if self.collective == ALL_TO_ALL
+                else head_gather.HeadGather)
 
     def _gather(self, rows, config, pdl=None):
         from lamport_head.status import RECOVERABLE
@@ -442,6 +479,7 @@ class DistributedTarget:
         return _trial_step(failed, case.call, gather)
 
     def _reference(self, gathered):
+        """This rank's exact output, from the stock path's of the same call."""
         return reference_gather(gathered.split(self.shard, 1))
 
     def _reference_of(self, rows, step):
@@ -583,21 +621,26 @@ class AllToAllTarget(DistributedTarget):
     draw seeds in the same order), so each checks its output bitwise against
     ``reference_all_to_all`` alone, trusting no collective."""
 
-    _all_to_all = True
+    collective = ALL_TO_ALL
     _stand_in = StockAllToAll
     # vLLM calls it eagerly (sampling runs outside the captured graphs): the figure is
     # eager, and a capture of the engine's all-to-all (pynccl) is not asked of it
     _captured_stock = False
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, splits=None, **kwargs):
+        """``splits``: ``splits(M)``, one split of every M for every call (the bench's
+        ``--splits``); None: ``vllm_splits``' draws."""
         super().__init__(*args, **kwargs)
         self._seeds = itertools.count()
+        self.splits = splits
 
     def _case(self, rows, draw):
         generator = torch.Generator(device=self.device).manual_seed(next(self._seeds))
         shards = planted(self.tp, rows, self.shard, generator=generator, device=self.device,
                          dtype=self.dtype)
-        return _AllToAllCase(list(shards), vllm_splits(rows, self.tp, draw), self.rank)
+        splits = (self.splits(rows) if self.splits is not None
+                  else vllm_splits(rows, self.tp, draw))
+        return _AllToAllCase(list(shards), list(splits), self.rank)
 
     def _reference_of(self, rows, step):
         """``want(case)``: the case's own reference (no stock: every rank holds every
@@ -681,5 +724,6 @@ def _same_bits(got, want):
 
 
 def never_stock(*args):
-    """The stock path of a row count the gather serves: must never run (timing)."""
+    """The stock path of a row count the gather (or the all-to-all) serves: must never
+    run (timing)."""
     raise AssertionError("the timed row count is served: stock must not run")

@@ -26,7 +26,7 @@ from lamport_head import build
 
 from .emubench import MEASURED
 from .floor import copy_bandwidth_gbs
-from .harness import SOLO, DistributedTarget, median_eager
+from .harness import SOLO, AllToAllTarget, DistributedTarget, median_eager
 from .lmhead import LmHead
 from .report import RANKS, SHARED
 
@@ -69,14 +69,22 @@ class RanksRunner:
         return DistributedTarget(t.ranks, vocab, calls=t.calls, reps=t.reps, replays=t.replays,
                                  budget_s=t.budget_s, dtype=t.dtype)
 
+    def all_to_all_target(self, splits):
+        """The all-to-all target of the bench's vocabulary on the same ranks, M split
+        ``splits(M)`` (the same function on every rank)."""
+        t = self.target
+        return AllToAllTarget(t.ranks, t.vocab, calls=t.calls, reps=t.reps, replays=t.replays,
+                              budget_s=t.budget_s, dtype=t.dtype, splits=splits)
+
     def gather(self, target, rows, config):
         """``{"gpu_us", "stock_gpu_us"}`` (collective, MAX over ranks): the captured GPU
-        µs per step of our gather of ``[rows, target.shard]`` (NaN where it failed) and
-        of the stock path of the same shape (NCCL all-gather + reorder)."""
+        µs per step of our gather (``target``'s collective: the all-to-all's too) of
+        ``[rows, target.shard]`` (NaN where it failed) and of the stock path of the same
+        shape (NCCL all-gather + reorder; all_to_all_single + permute)."""
         lam = target.lamport(rows, config)
         if lam is None:
-            self.notes.append(f"M={rows} shard {target.shard} {config.label()}: failed (build, "
-                              "verification or a wait)")
+            self.notes.append(f"M={rows} {target.collective} shard {target.shard} "
+                              f"{config.label()}: failed (build, verification or a wait)")
         return {"gpu_us": lam.gpu_us if lam is not None else math.nan,
                 "stock_gpu_us": target.stock(rows).gpu_us}
 

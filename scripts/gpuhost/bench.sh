@@ -3,15 +3,23 @@
 # gather's visible cost behind it with PDL on/off, host per call vs torch.add_,
 # captured cost), then the real-rank code path under torchrun with 2 processes
 # sharing the GPU (that path's correctness only: time-sliced, not performance).
+# Then (issue 43 item 5) `lamport-head bench --all-to-all`: per M the all-to-all of
+# vocab shards beside the all-gather of the same M, each against its HBM floor,
+# emulated TP 8 (even, then uneven splits) and TP 2, and under torchrun with 2
+# processes sharing the GPU (uneven splits; that path's correctness only).
 #
 # Run from the repository root:
 #   source /var/tmp/lamport-gpuhost/env.sh; source scripts/gpuhost/setup.sh; bash scripts/gpuhost/bench.sh
 # (it sources both itself when this tree's package is not the one installed).
 # Writes under $OUT: env.log; bench-tp8.{csv,json,png,log}; bench-tp2.*;
-# bench-torchrun2.{csv,json,log} (M = 1 only). About 4 minutes in all: each run has its own
-# timeout (TP8_T, TP2_T, TR_T seconds); a run cut short (SIGTERM) still prints its
-# tables for the rows it measured, and every CSV is rewritten after each row count.
-# Prints each run's targets and notes; the full tables are in the logs.
+# bench-torchrun2.{csv,json,log} (M = 1 only); a2a-tp8.log and a2a-tp8-all-to-all.{csv,json},
+# a2a-tp8-uneven.*, a2a-tp2.*, a2a-torchrun2.* (M = 1, 8). About 4 minutes for the gather's
+# runs, each all-to-all run at most A2A_T seconds: more than one device call holds
+# (600 s), so split it: GATHER=0 PHASES=0 runs the all-to-all's alone, A2A=0 skips them.
+# Each run has its own timeout (TP8_T, TP2_T, TR_T, A2A_T seconds); a run cut short
+# (SIGTERM) still prints its tables for the rows it measured, and every CSV is rewritten
+# after each row count. Prints each run's targets (the all-to-all's: its tables) and
+# notes; the full tables are in the logs.
 set -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -35,14 +43,24 @@ run() {  # name seconds command...: log to $OUT/name.log, print its targets and 
   timeout -k 15 "$seconds" "$@" --out "$OUT/$name" 2>&1 | grep -v -i warn > "$OUT/$name.log"
   local code=${PIPESTATUS[0]}
   echo "== $name: exit $code after $((SECONDS - t0)) s"
-  sed -n '/^lamport-head bench/p;/^  mode/p;/^  lm_head shard/p;/interrupted/p;/^GPU time per step/,/^$/p;/^Targets/,$p;/Traceback/,$p' "$OUT/$name.log" | grep -v '^wrote' | head -60
+  sed -n '/^lamport-head bench/p;/^  mode/p;/^  lm_head shard/p;/^  per M/p;/interrupted/p;/^GPU time per step/,/^$/p;/^all-gather, \[M/,/^$/p;/^all-to-all, \[M/,$p;/^Targets/,$p;/Traceback/,$p' "$OUT/$name.log" | grep -v '^wrote' | head -60
 }
 
 ROWS=${ROWS:-1,2,4,8,16,32,64}
-run bench-tp8 "${TP8_T:-100}" lamport-head bench --tp 8 --rows "$ROWS" --plot "$OUT/bench-tp8.png"
-run bench-tp2 "${TP2_T:-65}" lamport-head bench --tp 2 --rows "$ROWS" --plot "$OUT/bench-tp2.png"
-if [ "${TORCHRUN:-1}" = 1 ]; then
-  run bench-torchrun2 "${TR_T:-40}" torchrun --standalone --nproc-per-node 2 -m lamport_head.cli bench --tp 2 --rows 1
+if [ "${GATHER:-1}" = 1 ]; then
+  run bench-tp8 "${TP8_T:-100}" lamport-head bench --tp 8 --rows "$ROWS" --plot "$OUT/bench-tp8.png"
+  run bench-tp2 "${TP2_T:-65}" lamport-head bench --tp 2 --rows "$ROWS" --plot "$OUT/bench-tp2.png"
+  if [ "${TORCHRUN:-1}" = 1 ]; then
+    run bench-torchrun2 "${TR_T:-40}" torchrun --standalone --nproc-per-node 2 -m lamport_head.cli bench --tp 2 --rows 1
+  fi
+fi
+if [ "${A2A:-1}" = 1 ]; then
+  run a2a-tp8 "${A2A_T:-120}" lamport-head bench --all-to-all --tp 8 --rows "$ROWS"
+  run a2a-tp8-uneven "${A2A_T:-120}" lamport-head bench --all-to-all --tp 8 --splits uneven --rows "$ROWS"
+  run a2a-tp2 "${A2A_T:-120}" lamport-head bench --all-to-all --tp 2 --rows "$ROWS"
+  if [ "${TORCHRUN:-1}" = 1 ]; then
+    run a2a-torchrun2 "${A2A_T:-120}" torchrun --standalone --nproc-per-node 2 -m lamport_head.cli bench --all-to-all --tp 2 --splits uneven --rows 1,8
+  fi
 fi
 # Where the GPU time goes, phase by phase (the diagnostic kernel: tuning/diagnostics/phases.py)
 if [ "${PHASES:-1}" = 1 ]; then

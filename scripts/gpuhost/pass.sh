@@ -5,9 +5,13 @@
 # files ~3 (co-residency 2.2 of them), multiproc ~6.5 (376 s measured in v0.3.5 with 19
 # tests): GPU_T and MP_T are their limits; MP_K selects multiproc tests (pytest -k).
 # v0.3.6 has 22 multiproc tests (the drafter's two engine-shaped cases and the peer killed
-# in flight are new, not yet run): more than one device call holds (600 s). Split it:
-#   call 1: MP_K='not (engine_shaped or killed_from_outside or dead_peers)' bash scripts/gpuhost/pass.sh
-#   call 2: SKIP_GPU=1 MP_K='engine_shaped or killed_from_outside or dead_peers' bash scripts/gpuhost/pass.sh
+# in flight are new, not yet run): more than one device call holds (600 s). The
+# all-to-all's 10 (issue 43 item 4: 4 free-running, 6 engine-shaped fault cases; not yet
+# run) have calls of their own. Split it:
+#   call 1: MP_K='not (engine_shaped or killed_from_outside or dead_peers or all_to_all)' bash scripts/gpuhost/pass.sh
+#   call 2: SKIP_GPU=1 MP_K='(engine_shaped or killed_from_outside or dead_peers) and not all_to_all' bash scripts/gpuhost/pass.sh
+#   call 3: SKIP_GPU=1 MP_K='all_to_all and free_running' bash scripts/gpuhost/pass.sh
+#   call 4: SKIP_GPU=1 MP_K='all_to_all and engine_shaped' bash scripts/gpuhost/pass.sh
 set -o pipefail
 source /var/tmp/lamport-gpuhost/env.sh
 source scripts/gpuhost/setup.sh

@@ -1,6 +1,7 @@
 """Real-rank checks under torchrun, on GPUs of their own or N processes sharing one.
 
     torchrun --nproc-per-node N -m lamport_head.tuning.diagnostics.ranks [--calls 300]
+    ... --all-to-all                               the check, of the all-to-all
     ... --kill-rank 1 --kill-after 100            a rank dies mid-run
     ... --slow-rank 1 --slow-s 0.5 [--late-push]  a rank starts one call late
     ... --install [--fail-alloc-rank 1]           install_logits_gather on a model
@@ -12,7 +13,10 @@ words, -0 in either half, NaN, Inf), outputs poisoned first, M changing every ca
 among the served rows (1 and the cap included). The ranks free-run: no collective
 between calls, so a rank may be whole calls ahead; every rank derives every rank's
 shard from a shared seed, so it checks its own output with no exchange. Bitwise on
-every rank and call, every mailbox word armed at the end.
+every rank and call, every mailbox word armed at the end. ``--all-to-all``: the same of
+``AllToAll`` (vLLM's ``all_to_all_vocab_shards``), call i's M split over the ranks anew
+(``Calls.splits``: even, all to one rank, or cut at random, ranks with no rows
+included), each rank's ``[splits[rank], V]`` against its rows of the reference.
 
 kill: one rank exits without a word; every survivor must raise ``GatherTimeout``
 naming it within budget + 1 s (syncing after each call, as a serving step does).
@@ -81,7 +85,13 @@ def _args(argv):
     p.add_argument("--graph", action="store_true")
     p.add_argument("--autotune", action="store_true")
     p.add_argument("--expect-measure", choices=("yes", "no"))
-    return p.parse_args(argv)
+    p.add_argument("--all-to-all", action="store_true",
+                   help="the free-running check of the all-to-all of vocab shards instead")
+    args = p.parse_args(argv)
+    if args.all_to_all and (args.install or args.autotune or args.graph
+                            or args.kill_rank is not None or args.slow_rank is not None):
+        p.error("--all-to-all is the free-running check alone")
+    return args
 
 
 class Calls:
@@ -102,6 +112,11 @@ class Calls:
     def shards(self, i):
         return self.shards_for(i, self.m[i])
 
+    def splits(self, i):
+        """How call i's M rows split over the ranks (the all-to-all's ``send_splits``),
+        drawn from i alone: the same on every rank (``draw_splits``)."""
+        return draw_splits(random.Random(SEED * 7919 + i), self.m[i], self.tp)
+
     def shards_for(self, i, m):
         """Every rank's ``[m, shard]`` of draw ``i``: the same on every rank."""
         from lamport_head.tuning.support.reference import planted
@@ -109,6 +124,22 @@ class Calls:
         g = torch.Generator(device=self.device).manual_seed(SEED * 1_000_003 + i)
         data = planted(self.tp, m, self.shard, generator=g, device=self.device, dtype=self.dtype)
         return [data[r] for r in range(self.tp)]
+
+
+def draw_splits(rng, rows, tp):
+    """``rows`` split over ``tp`` ranks by ``rng`` (ranks drawing from equal generators
+    draw the same): even, all to one rank, or cut at random points (coinciding cuts
+    leave ranks with no rows)."""
+    from lamport_head.all_to_all import even_splits
+
+    kind = rng.random()
+    if kind < 0.2:
+        return even_splits(rows, tp)
+    if kind < 0.35:
+        one = rng.randrange(tp)
+        return [rows if q == one else 0 for q in range(tp)]
+    cuts = sorted(rng.randint(0, rows) for _ in range(tp - 1))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, rows])]
 
 
 def _poison(rows, width, device, dtype=torch.bfloat16):
@@ -153,14 +184,32 @@ def run_calls(gather, calls, first, count, bad, device, stock=None):
         bad[i] += (out.view(torch.int32) != want).any()
 
 
-def _no_stock(x):
+def run_all_to_all(a2a, calls, first, count, bad, device):
+    """``run_calls`` of the all-to-all: call i splits its M as ``calls.splits(i)``; this
+    rank's ``[splits[rank], V]`` (poisoned first) against its rows of the reference."""
+    from lamport_head.tuning.support.reference import reference_all_to_all
+
+    me = a2a.rank
+    for i in range(first, first + count):
+        shards, splits = calls.shards(i), calls.splits(i)
+        _poison(max(splits[me], 1), a2a.width, device, calls.dtype)
+        out = a2a(shards[me], splits, splits[me], _no_stock)
+        want = reference_all_to_all(shards, splits)[me]
+        if out.shape != want.shape:
+            bad[i] += 1
+        else:
+            bad[i] += (out.view(torch.int32) != want.view(torch.int32)).any()
+
+
+def _no_stock(x, *split):
     raise AssertionError(f"rows {x.shape[0]} are served: stock must not run")
 
 
 def check(args, ranks, gather, calls):
     bad = torch.zeros(args.calls, dtype=torch.int32, device=ranks.device)
     start = time.monotonic()
-    run_calls(gather, calls, 0, args.calls, bad, ranks.device)
+    (run_all_to_all if args.all_to_all else run_calls)(gather, calls, 0, args.calls, bad,
+                                                        ranks.device)
     torch.cuda.synchronize(ranks.device)
     per_call = (time.monotonic() - start) / args.calls
     gather.check()
@@ -177,8 +226,13 @@ def check(args, ranks, gather, calls):
                    "armed" if ok else "FAILED " + "; ".join(
                        f"rank {r}: {n} bad calls (first {f}), armed {a}"
                        for r, (f, n, a, _) in enumerate(report)))
-        print(f"ranks check: tp={ranks.world}, {args.calls} free-running calls, M in {rows}, "
-              f"V={args.vocab} {args.dtype}, {_mode(ranks)}: {verdict}; "
+        exchange = ""
+        if args.all_to_all:
+            empty = sum(0 in calls.splits(i) for i in range(args.calls))
+            exchange = (f"all-to-all, splits new every call ({empty} calls with a rank of no "
+                        "rows), ")
+        print(f"ranks check: tp={ranks.world}, {exchange}{args.calls} free-running calls, M in "
+              f"{rows}, V={args.vocab} {args.dtype}, {_mode(ranks)}: {verdict}; "
               f"{slowest * 1e3:.1f} ms per call",
               flush=True)
     return ok
@@ -516,10 +570,12 @@ def main(argv=None):
         ok = autotune(args, ranks) if args.autotune else install(args, ranks, calls)
         dist.destroy_process_group()
         return 0 if ok else 1
+    from lamport_head.all_to_all import AllToAll
     from lamport_head.head_gather import HeadGather
     from lamport_head.status import RECOVERABLE
 
-    gather = HeadGather.default(None, ranks.device, ranks.world, ranks.rank, shard, rows,
+    collective = AllToAll if args.all_to_all else HeadGather
+    gather = collective.default(None, ranks.device, ranks.world, ranks.rank, shard, rows,
                                 budget_s=args.budget, mode=RECOVERABLE, dtype=calls.dtype)
     if args.kill_rank is not None:
         os._exit(0 if kill(args, ranks, gather, calls) else 1)  # a peer is gone: no teardown

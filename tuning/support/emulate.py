@@ -5,12 +5,16 @@ caller's current stream), so the ranks' kernels run concurrently as real ranks
 would; they share one ``LocalMailbox`` peer table. All CTAs of all ranks must fit on
 the device at once (a rank's CTAs wait for the others' pushes): construction checks
 that and raises a clear error otherwise.
+
+``EmulatedAllToAll``: the same for the all-to-all of vocab shards (``AllToAll``), each
+row count M split over the ranks one way, fixed at construction.
 """
 
 import time
 
 import torch
 
+from lamport_head.all_to_all import AllToAll, even_splits
 from lamport_head.dtypes import words
 from lamport_head.head_gather import SPIN_BUDGET_S, HeadGather
 from lamport_head.status import RECOVERABLE
@@ -23,10 +27,12 @@ class EmulatedGather:
     ``plan``: ``{rows: GatherConfig}`` as ``HeadGather`` takes it;
     ``EmulatedGather.default`` builds on the built-in heuristic's plan."""
 
+    _collective = HeadGather  # each virtual rank's class
+
     def __init__(self, device, tp, shard, plan, *, pdl=None, budget_s=SPIN_BUDGET_S,
                  dtype=torch.bfloat16):
         """``dtype``: the logits' dtype every virtual rank serves."""
-        self._build(device, tp, shard, max(plan), dtype, lambda box, r: HeadGather(
+        self._build(device, tp, shard, max(plan), dtype, lambda box, r: self._collective(
             None, self.device, tp, r, shard, plan, mailbox=box, pdl=pdl, budget_s=budget_s,
             mode=RECOVERABLE, dtype=dtype))
 
@@ -35,7 +41,7 @@ class EmulatedGather:
                 budget_s=SPIN_BUDGET_S, dtype=torch.bfloat16):
         """The emulated gather of the row counts ``rows`` on the heuristic's plan."""
         emu = cls.__new__(cls)
-        emu._build(device, tp, shard, max(rows), dtype, lambda box, r: HeadGather.default(
+        emu._build(device, tp, shard, max(rows), dtype, lambda box, r: cls._collective.default(
             None, emu.device, tp, r, shard, rows, threads=threads, unroll=unroll, mailbox=box,
             pdl=pdl, budget_s=budget_s, mode=RECOVERABLE, dtype=dtype))
         return emu
@@ -53,6 +59,19 @@ class EmulatedGather:
     def rows(self):
         return self.ranks[0].rows
 
+    def call(self, r, shard, stock):
+        """Rank ``r``'s call on ``shard``, on the current stream. ``stock``: the stand-in
+        of the engine's all-gather, ``[M, V/TP] -> [M, V]``."""
+        return self.ranks[r](shard, *self._args(r, shard, stock))
+
+    def _args(self, r, shard, stock):
+        """What rank ``r``'s call takes after ``shard`` (worked out before a timed call)."""
+        return (stock,)
+
+    def _launch(self, r, shard, out, ctas):
+        """Rank ``r``'s bare launch into ``out``, on the current stream."""
+        self.ranks[r].launch(shard, out, ctas)
+
     def __call__(self, shards, *, skip=()):
         """Outputs of every virtual rank (``None`` for ranks in ``skip``, which are
         never launched: their peers wait and time out)."""
@@ -67,8 +86,9 @@ class EmulatedGather:
                 continue
             stream.wait_stream(here)
             with torch.cuda.stream(stream):
+                args = self._args(r, shards[r], stock)
                 t0 = time.perf_counter()
-                outs.append(gather(shards[r], stock))
+                outs.append(gather(shards[r], *args))
                 self.host_s += time.perf_counter() - t0
         for r, stream in enumerate(self.streams):
             if r not in skip:
@@ -96,9 +116,9 @@ class EmulatedGather:
         for shards in steps:
             stock = _Stock(shards)
             row = []
-            for r, (gather, stream) in enumerate(zip(self.ranks, self.streams)):
+            for r, stream in enumerate(self.streams):
                 with torch.cuda.stream(stream):
-                    row.append(gather(shards[r], stock))
+                    row.append(self.call(r, shards[r], stock))
             outs.append(row)
         for stream in self.streams:
             here.wait_stream(stream)
@@ -107,10 +127,10 @@ class EmulatedGather:
     def launch(self, shards, outs, ctas):
         """Bare launches of every rank into ``outs``: no checks."""
         here = torch.cuda.current_stream(self.device)
-        for gather, stream, shard, out in zip(self.ranks, self.streams, shards, outs):
+        for r, (stream, shard, out) in enumerate(zip(self.streams, shards, outs)):
             stream.wait_stream(here)
             with torch.cuda.stream(stream):
-                gather.launch(shard, out, ctas)
+                self._launch(r, shard, out, ctas)
         for stream in self.streams:
             here.wait_stream(stream)
 
@@ -126,6 +146,36 @@ class EmulatedGather:
         """True when every mailbox word is armed and no mark is set (synchronizes)."""
         torch.cuda.synchronize(self.device)
         return self.box.armed()
+
+
+class EmulatedAllToAll(EmulatedGather):
+    """``EmulatedGather`` of the all-to-all: TP virtual ranks of ``AllToAll``; a call of
+    M rows splits them ``splits[M]`` on every rank (an M not in ``splits``: evenly,
+    ``even_splits``), so rank q's output is its ``[splits[M][q], V]``. Every method
+    takes and returns what ``EmulatedGather``'s does, per rank."""
+
+    _collective = AllToAll
+    _splits = {}  # {M: splits}, never mutated; ``default`` builds with none: every M even
+
+    def __init__(self, device, tp, shard, plan, *, splits=None, **options):
+        """``splits``: ``{M: [rows of rank 0, ..., rows of rank tp - 1]}``, summing to M;
+        the rest as ``EmulatedGather``."""
+        self._splits = {m: list(s) for m, s in (splits or {}).items()}
+        super().__init__(device, tp, shard, plan, **options)
+
+    def splits_of(self, rows):
+        """How a call of ``rows`` rows splits over the ranks."""
+        return self._splits.get(rows) or even_splits(rows, self.tp)
+
+    def _args(self, r, shard, stock):
+        """The splits of ``shard``'s rows, rank ``r``'s rows and the all-to-all's stock:
+        rank r's rows of what ``stock`` (the all-gather's stand-in) returns."""
+        splits = self.splits_of(shard.shape[0])
+        first = sum(splits[:r])
+        return splits, splits[r], lambda x, s, n: stock(x)[first:first + splits[r]]
+
+    def _launch(self, r, shard, out, ctas):
+        self.ranks[r].launch(shard, out, ctas, self.splits_of(shard.shape[0]))
 
 
 class _Stock:

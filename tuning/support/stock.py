@@ -107,3 +107,12 @@ def all_gather_logits(logits: torch.Tensor, group=None) -> torch.Tensor:
     r * V/TP): ``StockGather`` built for this call."""
     rows, shard = logits.shape
     return StockGather(rows, shard, group, logits.device, logits.dtype)(logits.contiguous())
+
+
+def all_to_all_logits(logits: torch.Tensor, send_splits, group=None) -> torch.Tensor:
+    """``[M, V/TP]`` on every rank -> a fresh ``[send_splits[rank], V]`` (vLLM's
+    ``all_to_all_vocab_shards``): ``StockAllToAll`` built for this call."""
+    rows, shard = logits.shape
+    local = list(send_splits)[dist.get_rank(group)]
+    return StockAllToAll(rows, shard, group, logits.device, logits.dtype)(
+        logits.contiguous(), send_splits, local)
