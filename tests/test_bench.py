@@ -155,6 +155,21 @@ def test_an_fp32_bench_asks_for_fp32_benchmarks_the_fp32_section_and_counts_4_by
     assert "into float32" in capsys.readouterr().out
 
 
+def test_the_gather_bench_reads_the_gathers_section_beside_an_all_to_alls(
+        tmp_path, monkeypatch):
+    """A table holding the all-to-all's section at the gather's key (same GPU, TP, V,
+    dtype): plain ``bench`` serves the section measured against NCCL's all-gather."""
+    _fake(monkeypatch)
+    table = tmp_path / "t.yaml"
+    table.write_text("schema: 1\ndevices:\n  NVIDIA H200:\n"
+                     "    - {tp: 8, vocab: 163840, emulated: true, stock: nccl-all-to-all,\n"
+                     "       rows: {8: {ctas: 7, enabled: false}}}\n"
+                     "    - {tp: 8, vocab: 163840, emulated: true, rows: {8: {ctas: 5, enabled: false}}}\n")
+    assert cli.main(["bench", "--rows", "1,8", "--table", str(table),
+                     "--out", str(tmp_path / "b")]) == 0
+    assert [(r["plan"], int(r["ctas"])) for r in _csv(tmp_path / "b.csv")][1] == ("table", 5)
+
+
 def test_a_negative_captured_host_time_is_clamped_at_the_timers_resolution(
         tmp_path, monkeypatch, capsys):
     """TP 2 M = 2 measured -0.78 µs (a difference of two medians, noise): the bench

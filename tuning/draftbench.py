@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from lamport_head import dtypes
-from lamport_head.table import MAX_ROWS, load_table
+from lamport_head.table import MAX_ROWS, NCCL_STOCK, load_table
 
 from . import report
 from .floor import floor_us, step_bytes
@@ -208,6 +208,7 @@ def run(args):
     vocabs = {"target": args.vocab, "draft": args.draft_vocab, "cand": tp * cand}
     targets = {key: runner.target_for(v) for key, v in vocabs.items()}
     entries = {key: table.entries(name, tp, args.dcp, emulated=chosen.emulated, vocab=v,
+                                  stock=NCCL_STOCK,  # its gathers' sections
                                   dtype=dtypes.BFLOAT16)  # the drafter bench is BF16 only
                for key, v in vocabs.items()}
     ranks_here = tp if chosen.emulated else 1
