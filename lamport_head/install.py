@@ -130,15 +130,17 @@ def install(site, ranks, rows=None, *, measure):
     travels in its ``_Vote``; every rank reaches the agreement and all take the
     decision from the same gathered votes."""
     group, tp, rank, device, dcp = ranks.group, ranks.tp, ranks.rank, ranks.device, ranks.dcp
+    what = _words(site.stock)  # the lines' name of the collective the route replaces
+    say = partial(stock, where=what)
     lp, where = site.processor, site.where
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call installed one: keep it
         return Outcome.serving(installed.rows, dtype=gather_dtype(installed))
     if tp <= 1:
-        return stock(Stock.NO_GATHER, f"tp={tp} has no logits gather to replace")
+        return say(Stock.NO_GATHER, f"tp={tp} has no logits gather to replace")
     why = _site_refuses(site, tp)
     if why is not None:
-        return stock(Stock.SITE, why)
+        return say(Stock.SITE, why)
     shard = site.weight.shape[0]
     vocab = tp * shard  # the full (padded) vocabulary: a table section is measured at one V
     dtype = dtypes.name(site.logits_dtype)  # ... for one logits dtype (the site's: agreed)
@@ -159,12 +161,12 @@ def install(site, ranks, rows=None, *, measure):
         kind = (Stock.DISABLED if any(r[0] == Stock.DISABLED.label for _, r in reasons)
                 else Stock.RANK)
         if vote.reason and vote.reason[0] == kind.label:
-            return stock(kind, vote.reason[1])
+            return say(kind, vote.reason[1])
         first, (_, text) = next((r, v) for r, v in reasons if v[0] == kind.label)
-        return stock(kind, f"rank {first}: {text}")
+        return say(kind, f"rank {first}: {text}")
     healing = any(v.broken for v in votes)  # some host's user table is broken
     if len({v.settings if healing else v.agreed for v in votes}) > 1:
-        return stock(Stock.PLANS_DIFFER, "the TP ranks resolved different HEAD_GATHER plans "
+        return say(Stock.PLANS_DIFFER, "the TP ranks resolved different HEAD_GATHER plans "
                      "(different tables or environments, first-use tuning settings or the "
                      "engine's gather kind included)")
     keys = [v.key for v in votes]
@@ -179,7 +181,7 @@ def install(site, ranks, rows=None, *, measure):
     choice, entries = _choose(view, shared)
     measured = False
     if choice == "unknown":
-        return stock(Stock.NO_DEVICE_KEY, "first-use tuning cannot tell whether the TP ranks "
+        return say(Stock.NO_DEVICE_KEY, "first-use tuning cannot tell whether the TP ranks "
                      "share a GPU (no device key)")
     if choice == "tune":
         try:  # collective, fail-stop: every rank gets the same outcome or every rank raises
@@ -188,7 +190,7 @@ def install(site, ranks, rows=None, *, measure):
                               dtype=dtype)
         except Exception as exc:
             _alone(exc, "first-use tuning")
-            return stock(Stock.TUNING_FAILED,
+            return say(Stock.TUNING_FAILED,
                          f"first-use tuning failed: {type(exc).__name__}: {exc}")
         logger.info("lamport-head: first-use tuning on %s (tp=%d, dcp=%d, %s): measured rows "
                     "%s in %.1f s, wrote %s%s; vocab=%d, %s%s", name, tp, dcp, view.real,
@@ -202,34 +204,40 @@ def install(site, ranks, rows=None, *, measure):
             # have changed on one rank while the ranks measured.
             choice = "emulated" if view.serve_emulated else "unserved"
     if choice == "unserved":
-        return _measured(measured, Stock.EMULATED, f"the ranks share one GPU, so the {name} "
-                         f"section for tp={tp}, dcp={dcp} is emulated: true, never served "
+        return _measured(measured, what, Stock.EMULATED,
+                         f"the ranks share one GPU, so the {name} section for tp={tp}, "
+                         f"dcp={dcp} is emulated: true, never served "
                          f"({settings.SERVE_EMULATED_ENV}=1 serves it, to test this mode only)")
     if choice == "emulated":
         logger.warning("lamport-head: serving an emulated section (processes sharing one GPU: "
                        "not performance) because %s is set", settings.SERVE_EMULATED_ENV)
     if not entries:
-        return _measured(measured, Stock.NO_ROWS, f"no enabled HEAD_GATHER rows for {name}, "
-                         f"tp={tp}, dcp={dcp}, vocab={vocab}, stock={stock_kind}, dtype={dtype}"
-                         f"{_others(view)}")
+        return _measured(measured, what, Stock.NO_ROWS,
+                         f"no enabled HEAD_GATHER rows for {name}, tp={tp}, dcp={dcp}, "
+                         f"vocab={vocab}, stock={stock_kind}, dtype={dtype}{_others(view)}")
     try:  # collective, fail-stop: every rank gets a gather or every rank raises
         gather = _build(group, device, tp, rank, shard, entries, view.budget_s, dtype,
                         stock=stock_kind)
     except Exception as exc:  # a capability fallback, taken by every rank together
         _alone(exc, "building the gather")
-        return _measured(measured, Stock.BUILD_FAILED, f"building the gather failed: "
-                         f"{type(exc).__name__}: {exc}")
+        return _measured(measured, what, Stock.BUILD_FAILED,
+                         f"building the {what} failed: {type(exc).__name__}: {exc}")
     served = _route(site, gather)
-    logger.info("lamport-head: Lamport logits gather on %s (tp=%d, dcp=%d, %s logits) for rows "
+    logger.info("lamport-head: Lamport %s on %s (tp=%d, dcp=%d, %s logits) for rows "
                 "%s, routed at %s; spin budget %g s (%s), agreed by every rank; a give-up stops "
-                "the GPU context", name, tp, dcp, dtype, served.rows, where, view.budget_s,
+                "the GPU context", what, name, tp, dcp, dtype, served.rows, where, view.budget_s,
                 settings.BUDGET_ENV)
     return replace(served, measured=measured)
 
 
-def _measured(measured, reason, message):
-    """``stock(reason, message)``, saying whether first-use tuning measured first."""
-    return replace(stock(reason, message), measured=measured)
+def _measured(measured, what, reason, message):
+    """``stock(reason, message, what)``, saying whether first-use tuning measured first."""
+    return replace(stock(reason, message, what), measured=measured)
+
+
+def _words(stock_kind):
+    """What the lines call the collective a route of ``stock_kind`` replaces."""
+    return "all-to-all" if stock_kind == ALL_TO_ALL_STOCK else "logits gather"
 
 
 def stock(reason, message, where=None):
