@@ -2,7 +2,7 @@
 # processes-on-one-GPU test (engine-shaped fault cases, the canary, the peer killed in
 # flight). Logs under $OUT. Run right after the second staging call
 # (source .gpuhost/b/install.sh) or on a warm host (env.sh). About 9 minutes: the GPU
-# files ~3 (co-residency 2.2 of them), multiproc ~6.5 (376 s measured in v0.3.5 with 19
+# files ~3 (co-residency 2.2 of them; the all-to-all file, 0.6.0, not yet run), multiproc ~6.5 (376 s measured in v0.3.5 with 19
 # tests): GPU_T and MP_T are their limits; MP_K selects multiproc tests (pytest -k).
 # v0.3.6 has 22 multiproc tests (the drafter's two engine-shaped cases and the peer killed
 # in flight are new, not yet run): more than one device call holds (600 s). The
@@ -18,6 +18,6 @@ source scripts/gpuhost/setup.sh
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 if [ -z "$SKIP_GPU" ]; then
-  timeout ${GPU_T:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gather.py tests/test_gpu_mailbox.py tests/test_gpu_graph.py tests/test_gpu_coresidency.py 2>&1 | tee $OUT/gpu.log | grep -E "passed|failed|FAILED|Error" | tail -8
+  timeout ${GPU_T:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gather.py tests/test_gpu_mailbox.py tests/test_gpu_graph.py tests/test_gpu_coresidency.py tests/test_gpu_all_to_all.py 2>&1 | tee $OUT/gpu.log | grep -E "passed|failed|FAILED|Error" | tail -8
 fi
 timeout ${MP_T:-480} python3 -m pytest -q -s -p no:cacheprovider -m multiproc tests/test_multiproc.py ${MP_K:+-k "$MP_K"} 2>&1 | tee $OUT/multiproc.log | grep -E "^ranks|canary|kill n=|stall n=|killed-in-flight|passed|failed|FAILED|Error" | cut -c 1-420 | tail -40
