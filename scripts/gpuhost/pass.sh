@@ -18,6 +18,6 @@ source scripts/gpuhost/setup.sh
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 if [ -z "$SKIP_GPU" ]; then
-  timeout ${GPU_T:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gather.py tests/test_gpu_mailbox.py tests/test_gpu_graph.py tests/test_gpu_coresidency.py tests/test_gpu_all_to_all.py 2>&1 | tee $OUT/gpu.log | grep -E "passed|failed|FAILED|Error" | tail -8
+  timeout ${GPU_T:-360} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gather.py tests/test_gpu_mailbox.py tests/test_gpu_graph.py tests/test_gpu_coresidency.py tests/test_gpu_all_to_all.py 2>&1 | tee $OUT/gpu.log | grep -E "passed|failed|FAILED|Error" | tail -8
 fi
 timeout ${MP_T:-480} python3 -m pytest -q -s -p no:cacheprovider -m multiproc tests/test_multiproc.py ${MP_K:+-k "$MP_K"} 2>&1 | tee $OUT/multiproc.log | grep -E "^ranks|canary|kill n=|stall n=|killed-in-flight|passed|failed|FAILED|Error" | cut -c 1-420 | tail -40
