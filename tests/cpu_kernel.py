@@ -24,7 +24,8 @@ import torch
 
 from lamport_head import build, head_gather, mailbox
 from lamport_head.kernels.protocol import (CONTROL_EPOCH, CONTROL_WORDS, EPOCH_SPAN, PEER_CONTROL,
-                                           PEER_PARITY0, PEER_ROWS, SENTINEL_I32)
+                                           PEER_PARITY0, PEER_PARITY1, PEER_ROWS,
+                                           SENTINEL_I32)
 
 
 def _ints(address, count, ctype=ctypes.c_int32, dtype=torch.int32):
@@ -34,16 +35,21 @@ def _ints(address, count, ctype=ctypes.c_int32, dtype=torch.int32):
 
 class Launch:
     """One rank's launcher: ``launch(shard, out, peers, rank, ctas, budget, status,
-    stream, offsets)``, as ``DriverLaunch``'s. ``calls``: the offsets of every launch."""
+    stream, offsets)``, as ``DriverLaunch``'s. ``calls``: the offsets of every launch
+    (a list the caller may share between launchers).
+    A box's rows (its cap) are read off the peer table: parity 1 lies one parity's
+    ``cap x tp x words`` words after parity 0 (``kernels.protocol``)."""
 
-    def __init__(self, tp, words, cap):
-        self.tp, self.words, self.cap = tp, words, cap
-        self.calls = []
+    def __init__(self, tp, words, calls=None):
+        self.tp, self.words = tp, words
+        self.calls = [] if calls is None else calls
 
     def __call__(self, shard, out, peers, rank, ctas, budget, status, stream, offsets=()):
-        tp, words, cap = self.tp, self.words, self.cap
+        tp, words = self.tp, self.words
         self.calls.append(tuple(offsets))
         table = _ints(peers, PEER_ROWS * tp, ctypes.c_int64, torch.int64).view(PEER_ROWS, tp)
+        span = int(table[PEER_PARITY1, rank]) - int(table[PEER_PARITY0, rank])
+        cap = span // (4 * tp * words)
         control = _ints(int(table[PEER_CONTROL, rank]), CONTROL_WORDS)
         epoch = int(control[CONTROL_EPOCH])
         parity = epoch & 1
@@ -85,10 +91,11 @@ class Launch:
 
 class Toolchain(build.Toolchain):
     """``build.TOOLCHAIN`` on the CPU: the all-to-all's launcher is ``Launch`` (the
-    gather has none here); every plan fits. ``launches``: every launcher built."""
+    gather has none here); every plan fits. ``launches``: every launcher built;
+    ``calls``: the offsets of every launch of any of them, in order."""
 
-    def __init__(self, cap):
-        self.cap, self.launches = cap, []
+    def __init__(self):
+        self.launches, self.calls = [], []
 
     def arch(self, device):
         return "cpu"
@@ -102,7 +109,7 @@ class Toolchain(build.Toolchain):
         return types.SimpleNamespace(tp=tp, words=words)
 
     def launcher(self, compiled, device, serving):
-        launch = Launch(compiled.tp, compiled.words, self.cap)
+        launch = Launch(compiled.tp, compiled.words, self.calls)
         self.launches.append(launch)
         return launch
 
@@ -110,13 +117,15 @@ class Toolchain(build.Toolchain):
         return 1 << 20
 
 
-def use(cap, host="host"):
+def use(gpu="the one GPU"):
     """This process's builds on the CPU stand-in (a process of spawned ranks: nothing to
-    restore): the toolchain, real ipc mailboxes of memfd memory, every rank on one
-    "GPU" of ``host``, no CUDA stream or sync. Returns the toolchain."""
-    toolchain = Toolchain(cap)
+    restore): the toolchain, real ipc mailboxes of memfd memory, this rank on the "GPU"
+    named ``gpu`` of one host (every rank the same name: ranks sharing one GPU; a name
+    per rank: a GPU each, what an engine's ranks are), no CUDA stream or sync. Returns
+    the toolchain."""
+    toolchain = Toolchain()
     build.TOOLCHAIN = toolchain
-    mailbox.device_key = lambda device: (host, "the one GPU")
+    mailbox.device_key = lambda device: ("host", gpu)
     head_gather._raw_stream = lambda index: 0
     torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(
         wait_stream=lambda other: None)

@@ -50,7 +50,7 @@ def _free_run(rank, tp, calls, seed, dtype_name, budget_s=20.0):
     import cpu_kernel
 
     dtype = getattr(torch, dtype_name)
-    cpu_kernel.use(max(PLAN_ROWS))
+    cpu_kernel.use()
     plan = {m: GatherConfig(2) for m in PLAN_ROWS}
     a2a = AllToAll(dist.group.WORLD, "cpu", tp, rank, SHARD, plan, mode="recoverable",
                    backend="ipc", budget_s=budget_s, dtype=dtype)
@@ -122,7 +122,7 @@ def _rank_with_no_rows(rank, tp):
 
     import cpu_kernel
 
-    toolchain = cpu_kernel.use(4)
+    toolchain = cpu_kernel.use()
     a2a = AllToAll(dist.group.WORLD, "cpu", tp, rank, SHARD, {4: GatherConfig(1)},
                    mode="recoverable", backend="ipc", budget_s=20.0)
     got = []
@@ -180,7 +180,7 @@ def _ranks_check(rank, tp, calls):
     from lamport_head.tuning.diagnostics import ranks as tool
     from lamport_head.tuning.support.procs import Ranks
 
-    cpu_kernel.use(16)
+    cpu_kernel.use()
     args = tool._args(["--all-to-all", "--calls", str(calls), "--vocab", str(tp * SHARD),
                        "--rows", "1,2,3,5,8,16"])
     here = Ranks(torch.device("cpu"), rank, tp, True, "gloo", dist.group.WORLD)
@@ -228,7 +228,7 @@ def _engine_step_route(rank, tp, steps):
     from lamport_head import install
     from lamport_head.tuning.support.procs import Ranks
 
-    cpu_kernel.use(8)
+    cpu_kernel.use()
     torch.cuda.get_device_name = lambda device=None: "NVIDIA H200"
     install._device_name = lambda device: "NVIDIA H200"
     here = Ranks(torch.device("cpu"), rank, tp, True, "gloo", dist.group.WORLD)

@@ -187,7 +187,7 @@ def _measure_worker(rank, tp, cache, corrupt):
     from lamport_head.tuning import firstuse
 
     os.environ.update(LAMPORT_HEAD_CACHE=cache)
-    toolchain = cpu_kernel.use(max(ROWS))
+    toolchain = cpu_kernel.use()
     mailbox.device_key = lambda device: ("host", f"gpu{rank}")  # a GPU a rank, one host: ipc
     fake_timing()
     provenance.facts = lambda: dict(FACTS)

@@ -469,7 +469,7 @@ def _all_to_all_worker(rank, tp, kind):
     from lamport_head.tuning.support.procs import Ranks
     from lamport_head.tuning.support.reference import planted, reference_all_to_all
 
-    cpu_kernel.use(8)
+    cpu_kernel.use()
     fake_timing()
     split = splits_for(kind, tp)
     target = AllToAllTarget(Ranks(torch.device("cpu"), rank, tp, True, "gloo"), tp * SHARD,

@@ -2,13 +2,14 @@
 subclasses it), on 2 gloo ranks made by vLLM's own init: the real plugin loader wraps
 the real ``Worker.load_model``, which loads a small real ``LlamaForCausalLM`` (dummy
 weights) with ``enable_batch_sharded_sampling``; the plugin then installs the Lamport
-all-to-all (forced onto ``helpers.StandInAllToAll``: no GPU) for the rows the table
-enables, and ``sample``'s ``all_to_all_vocab_shards`` goes through it.
+all-to-all for the rows the table enables (the product's ``AllToAll`` over real ipc
+mailboxes of memfd memory, its kernel the CPU stand-in of tests/cpu_kernel.py: no
+GPU), and ``sample``'s ``all_to_all_vocab_shards`` goes through it.
 
 What it shows, for even, uneven and empty splits (a rank with no rows) of 1..6
 requests: the logits ``sample`` hands its sampler are bitwise those of vLLM's own
-``all_to_all_vocab_shards``, with -0.0, NaN and +-Inf among them; the stand-in ran for
-the served row counts only, each once per call; the routed global called directly on
+``all_to_all_vocab_shards``, with -0.0, NaN and +-Inf among them; the kernel launched
+for the served row counts only, once per call, with that step's splits; the routed global called directly on
 planted shards (every special word, the sentinel included) returns the reference
 all-to-all (``reference_all_to_all``: vLLM's, sentinel words as 0). With batch sharding
 off nothing is routed. Rank 0's summary names the all-to-all path.
@@ -119,13 +120,28 @@ def _rank(rank, world, run, table, model_dir):
     from vllm.v1.worker.gpu.input_batch import InputBatch
     from vllm.v1.worker.gpu.sample import batch_shard
 
+    import cpu_kernel
+
     import lamport_head.install as install
+    from lamport_head.all_to_all import AllToAll
     from lamport_head.engines.vllm import vocab_shards
     from lamport_head.tuning.support.reference import planted, reference_all_to_all, scrub
 
     configure_logging(LoggingConfig())  # what vLLM's worker_main does first in a worker
     CPUModelRunner = vllm_classes()[0]
-    forced_build(install)
+    build = install._build
+    forced_build(install)  # the gather's kernel: StandInGather
+    stand_in = install._build
+    toolchain = cpu_kernel.use(gpu=f"gpu{rank}")
+
+    def build_all_to_all(group, device, tp, r, shard, entries, budget_s, dtype, stock):
+        """The all-to-all as install builds it: the product's AllToAll over real ipc
+        mailboxes, its kernel the CPU stand-in (tests/cpu_kernel.py)."""
+        if stock == ALL_TO_ALL_STOCK:
+            return build(group, device, tp, r, shard, entries, budget_s, dtype, stock=stock)
+        return stand_in(group, device, tp, r, shard, entries, budget_s, dtype, stock)
+
+    install._build = build_all_to_all
     # the stand-ins the module docstring lists (no Triton backend here)
     if not hasattr(triton, "next_power_of_2"):
         triton.next_power_of_2 = lambda n: 1 << max(int(n) - 1, 0).bit_length()
@@ -163,7 +179,12 @@ def _rank(rank, world, run, table, model_dir):
     print("=== on", flush=True)
     runner = load(True)
     model = runner.get_model()
-    a2a = vocab_shards._ROUTES[(512, torch.bfloat16)].func  # the stand-in, as install built it
+    a2a = vocab_shards._ROUTES[(512, torch.bfloat16)].func  # as install built it
+    out["built"] = type(a2a) is AllToAll
+    def calls(since=0):
+        """The kernel's launches' (M, splits) since the ``since``-th."""
+        return [[o[-1], [b - a for a, b in zip(o, o[1:])]] for o in toolchain.calls[since:]]
+
     seen = []
 
     class Sampler:  # records what vLLM hands its sampler (its Triton kernels cannot run)
@@ -205,10 +226,10 @@ def _rank(rank, world, run, table, model_dir):
 
     routed = runner_module.all_to_all_vocab_shards
     for n in REQUESTS:
-        before = len(a2a.calls)
+        before = len(toolchain.calls)
         got, want = sample(n, routed), sample(n, original)
         runner_module.all_to_all_vocab_shards = routed
-        out["on"]["calls"][n] = a2a.calls[before:]
+        out["on"]["calls"][n] = calls(before)
         out["on"]["splits"][n] = runner.batch_sharder.shard_sampler_inputs(
             InputBatch.make_dummy(n, 2 * n, runner.input_buffers), None)[3].num_logits_per_rank
         if want is None:  # this rank owns no request: no logits, none sampled
@@ -236,7 +257,7 @@ def _rank(rank, world, run, table, model_dir):
                         "vllm": same_bits(result, scrub(vllms) if served else vllms),
                         "rows": list(result.shape)}
     out["direct"] = direct
-    out["direct_calls"] = a2a.calls[-3:]
+    out["direct_calls"] = calls()[-3:]
     torch.distributed.barrier()
     return out
 
@@ -302,6 +323,7 @@ def test_sample_takes_the_installed_all_to_all_bitwise(ranks):
     results, _ = ranks
     for r in results:
         on = r["on"]
+        assert r["built"]  # the product's AllToAll, not a stand-in
         assert on["sharder"] and on["wrapped"] and on["routed"] == [["512", "torch.bfloat16"]]
         assert on["splits"] == {str(n): [(n + 1) // 2, n // 2] for n in REQUESTS}
         assert on["equal"] == {str(n): True for n in REQUESTS}
