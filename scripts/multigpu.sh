@@ -9,7 +9,8 @@
 #   - a killed rank (every survivor names it), a slow rank, a late push;
 #   - a killed rank with a canary on its GPU (no survivor store lands in the canary);
 #   - install across processes; first-use tuning at install (a fresh cache);
-#   - the tune (dcp 1 and n) and the bench against NCCL's path.
+#   - the tune (dcp 1 and n) and the bench against NCCL's path;
+#   - the all-to-all of vocab shards: bitwise, tuned, benched against NCCL's all-to-all.
 # The globaltimer-based diagnostics (tuning/diagnostics/phases.py: virtual ranks' clocks
 # compared on one GPU) are one-GPU only and do not run here.
 # Every step runs whatever the previous did; a summary table ends the run (exit 1 if
@@ -56,6 +57,12 @@ for n in "${sizes[@]}"; do
   done
   step "tp$n bench vs NCCL" "${run[@]}" -m lamport_head.cli bench --tp "$n" --rows "$rows" \
     --out "$logs/bench-tp$n" --plot "$logs/bench-tp$n.png"
+  # the all-to-all of vocab shards (vLLM 0.34's batch-sharded sampling)
+  step "tp$n all-to-all bitwise" "${ranks[@]}" --all-to-all --calls "$calls"
+  step "tp$n tune --all-to-all" "${run[@]}" -m lamport_head.cli tune --all-to-all --tp "$n" \
+    --rows "$rows" --out tables/head_gather.yaml --quiet
+  step "tp$n bench --all-to-all vs NCCL" "${run[@]}" -m lamport_head.cli bench --all-to-all \
+    --tp "$n" --splits uneven --rows "$rows" --out "$logs/bench-a2a-tp$n"
 done
 if [ "$gpus" -ge 2 ]; then  # the multi-GPU tests: kill with a canary, contexts, visibility
   step "pytest -m multigpu" python3 -m pytest -q -s -m multigpu tests/test_multigpu.py

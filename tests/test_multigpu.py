@@ -33,6 +33,23 @@ def test_real_ranks_bitwise_vs_nccl(n):
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("n", [2, 8])
+def test_real_ranks_all_to_all_bitwise_with_splits_changing_every_call(n):
+    """The all-to-all of vocab shards on one GPU a process (each its own context and
+    device numbering, peers' boxes mapped across GPUs): 2000 free-running calls, M and
+    its split new every call, empty ranks included, bitwise against the reference on
+    every rank. What distinct GPUs change that one GPU's processes cannot show: a
+    push lands in another GPU's memory through the mapping, the token of a rank with
+    no rows included."""
+    if _gpus() < n:
+        pytest.skip(f"needs {n} GPUs, this machine has {_gpus()}")
+    run = _torchrun(n, "--all-to-all", "--calls", "2000")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "all-to-all, splits new every call" in run.stdout
+    assert "bitwise equal to the reference on every rank and call" in run.stdout
+
+
+@pytest.mark.multigpu
 def test_killed_rank_is_named_and_no_gpu_hangs():
     if _gpus() < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {_gpus()}")
