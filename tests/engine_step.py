@@ -238,10 +238,10 @@ def main(argv=None):
 
 def _no_first_use(*args, **kwargs):
     """First-use tuning: never asked for here (the loop's table has the all-to-all's
-    section); raised alike on every rank, as the vLLM route's own does."""
+    section); if it were, raised alike on every rank (every rank stays stock)."""
     from lamport_head.collective import together
 
-    raise together(NotImplementedError("first-use tuning does not measure the all-to-all"))
+    raise together(NotImplementedError("the engine-shaped loop measures nothing"))
 
 
 def _install_all_to_all(ranks, head):

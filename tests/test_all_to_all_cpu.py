@@ -20,7 +20,7 @@ from lamport_head.tuning.support.reference import planted, reference_all_to_all
 
 SHARD = 64  # BF16 a rank: 32 words, 8 fragments
 POISON = 0x7FBF7FBF
-PLAN_ROWS = (1, 2, 3, 5, 8, 13)
+PLAN_ROWS = (1, 2, 3, 5, 8, 12, 13)
 
 
 def _splits(rng, tp, rows):
@@ -44,6 +44,21 @@ def _shards(call, tp, rows, dtype):
     return [planted(rows, SHARD, generator=g, dtype=dtype) for _ in range(tp)]
 
 
+def _draws(tp, seed, calls):
+    """A free run's ``(M, splits)`` per call: M from the plan and outside it (4, 21), the
+    same on every rank (they agree, as in vLLM)."""
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(calls):
+        rows = rng.choice(PLAN_ROWS + (4, 21))
+        draws.append((rows, _splits(rng, tp, rows)))
+    return draws
+
+
+FREE_RUNS = [(2, "bfloat16"), (3, "bfloat16"), (4, "float32")]  # (tp, dtype); seed 7 x tp
+CALLS = 60
+
+
 def _free_run(rank, tp, calls, seed, dtype_name, budget_s=20.0):
     import torch.distributed as dist
 
@@ -54,7 +69,6 @@ def _free_run(rank, tp, calls, seed, dtype_name, budget_s=20.0):
     plan = {m: GatherConfig(2) for m in PLAN_ROWS}
     a2a = AllToAll(dist.group.WORLD, "cpu", tp, rank, SHARD, plan, mode="recoverable",
                    backend="ipc", budget_s=budget_s, dtype=dtype)
-    rng = random.Random(seed)  # every rank draws the same splits: they agree, as in vLLM
     stock_calls, launches, bad = [], [], []
 
     def stock(x, splits, local):
@@ -62,9 +76,7 @@ def _free_run(rank, tp, calls, seed, dtype_name, budget_s=20.0):
         return "stock"
 
     outs = []
-    for call in range(calls):
-        rows = rng.choice(PLAN_ROWS + (4, 21))  # 4 and 21: not in the plan
-        splits = _splits(rng, tp, rows)
+    for call, (rows, splits) in enumerate(_draws(tp, seed, calls)):
         shards = _shards(call, tp, rows, dtype)
         if call % 2:  # the bare launch into a poisoned output
             out = torch.full((splits[rank], tp * SHARD * shards[0].element_size() // 4),
@@ -92,9 +104,9 @@ def _free_run(rank, tp, calls, seed, dtype_name, budget_s=20.0):
     return {"bad": bad, "stock": stock_calls, "launches": launches, "armed": armed}
 
 
-@pytest.mark.parametrize("tp,dtype", [(2, "bfloat16"), (3, "bfloat16"), (4, "float32")])
+@pytest.mark.parametrize("tp,dtype", FREE_RUNS)
 def test_free_running_ranks_with_splits_changing_every_call_are_bitwise(tmp_path, tp, dtype):
-    results = spawn(_free_run, tp, tmp_path, 40, 7 * tp, dtype)
+    results = spawn(_free_run, tp, tmp_path, CALLS, 7 * tp, dtype)
     for rank, r in enumerate(results):
         assert r["bad"] == [], f"rank {rank}: {r['bad'][:3]}"
         assert r["armed"], f"rank {rank}: mailbox words left un-armed"
@@ -106,13 +118,12 @@ def test_free_running_ranks_with_splits_changing_every_call_are_bitwise(tmp_path
     assert all(m not in PLAN_ROWS for m, _, _ in results[0]["stock"])
 
 
-def test_the_free_run_covers_empty_uneven_and_even_splits():
-    """The draw the free runs use meets every kind of split (this is what they test)."""
-    rng, seen = random.Random(14), set()
-    for _ in range(40):
-        rows = rng.choice(PLAN_ROWS + (4, 21))
-        s = _splits(rng, 3, rows)
-        seen.add("empty" if 0 in s else "even" if len(set(s)) == 1 else "uneven")
+@pytest.mark.parametrize("tp,dtype", FREE_RUNS)
+def test_each_free_run_serves_empty_uneven_and_even_splits(tp, dtype):
+    """What each free run sends through the kernel (M in the plan) meets every kind of
+    split: a rank with no rows, uneven, even (this is what those runs test)."""
+    seen = {"empty" if 0 in s else "even" if len(set(s)) == 1 else "uneven"
+            for rows, s in _draws(tp, 7 * tp, CALLS) if rows in PLAN_ROWS}
     assert seen == {"empty", "even", "uneven"}
 
 
@@ -131,10 +142,16 @@ def _rank_with_no_rows(rank, tp):
         out = a2a(shards[rank], splits, splits[rank], None)
         want = reference_all_to_all(shards, splits)[rank]
         got.append([list(out.shape), torch.equal(words(out), words(want))])
+    # what the plan does not serve takes the stock on every rank: another dtype, another
+    # width, not 2-D, an M outside the plan (no launch)
+    x, splits = _shards(9, tp, 4, torch.bfloat16)[rank], [2, 0, 2]
+    fell = [a2a(y, s, s[rank], lambda *args: "stock")
+            for y, s in ((x.float(), splits), (x[:, :SHARD // 2], splits),
+                         (x.unsqueeze(0), splits), (x[:3], [1, 1, 1]))]
     armed = a2a.box.armed()
     a2a.close()
-    return {"got": got, "offsets": [list(o) for o in toolchain.launches[0].calls],
-            "armed": armed}
+    return {"got": got, "offsets": [list(o) for o in toolchain.calls], "armed": armed,
+            "fell": fell}
 
 
 def test_a_rank_with_no_rows_launches_and_receives_nothing(tmp_path):
@@ -144,6 +161,7 @@ def test_a_rank_with_no_rows_launches_and_receives_nothing(tmp_path):
         assert r["got"] == [[[s[rank], 3 * SHARD], True] for s in splits], f"rank {rank}"
         assert r["offsets"] == [[0, 2, 2, 4], [0, 0, 4, 4], [0, 0, 0, 4], [0, 4, 4, 4]]
         assert r["armed"]
+        assert r["fell"] == ["stock"] * 4
 
 
 def test_splits_are_checked_against_m_the_ranks_and_this_ranks_rows():

@@ -326,3 +326,68 @@ def test_the_host_all_to_all_serves_its_plan_and_free_runs(tp, dtype):
             continue
         _check(outs, shards, splits, f"call {call}, splits {splits}")
     assert box.armed()
+
+
+def test_captured_calls_replay_between_eager_calls_of_other_splits():
+    """DSpark's exchange runs inside vLLM's graphs, the target's sampling eagerly, on one
+    AllToAll when their shard widths match: per virtual rank a graph of one call (M = 8,
+    even splits: its offsets captured by value), replayed between eager calls of other
+    M and splits (empty ranks included) on the same objects and streams, no join between
+    calls; each replay's output copied out in stream order. Every output bitwise, every
+    epoch the call count, the mailbox re-armed."""
+    from lamport_head.all_to_all import AllToAll
+    from lamport_head.config import GatherConfig
+    from lamport_head.mailbox import LocalMailbox
+
+    device = _device()
+    tp, shard, rows = 4, VOCAB // 4, (1, 3, 8)
+    box = LocalMailbox(device, tp, max(rows), tp * shard // 2)
+    plan = {m: GatherConfig(4) for m in rows}
+    ranks = [AllToAll(None, device, tp, r, shard, plan, mailbox=box, mode="recoverable",
+                      budget_s=0.5) for r in range(tp)]
+    streams = [torch.cuda.Stream(device) for _ in range(tp)]
+    here = torch.cuda.current_stream(device)
+    captured_splits = [2, 2, 2, 2]
+    g = torch.Generator(device=device).manual_seed(77)
+    static = planted(tp, 8, shard, generator=g, device=device)  # the graphs' inputs
+    static = [static[r].clone() for r in range(tp)]
+    graphs, static_out = [], []
+    for r in range(tp):  # capture records, it does not run: no rank waits on another
+        graph = torch.cuda.CUDAGraph()
+        streams[r].wait_stream(here)
+        with torch.cuda.graph(graph, stream=streams[r]):
+            static_out.append(ranks[r](static[r], captured_splits, 2, None))
+        graphs.append(graph)
+    torch.cuda.synchronize(device)
+    rng, log = random.Random(5), []
+    for stream in streams:
+        stream.wait_stream(here)
+    for call in range(60):
+        if call % 3 == 2:  # a replay: new data into the static inputs, then the graph
+            g = torch.Generator(device=device).manual_seed(5000 + call)
+            data = planted(tp, 8, shard, generator=g, device=device)
+            outs = []
+            for r in range(tp):
+                with torch.cuda.stream(streams[r]):
+                    static[r].copy_(data[r])
+                    graphs[r].replay()
+                    outs.append(static_out[r].clone())  # in stream order: before the next
+            log.append((captured_splits, [data[r] for r in range(tp)], outs))
+            continue
+        m = rng.choice(rows)
+        cuts = sorted(rng.randint(0, m) for _ in range(tp - 1))
+        splits = [b - a for a, b in zip([0] + cuts, cuts + [m])]
+        g = torch.Generator(device=device).manual_seed(6000 + call)
+        data = planted(tp, m, shard, generator=g, device=device)
+        outs = []
+        for r in range(tp):
+            with torch.cuda.stream(streams[r]):
+                outs.append(ranks[r](data[r], splits, splits[r], None))
+        log.append((splits, [data[r] for r in range(tp)], outs))
+    for stream in streams:
+        here.wait_stream(stream)
+    torch.cuda.synchronize(device)
+    for call, (splits, shards, outs) in enumerate(log):
+        _check(outs, shards, splits, f"call {call} ({'replay' if call % 3 == 2 else 'eager'})")
+    assert [int(box.control(r)[CONTROL_EPOCH]) for r in range(tp)] == [60] * tp
+    assert box.armed()

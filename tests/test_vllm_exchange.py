@@ -104,6 +104,7 @@ def _vllm_modules(monkeypatch, callers=True):
         monkeypatch.setitem(sys.modules, name, module)
         modules[name] = module
     monkeypatch.setattr(vocab_shards, "_ROUTES", {})
+    monkeypatch.setattr(vocab_shards, "_HOLDERS", {})
     return modules
 
 
@@ -156,13 +157,15 @@ def test_one_all_to_all_per_width_routes_each_callers_global(monkeypatch, tmp_pa
         assert call(x[:3], [2, 1], 2) == ("stock", name, 3)  # not a served M: its own
         assert call(x.float(), [2, 2], 2) == ("stock", name, 4)  # another dtype
         assert call(torch.zeros(4, 32, dtype=torch.bfloat16), [2, 2], 2) == ("stock", name, 4)
-    # the same again (a second load): no second dispatcher, and a wider drafter's own
+    # the same again (a second load): the first AllToAll kept (no second mailbox, no
+    # second dispatcher), and a wider drafter's own
     wrapped = modules[release.EXCHANGE_CALLERS[TARGET]].all_to_all_vocab_shards
+    first = vocab_shards._ROUTES[(SHARD, torch.bfloat16)]
     wide = plugin.exchange_paths(target, _lm(width=2 * SHARD), _speculator(True),
                                  _config(seqs=3, k=1, method="dspark"), 2)
     got = plugin.install_exchanges(wide, RANKS)
-    assert built[1:] == [(SHARD, "bfloat16", ALL_TO_ALL_STOCK),
-                         (2 * SHARD, "bfloat16", ALL_TO_ALL_STOCK)]
+    assert built[1:] == [(2 * SHARD, "bfloat16", ALL_TO_ALL_STOCK)]
+    assert vocab_shards._ROUTES[(SHARD, torch.bfloat16)] is first
     assert [(e.outcome.rows, e.outcome.shared, e.width) for e in got] == [
         ((1, 2, 4, 6), False, SHARD), ((2, 4), False, 2 * SHARD)]
     assert modules[release.EXCHANGE_CALLERS[TARGET]].all_to_all_vocab_shards is wrapped

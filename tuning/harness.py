@@ -394,7 +394,6 @@ class DistributedTarget:
     objective = "eager_us"  # what serving sees
     collective = ALL_GATHER  # what it times: the kernels' mode, the class built, the record's name
     _stand_in = StockGather  # the tuner's stock when no engine's is given
-    _captured_stock = True  # the stock is timed in graphs too (engines capture the gather)
 
     def __init__(self, ranks, vocab, *, calls=50, reps=7, replays=20, budget_s=SPIN_BUDGET_S,
                  stock=None, dtype=torch.bfloat16):
@@ -600,7 +599,7 @@ class DistributedTarget:
         call = lambda: case.stock(stock)  # noqa: E731
         eager, host = median_eager(call, self.device, self.calls, self.reps, step)
         graph = graph_host = math.nan  # gloo's host copies cannot be captured
-        if not self.ranks.shared and self._captured_stock:
+        if not self.ranks.shared:  # captured too: DSpark's all-to-all replays in its graphs
             graph, graph_host = _median_graph(lambda: (call(), call()), self.device,
                                               self.replays, self.reps, step)
         return Timing(self._max(eager), self._max(graph), self._max(host), self._max(graph),
@@ -623,9 +622,6 @@ class AllToAllTarget(DistributedTarget):
 
     collective = ALL_TO_ALL
     _stand_in = StockAllToAll
-    # vLLM calls it eagerly (sampling runs outside the captured graphs): the figure is
-    # eager, and a capture of the engine's all-to-all (pynccl) is not asked of it
-    _captured_stock = False
 
     def __init__(self, *args, splits=None, **kwargs):
         """``splits``: ``splits(M)``, one split of every M for every call (the bench's

@@ -1,8 +1,9 @@
 """The timing target ``tune`` and ``bench`` measure on, chosen in one place: under
 torchrun (``WORLD_SIZE`` > 1) one rank per process, ``harness.DistributedTarget``
 (``harness.AllToAllTarget`` for the all-to-all: ``harness.target_for``); else TP
-virtual ranks on this process's GPU, ``harness.EmulatedTarget`` (a gather only: there
-is no emulated all-to-all)."""
+virtual ranks on this process's GPU, ``harness.EmulatedTarget`` (``tune`` of the
+all-to-all refuses it: an all-to-all section is measured on real ranks;
+``bench --all-to-all`` builds its ``EmulatedAllToAllTarget`` beside it)."""
 
 import os
 from dataclasses import dataclass

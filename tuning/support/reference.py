@@ -50,7 +50,7 @@ def offsets_of(send_splits) -> list:
 
 def reference_all_to_all(shards, send_splits) -> list:
     """Rank q's ``[send_splits[q], V]`` output for every q, from the ranks' ``[M, V/TP]``
-    BF16 shards (``M = sum(send_splits)``, the same splits on every rank): rows
+    shards (BF16 or FP32, as ``reference_gather``'s) (``M = sum(send_splits)``, the same splits on every rank): rows
     ``offsets[q]:offsets[q + 1]`` of every shard, in rank order along the vocab axis,
     sentinel words scrubbed (vLLM's ``all_to_all_vocab_shards``)."""
     shards = list(shards)

@@ -45,8 +45,12 @@ from . import release as releases
 
 _MARK = "_lamport_head_wrapped"
 # This process's served all-to-alls, {(shard width, torch dtype): the routed exchange}:
-# what the dispatchers consult (one engine per process; a later install of a key replaces it)
+# what the dispatchers consult (one engine per process)
 _ROUTES = {}
+# The install core's processor of each (shard width, dtype name), kept: a later load's
+# install of a key finds its AllToAll there and keeps it (install's "an earlier call
+# installed one"), with no collective and no second mailbox, as every rank did the same
+_HOLDERS = {}
 
 
 class Exchange(NamedTuple):
@@ -97,7 +101,8 @@ def install_exchanges(paths, ranks):
     - The running vLLM lacks a name this relies on (0.33: no ``all_to_all_vocab_shards``)
       or no processor was found: that path stays stock, before any collective.
     - Else one ``install.install`` per distinct (shard width, dtype), sorted, for the
-      union of its paths' rows; a served one is registered for the dispatchers and each
+      union of its paths' rows (a key an earlier load installed keeps its AllToAll:
+      ``_HOLDERS``); a served one is registered for the dispatchers and each
       of its callers' module globals is replaced, once (``_dispatching``). A path served
       by an AllToAll an earlier path installed is ``shared``; each path's rows are its
       own (``Outcome.within``).
@@ -120,7 +125,7 @@ def install_exchanges(paths, ranks):
         original = getattr(importlib.import_module(releases.EXCHANGE_HOME), releases.EXCHANGE)
     for key in sorted(keys):
         group = keys[key]
-        holder = _Holder(original)
+        holder = _HOLDERS.setdefault(key, _Holder(original))
         site = _site(group[0], holder)
         rows = (None if any(p.rows is None for p in group)
                 else tuple(sorted({m for p in group for m in p.rows})))
