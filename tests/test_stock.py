@@ -2,6 +2,7 @@
 allocate nothing (so a harness can agree on its allocation once, before the ranks
 meet, and then call it on every rank: see tuning.harness)."""
 
+import contextlib
 import warnings
 
 import torch
@@ -16,26 +17,34 @@ def _shard(rank, call):
     return torch.randn(ROWS, SHARD, generator=g).to(torch.bfloat16)
 
 
-def _worker(rank, world):
-    from lamport_head.tuning.support.stock import StockGather, all_gather_logits
-
-    stock = StockGather(ROWS, SHARD)
+@contextlib.contextmanager
+def _no_allocation():
+    """``torch.empty`` raising inside (a stock call allocates nothing); yields the
+    warnings raised inside."""
     empty = torch.empty
 
     def refuse(*args, **kwargs):
         raise AssertionError("a stock call allocated")
 
-    outs = []
     torch.empty = refuse
     try:
-        with warnings.catch_warnings(record=True) as caught:  # no deprecated torch call of ours
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for call in range(2):  # distinct data each call: the one buffer is overwritten
-                got = stock(_shard(rank, call))
-                want = torch.cat([_shard(r, call) for r in range(world)], dim=1)
-                outs.append(same_bits(got, want))
+            yield caught
     finally:
         torch.empty = empty
+
+
+def _worker(rank, world):
+    from lamport_head.tuning.support.stock import StockGather, all_gather_logits
+
+    stock = StockGather(ROWS, SHARD)
+    outs = []
+    with _no_allocation() as caught:  # no deprecated torch call of ours either
+        for call in range(2):  # distinct data each call: the one buffer is overwritten
+            got = stock(_shard(rank, call))
+            want = torch.cat([_shard(r, call) for r in range(world)], dim=1)
+            outs.append(same_bits(got, want))
     fresh = all_gather_logits(_shard(rank, 5).float())  # any dtype, a fresh tensor
     want = torch.cat([_shard(r, 5).float() for r in range(world)], dim=1)
     outs.append(torch.equal(fresh, want) and fresh.data_ptr() != stock.out.data_ptr())
@@ -63,25 +72,15 @@ def _all_to_all_worker(rank, world):
     from lamport_head.tuning.support.stock import StockAllToAll, all_to_all_logits
 
     stocks = [StockAllToAll(sum(s), SHARD) for s in SPLITS]
-    empty = torch.empty
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a stock call allocated")
-
     outs = []
-    torch.empty = refuse
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for call, (splits, stock) in enumerate(zip(SPLITS * 2, stocks * 2)):
-                got = stock(_shard(rank, call), splits, splits[rank])
-                shards = [_shard(r, call) for r in range(world)]
-                at = sum(splits[:rank])
-                want = torch.cat(shards, dim=1)[at:at + splits[rank]]
-                outs.append([list(got.shape), same_bits(got, want),
-                             same_bits(scrub(got), reference_all_to_all(shards, splits)[rank])])
-    finally:
-        torch.empty = empty
+    with _no_allocation() as caught:
+        for call, (splits, stock) in enumerate(zip(SPLITS * 2, stocks * 2)):
+            got = stock(_shard(rank, call), splits, splits[rank])
+            shards = [_shard(r, call) for r in range(world)]
+            at = sum(splits[:rank])
+            want = torch.cat(shards, dim=1)[at:at + splits[rank]]
+            outs.append([list(got.shape), same_bits(got, want),
+                         same_bits(scrub(got), reference_all_to_all(shards, splits)[rank])])
     fresh = all_to_all_logits(_shard(rank, 5).float(), [1] * world)  # any dtype, a fresh tensor
     want = torch.cat([_shard(r, 5).float() for r in range(world)], dim=1)
     outs.append(torch.equal(fresh, want[rank:rank + 1])

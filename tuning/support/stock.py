@@ -18,7 +18,22 @@ import torch.distributed as dist
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class StockGather:
+class _Stock:
+    """What both stock collectives hold for one row count M: the group, the shapes, the
+    output buffer ``[M, V]`` and, where gloo moves host tensors of a CUDA shard
+    (``host``), the shard's pinned host copy (``staged``)."""
+
+    def __init__(self, rows, shard, group, device, dtype):
+        self.group, self.tp = group, dist.get_world_size(group)
+        self.rows, self.shard, self.dtype = rows, shard, dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.host = dist.get_backend(group) == "gloo" and self.device.type == "cuda"
+        self.out = torch.empty(rows, self.tp * shard, dtype=dtype, device=self.device)
+        self.staged = (torch.empty(rows, shard, dtype=dtype, pin_memory=True) if self.host
+                       else None)
+
+
+class StockGather(_Stock):
     """The stock gather for one row count with every buffer allocated up front.
 
     Invariant: a call allocates nothing, so the only thing that can fail in it is the
@@ -27,16 +42,11 @@ class StockGather:
     one buffer, overwritten by the next call."""
 
     def __init__(self, rows, shard, group=None, device=None, dtype=torch.bfloat16):
-        self.group, self.tp = group, dist.get_world_size(group)
-        self.rows, self.shard, self.dtype = rows, shard, dtype
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        self.host = dist.get_backend(group) == "gloo" and device.type == "cuda"
-        self.out = torch.empty(rows, self.tp * shard, dtype=dtype, device=device)
-        if self.host:  # gloo moves host tensors: stage the shard and the parts there
-            self.staged = torch.empty(rows, shard, dtype=dtype, pin_memory=True)
+        super().__init__(rows, shard, group, device, dtype)
+        if self.host:  # gloo moves host tensors: the parts land there
             self.parts = [torch.empty(rows, shard, dtype=dtype) for _ in range(self.tp)]
         else:
-            self.gathered = torch.empty(self.tp * rows, shard, dtype=dtype, device=device)
+            self.gathered = torch.empty(self.tp * rows, shard, dtype=dtype, device=self.device)
 
     def __call__(self, logits):
         """``[rows, V/TP]`` contiguous on every rank -> ``[rows, V]`` (rank r's shard
@@ -57,7 +67,7 @@ class StockGather:
         return self.out
 
 
-class StockAllToAll:
+class StockAllToAll(_Stock):
     """The stock all-to-all of vocab shards for one row count M (the step's total rows)
     with every buffer allocated up front: ``all_to_all_single`` with vLLM's splits (this
     rank sends ``send_splits[q]`` rows, in order, to rank q and receives
@@ -69,16 +79,10 @@ class StockAllToAll:
     call."""
 
     def __init__(self, rows, shard, group=None, device=None, dtype=torch.bfloat16):
-        self.group, self.tp = group, dist.get_world_size(group)
-        self.rows, self.shard, self.dtype = rows, shard, dtype
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        self.host = dist.get_backend(group) == "gloo" and device.type == "cuda"
-        self.out = torch.empty(rows, self.tp * shard, dtype=dtype, device=device)
-        if self.host:  # gloo moves host tensors: stage the shard and the received rows there
-            self.staged = torch.empty(rows, shard, dtype=dtype, pin_memory=True)
-            self.received = torch.empty(self.tp * rows, shard, dtype=dtype)
-        else:
-            self.received = torch.empty(self.tp * rows, shard, dtype=dtype, device=device)
+        super().__init__(rows, shard, group, device, dtype)
+        # gloo moves host tensors: the received rows land there
+        self.received = torch.empty(self.tp * rows, shard, dtype=dtype,
+                                    device="cpu" if self.host else self.device)
 
     def __call__(self, logits, send_splits, num_local_rows):
         """``[rows, V/TP]`` contiguous on every rank -> ``[num_local_rows, V]``: rows
