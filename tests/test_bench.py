@@ -66,17 +66,23 @@ class FakeRunner:
 
 def _fake(monkeypatch, mode=report.EMULATED, tp=8, fail_at=None, interrupt_at=None):
     """The bench on a machine that claims one H200; ``mode``'s target and runner."""
-    runner = FakeRunner(mode, fail_at, interrupt_at)
-    world = 1 if mode == report.EMULATED else tp
-    chosen = Chosen(FakeTarget(tp), torch.device("cpu"), world, True, mode != report.RANKS)
-    monkeypatch.setattr(bench, "make_target", lambda command, tp, vocab, dtype="bfloat16": chosen)
-    monkeypatch.setattr(bench, "make_runner", lambda chosen, args: runner)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    runner = _on_one_h200(monkeypatch, bench, FakeRunner(mode, fail_at, interrupt_at), mode, tp)
     titles = []
     real = plot.plot_bench
     monkeypatch.setattr(plot, "plot_bench", lambda *a: titles.append(real(*a)) or titles[-1])
     return runner, titles
+
+
+def _on_one_h200(monkeypatch, module, runner, mode, tp):
+    """``module``'s target (``mode``'s, TP ``tp``) and ``runner`` on a machine that
+    claims one H200; returns ``runner``."""
+    world = 1 if mode == report.EMULATED else tp
+    chosen = Chosen(FakeTarget(tp), torch.device("cpu"), world, True, mode != report.RANKS)
+    monkeypatch.setattr(module, "make_target", lambda command, tp, vocab, dtype="bfloat16": chosen)
+    monkeypatch.setattr(bench, "make_runner", lambda chosen, args: runner)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    return runner
 
 
 def _csv(path):
@@ -591,14 +597,8 @@ class FakeAllToAllRunner(FakeRunner):
 
 
 def _fake_a2a(monkeypatch, mode=report.EMULATED, tp=8, interrupt_at=None):
-    runner = FakeAllToAllRunner(mode, tp, interrupt_at)
-    world = 1 if mode == report.EMULATED else tp
-    chosen = Chosen(FakeTarget(tp), torch.device("cpu"), world, True, mode != report.RANKS)
-    monkeypatch.setattr(a2abench, "make_target", lambda command, tp, vocab, dtype="bfloat16": chosen)
-    monkeypatch.setattr(bench, "make_runner", lambda chosen, args: runner)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    return runner
+    return _on_one_h200(monkeypatch, a2abench, FakeAllToAllRunner(mode, tp, interrupt_at),
+                        mode, tp)
 
 
 def test_the_all_to_alls_floor_is_the_bytes_each_rank_sends_and_receives():
