@@ -19,8 +19,9 @@ from lamport_head.dtypes import NAMES as DTYPES
 from lamport_head.dtypes import fragment
 from lamport_head.kernels.protocol import THREADS, UNROLL_MAX
 from lamport_head.settings import BENCH_BUDGET_S
-from lamport_head.table import (KIMI_K2_VOCAB, LEGACY_VOCAB, MAX_ROWS, TableError, fill, fix_for,
-                                load_table, mailbox_cost, normalize, row_span)
+from lamport_head.table import (ALL_TO_ALL_STOCK, KIMI_K2_VOCAB, LEGACY_VOCAB, MAX_ROWS,
+                                TableError, fill, fix_for, load_table, mailbox_cost, normalize,
+                                row_span)
 from lamport_head.tuning.lmhead import KIMI_K2_HIDDEN  # no torch: every command's parser needs it
 
 
@@ -410,9 +411,11 @@ def show(args):
         print(f"  {s.dtype} logits" + (
             "" if "dtype" in s.raw else " (not written in the section: BF16)")
             + "; served only to a head of that dtype")
+        collective = "all-to-all" if s.stock == ALL_TO_ALL_STOCK else "gather"
         print(f"  measured against {s.stock}" + (
             "" if "stock" in s.raw else " (not written in the section: NCCL's all-gather)")
-            + "; served only where the route replaces that gather")
+            + f"; served only where the route replaces that {collective}"
+            + (" (rows: a step's total M)" if collective == "all-to-all" else ""))
         prov = s.provenance
         if prov:
             print(f"  measured {prov.get('date', '?')} on {prov.get('gpu', '?')}, "
@@ -431,7 +434,8 @@ def show(args):
                 print(f"{cells} {('yes' if row.enabled else 'no'):>7} {lam!s:>10} "
                       f"{entry.get('stock_us', '')!s:>9}{note}")
         if not s.emulated:
-            print(f"  rows above {max(s.rows)}: the stock gather (past the largest measured row)"
+            print(f"  rows above {max(s.rows)}: the stock {collective} (past the largest "
+                  "measured row)"
                   + (f"; rows below {min(s.rows)} too" if min(s.rows) > 1 else ""))
     return code
 

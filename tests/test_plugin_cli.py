@@ -225,6 +225,16 @@ def test_show_prints_entries(tmp_path, capsys):
                                        "--device 'NVIDIA H100'; sections: NVIDIA H200 tp=8 dcp=1\n")
 
 
+def test_show_names_the_collective_of_an_all_to_all_section(tmp_path, capsys):
+    p = tmp_path / "t.yaml"
+    p.write_text(SHOW_TABLE.replace("    - tp: 8\n", "    - tp: 8\n      stock: nccl-all-to-all\n"))
+    assert cli.main(["show", "--table", str(p), "--device", "nvidia h200", "--tp", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert ("  measured against nccl-all-to-all; served only where the route replaces that "
+            "all-to-all (rows: a step's total M)") in lines
+    assert "  rows above 8: the stock all-to-all (past the largest measured row)" in lines
+
+
 def test_show_bad_table_is_one_line(tmp_path, capsys):
     p = tmp_path / "bad.yaml"
     p.write_text("schema: 7\ndevices: {}\n")
