@@ -16,6 +16,9 @@ Invariants a change must keep (beyond ``HeadGather``'s, which hold here unchange
   rank runs more than a call ahead and the parity moves on every rank alike.
 - The mailbox holds the plan's largest M: a rank's rows of a call (its split) are at
   most M.
+- The offsets are launch parameters, taken by value: a captured call replays its
+  capture's splits (DSpark's, a function of the captured batch size), and eager calls
+  and replays share one parity sequence (the epoch is in device memory).
 """
 
 from itertools import accumulate
