@@ -543,7 +543,7 @@ def test_plugin_routes_the_draft_workers_model(tmp_path, case):
             assert other == {"served": [], "shared": False, "kernel": False, "one_stock": True,
                              "three_stock": True, "stock_kept": True, "polled": []}, other
             assert any("stays stock" in x for x in r["log"]["other"])
-            tail = ("drafter CausalLM: SGLang's logits gather (build-failed: building the "
+            tail = ("drafter CausalLM: SGLang's logits gather (build-failed: building the logits "
                     "gather failed: PeerFailed: lamport-head: another "
                     "rank failed to build the gather (checks, compile, occupancy)); routed on "
                     "all 2 TP ranks: target logits gather")
