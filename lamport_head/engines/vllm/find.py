@@ -144,12 +144,24 @@ def parallel_drafting(spec):
     return bool(said)
 
 
+def max_num_seqs(vllm_config):
+    """The server's most running requests (``scheduler_config.max_num_seqs``), or None
+    when the config does not say (not a positive int)."""
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    return seqs if isinstance(seqs, int) and seqs >= 1 else None
+
+
+def draft_tokens(spec):
+    """Tokens a draft step proposes (``num_speculative_tokens``; 1 when unset or 0)."""
+    return int(getattr(spec, "num_speculative_tokens", None) or 1)
+
+
 def rows_from_vllm(vllm_config):
     """The row counts a vLLM server's decode steps can gather: 1 .. max running
     requests x (1 + speculative tokens per request), capped (``install.decode_rows``); None when
     the config does not say."""
-    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
-    if not isinstance(seqs, int) or seqs < 1:
+    seqs = max_num_seqs(vllm_config)
+    if seqs is None:
         return None
     spec = getattr(vllm_config, "speculative_config", None)
     k = (getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
@@ -170,11 +182,11 @@ def drafter_rows(vllm_config):
     step (1 .. ``max_num_seqs``), times the draft tokens with parallel drafting (one
     pass drafts every token), capped (``install.decode_rows``); None when the config
     does not say."""
-    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
-    if not isinstance(seqs, int) or seqs < 1:
+    seqs = max_num_seqs(vllm_config)
+    if seqs is None:
         return None
     spec = getattr(vllm_config, "speculative_config", None)
-    k = int(getattr(spec, "num_speculative_tokens", None) or 1)
+    k = draft_tokens(spec)
     return install.decode_rows(seqs, k if parallel_drafting(spec) else 1)
 
 
@@ -188,7 +200,7 @@ def drafter_paths(vllm_config):
     (``draft_sample_method``) still takes ``compute_logits`` for batches that are not
     all greedy."""
     spec = getattr(vllm_config, "speculative_config", None)
-    k = int(getattr(spec, "num_speculative_tokens", None) or 1)
+    k = draft_tokens(spec)
     calls = 1 if parallel_drafting(spec) else k
     logits = f"drafter compute_logits x {calls}"
     if not getattr(spec, "use_local_argmax_reduction", False):
@@ -221,7 +233,7 @@ def candidate_path(vllm_config):
     spec = getattr(vllm_config, "speculative_config", None)
     if not getattr(spec, "use_local_argmax_reduction", False):
         return None
-    k = int(getattr(spec, "num_speculative_tokens", None) or 1)
+    k = draft_tokens(spec)
     return f"drafter get_top_tokens x {1 if parallel_drafting(spec) else k}"
 
 
@@ -284,11 +296,11 @@ def candidate_rows(vllm_config):
     draft tokens (vLLM 0.33's DFlash2 speculator: ``num_reqs x num_speculative_steps``),
     1 .. ``max_num_seqs`` x ``num_speculative_tokens``, capped (``install.decode_rows``);
     None when the config does not say."""
-    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
-    if not isinstance(seqs, int) or seqs < 1:
+    seqs = max_num_seqs(vllm_config)
+    if seqs is None:
         return None
     spec = getattr(vllm_config, "speculative_config", None)
-    return install.decode_rows(seqs, int(getattr(spec, "num_speculative_tokens", None) or 1))
+    return install.decode_rows(seqs, draft_tokens(spec))
 
 
 
@@ -375,11 +387,11 @@ def dspark_rows(vllm_config, tp):
     ceil(requests / TP)`` requests' ``num_speculative_tokens`` rows to each rank (padding
     included), so M = TP x capacity x k for 1 <= capacity <= ceil(max_num_seqs / TP),
     capped at ``table.MAX_ROWS``; None when the config does not say."""
-    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
-    if not isinstance(seqs, int) or seqs < 1:
+    seqs = max_num_seqs(vllm_config)
+    if seqs is None:
         return None
     spec = getattr(vllm_config, "speculative_config", None)
-    k = int(getattr(spec, "num_speculative_tokens", None) or 1)
+    k = draft_tokens(spec)
     rows = tuple(tp * c * k for c in range(1, -(-seqs // tp) + 1))
     return tuple(m for m in rows if m <= MAX_ROWS) or None
 
