@@ -117,6 +117,14 @@ def test_first_use_tuning_measures_once_writes_emulated_and_serves_bitwise(tmp_p
     assert sections and all(s.emulated for s in sections)
 
 
+def _fault(fault, bad, budget):
+    """The loop program's flags for ``fault`` on rank ``bad``: killed, or stalled past
+    the spin budget."""
+    if fault == "kill":
+        return ["--kill-rank", str(bad)]
+    return ["--stall-rank", str(bad), "--stall-s", str(budget + 2)]
+
+
 def _every_survivor_stopped(reports, codes, outs, fault, n, at, budget, bad, failed_in=None):
     """The engine-shaped cases' stop: every rank still running (all but a killed one)
     stopped at most a step past ``at``, within budget + 1 s, its log naming rank
@@ -150,8 +158,7 @@ def test_engine_shaped_steps_never_put_a_wrong_token_on_a_host(n, fault):
     watchdog ending the process: exit code 70); then a fresh group on this GPU
     serves bitwise."""
     budget, at, bad = 2.0, 60, n - 1
-    flag = ["--kill-rank", str(bad)] if fault == "kill" else ["--stall-rank", str(bad),
-                                                              "--stall-s", str(budget + 2)]
+    flag = _fault(fault, bad, budget)
     codes, outs, _ = launch(n, "--steps", "400", "--at", str(at), "--budget", str(budget),
                             *flag, timeout=240, program=ENGINE_STEP)
     reports = engine_reports(outs)
@@ -179,8 +186,7 @@ def test_engine_shaped_drafter_steps_never_put_a_wrong_draft_token_on_a_host(fau
     (or the watchdog ends it: exit 70); then a fresh group on this GPU serves bitwise."""
     n, budget, at, k, bad = 2, 2.0, 60, 3, 1
     rows = [1, 2, 4, 8]  # engine_step's default --rows: step s gathers rows[s % 4]
-    flag = ["--kill-rank", str(bad)] if fault == "kill" else ["--stall-rank", str(bad),
-                                                              "--stall-s", str(budget + 2)]
+    flag = _fault(fault, bad, budget)
     codes, outs, wall = launch(n, "--steps", "400", "--at", str(at), "--budget", str(budget),
                                "--draft-vocab", DRAFT_VOCAB, "--draft-tokens", str(k), *flag,
                                timeout=240, program=ENGINE_STEP)
@@ -325,8 +331,7 @@ def test_engine_shaped_all_to_all_steps_never_put_a_wrong_token_on_a_host(fault,
 
     budget, bad, rows = 2.0, n - 1, [1, 2, 4, 8]  # engine_step's --rows: step s has rows[s % 4]
     assert step_splits(at, rows[at % 4], n) == split  # the case this is
-    flag = ["--kill-rank", str(bad)] if fault == "kill" else ["--stall-rank", str(bad),
-                                                              "--stall-s", str(budget + 2)]
+    flag = _fault(fault, bad, budget)
     codes, outs, wall = launch(n, "--all-to-all", "--steps", "400", "--at", str(at), "--budget",
                                str(budget), *flag, timeout=240, program=ENGINE_STEP)
     reports = engine_reports(outs)

@@ -35,6 +35,15 @@ def _no_allocation():
         torch.empty = empty
 
 
+def _refusal(stock, *args):
+    """``stock(*args)``'s ValueError message ("no error" when it takes them)."""
+    try:
+        stock(*args)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def _worker(rank, world):
     from lamport_head.tuning.support.stock import StockGather, all_gather_logits
 
@@ -48,11 +57,7 @@ def _worker(rank, world):
     fresh = all_gather_logits(_shard(rank, 5).float())  # any dtype, a fresh tensor
     want = torch.cat([_shard(r, 5).float() for r in range(world)], dim=1)
     outs.append(torch.equal(fresh, want) and fresh.data_ptr() != stock.out.data_ptr())
-    try:
-        stock(_shard(rank, 0)[:2])
-        outs.append("no error")
-    except ValueError as exc:
-        outs.append(str(exc))
+    outs.append(_refusal(stock, _shard(rank, 0)[:2]))
     outs.append([f"{w.category.__name__}: {w.message}" for w in caught])
     return outs
 
@@ -85,11 +90,7 @@ def _all_to_all_worker(rank, world):
     want = torch.cat([_shard(r, 5).float() for r in range(world)], dim=1)
     outs.append(torch.equal(fresh, want[rank:rank + 1])
                 and fresh.data_ptr() != stocks[2].out.data_ptr())
-    try:
-        stocks[0](_shard(rank, 0)[:2], SPLITS[0], SPLITS[0][rank])
-        outs.append("no error")
-    except ValueError as exc:
-        outs.append(str(exc))
+    outs.append(_refusal(stocks[0], _shard(rank, 0)[:2], SPLITS[0], SPLITS[0][rank]))
     outs.append([f"{w.category.__name__}: {w.message}" for w in caught])
     return outs
 
