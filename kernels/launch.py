@@ -98,6 +98,18 @@ def kernel_entry(ptx: str, params=PARAMS) -> str:
     return name
 
 
+def slots(compiled):
+    """The argument slots of ``compiled``'s mode: ``ALL_TO_ALL_PARAMS`` for an
+    all-to-all kernel (``compiled.all_to_all``), ``PARAMS`` otherwise."""
+    return ALL_TO_ALL_PARAMS if getattr(compiled, "all_to_all", False) else PARAMS
+
+
+def kernel_name(compiled) -> str:
+    """``kernel_entry`` of ``compiled``'s PTX against its mode's slots: the one check
+    every host path runs before loading the cubin (the launcher, the occupancy query)."""
+    return kernel_entry(compiled.ptx, slots(compiled))
+
+
 @functools.lru_cache(maxsize=None)
 def _driver():
     lib = ctypes.CDLL("libcuda.so.1")
@@ -188,9 +200,9 @@ class DriverLaunch:
     def __init__(self, compiled, pdl=None, *, serving):
         self.all_to_all = bool(getattr(compiled, "all_to_all", False))
         self.tp = getattr(compiled, "tp", 0)
-        params, values = ((ALL_TO_ALL_PARAMS, _AllToAllValues) if self.all_to_all
-                          else (PARAMS, _Values))
-        self.name = kernel_entry(compiled.ptx, params)
+        params = slots(compiled)
+        values = _AllToAllValues if self.all_to_all else _Values
+        self.name = kernel_name(compiled)
         self.context = current_context()
         if not self.context:
             raise RuntimeError("DriverLaunch: no CUDA context is current (make the device's "

@@ -23,7 +23,7 @@ from . import dtypes, kernels
 from . import mailbox as boxes  # its start-up deadline is read per build (a test shortens it)
 from .collective import agree, attempt, step
 from .kernels.arch import has_pdl
-from .kernels.launch import DriverLaunch, bind_primary_context, kernel_entry
+from .kernels.launch import DriverLaunch, bind_primary_context, kernel_name
 from .mailbox import MAILBOXES, choose_backend
 from .occupancy import device_arch, resident_ctas
 from .plan import Limit, fit
@@ -65,7 +65,7 @@ class Toolchain:
 
     def resident(self, compiled, device) -> int:
         """CTAs of ``compiled`` the whole device holds at once."""
-        return resident_ctas(bytes(compiled.cubin), kernel_entry(compiled.ptx), compiled.threads,
+        return resident_ctas(bytes(compiled.cubin), kernel_name(compiled), compiled.threads,
                              device.index, compiled.smem)
 
 

@@ -724,3 +724,34 @@ def test_the_driver_launcher_picks_the_all_to_all_slots_by_the_kernels_mode():
         with pytest.raises(ValueError, match="widths"):
             kernel_entry(gather.ptx, ALL_TO_ALL_PARAMS)
         assert a2a.all_to_all and not gather.all_to_all
+
+
+@pytest.mark.parametrize("all_to_all", [False, True], ids=["gather", "all_to_all"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_gpu_starts_host_checks_pass_on_the_real_ptx_of_every_mode_and_dtype(
+        monkeypatch, all_to_all, dtype):
+    """What a GPU start runs on the compiled kernel before anything touches the device:
+    ``build.Toolchain`` compiles it, the occupancy query names its entry
+    (``Toolchain.resident``) and ``DriverLaunch`` checks its slots, each through
+    ``launch.kernel_name``. Here the device's answers are stubbed at the driver (the
+    occupancy count, the current context), so a mode whose PTX the host checks against
+    another mode's slots fails on the CPU (0.6.0's all-to-all did, in ``resident``)."""
+    from lamport_head import build, dtypes
+    from lamport_head.config import GatherConfig
+    from lamport_head.kernels import launch
+
+    names = []
+    monkeypatch.setattr(build, "resident_ctas",
+                        lambda cubin, name, threads, index, smem: names.append(name) or 132)
+    monkeypatch.setattr(launch, "current_context", lambda: 0)
+    words = dtypes.words(163840 // 8, dtype)
+    for config in (GatherConfig(24), GatherConfig(24, unroll=8)):  # plain, staged
+        for pdl in (True, False):
+            compiled = build.TOOLCHAIN.compiled(8, words, config, pdl, "sm_90a", all_to_all)
+            assert compiled.all_to_all is all_to_all
+            assert build.TOOLCHAIN.resident(compiled, type("D", (), {"index": 0})()) == 132
+            assert names[-1] in compiled.ptx
+            with pytest.raises(RuntimeError, match="no CUDA context"):  # past the slot check
+                launch.DriverLaunch(compiled, serving=True)
+            assert launch.slots(compiled) == (launch.ALL_TO_ALL_PARAMS if all_to_all
+                                              else launch.PARAMS)
