@@ -24,7 +24,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .arch import has_pdl
 from .gather import Gather
 from . import protocol
-from .protocol import DEFAULT_THREADS, DEFAULT_UNROLL, MAX_TP, THREADS, UNROLL_MAX, staged_bytes
+from .protocol import DEFAULT_THREADS, DEFAULT_UNROLL, MAX_TP, THREADS, UNROLL_MAX, shared_bytes
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
@@ -43,7 +43,7 @@ class CompiledGather:
     ptx: str
     cubin: bytes
     pdl: bool = False
-    smem: int = 0  # dynamic shared memory per CTA (bytes): the staged variant's slots
+    smem: int = 0  # dynamic shared memory per CTA (bytes): control words, staged slots
     all_to_all: bool = False  # ``launch`` takes the row offsets last (``Gather.exchange``)
     tp: int = 0  # the ranks it was compiled for (an all-to-all launch takes tp + 1 offsets)
 
@@ -115,4 +115,4 @@ def _compile(tp, shard_words, threads, unroll, pdl, arch, timers, staged, all_to
         if isinstance(cubin, str) and os.path.exists(cubin):
             cubin = open(cubin, "rb").read()
     return CompiledGather(launch, threads, ptx or "", cubin or b"", pdl,
-                          staged_bytes(threads, unroll) if staged else 0, all_to_all, tp)
+                          shared_bytes(threads, unroll, staged), all_to_all, tp)

@@ -25,12 +25,13 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 from cutlass.memory.smem import SmemAllocator
 
-from .primitives import load_address, store_word
-from .protocol import (GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1, SLOW_SHIFT,
-                       TIMER_BASE, TIMER_CALLS, TIMER_PHASES, WORDS)
-from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, advance, batch_of, deliver, epoch_of, fetch,
-                    fetch_staged, give_up_staged, mark_of, mark_peers, publish, push, push_staged,
-                    push_token, raise_slow, repoll, repoll_staged)
+from .primitives import barrier_any, load_address, load_shared_word, store_shared_word, store_word
+from .protocol import (GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1,
+                       SHARED_CONTROL_BYTES, SLOW_SHIFT, TIMER_BASE, TIMER_CALLS, TIMER_PHASES,
+                       WORDS)
+from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, REPORT_CAUSE, REPORT_SLOW, batch_of, deliver, fetch,
+                    fetch_staged, finish, give_up_staged, mark_of, mark_peers, publish, push,
+                    push_staged, push_token, raise_slow, repoll, repoll_staged, take_epoch)
 
 
 class Gather:
@@ -146,13 +147,15 @@ class Gather:
         stride = grid * self.threads
         stamps = cute.make_rmem_tensor((len(TIMER_PHASES),), Int64)  # diagnostics only
         self.stamp(stamps, 0)
-        stage = Int32(0)
-        if cutlass.const_expr(self.staged):
-            # each thread's ``unroll`` slots of 16 bytes (``steps.slot``)
-            slots = SmemAllocator().allocate_tensor(
-                Uint32, cute.make_layout((unroll * self.threads * WORDS,)), byte_alignment=16)
-            stage = slots.iterator.toint()
-
+        # One shared allocation, so its layout is ``protocol.shared_bytes``'s: the
+        # CTA's control words (``SHARED_CONTROL_BYTES``: [0] the epoch thread 0 took),
+        # then, staged, each thread's ``unroll`` slots of 16 bytes (``steps.slot``)
+        slot_words: cutlass.Constexpr = unroll * self.threads * WORDS if self.staged else 0
+        block = SmemAllocator().allocate_tensor(
+            Uint32, cute.make_layout((SHARED_CONTROL_BYTES // 4 + slot_words,)),
+            byte_alignment=16)
+        shared = block.iterator.toint()
+        stage = shared + SHARED_CONTROL_BYTES
         # Prologue: nothing here depends on the previous kernel (the peer table is
         # written once, at construction), so with PDL it overlaps that kernel's tail
         # (the lm_head GEMM in serving). Box addresses in push order (rank, rank + 1,
@@ -172,19 +175,25 @@ class Gather:
             cute.arch.griddepcontrol_launch_dependents()
         start = cute.arch.globaltimer()
         self.stamp(stamps, 1)
-        # Serving gives up at three quarters and traps an eighth later (in ``advance``):
+        # Serving gives up at three quarters and traps an eighth later (``steps.finish``):
         # stopped within the budget, and a peer that gave up at the same moment has
         # finished marking this rank's mailbox before it traps. Recoverable: the budget.
         wait = budget
         if serving != 0:
             wait = budget - (budget >> GIVE_UP_SHIFT)
-        epoch = epoch_of(own_control)
+        # One ticket per CTA (``steps.take_epoch``): its epoch, broadcast through shared
+        # memory; the launch's last ticket moves the epoch on, so nothing is left to
+        # count at the end but the done count.
+        if tid == 0:
+            store_shared_word(shared, take_epoch(own_control))
+        stopped = Int32(mark_of(own_control) != 0)  # a call before this one failed
+        cute.arch.sync_threads()
+        epoch = Int32(load_shared_word(shared))
         parity = epoch & 1
         targets = cute.make_rmem_tensor((tp,), Int64)
         for step in cutlass.range_constexpr(tp):
             targets[step] = firsts[step] + Int64(parity) * span
         own = targets[0]
-        stopped = Int32(mark_of(own_control) != 0)  # a call before this one failed
         cause = CAUSE_MARK * stopped
 
         # 1 once this thread raised STATUS_SLOW, and from the start unless serving
@@ -255,6 +264,13 @@ class Gather:
         if serving == 0:  # recoverable: serving's record is ``record_and_stop``'s
             if cause != 0:
                 publish(status, own_control, epoch, tp)
-        advance(own_control, epoch, grid, tid, status, budget, start, slow, serving, tp)
+        # What the CTA's threads report to its ``finish``: one barrier, and serving's
+        # heartbeat a second (``serving`` is uniform across the grid)
+        reported = Int32(barrier_any(cause)) * REPORT_CAUSE
+        if serving != 0:
+            reported = reported | Int32(barrier_any(slow)) * REPORT_SLOW
+        if tid == 0:
+            finish(own_control, epoch, reported, status, budget,
+                   start, slow, serving, tp)
         self.stamp(stamps, 4)
         self.write_stamps(status, stamps, epoch, cta, grid, tid)

@@ -16,6 +16,9 @@ published or armed whole:
   is weak in the PTX model, so only a batch's first read is staged; a fragment still
   armed is polled again with the volatile load. A stale read sees the sentinel: time
   lost, never bits.
+- ``take_ticket``/``store_pair``/``count_word``/``await_word``: the epoch's ticket pair
+  and the done count (``steps.take_epoch``, ``steps.finish``); ``*_shared_word``: a CTA's
+  broadcast word (the epoch); ``barrier_any``: what its threads report at the end.
 - ``trap``: serving's stop, after the record is out (``steps.record_and_stop``).
 
 Pointer operands are raw 64-bit global addresses (``Int64``).
@@ -131,11 +134,79 @@ def store_word(address, word, *, loc=None, ip=None):
 
 
 @_op
-def atomic_add_word(address, value, *, loc=None, ip=None):
-    """Adds ``value`` to the word at ``address`` (device scope); the old word."""
-    (old,) = _asm("atom.global.add.u32 $0, [$1], $2;", "=r,l,r,~{memory}",
-                  [Int64(address), Uint32(value)], 1, True, loc, ip)
-    return old
+def take_ticket(address, *, loc=None, ip=None):
+    """Adds 1 to the 64-bit little-endian pair (low, high) at ``address`` (8-byte
+    aligned; device scope, relaxed) and returns the old pair as two words: one atomic
+    read of both."""
+    values = [Int64(address).ir_value(loc=loc, ip=ip)]
+    old = Int64(llvm.inline_asm(Int64.mlir_type, values,
+                                "atom.relaxed.gpu.global.add.u64 $0, [$1], 1;", "=l,l,~{memory}",
+                                has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                loc=loc, ip=ip))
+    return Uint32(old & Int64(0xFFFFFFFF)), Uint32(old >> 32)
+
+
+@_op
+def store_pair(address, low, high, *, loc=None, ip=None):
+    """Two words to the 8-byte aligned ``address`` in one plain store."""
+    _asm("st.global.v2.u32 [$0], {$1,$2};", "l,r,r,~{memory}",
+         [Int64(address), Uint32(low), Uint32(high)], 0, True, loc, ip)
+
+
+@_op
+def count_word(address, *, loc=None, ip=None):
+    """Adds 1 to the word at ``address`` (device scope, relaxed), returning nothing:
+    the issuing thread does not wait for it."""
+    _asm("red.relaxed.gpu.global.add.u32 [$0], 1;", "l,~{memory}", [Int64(address)], 0, True,
+         loc, ip)
+
+
+@_op
+def store_shared_word(shared, word, *, loc=None, ip=None):
+    """One word to the 32-bit shared-memory address ``shared``."""
+    _asm("st.shared.u32 [$0], $1;", "r,r,~{memory}", [Int32(shared), Uint32(word)], 0, True,
+         loc, ip)
+
+
+@_op
+def load_shared_word(shared, *, loc=None, ip=None):
+    """One word at the 32-bit shared-memory address ``shared``."""
+    (word,) = _asm("ld.shared.u32 $0, [$1];", "=r,r,~{memory}", [Int32(shared)], 1, True,
+                   loc, ip)
+    return word
+
+
+@_op
+def await_word(address, value, budget, *, loc=None, ip=None):
+    """Polls the word at ``address`` (volatile) until it equals ``value`` (1), or for
+    ``budget`` ns of the global timer (0): one loop in PTX, so the compiler keeps
+    nothing of the caller's live across it."""
+    code = ("{ .reg .pred p; .reg .u32 w; .reg .u64 t, due; mov.u64 due, %globaltimer; "
+            "add.u64 due, due, $3; "
+            "Lpoll${:uid}: ld.volatile.global.u32 w, [$1]; setp.eq.u32 p, w, $2; "
+            "@p bra Ldone${:uid}; mov.u64 t, %globaltimer; setp.lt.u64 p, t, due; "
+            "@p bra Lpoll${:uid}; Ldone${:uid}: selp.u32 $0, 1, 0, p; }")
+    (out,) = _asm(code, "=r,l,r,l,~{memory}", [Int64(address), Uint32(value), Int64(budget)],
+                  1, True, loc, ip)
+    return out
+
+
+@_op
+def grid_size(*, loc=None, ip=None):
+    """The launch's CTA count (``%nctaid.x``), read where it is used: a value the
+    compiler would otherwise hold in a register from the kernel's first line."""
+    (out,) = _asm("mov.u32 $0, %nctaid.x;", "=r,~{memory}", [], 1, True, loc, ip)
+    return Int32(out)
+
+
+@_op
+def barrier_any(flag, *, loc=None, ip=None):
+    """``bar.red.or.pred`` on barrier 0: every thread of the CTA waits there (as at
+    ``bar.sync``) and gets 1 if ``flag`` was non-zero in any of them, else 0."""
+    code = ("{ .reg .pred p, q; setp.ne.u32 p, $1, 0; bar.red.or.pred q, 0, p; "
+            "selp.u32 $0, 1, 0, q; }")
+    (out,) = _asm(code, "=r,r,~{memory}", [Int32(flag)], 1, True, loc, ip)
+    return out
 
 
 @_op
@@ -162,7 +233,7 @@ def fence_acq_rel_sys(*, loc=None, ip=None):
 @_op
 def fence_acq_rel_gpu(*, loc=None, ip=None):
     """``fence.acq_rel.gpu``: the same towards the threads of this GPU only (the
-    launch's other CTAs: the last-CTA pattern of ``steps.advance``)."""
+    launch's other CTAs: the done count of ``steps.finish``)."""
     _asm("fence.acq_rel.gpu;", "~{memory}", [], 0, True, loc, ip)
 
 

@@ -11,8 +11,9 @@ Invariants a change must keep:
   written once, before any gather: read before PDL's wait).
 - The control block is cleared only by ``reset``: ``CONTROL_MARK`` is 0 or
   ``MARK_TOP - s`` for the earliest failed call ``s`` (atomic max); ``CONTROL_MISSING
-  + r`` is 1 once some rank found rank r missing; ``CONTROL_EPOCH`` (its low bit is
-  the parity) and ``CONTROL_DONE`` belong to the owner's kernels.
+  + r`` is 1 once some rank found rank r missing; the ticket pair (``CONTROL_TICKETS``,
+  0 between launches; ``CONTROL_EPOCH``, its low bit the parity) and ``CONTROL_DONE``
+  belong to the owner's kernels.
 - The host flag waits one call: only kernels of epoch > s raise it, so every rank
   raises at s + 2 alike; calls s and s + 1 return NaN where data is missing.
 - Status record: the details, a system fence, then ``STATUS_FLAG``; every writer of
@@ -41,9 +42,15 @@ MARK_TOP = 0x7FFFFFFF  # mark = MARK_TOP - failed epoch: the largest mark is the
 # overflows however long a gather serves. A failed epoch s is behind epoch e when
 # 0 < (e - s) mod EPOCH_SPAN < EPOCH_SPAN / 2.
 EPOCH_SPAN = 1 << 30
-CONTROL_EPOCH, CONTROL_DONE = CONTROL_MISSING + MAX_TP, CONTROL_MISSING + MAX_TP + 1
-CONTROL_SLOW = CONTROL_DONE + 1  # serving: some thread of this launch raised STATUS_SLOW
-CONTROL_WORDS = 4 * ((CONTROL_SLOW + 1 + 3) // 4)  # whole fragments: the boxes stay aligned
+# The epoch's ticket pair, one 64-bit word (8-byte aligned): CONTROL_TICKETS counts the
+# CTAs of the running launch that took the epoch, CONTROL_EPOCH (the high half) is the
+# launch count; the launch's last ticket moves the epoch on and the count back to 0
+# (``steps.take_epoch``). CONTROL_DONE + parity: the CTAs of the launch of that parity
+# that finished (``steps.finish``), cleared by the next launch's last ticket.
+CONTROL_TICKETS = 2 * ((CONTROL_MISSING + MAX_TP + 1) // 2)
+CONTROL_EPOCH = CONTROL_TICKETS + 1
+CONTROL_DONE = CONTROL_EPOCH + 1
+CONTROL_WORDS = 4 * ((CONTROL_DONE + 2 + 3) // 4)  # whole fragments: the boxes stay aligned
 PEER_PARITY0, PEER_PARITY1, PEER_CONTROL = 0, 1, 2
 PEER_ROWS = 3
 
@@ -103,6 +110,9 @@ DEFAULT_THREADS, DEFAULT_UNROLL = 256, 4
 # TP 8 at unroll 8, 106 registers in registers, 64 staged). ``compile_gather``'s
 # default; its slots: ``staged_bytes``.
 STAGED_FROM = 8
+# A CTA's shared words before any staged slot: the epoch thread 0 took (one fragment, so
+# the slots stay aligned).
+SHARED_CONTROL_BYTES = 16
 
 
 def staged(unroll: int) -> bool:
@@ -111,8 +121,13 @@ def staged(unroll: int) -> bool:
 
 
 def staged_bytes(threads: int, unroll: int) -> int:
-    """Dynamic shared memory of a staged kernel: one 16-byte slot per fragment in flight."""
+    """The staged slots' shared memory: one 16-byte slot per fragment in flight."""
     return threads * unroll * 4 * WORDS
+
+
+def shared_bytes(threads: int, unroll: int, staged: bool) -> int:
+    """Dynamic shared memory of a kernel: its control words, then the staged slots."""
+    return SHARED_CONTROL_BYTES + (staged_bytes(threads, unroll) if staged else 0)
 
 
 def box_words(cap: int, words: int) -> int:

@@ -16,8 +16,8 @@ Invariants a change must keep:
 - A batch's loads are all issued before the first check; only dirty fragments are
   polled again. Staged: a slot is rewritten only after its thread read it; repolls
   use the volatile load (``cp.async`` is weak).
-- Every CTA reads the epoch before any can advance it; only the launch's last CTA
-  advances it, once (``advance``).
+- A CTA's epoch is its ticket (``take_epoch``: one atomic add to the ticket pair);
+  only the launch's last ticket moves the epoch on, once every CTA holds it.
 - Serving-only steps sit behind ``serving`` (uniform across the grid) or a thread's
   ``slow`` flag (1 from the start unless serving): a launch with 0 writes none of
   them and never traps.
@@ -27,8 +27,13 @@ Fences (the PTX audit, tests/test_kernels_ptx.py, checks each place):
 - re-arm before the same parity's next push: none; the kernel boundary orders it
   (docs/design.md, "Parities and re-arm"; a fence's cost: docs/figures.md). Broken,
   a poll times out and the call fail-stops: never wrong data.
-- the last-CTA count (``advance``): ``bar.sync``, release ``fence.acq_rel.gpu``,
-  ``atom.add``, then an acquire ``fence.acq_rel.gpu`` in the last CTA.
+- the epoch: none; the ticket is one atomic read of the pair, and the next launch
+  reads it after this one ends (PDL's wait, stream order).
+- the done count (``finish``): a CTA that reports (a thread stopped waiting, or
+  raised the heartbeat) releases ``fence.acq_rel.gpu`` before its count; one that
+  takes the heartbeat down acquires ``fence.acq_rel.gpu`` after every CTA's count,
+  before the mark's read. A CTA with nothing to report counts with a ``red`` and
+  leaves.
 - a mark before what it announces: the marker stores the missing ranks,
   ``fence.sc.sys``, then the mark (``mark_peers``); a reader of the mark fences
   ``fence.acq_rel.sys`` before reading them (``write_record``).
@@ -38,11 +43,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from .primitives import (armed, atomic_add_word, atomic_max_word_sys, copy_async, fence_acq_rel_gpu,
-                         fence_acq_rel_sys, fence_sys, load, load_address, load_shared, load_volatile,
-                         load_word_volatile, opaque, scrub, store, store_sys, store_word, store_word_sys,
-                         trap, wait_async)
-from .protocol import (CONTROL_DONE, CONTROL_EPOCH, CONTROL_MARK, CONTROL_MISSING, CONTROL_SLOW,
+from .primitives import (armed, atomic_max_word_sys, await_word, copy_async, count_word, fence_acq_rel_gpu,
+                         fence_acq_rel_sys, fence_sys, grid_size, load, load_address, load_shared, load_volatile,
+                         load_word_volatile, opaque, scrub, store, store_pair, store_sys, store_word,
+                         store_word_sys, take_ticket, trap, wait_async)
+from .protocol import (CONTROL_DONE, CONTROL_MARK, CONTROL_MISSING, CONTROL_TICKETS,
                        EPOCH_SPAN, MARK_TOP, NAN_PAIR, PEER_CONTROL, PEER_PARITY0, SENTINEL, STATUS_EPOCH, STATUS_FLAG,
                        STATUS_PEERS, STATUS_SLOW, SLOW_SHIFT, STOP_SHIFT,
                        WORDS)
@@ -56,39 +61,53 @@ def mark_of(control: Int64) -> Int32:
     return Int32(load_word_volatile(control + CONTROL_MARK * 4))
 
 
-@cute.jit
-def epoch_of(control: Int64) -> Int32:
-    """This rank's launch count; its low bit is this call's parity."""
-    return Int32(load_word_volatile(control + CONTROL_EPOCH * 4))
+# What a CTA's threads report at the end (``finish``; ``primitives.barrier_any``)
+REPORT_CAUSE, REPORT_SLOW = 1, 2  # a thread stopped waiting; it raised serving's heartbeat
 
 
 @cute.jit
-def advance(control: Int64, epoch: Int32, grid: Int32, tid: Int32, status: Int64,
-            budget: Int64, start: Int64, slow: Int32, serving: Int32, tp: cutlass.Constexpr):
-    """The last CTA to finish moves the epoch on (modulo ``EPOCH_SPAN``); served, one that
-    finds the mark set records and traps instead (``record_and_stop``): every CTA has
-    delivered, so every missing rank is in the control block.
+def take_epoch(control: Int64) -> Int32:
+    """Thread 0 of each CTA, after PDL's wait: this launch's epoch, from one atomic add to
+    the ticket pair (``CONTROL_TICKETS``, ``CONTROL_EPOCH``). The CTA that takes the
+    launch's last ticket (all but one taken before it) stores the next epoch (modulo
+    ``EPOCH_SPAN``) with the count at 0, and clears the done count of the next launch's
+    parity: every CTA of this launch has read the epoch by then (the pair is one word),
+    and the next launch reads the pair only after PDL's wait or stream order, when this
+    one has finished. No fence: the atomic is the read, and nothing is announced."""
+    taken, epoch = take_ticket(control + CONTROL_TICKETS * 4)
+    if taken == Uint32(grid_size() - 1):
+        after = (Int32(epoch) + 1) & Int32(EPOCH_SPAN - 1)
+        store_pair(control + CONTROL_TICKETS * 4, 0, after)
+        store_word(control + (CONTROL_DONE + (after & 1)) * 4, 0)
+    return Int32(epoch)
 
-    The last-block pattern: whatever a CTA did before the count happens before what the
-    last CTA does after it (``bar.sync``, release fence, ``atom.add``, acquire fence).
-    Without the pair the last CTA could read "no mark" after another CTA gave up, or a
-    CTA's epoch read see the advanced epoch. Thread 0's ``heartbeat`` comes before the
-    release fence, which waits for the CTA's stores (into a dead peer, perhaps)."""
-    cute.arch.sync_threads()
-    if tid == 0:
-        heartbeat(start, budget, slow, status, control, epoch)  # before the fence
-        fence_acq_rel_gpu()  # release: this CTA's marks, missing ranks, slow word, epoch read
-        if atomic_add_word(control + CONTROL_DONE * 4, 1) == Uint32(grid - 1):
-            fence_acq_rel_gpu()  # acquire: every other CTA's, before any read here
-            if serving != 0:
-                if mark_of(control) != 0:
-                    record_and_stop(status, control, budget, epoch, tp)
-                if load_word_volatile(control + CONTROL_SLOW * 4) != Uint32(0):
-                    # slow but finished in time: the host's heartbeat goes down
+
+@cute.jit
+def finish(control: Int64, epoch: Int32, reported: Int32, status: Int64,
+           budget: Int64, start: Int64, slow: Int32, serving: Int32, tp: cutlass.Constexpr):
+    """Thread 0 of each CTA, after the CTA's barrier: counts the CTA done
+    (``CONTROL_DONE`` + parity) and acts on what its threads ``reported``
+    (``REPORT_CAUSE``, ``REPORT_SLOW``). A CTA with nothing to report counts and
+    leaves: no fence, no wait. One that reports releases first (its marks and missing
+    ranks); served, a CTA that stopped waiting records and traps (``record_and_stop``);
+    one whose heartbeat went up waits for every CTA's count (one budget at most),
+    then acquires and, if no mark is set, takes the host's heartbeat down (the launch
+    finished in time). ``slow``: thread 0's flag; its own ``heartbeat`` comes first,
+    since a store of the CTA's may stall."""
+    if heartbeat(start, budget, slow, status, control, epoch) != slow:
+        reported = reported | REPORT_SLOW
+    done = control + (CONTROL_DONE + (epoch & 1)) * 4
+    if reported != 0:
+        fence_acq_rel_gpu()  # release: this CTA's marks, missing ranks and heartbeat
+    count_word(done)
+    if reported != 0:
+        if (serving != 0) & ((reported & REPORT_CAUSE) != 0):
+            record_and_stop(status, control, budget, epoch, tp)
+        if (reported & REPORT_SLOW) != 0:
+            if await_word(done, grid_size(), budget) != 0:
+                fence_acq_rel_gpu()  # acquire: every CTA's marks before the mark's read
+                if mark_of(control) == 0:
                     store_word_sys(status + STATUS_SLOW * 4, 0)
-                    store_word(control + CONTROL_SLOW * 4, 0)
-            store_word(control + CONTROL_DONE * 4, 0)
-            store_word(control + CONTROL_EPOCH * 4, (epoch + 1) & Int32(EPOCH_SPAN - 1))
 
 
 @cute.jit
@@ -107,13 +126,10 @@ def heartbeat(start: Int64, budget: Int64, slow: Int32, status: Int64, own_contr
 @cute.jit
 def raise_slow(status: Int64, own_control: Int64, epoch: Int32) -> Int32:
     """Serving's heartbeat of a launch still waiting at half the budget (``protocol``):
-    ``STATUS_SLOW`` = epoch + 1 in host memory, ``CONTROL_SLOW`` in this rank's control
-    block (so the last CTA clears both if the launch finishes in time). Returns 1, the
-    thread's "raised" flag, so it writes once."""
-    store_word(own_control + CONTROL_SLOW * 4, 1)
+    ``STATUS_SLOW`` = epoch + 1 in host memory. Returns 1, the thread's "raised" flag,
+    so it writes once; the CTA reports it (``REPORT_SLOW``) and ``finish`` takes it down
+    if the launch ends in time."""
     store_word_sys(status + STATUS_SLOW * 4, epoch + 1)
-    # No fence: ``advance``'s release before the CTA count orders both before the last
-    # CTA's read and clear (a fence here would be one more place to stall).
     return Int32(1)
 
 
@@ -505,5 +521,5 @@ def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.C
     store_word_sys(status + STATUS_FLAG * 4, 1)
 
 
-__all__ = ["heartbeat", "route", "send_fragment", "push_token", "write_out", "push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "epoch_of", "advance", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
+__all__ = ["heartbeat", "route", "send_fragment", "push_token", "write_out", "push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "take_epoch", "finish", "REPORT_CAUSE", "REPORT_SLOW", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
            "publish", "raise_slow", "record_and_stop", "write_record", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]

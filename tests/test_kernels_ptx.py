@@ -20,7 +20,7 @@ import struct
 import pytest
 
 from lamport_head.kernels import ARCHS, compile_all_to_all, compile_gather, has_pdl
-from lamport_head.kernels.protocol import DEFAULT_UNROLL, NAN_PAIR, staged
+from lamport_head.kernels.protocol import DEFAULT_UNROLL, NAN_PAIR, SHARED_CONTROL_BYTES, staged
 
 
 # The all-to-all's token (``steps.push_token``): a system-scope 16-byte store of one
@@ -50,16 +50,17 @@ def _audit(k, tp, unroll, arch, staged=False, all_to_all=False):
         assert "ld.volatile.global.v4.u32" in ops and "ld.global.v4.u32" not in ops
         assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16;", k.ptx)
         assert "cp.async.wait_all" in k.ptx and "ld.shared.v4.u32" in ops
-        assert k.smem == 16 * unroll * k.threads
+        assert k.smem == SHARED_CONTROL_BYTES + 16 * unroll * k.threads
     else:
         assert "ld.volatile.global.v4.u32" in ops  # own-box polls
-        assert k.smem == 0
+        assert k.smem == SHARED_CONTROL_BYTES  # the epoch's broadcast word
     assert "st.global.v4.u32" in ops  # output and re-arm
     assert not any("multimem" in op for op in ops) and "multimem" not in k.ptx
     assert "%globaltimer" in k.ptx  # bounded spin
     assert "ld.volatile.global.u32" in ops  # the fail-stop mark is polled from memory
     assert "st.relaxed.sys.global.u32" in ops and "fence.sc.sys" in k.ptx  # record, fence, flag
-    assert "atom.global.add.u32" in ops or "atom.global.add.u32" in k.ptx  # the epoch's CTA count
+    assert "atom.relaxed.gpu.global.add.u64" in k.ptx  # the epoch's ticket
+    assert "red.relaxed.gpu.global.add.u32" in k.ptx  # the done count
     assert str(NAN_PAIR) in k.ptx or hex(NAN_PAIR) in k.ptx.lower()  # missing -> NaN
     assert ("griddepcontrol.wait" in k.ptx) == has_pdl(arch)  # PDL where the arch has it
     # every push is one 16-byte store per peer per fragment in flight (the all-to-all:
@@ -230,9 +231,17 @@ def _instructions(ptx):
     out = []
     for line in ptx.splitlines():
         line = line.split("//", 1)[0].strip()
-        if not line or line.startswith((".", "{", "}")):
-            continue
-        out.append(line)
+        if line.startswith("{") and line.endswith("}"):  # an inline-asm block on one line:
+            pieces = line[1:-1].split(";")  # its statements, labels apart, declarations out
+        else:
+            pieces = [line[:-1]] if line.endswith(";") else [line]
+        for piece in (p.strip() for p in pieces):
+            while (label := re.match(r"^(\w+):\s*(.*)$", piece)) and label.group(2):
+                out.append(label.group(1) + ":")
+                piece = label.group(2)
+            if not piece or piece.startswith((".", "{", "}")):
+                continue
+            out.append(piece if piece.endswith(":") else piece + ";")
     return out
 
 
@@ -442,26 +451,54 @@ def test_no_system_fence_before_the_pushes_the_kernel_boundary_orders_the_rearms
                    for t in ins[start:first_push])
 
 
+def _guarded(ins, i, j):
+    """Whether instruction ``i`` sits in a branch that jumps past it before ``j``: a
+    conditional ``bra`` before ``i`` to a label between ``i`` and ``j``."""
+    labels = {t[:-1] for t in ins[i:j] if t.endswith(":")}
+    return any(re.match(rf"@!?%p\d+\s+bra(?:\.uni)?\s+({'|'.join(map(re.escape, labels))});", t)
+               for t in ins[:i]) if labels else False
+
+
 @pytest.mark.parametrize("tp,unroll,serving,arch,all_to_all", _BOTH)
-def test_the_last_cta_count_is_released_and_acquired(
+def test_the_epoch_is_a_ticket_and_a_cta_fences_only_what_it_reports(
         tp, unroll, serving, arch, all_to_all):
-    """Issue 28 item 4, the last-CTA pattern: ``bar.sync``, ``fence.acq_rel.gpu``, the
-    done counter's ``atom.add`` (nothing of memory between them), and in the CTA that
-    completes the count a second ``fence.acq_rel.gpu`` before its first read or write
-    (the mark, the slow word, the counter's reset, the epoch's advance). Serving:
-    between the barrier and the fence only the heartbeat (issue 29)."""
+    """Issue 51 item 2, ``steps.take_epoch`` and ``steps.finish``. The epoch is one
+    atomic add to the ticket pair, after PDL's wait and before the first push; the
+    launch's last ticket stores the next pair (one 8-byte store) and clears the next
+    parity's done count, and the epoch reaches the CTA's threads through shared memory
+    across a barrier. At the end the CTA's threads' reports are one barrier reduction
+    (serving: a second, the heartbeat's), then thread 0 counts the CTA done with a
+    ``red`` (no return: nobody waits on it); the release ``fence.acq_rel.gpu`` before
+    it sits in a branch (a CTA with nothing to report skips it), and the only other
+    fence of the gpu scope is the acquire of the heartbeat's clear, after the count and
+    before the mark's read. No atomic with a return value at the end."""
     k = _kernel(tp, unroll, arch, all_to_all)
-    ops = _memory_ops(_mode(k, serving))
-    adds = [n for n, (_, t) in enumerate(ops) if t.startswith("atom.global.add.u32")]
-    assert len(adds) == 1
-    n = adds[0]
-    assert ops[n - 1][1] == "fence.acq_rel.gpu;"
-    barrier = max(m for m in range(n) if ops[m][1].startswith("bar.sync"))
-    between = [t.split()[0] for _, t in ops[barrier + 1:n - 1]]
-    # serving: only thread 0's heartbeat (the slow word, STATUS_SLOW) before its fence
-    assert between == (["st.global.u32", "st.relaxed.sys.global.u32"] if serving else [])
-    assert ops[n + 1][1] == "fence.acq_rel.gpu;"  # the last CTA's acquire, first of all
-    assert [t for _, t in ops].count("fence.acq_rel.gpu;") == 2
+    ins = _mode(k, serving)
+    start = ins.index("griddepcontrol.wait;") if has_pdl(arch) else 0
+    tickets = [i for i, t in enumerate(ins) if t.startswith("atom.relaxed.gpu.global.add.u64")]
+    assert len(tickets) == 1 and start < tickets[0] < _data_pushes(ins)[0]
+    ticket = tickets[0]
+    barrier = next(i for i in range(ticket, len(ins)) if ins[i].startswith("bar.sync"))
+    texts = [t for _, t in _memory_ops(ins[ticket + 1:barrier])]
+    assert sum(t.startswith("st.global.v2.u32") for t in texts) == 1  # the next pair
+    assert sum(t.startswith("st.global.u32") for t in texts) == 1  # the next done count
+    assert sum(t.startswith("st.shared.u32") for t in texts) == 1  # the epoch, to the CTA
+    assert any(t.startswith("ld.shared.u32") for t in ins[barrier:barrier + 8])
+    counts = [i for i, t in enumerate(ins) if t.startswith("red.relaxed.gpu.global.add.u32")]
+    assert len(counts) == 1
+    count = counts[0]
+    reductions = [i for i, t in enumerate(ins[:count]) if "bar.red.or.pred" in t]
+    assert len(reductions) == (2 if serving else 1)
+    fences = [i for i, t in enumerate(ins) if t == "fence.acq_rel.gpu;"]
+    assert len(fences) == 2
+    release, acquire = fences
+    assert reductions[-1] < release < count < acquire
+    assert _guarded(ins, release, count)
+    ops = [t for _, t in _memory_ops(ins[release + 1:count])]
+    assert ops == [], ops  # the release, then the count
+    assert ins[acquire + 1:].index(next(t for t in ins[acquire + 1:]
+                                       if t.startswith("ld.volatile.global.u32"))) < 8
+    assert not any(t.startswith("atom.global.add") for t in ins[reductions[0]:])
 
 
 @pytest.mark.parametrize("tp,unroll,serving,arch,all_to_all", _BOTH)
@@ -496,7 +533,8 @@ def test_the_record_reads_the_missing_ranks_only_after_an_acquire(
 # (issue 30 item 2: ``serving`` a launch argument): TP 8 unroll 4: 64; unroll 8: 64;
 # TP 2 unroll 4: 58; unroll 8: 50 (the serving variant's 56 and 46 before: TP 2's
 # allocation rises by 8; at 256 threads unroll 4 keeps 4 CTAs per SM, unroll 8
-# (staged, 32 KiB of slots) goes from 5 to 4).
+# (staged, 32 KiB of slots) goes from 5 to 4). The epoch a ticket, the CTA count a
+# ``red`` (issue 51): TP 8 64, 64; TP 2 58, 52.
 REGISTER_CEILING = {(8, 4): 64, (8, 8): 64, (2, 4): 64, (2, 8): 56}
 
 
@@ -515,13 +553,11 @@ def test_registers_stay_within_the_ceiling(tp, unroll):
 
 def _heartbeat_at(ins, i):
     """Whether ``ins[i:]`` opens with serving's heartbeat check: the global timer, then
-    (before any other memory access) the control block's slow word and the host's
-    ``STATUS_SLOW`` store."""
+    (before any other memory access) the host's ``STATUS_SLOW`` store."""
     if "%globaltimer" not in ins[i]:
         return False
-    ops = [t for _, t in _memory_ops(ins[i + 1:])][:2]
-    return (len(ops) == 2 and ops[0].startswith("st.global.u32")
-            and ops[1].startswith("st.relaxed.sys.global.u32"))
+    ops = [t for _, t in _memory_ops(ins[i + 1:])][:1]
+    return len(ops) == 1 and ops[0].startswith("st.relaxed.sys.global.u32")
 
 
 @pytest.mark.parametrize("tp,unroll,serving,arch,all_to_all", _BOTH)
@@ -530,9 +566,9 @@ def test_serving_raises_the_heartbeat_before_every_step_that_can_stall(
     """Issue 29 item 2 (kernel side): the serving variant raises the slow heartbeat
     (``steps.heartbeat``: past half the budget, once per thread) before each push
     batch after the first (inside the push loop, before its system-scope stores),
-    after each poll that left fragments dirty, and in thread 0 before the release
-    fence of the CTA count; the last CTA's give-up raises it before the record's
-    fences whatever the time, and the give-up's marks write the missing ranks into
+    after each poll that left fragments dirty, and in thread 0 before the CTA's done
+    count (``steps.finish``); a CTA's give-up raises it before the record's fences
+    whatever the time, and the give-up's marks write the missing ranks into
     the host record before any store into a peer. A recoverable launch runs none of
     it."""
     k = _kernel(tp, unroll, arch, all_to_all)
@@ -550,14 +586,13 @@ def test_serving_raises_the_heartbeat_before_every_step_that_can_stall(
     assert len(polls) == (2 if serving else 0)  # the poll loop's and thread 0's before the count
     ops = _memory_ops(ins)
     texts = [t for _, t in ops]
-    count = texts.index(next(t for t in texts if t.startswith("atom.global.add.u32")))
-    barrier = max(n for n in range(count) if texts[n].startswith("bar.sync"))
+    count = texts.index(next(t for t in texts if t.startswith("red.relaxed.gpu.global.add.u32")))
+    barrier = max(n for n in range(count) if texts[n].startswith("bar.red"))
     assert any(_heartbeat_at(ins, i) for i in range(ops[barrier][0], ops[count - 1][0])) == serving
-    acquire = count + 1
     record = texts.index("fence.acq_rel.sys;")
-    if serving:  # the give-up's heartbeat, after the last CTA's acquire, before the record
-        assert acquire < record
-        assert any(t.startswith("st.relaxed.sys.global.u32") for t in texts[acquire:record])
+    if serving:  # the give-up's heartbeat, after the count, before the record
+        assert count < record
+        assert any(t.startswith("st.relaxed.sys.global.u32") for t in texts[count:record])
     # the give-up's marks: the host record's missing ranks (serving) before every store
     # into the control blocks, the fence, then the marks
     marks = texts.index(next(t for t in texts if t.startswith("atom.sys.global.max")))
@@ -585,7 +620,7 @@ def test_the_candidate_widths_compile_and_pass_the_audit(words, tp, arch):
     assert _traps(k, 0) == 0 and _traps(k, 1) == 1
     for serving in (0, 1):
         ops = [t for _, t in _memory_ops(_mode(k, serving))]
-        assert ops.count("fence.acq_rel.gpu;") == 2  # the last-CTA release and acquire
+        assert ops.count("fence.acq_rel.gpu;") == 2  # a report's release, the heartbeat's acquire
 
 
 # FP32 logits (issue 42): the kernel moves 32-bit words whatever the values, so an FP32
@@ -612,7 +647,7 @@ def test_the_fp32_widths_compile_and_pass_the_audit(vocab, tp, arch):
     assert _traps(k, 0) == 0 and _traps(k, 1) == 1
     for serving in (0, 1):
         ops = [t for _, t in _memory_ops(_mode(k, serving))]
-        assert ops.count("fence.acq_rel.gpu;") == 2  # the last-CTA release and acquire
+        assert ops.count("fence.acq_rel.gpu;") == 2  # a report's release, the heartbeat's acquire
 
 
 # Registers of the all-to-all (sm_90a, 256 threads), allocated in units of 8 as above.
@@ -621,8 +656,9 @@ def test_the_fp32_widths_compile_and_pass_the_audit(vocab, tp, arch):
 # unroll 4: 60; unroll 8: 42. With the token (``push_token``, its box address loaded
 # where it is pushed, the rank's rows computed after the pushes): TP 8 unroll 4: 66;
 # unroll 8: 48; TP 2 unroll 4: 56; unroll 8: 44 (the selects over the held box
-# addresses instead: 76, 64, 58, 40).
-A2A_REGISTER_CEILING = {(8, 4): 72, (8, 8): 64, (2, 4): 64, (2, 8): 48}
+# addresses instead: 76, 64, 58, 40). The epoch a ticket, the CTA count a ``red`` (issue
+# 51): 64, 48, 60, 50.
+A2A_REGISTER_CEILING = {(8, 4): 72, (8, 8): 64, (2, 4): 64, (2, 8): 56}
 
 
 @pytest.mark.parametrize("tp,unroll", sorted(A2A_REGISTER_CEILING))
@@ -682,8 +718,9 @@ def test_the_all_to_all_token_is_the_epoch_in_one_system_scope_store_before_the_
     ``st.relaxed.sys.global.v4`` (the audit counts it), reachable in both modes, after
     PDL's wait and before the first data push (no system fence between: the kernel
     boundary orders the re-arms, as for data); its four words are the epoch's volatile
-    load (never the sentinel: below ``EPOCH_SPAN``), the register whose low bit is
-    the parity; its box address a peer-table load. The gather has none."""
+    from shared memory (``steps.take_epoch``'s broadcast; never the sentinel: below
+    ``EPOCH_SPAN``), the register whose low bit is the parity; its box address a
+    peer-table load. The gather has none."""
     k = _kernel(tp, unroll, arch, True)
     ins = _mode(k, serving)
     tokens = [i for i, t in enumerate(ins) if _TOKEN.match(t)]
@@ -694,7 +731,7 @@ def test_the_all_to_all_token_is_the_epoch_in_one_system_scope_store_before_the_
     assert not any(t.startswith(("fence", "membar")) for t in ins[start:token])
     word = _TOKEN.match(ins[token]).group(1)
     defined = [t for t in ins[:token] if re.match(rf"\S+\s+{re.escape(word)},", t)]
-    assert len(defined) == 1 and defined[0].startswith("ld.volatile.global.u32"), defined
+    assert len(defined) == 1 and defined[0].startswith("ld.shared.u32"), defined
     assert any(re.match(rf"and\.b32\s+%r\d+,\s*{re.escape(word)},\s*1;", t) for t in ins)
     assert any(t.startswith("ld.global.b64") for t in ins[start:token])
     assert not any(_TOKEN.match(t) for t in _instructions(_kernel(tp, unroll, arch, False).ptx))
