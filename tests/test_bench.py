@@ -53,7 +53,7 @@ class FakeRunner:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         gpu = 2.0 + rows
         out = {"gpu_us": gpu, "gpu_nopdl_us": gpu + 1, "default_gpu_us": gpu * 1.02,
-               "captured_gpu_us": gpu * 0.9, "lm_head_us": 50.0 + rows,
+               "captured_gpu_us": gpu * 0.9, "copy_us": gpu / 1.25, "lm_head_us": 50.0 + rows,
                "lm_head_gather_pdl_us": 50.0 + rows + 0.4 * gpu,
                "lm_head_gather_nopdl_us": 50.0 + rows + 0.9 * (gpu + 1),
                "host_us": 8.0, "add_us": 10.0,
@@ -118,6 +118,7 @@ def test_emulated_tables_csv_and_json(tmp_path, monkeypatch, capsys):
     r8 = {k: float(v) for k, v in rows[1].items() if k != "plan"}
     assert r8["floor_us"] == pytest.approx(8 * 9_830_400 / (BANDWIDTH * 1e9) * 1e6, rel=1e-3)
     assert r8["floor_ratio"] == pytest.approx(r8["gpu_us"] / r8["floor_us"], rel=1e-3)
+    assert r8["copy_ratio"] == pytest.approx(1.25, rel=1e-3)  # gpu_us over the TP copies'
     assert r8["visible_pdl_us"] == pytest.approx(0.4 * 10, rel=1e-3)
     assert r8["visible_pdl_share"] == pytest.approx(0.4, rel=1e-3)
     assert r8["visible_nopdl_share"] == pytest.approx(0.9, rel=1e-3)  # over PDL-off standalone
@@ -264,9 +265,12 @@ def test_verdicts_name_each_target_and_its_outcome():
                 "captured_host_us": 0.4, "visible_pdl_share": math.nan, "default_vs_plan": 1.01,
                 "plan": plan}
 
-    lines = goals.verdicts([record(1, 4.0), record(8, 30.0, 1.3)], tp=8)
+    lines = goals.verdicts([record(1, 4.0), record(8, 30.0, 1.35)], tp=8)
     assert "  GPU µs per step at M=1: 4.00 (target <= 4.5): met" in lines
-    assert "  GPU time / HBM floor at M=8: 1.30 (target <= 1.25): MISSED" in lines
+    assert "  GPU time / HBM floor at M=8: 1.35 (target <= 1.3): MISSED" in lines
+    copies = goals.verdicts([{**record(2, 4.0), "copy_ratio": 1.4}, {**record(8, 9.0), "copy_ratio": 1.1}], tp=8)
+    assert "  GPU time / TP plain copies at M=2: 1.40 (target <= 1.3): MISSED" in copies
+    assert not any("plain copies at M=8" in line for line in copies)  # up to M = 4
     assert "  host per call / torch.add_ at M=1: 1.20 (target <= 1.0): MISSED" in lines
     assert "  visible / standalone, PDL on at M=1: not measured" in lines
     assert not any("HBM floor at M=1" in line for line in lines)  # floor from M = 8

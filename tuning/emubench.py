@@ -11,6 +11,9 @@ ranks run (the mailbox alone orders them):
   ``lm_head_gather_{pdl,nopdl}_us``: the GEMM then the gather of its output on each
   rank's stream, the gather launched with PDL on / off;
 - ``captured_gpu_us``: every rank's CUDA graph of ``steps`` gathers, replayed together;
+- ``copy_us``: a step of one plain copy per rank (``copy_``, on the rank's stream) of
+  the bytes its gather writes, ``[M, V]``, with no waiting: the least a gather of one
+  launch per rank could cost on this GPU at this M (launch latency included);
 - ``host_us``: host µs inside one eager call made as vLLM makes it (install routes
   ``_gather_logits`` to ``functools.partial(gather, stock=...)``; serving's mode runs
   the same Python); ``add_us``: ``torch.add_`` timed the same way, same loop shape;
@@ -41,7 +44,7 @@ from .harness import EmulatedAllToAllTarget, EmulatedTarget, gated_gpu_us, never
 from .lmhead import LmHead
 from .report import EMULATED
 
-MEASURED = ("gpu_us", "gpu_nopdl_us", "default_gpu_us", "captured_gpu_us", "lm_head_us",
+MEASURED = ("gpu_us", "gpu_nopdl_us", "default_gpu_us", "captured_gpu_us", "copy_us", "lm_head_us",
             "lm_head_gather_pdl_us", "lm_head_gather_nopdl_us", "host_us", "add_us",
             "captured_host_us")
 
@@ -96,6 +99,7 @@ class EmulatedRunner:
         heads = [LmHead(rows, self.hidden, self.shard, self.device, seed=r, dtype=dtype)
                  for r in range(self.tp)]
         out["lm_head_us"] = self._gated(None, lambda n: rank_steps(n, self.streams, self.device, heads=heads))
+        out["copy_us"] = self.copies_us(rows)
 
         def main(emu, got):
             got["gpu_us"] = self._gated(emu, lambda n: rank_steps(n, emu.streams, self.device, emu, shards))
@@ -174,6 +178,27 @@ class EmulatedRunner:
                 emu, lambda n: rank_steps(n, emu.streams, self.device, emu, shards))
 
         return {"gpu_us": math.nan, **self._measure(rows, config, None, body, target)}
+
+    def copies_us(self, rows):
+        """GPU µs per step of one ``copy_`` per rank of ``[rows, V]`` logits (what a
+        rank's gather writes) on the rank's stream, gated as the gathers."""
+        vocab = self.tp * self.shard
+        pairs = [(torch.empty(rows, vocab, device=self.device, dtype=self.target.dtype),
+                  torch.ones(rows, vocab, device=self.device, dtype=self.target.dtype))
+                 for _ in range(self.tp)]
+        here = torch.cuda.current_stream(self.device)
+
+        def run(n):
+            for s in self.streams:
+                s.wait_stream(here)
+            for _ in range(n):
+                for (dst, src), s in zip(pairs, self.streams):
+                    with torch.cuda.stream(s):
+                        dst.copy_(src)
+            for s in self.streams:
+                here.wait_stream(s)
+
+        return self._gated(None, run)
 
     def op_us(self):
         """GPU µs per step of one ``torch.add_`` of 16 floats on every rank's stream (the

@@ -1,11 +1,13 @@
-"""Issue 21's targets for ``lamport-head bench``, each a ratio or figure within one run,
-and the verdict lines the bench prints under its table. One definition per target."""
+"""The targets of ``lamport-head bench``, each a ratio or figure within one run, and the
+verdict lines the bench prints under its table. One definition per target."""
 
 import math
 
 M1_STEP_US = {8: 4.5, 2: 3.5}  # GPU µs per step at M = 1, by TP
-FLOOR_RATIO = 1.25  # GPU time over the HBM floor, for M >= FLOOR_FROM_ROWS
+FLOOR_RATIO = 1.30  # GPU time over the HBM floor, for M >= FLOOR_FROM_ROWS
 FLOOR_FROM_ROWS = 8
+COPY_RATIO = 1.3  # GPU time over TP plain copies of the same bytes, for M <= COPY_UP_TO_ROWS
+COPY_UP_TO_ROWS = 4
 HOST_VS_ADD = 1.0  # host µs per eager call over torch.add_'s, same run
 CAPTURED_HOST_US = 1.0  # host µs a captured gather adds beyond the graph launch
 VISIBLE_SHARE = 0.5  # gather's visible cost behind the lm_head over its standalone time
@@ -34,6 +36,8 @@ def verdicts(records, tp):
             lines.append(_line("GPU µs per step", r["gpu_us"], M1_STEP_US[tp], m))
         if m >= FLOOR_FROM_ROWS:
             lines.append(_line("GPU time / HBM floor", r["floor_ratio"], FLOOR_RATIO, m))
+        if m <= COPY_UP_TO_ROWS and "copy_ratio" in r:
+            lines.append(_line("GPU time / TP plain copies", r["copy_ratio"], COPY_RATIO, m))
         lines.append(_line("host per call / torch.add_", r["host_vs_add"], HOST_VS_ADD, m))
         lines.append(_line("captured host µs per gather beyond the launch",
                            r["captured_host_us"], CAPTURED_HOST_US, m))

@@ -57,6 +57,7 @@ PLAN = [Column("rows", "M rows", 0), Column("ctas", "CTAs", 0), Column("threads"
         Column("unroll", "unroll", 0), Column("plan", "plan from", 0)]
 GPU = [Column("gpu_us", "GPU µs/step"), Column("gpu_nopdl_us", "PDL off µs/step"),
        Column("floor_us", "HBM floor µs"), Column("floor_ratio", "÷ floor (x)"),
+       Column("copy_us", "TP copies µs/step"), Column("copy_ratio", "÷ copies (x)"),
        Column("default_gpu_us", "default plan µs/step"),
        Column("default_vs_plan", "default ÷ plan (x)"),
        Column("captured_gpu_us", "captured GPU µs/step")]
@@ -115,6 +116,7 @@ def derive(record, *, tp, vocab, ranks_here, bandwidth_gbs, itemsize=2):
     r["step_bytes"], r["copy_gbs"] = nbytes, bandwidth_gbs
     r["floor_us"] = floor_us(nbytes, bandwidth_gbs)
     r["floor_ratio"] = _ratio(r["gpu_us"], r["floor_us"])
+    r["copy_ratio"] = _ratio(r["gpu_us"], r.get("copy_us", math.nan))
     r["default_vs_plan"] = _ratio(r["default_gpu_us"], r["gpu_us"])
     for pdl in ("pdl", "nopdl"):
         visible = r[f"lm_head_gather_{pdl}_us"] - r["lm_head_us"]

@@ -67,15 +67,15 @@ class Variant(build.Toolchain):
         self.compile = importlib.import_module(k.__name__ + ".compile")
         self.launch = importlib.import_module(k.__name__ + ".launch")
         self.protocol = importlib.import_module(k.__name__ + ".protocol")
-        self._stop = "stop" in inspect.signature(self.compile.compile_gather).parameters
-        self._serving = "serving" in inspect.signature(self.launch.DriverLaunch).parameters
+        self.stop_variant = "stop" in inspect.signature(self.compile.compile_gather).parameters
+        self.takes_serving = "serving" in inspect.signature(self.launch.DriverLaunch).parameters
 
     def timed(self):
         return Variant(f"{self.name}={self.tree}:{self.flag}", timers=True)
 
     def compiled(self, tp, words, config, pdl, arch, all_to_all=False):
         knobs = config.kernel_knobs()
-        if self._stop:
+        if self.stop_variant:
             knobs["stop"] = bool(self.flag)
         if self.timers:
             knobs["timers"] = True
@@ -84,7 +84,7 @@ class Variant(build.Toolchain):
     def launcher(self, compiled, device, serving):
         with torch.cuda.device(device):
             bind_primary_context(torch.device(device).index)
-            if self._serving:
+            if self.takes_serving:
                 return self.launch.DriverLaunch(compiled, serving=bool(self.flag))
             return self.launch.DriverLaunch(compiled)
 
