@@ -221,6 +221,10 @@ def main(argv=None):
             if drafts:
                 report["draft_steps"] += 1
     except Exception as exc:  # what the engine's worker would see
+        # Kept to the end (os._exit): freeing its traceback would free the CUDA tensors
+        # its frames hold (``_to_host``'s tokens), and a CUDA free after the context
+        # stopped throws from a destructor, which ends the process before its report.
+        _KEPT.append(exc)
         report["stopped_after_s"] = round(time.monotonic() - started, 3)
         report["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         report["failed_step"] = step
@@ -234,6 +238,9 @@ def main(argv=None):
     print("engine-step " + json.dumps(report), flush=True)
     sys.stdout.flush()
     os._exit(0)  # no teardown: a peer may be gone, and a stopped context cannot sync
+
+
+_KEPT = []  # what must outlive the loop: freed only by os._exit
 
 
 def _no_first_use(*args, **kwargs):
