@@ -121,8 +121,12 @@ def timed(emu, tp, rows, shard, device, steps, reps):
 
 
 def phase_figures(variant, device, tp, shard, plan, rows, batches=3):
-    """Medians (µs) of ``phases``' figures for ``variant``'s timed kernel."""
-    emu = emulated(variant.timed(), device, tp, shard, plan)
+    """Medians (µs) of ``phases``' figures for ``variant``'s timed kernel; ``{"not
+    built": why}`` where it cannot be (its timers' registers cost co-resident CTAs)."""
+    try:
+        emu = emulated(variant.timed(), device, tp, shard, plan)
+    except ValueError as exc:
+        return {"not built": str(exc)}
     ctas = plan[rows].ctas
     buffers = [torch.zeros(timer_words(ctas), dtype=torch.int32, pin_memory=True)
                for _ in emu.ranks]
@@ -185,8 +189,9 @@ def main(argv=None):
                 record["phases"] = {v.name: phase_figures(v, device, tp, shard, one, rows)
                                     for v in variants}
                 for n, ph in record["phases"].items():
-                    print(f"  phases {n}: " + ", ".join(f"{k} {x:.2f}" for k, x in ph.items()),
-                          flush=True)
+                    print(f"  phases {n}: " + ", ".join(
+                        f"{k} {x:.2f}" if isinstance(x, float) else f"{k}: {x}"
+                        for k, x in ph.items()), flush=True)
             results.append(record)
     device_name = torch.cuda.get_device_name(device)
     if args.out:
