@@ -273,11 +273,14 @@ class Gather:
         if serving == 0:  # recoverable: serving's record is ``record_and_stop``'s
             if cause != 0:
                 publish(status, own_control, epoch, tp)
-        # What the CTA's threads report to its ``finish``: one barrier, and serving's
-        # heartbeat a second (``serving`` is uniform across the grid)
-        reported = Int32(barrier_any(cause)) * REPORT_CAUSE
-        if serving != 0:
-            reported = reported | Int32(barrier_any(slow)) * REPORT_SLOW
+        # What the CTA's threads report to its ``finish``: one barrier says whether any
+        # thread has anything (a cause, or serving's heartbeat raised), and only then
+        # (the answer is the CTA's, so every thread branches alike) two more say what
+        raised = (serving != 0) & (slow != 0)
+        reported = Int32(barrier_any(Int32(cause != 0) | Int32(raised)))
+        if reported != 0:
+            reported = (Int32(barrier_any(cause)) * REPORT_CAUSE
+                        | Int32(barrier_any(Int32(raised))) * REPORT_SLOW)
         if tid == 0:
             finish(own_control, epoch, reported, status, budget,
                    start, slow, serving, tp)

@@ -471,8 +471,9 @@ def test_the_epoch_is_a_ticket_and_a_cta_fences_only_what_it_reports(
     (a third at the span's end) whose result is read before the barrier, so it is
     performed before the CTA lets the next launch start, and the epoch reaches the
     CTA's threads through shared memory across that barrier; the next parity's done
-    count is cleared after the wait, when the previous launch has ended. At the end the CTA's threads' reports are one barrier reduction
-    (serving: a second, the heartbeat's), then thread 0 counts the CTA done with a
+    count is cleared after the wait, when the previous launch has ended. At the end one
+    barrier reduction tells whether any thread of the CTA has something to report (two
+    more, in a branch on it, say what), then thread 0 counts the CTA done with a
     ``red`` (no return: nobody waits on it); the release ``fence.acq_rel.gpu`` before
     it sits in a branch (a CTA with nothing to report skips it), and the only other
     fence of the gpu scope is the acquire of the heartbeat's clear, after the count and
@@ -499,7 +500,8 @@ def test_the_epoch_is_a_ticket_and_a_cta_fences_only_what_it_reports(
     assert len(counts) == 1
     count = counts[0]
     reductions = [i for i, t in enumerate(ins[:count]) if "bar.red.or.pred" in t]
-    assert len(reductions) == (2 if serving else 1)
+    assert len(reductions) == 3  # whether anything; then which, in a branch on the first
+    assert _guarded(ins, reductions[1], count) and not _guarded(ins, reductions[0], count)
     fences = [i for i, t in enumerate(ins) if t == "fence.acq_rel.gpu;"]
     assert len(fences) == 2
     release, acquire = fences
