@@ -93,7 +93,7 @@ def test_vllms_splits_are_deterministic_sum_to_m_uneven_with_empty_ranks_at_smal
     assert kinds == {"even", "uneven", "empty"}
 
 
-def _install_worker(rank, tp, cache, asked=True):
+def _install_worker(rank, tp, cache, asked=True, facts=FACTS):
     """One server start: the install core at a site whose stock is vLLM's all-to-all,
     first-use tuning on (its timing a cost model), the all-to-all's first-use tuning
     asked for (``LAMPORT_HEAD_ALL_TO_ALL=1``) or not, then a call of a served M and one
@@ -113,7 +113,7 @@ def _install_worker(rank, tp, cache, asked=True):
     builds, build = [], install._build
     install._build = lambda *a, **k: (builds.append(k.get("stock")), build(*a, **k))[1]
     mailbox.device_key = lambda device: ("host", f"gpu{rank}")  # a GPU a rank
-    provenance.facts = lambda: dict(FACTS)
+    provenance.facts = lambda: dict(facts)
     timed, made, engine_calls = [], [], []
 
     def engine(shard, send_splits, num_local_rows):
@@ -188,6 +188,17 @@ def test_first_use_tuning_of_the_all_to_all_writes_its_section_and_serves_it(tmp
         assert r["rows"] == ROWS and r["served"] == {"8": True, "9": True}
         assert r["builds"] == [ALL_TO_ALL_STOCK]
     assert _table(cache)[1] == data
+
+    run = tmp_path / "run2"
+    run.mkdir()
+    # another environment (torch), the variable unset: the section (stale here) still
+    # turns it on, so first-use tuning measures this environment's version beside it
+    other = dict(FACTS, torch="2.14.0")
+    for r in spawn(_install_worker, 2, run, str(cache), False, other):
+        assert r["asked"] == [[ALL_TO_ALL_STOCK, True, "bfloat16", 2 * SHARD]]
+        assert r["timed"] == MEASURED and r["rows"] == ROWS
+    assert sorted(s["provenance"]["torch"] for s in _table(cache)[1]["devices"]["NVIDIA H200"]) \
+        == ["2.13.0", "2.14.0"]
 
 
 def test_the_all_to_all_is_off_by_default_where_no_table_holds_its_section(tmp_path):
