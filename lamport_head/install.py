@@ -12,10 +12,11 @@ Invariants a change must keep (docs/design.md, the fail-stop rule):
 - First-use tuning (``measure``) is injected by the adapter: this module never imports
   the tuner. It runs, collectively, only when the agreed view asks for it; what
   follows reads the agreed view, never the environment again.
-- A collective not yet proven on a GPU (``UNPROVEN``: the all-to-all of vocab shards)
-  is opt-in: without a table section for its key and without its switch
-  (``settings.ALL_TO_ALL_ENV``) on every rank, every rank keeps the engine's collective
-  (``Stock.OPT_IN``) before anything is measured or built.
+- First-use tuning of a collective not yet proven on a GPU (``UNPROVEN``: the
+  all-to-all of vocab shards) is opt-in: where it would measure one for whose key no
+  layer holds a section, it does only with that collective's switch on
+  (``settings.ALL_TO_ALL_ENV``, agreed as every setting); else every rank keeps the
+  engine's collective (``Stock.OPT_IN``), nothing measured or built.
 - A broken user table costs only itself: when any rank's vote says its host's copy
   cannot be read whole, every rank serves from the other layers (``Table.without_user``,
   read in the same vote), and the broken copies are set aside where they can be.
