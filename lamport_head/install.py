@@ -12,6 +12,14 @@ Invariants a change must keep (docs/design.md, the fail-stop rule):
 - First-use tuning (``measure``) is injected by the adapter: this module never imports
   the tuner. It runs, collectively, only when the agreed view asks for it; what
   follows reads the agreed view, never the environment again.
+- First-use tuning of a collective not yet proven on a GPU (``UNPROVEN``: the
+  all-to-all of vocab shards) is opt-in: where it would measure one for whose key no
+  layer holds a section, it does only with that collective's switch on
+  (``settings.ALL_TO_ALL_ENV``, agreed as every setting); else every rank keeps the
+  engine's collective (``Stock.OPT_IN``), nothing measured or built.
+- A broken user table costs only itself: when any rank's vote says its host's copy
+  cannot be read whole, every rank serves from the other layers (``Table.without_user``,
+  read in the same vote), and the broken copies are set aside where they can be.
 """
 
 import logging
@@ -28,9 +36,14 @@ from .collective import all_gather_objects, raised_together, within
 from .outcome import Outcome, Stock
 from .status import SERVING
 from .table import ALL_TO_ALL_STOCK, MAX_ROWS, NCCL_STOCK, TableError, load_table, user_path
-from .tablefile import set_aside_agreed
+from .tablefile import healing_line, set_aside_agreed
 
 logger = logging.getLogger("lamport_head")
+
+# The collectives whose kernels have not yet passed their GPU files and multiproc cases on
+# a GPU: first-use tuning measures one only where asked (``settings.ALL_TO_ALL_ENV``) or
+# a table holds a section for its key. Once they pass, this empties (CHANGELOG says so).
+UNPROVEN = (ALL_TO_ALL_STOCK,)
 
 
 @dataclass(frozen=True)
@@ -104,7 +117,8 @@ class _Vote(NamedTuple):
     # DISABLE), or None
     force: bool  # LAMPORT_HEAD_FORCE as this rank's environment reads it
     settings: object = None  # _View.settings: what every rank must set alike
-    broken: bool = False  # this host's user table is broken (to set aside, then measure)
+    broken: bool = False  # this host's user table is broken (every rank serves without it)
+    fallback: object = None  # _View.agreed of the layers but the user table (_View.fallback)
 
 
 def install(site, ranks, rows=None, *, measure):
@@ -165,20 +179,34 @@ def install(site, ranks, rows=None, *, measure):
         first, (_, text) = next((r, v) for r, v in reasons if v[0] == kind.label)
         return say(kind, f"rank {first}: {text}")
     healing = any(v.broken for v in votes)  # some host's user table is broken
-    if len({v.settings if healing else v.agreed for v in votes}) > 1:
+    if len({v.fallback if healing else v.agreed for v in votes}) > 1:
         return say(Stock.PLANS_DIFFER, "the TP ranks resolved different HEAD_GATHER plans "
                      "(different tables or environments, first-use tuning settings or the "
                      "engine's gather kind included)")
     keys = [v.key for v in votes]
-    if healing:
-        # Every rank, whichever host's table is broken: the broken copies are set aside
-        # (a host whose copy reads whole keeps it), and every rank chooses as if no table
-        # held this section, so the hosts measure together and each writes a whole one.
-        set_aside_agreed(user_path(), view.broken, keys, rank, group)
-        view = replace(view, entries={}, emulated_entries={}, real="missing",
-                       emulated="missing")
     shared = None if None in keys else len(set(keys)) < tp  # several ranks on one GPU
+    why = view.broken  # this rank's reading of its host's user table, when broken
+    if healing:
+        # Every rank, whichever host's table is broken, reads the other layers only (the
+        # same on every rank: agreed above), so they keep serving; what they do not hold,
+        # first-use tuning measures (when on), and each host then writes a whole table.
+        view = view.fallback
     choice, entries = _choose(view, shared)
+    unasked = _unasked(view, choice, name, tp, dcp, vocab)
+    if unasked:
+        choice = "opt-in"
+    unwritable = False  # this host's broken copy could not be set aside: the cache is not
+    if healing:  # writable, which the one line of this start says
+        # collective: the broken copies are set aside (a host whose copy reads whole keeps
+        # it); what follows does not depend on the outcome, but the line says it
+        kind, detail = set_aside_agreed(user_path(), keys, rank, group)
+        unwritable = kind == "kept"
+        line = healing_line(user_path(), why, kind, detail,
+                            _next(view, choice, entries, what, unwritable))
+        if line is not None:
+            logger.warning(line)
+    if unasked:
+        return say(Stock.OPT_IN, unasked)
     measured = False
     if choice == "unknown":
         return say(Stock.NO_DEVICE_KEY, "first-use tuning cannot tell whether the TP ranks "
@@ -192,6 +220,14 @@ def install(site, ranks, rows=None, *, measure):
             _alone(exc, "first-use tuning")
             return say(Stock.TUNING_FAILED,
                          f"first-use tuning failed: {type(exc).__name__}: {exc}")
+        if getattr(outcome, "unsaved", None) is not None and not unwritable:
+            # A cache that cannot be written costs the table, not this start: the rows
+            # were measured and agreed, so every rank serves them. (Where the broken
+            # table's line said the cache is not writable, this would be a second warning.)
+            logger.warning("lamport-head: first-use tuning measured rows %s and serves them on "
+                           "this start, but could not save the user table %s (%s): the next "
+                           "start measures again", [r.rows for r in outcome.results],
+                           outcome.path, outcome.unsaved)
         logger.info("lamport-head: first-use tuning on %s (tp=%d, dcp=%d, %s): measured rows "
                     "%s in %.1f s, wrote %s%s; vocab=%d, %s%s", name, tp, dcp, view.real,
                     [r.rows for r in outcome.results], outcome.seconds,
@@ -395,7 +431,8 @@ def _local_vote(tp, dcp, device, rows, vocab, stock, dtype=dtypes.DEFAULT):
         # An environment variable may reach some ranks only: it travels with the vote.
         view, reason = None, (Stock.DISABLED.label, f"disabled by {settings.DISABLE_ENV}")
     return name, view, _Vote(view and view.agreed, view and view.key, reason, force,
-                             view and view.settings, bool(view and view.broken is not None))
+                             view and view.settings, bool(view and view.broken is not None),
+                             view and view.fallback.agreed)
 
 
 def _agree_force(votes, why):
@@ -435,12 +472,15 @@ class _View:
     broken: object = None  # why this host's user table cannot be read whole (set aside), or None
     dtype: str = dtypes.DEFAULT  # the logits' dtype (the site's): sections of it only count
     dtypes: tuple = ()  # the dtypes of real-rank sections at this V and stock for another (log)
+    asked: object = None  # an UNPROVEN stock's switch (settings.ALL_TO_ALL_ENV); None: others
+    fallback: object = None  # the same reading of every layer but the user table (a _View):
+    # what every rank serves from when some host's user table is broken
 
     @property
     def settings(self):
         """What every rank must set alike, whatever its tables hold."""
         return (self.autotune, self.serve_emulated, self.rows, self.budget_s, self.stock,
-                self.dtype)
+                self.dtype, self.asked)
 
     @property
     def agreed(self):
@@ -454,45 +494,98 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock, dtype=dtypes.DEFAULT)
     Only sections measured at ``vocab`` (the model's V = TP x shard width) against
     ``stock`` (the engine's gather the route replaces) for ``dtype`` logits count: one
     measured at another V, against another stock or for another dtype reads as
-    missing (first-use tuning measures this one)."""
+    missing (first-use tuning measures this one). Its ``fallback`` reads the same from
+    every layer but the user table (``Table.without_user``, from the same reading)."""
     try:
         table = load_table()  # lenient: what it skipped is one line each, the rest serves
         for problem in table.problems:
             if not problem.aside:  # a table set aside has its own line, after the agreement
                 logger.warning("lamport-head: HEAD_GATHER table: %s", problem.line)
+        others = table.without_user if table.without_user is not None else table
         on = settings.autotune_enabled()
         if on:  # which environment's version of a key serves (first use measures the rest)
-            table.facts = provenance.facts()
-
-        def read(emulated):
-            section = table.section(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock,
-                                    dtype=dtype)
-            entries = table.entries(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock,
-                                    dtype=dtype)
-            enabled = {m: e for m, e in entries.items()
-                       if e.enabled and (rows is None or m in rows)}
-            # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
-            state = provenance.section_status(section) if on else ("missing" if section is None
-                                                         else "current")
-            return enabled, state
-
-        (entries, real), (emulated_entries, emulated) = read(False), read(True)
+            table.facts = others.facts = provenance.facts()
         key = None
         try:
             key = mailbox.device_key(device)
         except Exception:  # no device key: first-use tuning will not guess
             pass
-        others = tuple(v for v in table.vocabs(name, tp, dcp) if v != vocab)
-        stocks = tuple(k for k in table.stocks(name, tp, dcp, vocab) if k != stock)
-        kinds = tuple(d for d in table.dtypes(name, tp, dcp, vocab, stock) if d != dtype)
-        return _View(entries, emulated_entries, real, emulated, on, settings.serve_emulated(),
-                     tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key,
-                     settings.spin_budget_s(), stock, others, stocks, table.broken, dtype,
-                     kinds), None
+        asked = settings.all_to_all_enabled() if stock in UNPROVEN else None
+        same = dict(autotune=on, serve_emulated=settings.serve_emulated(),
+                    rows=tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key=key,
+                    budget_s=settings.spin_budget_s(), stock=stock, dtype=dtype, asked=asked)
+        fallback = _reading(others, name, tp, dcp, rows, vocab, same)
+        view = replace(_reading(table, name, tp, dcp, rows, vocab, same), broken=table.broken,
+                       fallback=fallback)
+        return view, None
     except TableError as exc:
         return None, str(exc)
     except Exception as exc:  # told to every rank by the agreement, never raised alone
         return None, f"{type(exc).__name__}: {exc}"
+
+
+def _reading(table, name, tp, dcp, rows, vocab, same):
+    """The ``_View`` of ``table`` (a merged view) for this key; ``same``: the fields that
+    do not depend on the tables (settings, device key)."""
+    stock, dtype, on = same["stock"], same["dtype"], same["autotune"]
+
+    def read(emulated):
+        section = table.section(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock,
+                                dtype=dtype)
+        entries = table.entries(name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock,
+                                dtype=dtype)
+        enabled = {m: e for m, e in entries.items()
+                   if e.enabled and (rows is None or m in rows)}
+        # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
+        state = provenance.section_status(section) if on else ("missing" if section is None
+                                                               else "current")
+        return enabled, state
+
+    (entries, real), (emulated_entries, emulated) = read(False), read(True)
+    vocabs = tuple(v for v in table.vocabs(name, tp, dcp) if v != vocab)
+    stocks = tuple(k for k in table.stocks(name, tp, dcp, vocab) if k != stock)
+    kinds = tuple(d for d in table.dtypes(name, tp, dcp, vocab, stock) if d != dtype)
+    return _View(entries, emulated_entries, real, emulated, vocabs=vocabs, stocks=stocks,
+                 dtypes=kinds, **same)
+
+
+def _unasked(view, choice, name, tp, dcp, vocab):
+    """Why first-use tuning leaves this collective off, or None: ``choice`` (``_choose``'s)
+    would measure, the stock is ``UNPROVEN``, its switch is off and no layer holds a
+    section for its key. From the agreed view: the same on every rank."""
+    if (choice not in ("tune", "unknown") or view.stock not in UNPROVEN or view.asked
+            or view.real != "missing" or view.emulated != "missing"):
+        return None
+    return (f"the all-to-all has not yet passed on a GPU, so its first-use tuning is opt-in: "
+            f"no table holds a section for {name}, tp={tp}, dcp={dcp}, vocab={vocab}, "
+            f"stock={view.stock}, dtype={view.dtype}; to turn it on, set "
+            f"{settings.ALL_TO_ALL_ENV}=1 on every rank (first-use tuning then measures it) or "
+            "tune it into a table (`lamport-head tune --all-to-all` under torchrun)")
+
+
+def _next(view, choice, entries, what, unwritable):
+    """What happens next for ``what`` on this start, said by a broken user table's line:
+    from the agreed choice on the other layers (``_choose``'s, or "opt-in") and whether
+    the cache could take a fresh table."""
+    if choice == "opt-in":
+        return (f"the {what} stays stock (opt-in: {settings.ALL_TO_ALL_ENV}=1 or a table "
+                "section turns it on)")
+    if choice == "tune":
+        if unwritable:
+            return (f"first-use tuning measures the {what} and serves it on this start, but "
+                    "cannot save it while the cache is not writable: every start measures "
+                    "again")
+        return f"first-use tuning measures the {what} again and writes a fresh table"
+    if choice == "unknown":
+        return (f"the {what} stays stock (first-use tuning cannot tell whether the ranks share "
+                "a GPU)")
+    if entries:
+        return f"the other layers serve the {what} (their section for this key)"
+    if view.real == "missing" and not view.autotune:
+        return (f"no other layer holds a section for the {what} and first-use tuning is off "
+                f"({settings.AUTOTUNE_ENV}=0): it stays stock until `lamport-head tune` "
+                "writes a table")
+    return f"the other layers hold no enabled row for the {what} here: it stays stock"
 
 
 def _choose(view, shared):

@@ -278,6 +278,7 @@ class Table:
     problems = ()  # Problem per section (or layer) a lenient read skipped
     kept = ()  # (device, section as written) of a newer schema: skipped, kept by the writer
     broken = None  # why the user table cannot be read whole (load_layers), or None
+    without_user = None  # load_layers: the merged view of every layer but the user table
 
     def __init__(self, path, sections, layers=None):
         self.path, self.sections = path, sections
@@ -583,8 +584,9 @@ def fix_for(path, kind):
                 "serves the rest (first-use tuning measures its own section beside it)")
     if _movable(path):
         if kind == "file":
-            return ("the next engine start sets it aside (renamed beside itself) and first-use "
-                    "tuning measures again; `lamport-head tune` replaces it too")
+            return ("the next engine start sets it aside (renamed beside itself) and serves "
+                    "from the other layers; first-use tuning, when on, measures what they "
+                    "lack; `lamport-head tune` replaces it too")
         return ("this section is skipped and the file's other sections serve; first-use "
                 "tuning measures it again (or `lamport-head tune`)")
     if _same(path, table_override()):
@@ -608,9 +610,11 @@ def load_layers() -> Table:
     Each skip is one line in ``problems`` (``Problem``, its line ending with
     ``fix_for``). A broken user table is named in ``broken`` (why), for install to set
     aside with every rank agreeing; ``$LAMPORT_HEAD_TABLE`` never is (a person named
-    that file: it is refused, never moved)."""
+    that file: it is refused, never moved). ``without_user`` is the same merge of every
+    layer but the user table, from the same reading: what every rank serves from when
+    some host's user table is broken (install), so that the other layers keep serving."""
     paths = [str(p) for p in layer_paths()]
-    sections, problems, broken = {}, [], None
+    layers, problems, broken = [], [], None
     for path in paths:
         try:
             layer = load_table(path, strict=False)
@@ -625,9 +629,18 @@ def load_layers() -> Table:
         mine = {}
         for s in layer.sections:
             mine.setdefault(section_key(s), []).append(s)
-        sections.update(mine)  # a higher layer's key replaces every version of it below
-    table = Table(paths[-1], [s for versions in sections.values() for s in versions], paths)
+        layers.append((path, mine))
+
+    def merged(kept):
+        sections = {}
+        for _, mine in kept:
+            sections.update(mine)  # a higher layer's key replaces every version of it below
+        return [s for versions in sections.values() for s in versions]
+
+    table = Table(paths[-1], merged(layers), paths)
     table.problems, table.broken = problems, broken
+    table.without_user = Table(paths[-1], merged([(p, m) for p, m in layers if not _movable(p)]),
+                               [p for p in paths if not _movable(p)])
     return table
 
 

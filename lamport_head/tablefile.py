@@ -6,7 +6,8 @@
 - ``write_durably``: a crash leaves the old file or the new one whole, never a cut one.
 - ``set_aside`` renames, never deletes; ``$LAMPORT_HEAD_TABLE`` never comes here.
 - ``set_aside_agreed`` is collective, called only when the agreed view says the user
-  table is broken; what follows does not depend on the rename's outcome.
+  table is broken; what follows does not depend on the rename's outcome (install's
+  line says it: ``healing_line``, one a start where the copy cannot be moved).
 """
 
 import datetime
@@ -123,10 +124,35 @@ def set_aside(path) -> Path:
     return aside
 
 
-def aside_line(path, aside, why):
-    """The one WARNING line of a set-aside table."""
+def aside_line(path, aside, why, then):
+    """The one WARNING line of a set-aside table; ``then``: what happens next."""
     return (f"lamport-head: the user table {path} could not be read ({why}); set aside as "
-            f"{aside}, first-use tuning measures again")
+            f"{aside}; {then}")
+
+
+def kept_line(path, why, detail, then):
+    """The one WARNING line of a broken table that could not be set aside (``detail``:
+    why not); ``then``: what happens next."""
+    return (f"lamport-head: the user table {path} could not be read ({why}) nor set aside "
+            f"({detail}): every rank ignores it, on every start until it is fixed or "
+            f"removed; {then}")
+
+
+_said = set()  # (path, why, detail) of the kept lines said in this process: one each
+
+
+def healing_line(path, why, kind, detail, then):
+    """The WARNING line for this host's outcome of ``set_aside_agreed`` (``kind``,
+    ``detail``), or None: nothing to say ("gone": this host's copy reads whole or was
+    set aside by another rank), or a copy that could not be moved whose line this
+    process said already (every install of a start meets it again: one line a start).
+    ``why``: this rank's reading of its copy; ``then``: what happens next (install's)."""
+    if kind == "aside":
+        return aside_line(path, detail, why, then)
+    if kind != "kept" or (str(path), why, detail) in _said:
+        return None
+    _said.add((str(path), why, detail))
+    return kept_line(path, why, detail, then)
 
 
 def _set_aside_if_broken(path):
@@ -142,11 +168,14 @@ def _set_aside_if_broken(path):
             return ("aside", str(set_aside(path)))
 
 
-def set_aside_agreed(path, why, keys, rank, group):
+def set_aside_agreed(path, keys, rank, group):
     """Collective, on every rank once any rank's vote says its host's copy is broken:
     the first rank of each host by ``keys`` (the vote's ``(host, gpu)`` or None; a rank
-    with None acts too) sets that copy aside unless it now reads whole. ``why``: this
-    rank's reading. Every rank logs its host's outcome in one line; never raises."""
+    with None acts too) sets that copy aside unless it now reads whole. Returns this
+    rank's host's outcome ``(kind, detail)``: ("aside", the new path), ("gone", None)
+    (reads whole now, or already moved) or ("kept", why it could not be moved); the same
+    on every rank of a host. Logs nothing (install says it: ``healing_line``); never
+    raises."""
     # lazy: collective loads torch, and the CLI loads this module (through table) for its help
     from .collective import all_gather_objects
 
@@ -163,11 +192,4 @@ def set_aside_agreed(path, why, keys, rank, group):
         except Exception as exc:  # this rank alone: its peers are about to gather outcomes
             outcome = ("kept", f"{type(exc).__name__}: {exc}")
     outcomes = all_gather_objects(outcome, group)
-    kind, detail = outcomes[first] if outcomes[first] is not None else outcomes[rank]
-    if kind == "aside":
-        logger.warning(aside_line(path, detail, why))
-    elif kind == "kept":
-        logger.warning("lamport-head: the user table %s could not be read (%s) nor set aside "
-                       "(%s); first-use tuning measures again and its write replaces it",
-                       path, why, detail)
-    return outcomes
+    return tuple(outcomes[first] if outcomes[first] is not None else outcomes[rank])

@@ -300,7 +300,7 @@ def fake_symmetric_memory(rendezvous, empty=None, **more):
 # Our switches a vLLM test rank starts without, unless it sets them (the user's
 # environment must not reach the test), and vLLM's plugin filter with them.
 CLEARED_FOR_VLLM = ("VLLM_PLUGINS", "LAMPORT_HEAD_TABLE", "LAMPORT_HEAD_DISABLE",
-                    "LAMPORT_HEAD_FORCE")
+                    "LAMPORT_HEAD_FORCE", "LAMPORT_HEAD_ALL_TO_ALL")
 
 
 def as_vllm_rank(run, rank, **env):

@@ -4,10 +4,13 @@
 - The splits a row count M is verified and timed with (``support.splits.vllm_splits``):
   deterministic, M in all, uneven, ranks of 0 rows at small M, as vLLM's batch sharding.
 - First use through the install core at a site whose stock is vLLM's all-to-all, the
-  timing a collective cost model (``helpers.CollectiveTarget``): the target is made for
-  the all-to-all against the site's callable, the section written has stock
-  ``nccl-all-to-all`` and the rows measured, serving builds the all-to-all
-  (``helpers.StandInAllToAll``), a second start measures nothing, every rank agrees.
+  timing a collective cost model (``helpers.CollectiveTarget``), asked for with
+  ``LAMPORT_HEAD_ALL_TO_ALL=1`` (issue 49: not yet proven on a GPU, so opt-in): the
+  target is made for the all-to-all against the site's callable, the section written has
+  stock ``nccl-all-to-all`` and the rows measured, serving builds the all-to-all
+  (``helpers.StandInAllToAll``), a second start without the variable serves that
+  section and measures nothing, every rank agrees. Without the variable or a section,
+  nothing is measured or built and every rank keeps the engine's all-to-all.
 - First use on the real ``AllToAllTarget`` with the kernel's CPU stand-in
   (tests/cpu_kernel.py: real ipc mailboxes) and the CUDA timing machinery as no-ops
   (``helpers.fake_timing``): every configuration verified bitwise on every rank, the
@@ -90,9 +93,10 @@ def test_vllms_splits_are_deterministic_sum_to_m_uneven_with_empty_ranks_at_smal
     assert kinds == {"even", "uneven", "empty"}
 
 
-def _install_worker(rank, tp, cache):
+def _install_worker(rank, tp, cache, asked=True, facts=FACTS):
     """One server start: the install core at a site whose stock is vLLM's all-to-all,
-    first-use tuning on (its timing a cost model), then a call of a served M and one
+    first-use tuning on (its timing a cost model), the all-to-all's first-use tuning
+    asked for (``LAMPORT_HEAD_ALL_TO_ALL=1``) or not, then a call of a served M and one
     past the rows through the routed site."""
     from lamport_head import install, mailbox, provenance
     from lamport_head.outcome import Ranks
@@ -100,11 +104,17 @@ def _install_worker(rank, tp, cache):
 
     os.environ.pop("LAMPORT_HEAD_TABLE", None)
     os.environ.update(LAMPORT_HEAD_AUTOTUNE="1", LAMPORT_HEAD_CACHE=cache)
+    if asked:
+        os.environ["LAMPORT_HEAD_ALL_TO_ALL"] = "1"
+    else:
+        os.environ.pop("LAMPORT_HEAD_ALL_TO_ALL", None)
     fake_cuda(setattr, rank, "ok")
     forced_build(install)  # serving's all-to-all: StandInAllToAll (its own collective)
+    builds, build = [], install._build
+    install._build = lambda *a, **k: (builds.append(k.get("stock")), build(*a, **k))[1]
     mailbox.device_key = lambda device: ("host", f"gpu{rank}")  # a GPU a rank
-    provenance.facts = lambda: dict(FACTS)
-    timed, asked, engine_calls = [], [], []
+    provenance.facts = lambda: dict(facts)
+    timed, made, engine_calls = [], [], []
 
     def engine(shard, send_splits, num_local_rows):
         engine_calls.append([shard.shape[0], list(send_splits), num_local_rows])
@@ -112,7 +122,7 @@ def _install_worker(rank, tp, cache):
 
     def make_target(ranks, vocab, limits=firstuse.FIRST_USE_LIMITS, stock=None,
                     dtype="bfloat16", *, stock_kind=NCCL_STOCK):
-        asked.append([stock_kind, stock is engine, dtype, vocab])
+        made.append([stock_kind, stock is engine, dtype, vocab])
         return CollectiveTarget(ranks, vocab, "", timed)
 
     firstuse.make_target = make_target
@@ -133,10 +143,12 @@ def _install_worker(rank, tp, cache):
                 else _exchanged(shards, splits, rank))
         served[m] = same_bits(got, want)
     gather = getattr(processor, "head_gather", None)
-    return {"rows": list(outcome.rows), "asked": asked, "timed": sorted({m for m, _ in timed}),
+    return {"rows": list(outcome.rows), "asked": made, "timed": sorted({m for m, _ in timed}),
             "class": type(gather).__name__, "served": served,
             "calls": None if gather is None else [list(c) for c in gather.calls],
-            "engine": engine_calls, "measured": [x for x in log if "first-use tuning" in x]}
+            "engine": engine_calls, "measured": [x for x in log if "first-use tuning" in x],
+            "reason": outcome.reason and outcome.reason.label, "message": outcome.message,
+            "builds": builds, "log": log}
 
 
 def _table(cache):
@@ -169,10 +181,47 @@ def test_first_use_tuning_of_the_all_to_all_writes_its_section_and_serves_it(tmp
 
     run = tmp_path / "run1"
     run.mkdir()
-    for r in spawn(_install_worker, 2, run, str(cache)):  # a second start: measures nothing
+    # a second start, the variable unset: the section (a table layer's) turns it on, and
+    # it measures nothing
+    for r in spawn(_install_worker, 2, run, str(cache), False):
         assert r["asked"] == [] and r["timed"] == [] and r["measured"] == []
         assert r["rows"] == ROWS and r["served"] == {"8": True, "9": True}
+        assert r["builds"] == [ALL_TO_ALL_STOCK]
     assert _table(cache)[1] == data
+
+    run = tmp_path / "run2"
+    run.mkdir()
+    # another environment (torch), the variable unset: the section (stale here) still
+    # turns it on, so first-use tuning measures this environment's version beside it
+    other = dict(FACTS, torch="2.14.0")
+    for r in spawn(_install_worker, 2, run, str(cache), False, other):
+        assert r["asked"] == [[ALL_TO_ALL_STOCK, True, "bfloat16", 2 * SHARD]]
+        assert r["timed"] == MEASURED and r["rows"] == ROWS
+    assert sorted(s["provenance"]["torch"] for s in _table(cache)[1]["devices"]["NVIDIA H200"]) \
+        == ["2.13.0", "2.14.0"]
+
+
+def test_the_all_to_all_is_off_by_default_where_no_table_holds_its_section(tmp_path):
+    """Issue 49 item 3: the all-to-all has not yet passed on a GPU, so with first-use
+    tuning on but neither ``LAMPORT_HEAD_ALL_TO_ALL`` nor a section for its key, every
+    rank keeps the engine's all-to-all: no target made, nothing timed or built, nothing
+    written, every call the engine's own; the outcome says why and how to turn it on."""
+    cache = tmp_path / "cache"
+    for rank, r in enumerate(spawn(_install_worker, 2, tmp_path, str(cache), False)):
+        assert r["rows"] == [] and r["reason"] == "opt-in"
+        assert r["message"] == (
+            "the all-to-all has not yet passed on a GPU, so its first-use tuning is opt-in: no "
+            f"table holds a section for NVIDIA H200, tp=2, dcp=1, vocab={2 * SHARD}, "
+            f"stock={ALL_TO_ALL_STOCK}, dtype=bfloat16; to turn it on, set "
+            "LAMPORT_HEAD_ALL_TO_ALL=1 on every rank (first-use tuning then measures it) or "
+            "tune it into a table (`lamport-head tune --all-to-all` under torchrun)")
+        assert r["asked"] == [] and r["timed"] == [] and r["builds"] == []
+        assert r["class"] == "NoneType" and r["calls"] is None
+        assert not any("measured rows" in x for x in r["log"])
+        assert r["engine"] == [[m, vllm_splits(m, 2), vllm_splits(m, 2)[rank]] for m in (8, 9)]
+        assert [x for x in r["log"] if "[opt-in]" in x] == [
+            f"lamport-head: stock all-to-all: {r['message']} [opt-in]"]
+    assert not (cache / "head_gather.yaml").exists()
 
 
 def _measure_worker(rank, tp, cache, corrupt):

@@ -7,6 +7,9 @@ sharing one GPU (written emulated: true, served only on explicit opt-in), a seco
 model of another vocabulary (its own section, measured beside the first), and the
 rows the vLLM plugin asks for."""
 
+import contextlib
+import errno
+import logging
 import os
 import stat
 import sys
@@ -18,6 +21,7 @@ import torch
 import yaml
 from helpers import FAKE_BYTE, CollectiveTarget, capture_log, fake_cuda, model
 from spawn import spawn
+from tables import sections
 
 from lamport_head.tuning import firstuse
 from lamport_head.table import load_table
@@ -81,8 +85,21 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts, shard=64):
             os.environ.pop(settings.SERVE_EMULATED_ENV, None)
         return CollectiveTarget(ranks, vocab, fail, timed)
 
+    if env.get("READ_ONLY_CACHE"):  # the cache's file system is read-only (root too)
+        from lamport_head import tablefile
+
+        @contextlib.contextmanager
+        def read_only(path):  # what a set-aside and a write take first
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            yield
+
+        tablefile.locked = read_only
     firstuse.make_target = make_target
     seen = capture_log()
+    warned = []  # the WARNING lines (and above)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("lamport_head").addHandler(handler)
     asked = []  # the dtypes first-use tuning's targets were made for
     logits = getattr(torch, env.get("HEAD_DTYPE", "bfloat16"))  # the head's logits dtype
     m = model(lm__tp_size=nprocs, lm__weight=torch.zeros(shard, 16, dtype=torch.bfloat16),
@@ -91,8 +108,13 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts, shard=64):
     out = m.logits_processor._gather_logits(torch.zeros(1, shard, dtype=logits))
     routed = (sorted(set(out.view(torch.uint8).flatten().tolist())) if torch.is_tensor(out)
               else out)
+    second = None
+    if env.get("SECOND_MODEL"):  # another install of this start: a model of another V
+        other = model(lm__tp_size=nprocs, lm__weight=torch.zeros(96, 16, dtype=torch.bfloat16))
+        second = list(install_logits_gather(other, None, nprocs, rank, "cpu").rows)
     return {"served": list(served), "timed": len(timed), "rows": sorted({r for r, _ in timed}),
-            "routed": routed, "log": seen, "io": io, "asked": asked}
+            "routed": routed, "log": seen, "io": io, "asked": asked, "warned": warned,
+            "second": second}
 
 
 def _start(tmp_path, env=None, shared=False, fail="", facts=FACTS, cache=None, shard=64,
@@ -532,6 +554,105 @@ def test_a_broken_lamport_head_table_is_refused_never_moved_and_the_layers_below
         assert not _aside_lines(r)
     assert (named.read_bytes() if named.exists() else None) == before
     assert not list(tmp_path.glob("named.yaml.broken-*"))
+
+
+# Issue 49 item 4: a broken user table costs only itself. Each start below: 2 fresh gloo
+# ranks through the real install path, the user table torn (cut) after a first start
+# wrote it; NAMED a table LAMPORT_HEAD_TABLE names, holding a section for this key (V =
+# 128: rows 1-2 and 4 enabled) and for V = 192 (the second model's).
+NAMED = sections((128, 192))
+
+
+def _torn_user_table(tmp_path):
+    """A first start writes the user table; then it is cut (torn). Its path and why a
+    reader refuses it."""
+    _start(tmp_path)
+    path, _ = _user_table(tmp_path)
+    path.write_bytes(path.read_bytes()[:300])
+    why = ("torn: the writer sealed {} bytes after the seal line, {} are there (cut short "
+           "by a crash or a full disk?)")
+    return path, why
+
+
+def _named(tmp_path):
+    named = tmp_path / "named.yaml"
+    named.write_text(NAMED)
+    return str(named)
+
+
+SET_ASIDE = "lamport-head: the user table {path} could not be read ({path}: {why}); set aside as "
+NEXT = {
+    "named": "the other layers serve the logits gather (their section for this key)",
+    "tune": "first-use tuning measures the logits gather again and writes a fresh table",
+    "off": ("no other layer holds a section for the logits gather and first-use tuning is off "
+            "(LAMPORT_HEAD_AUTOTUNE=0): it stays stock until `lamport-head tune` writes a "
+            "table"),
+}
+
+
+@pytest.mark.parametrize("case", ["named", "tune", "off"])
+def test_a_torn_user_table_is_set_aside_and_the_other_layers_keep_serving(tmp_path, case):
+    """The torn copy is set aside (every rank agreeing) and every rank serves from the
+    other layers alike, never less: with LAMPORT_HEAD_AUTOTUNE=0 a named table's section
+    serves its rows on every rank (it used to serve nothing: every layer of the key was
+    cleared, and the line said "first-use tuning measures again"). The one warning says
+    what happens next: the other layers serve; first-use tuning measures again; or, off
+    and with no other layer holding the key, stock until a table is written."""
+    path, why = _torn_user_table(tmp_path)
+    torn = path.read_bytes()
+    env = {"LAMPORT_HEAD_AUTOTUNE": "0" if case in ("named", "off") else "1"}
+    if case == "named":
+        env["LAMPORT_HEAD_TABLE"] = _named(tmp_path)
+    results = _start(tmp_path, env=env)
+    (aside,) = path.parent.glob("head_gather.yaml.broken-*")
+    assert aside.read_bytes() == torn
+    for r in results:
+        assert r["served"] == {"named": [1, 2, 4], "tune": SERVED, "off": []}[case], r["log"]
+        assert r["rows"] == (MEASURED if case == "tune" else [])  # measured only then
+        size = int(torn.split(b" of the ")[1].split(b" bytes")[0])
+        line = (SET_ASIDE.format(path=path, why=why.format(size, len(torn.split(b"\n", 1)[1])))
+                + f"{aside}; {NEXT[case]}")
+        assert r["warned"] == [line], r["warned"]
+
+
+def test_an_env_named_table_beside_a_torn_user_table_serves_on_every_rank_every_start(
+        tmp_path):
+    """The issue's case, start after start, with first-use tuning off: a torn user table
+    in a read-only cache (it cannot be set aside, so every start meets it) and a table
+    named by LAMPORT_HEAD_TABLE. Every start serves the named table's rows on every rank,
+    for both models of the start (each install meets the torn copy), with one warning a
+    start saying the copy is ignored and what happens next; the copy stays as it was."""
+    path, _ = _torn_user_table(tmp_path)
+    torn = path.read_bytes()
+    env = {"LAMPORT_HEAD_AUTOTUNE": "0", "LAMPORT_HEAD_TABLE": _named(tmp_path),
+           "READ_ONLY_CACHE": "1", "SECOND_MODEL": "1"}
+    for _ in range(2):
+        for r in _start(tmp_path, env=env):
+            assert r["served"] == [1, 2, 4] and r["second"] == [1, 2, 4], r["log"]
+            assert r["routed"] == [FAKE_BYTE] and r["timed"] == 0
+            (line,) = r["warned"]
+            assert line.startswith(f"lamport-head: the user table {path} could not be read (")
+            assert line.endswith(
+                ") nor set aside (OSError: Read-only file system): every rank ignores it, on "
+                f"every start until it is fixed or removed; {NEXT['named']}"), line
+    assert path.read_bytes() == torn and not list(path.parent.glob("head_gather.yaml.broken-*"))
+
+
+def test_a_torn_table_in_a_read_only_cache_costs_one_warning_a_start(tmp_path):
+    """First-use tuning on and no other layer holding the key: every start measures and
+    serves what it measured (it cannot save it), with one warning a start, the torn
+    copy's, saying so (first-use tuning's own "could not save" line would be a second)."""
+    path, _ = _torn_user_table(tmp_path)
+    for _ in range(2):
+        for r in _start(tmp_path, env={"READ_ONLY_CACHE": "1"}):
+            assert r["served"] == SERVED and r["rows"] == MEASURED, r["log"]
+            (line,) = r["warned"]
+            assert line.endswith(
+                ") nor set aside (OSError: Read-only file system): every rank ignores it, on "
+                "every start until it is fixed or removed; first-use tuning measures the "
+                "logits gather and serves it on this start, but cannot save it while the cache "
+                "is not writable: every start measures again"), line
+            assert any("wrote nothing (could not save" in x for x in r["log"])
 
 
 def test_a_cache_that_cannot_be_written_serves_what_it_measured(tmp_path):

@@ -1,9 +1,11 @@
 """vLLM 0.34's all-to-all of vocab shards (``lamport_head.engines.vllm.vocab_shards``) on
 stand-ins (no vLLM): which callers a step takes (``exchange_paths``) and their row
-counts, the install (one all-to-all per shard width and dtype, each caller's module
-global replaced once by a dispatcher), a release without the names (0.33) keeping vLLM's,
-and the summary's clauses. tests/test_vllm_sharded.py runs the target's path on vLLM's
-own ``GPUModelRunner.sample``."""
+counts, the install (one all-to-all per TP group, device, shard width and dtype, each
+caller's module global replaced once by a dispatcher that finds the call's group as
+vLLM does), a release without the names (0.33) keeping vLLM's, first-use tuning of the
+all-to-all only where asked (issue 49: not yet proven on a GPU), and the summary's
+clauses. tests/test_vllm_sharded.py runs the target's path on vLLM's own
+``GPUModelRunner.sample``."""
 
 import sys
 import types
@@ -79,15 +81,28 @@ def test_dspark_rows():
 
 
 class FakeAllToAll:
-    """AllToAll's call on the served rows (``("lamport", M)``); stock otherwise."""
+    """AllToAll's call on the served rows (``("lamport", M)``, then ``tag`` when given:
+    which one served it); stock otherwise."""
 
-    def __init__(self, rows, dtype, shard):
+    def __init__(self, rows, dtype, shard, tag=None):
         self.rows, self.dtype, self.shard = frozenset(rows), getattr(torch, dtype), shard
+        self.tag = tag
 
     def __call__(self, x, send_splits, num_local_rows, stock):
         if x.shape[0] in self.rows and x.dtype == self.dtype and x.shape[1] == self.shard:
-            return ("lamport", x.shape[0])
+            return ("lamport", x.shape[0]) + (() if self.tag is None else (self.tag,))
         return stock(x, send_splits, num_local_rows)
+
+
+class Coordinators:
+    """vLLM's ``parallel_state`` as the dispatcher reads it: ``get_tp_group()`` answers
+    the ``current`` engine's TP group coordinator (its ``device_group``)."""
+
+    def __init__(self, device_group=None):
+        self.current = types.SimpleNamespace(device_group=device_group)
+
+    def get_tp_group(self):
+        return self.current
 
 
 def _vllm_modules(monkeypatch, callers=True):
@@ -105,10 +120,14 @@ def _vllm_modules(monkeypatch, callers=True):
         modules[name] = module
     monkeypatch.setattr(vocab_shards, "_ROUTES", {})
     monkeypatch.setattr(vocab_shards, "_HOLDERS", {})
+    # the TP group a call runs on, where vLLM's own function finds it: RANKS's (None)
+    coordinators = Coordinators()
+    monkeypatch.setitem(sys.modules, release.TP_GROUP[0], coordinators)
+    modules["coordinators"] = coordinators
     return modules
 
 
-def _serve(monkeypatch, tmp_path, built):
+def _serve(monkeypatch, tmp_path, built, make=FakeAllToAll):
     table = tmp_path / "t.yaml"
     table.write_text("schema: 1\ndevices:\n  NVIDIA H200:\n"
                      + "".join(f"    - tp: 2\n      dcp: 1\n      vocab: {v}\n"
@@ -123,7 +142,7 @@ def _serve(monkeypatch, tmp_path, built):
 
     def build(g, d, tp, r, shard, entries, budget_s, dtype, *, stock):
         built.append((shard, dtype, stock))
-        return FakeAllToAll(entries, dtype, shard)
+        return make(entries, dtype, shard)
 
     monkeypatch.setattr(install, "_build", build)
     monkeypatch.setattr(install, "all_gather_objects", lambda obj, group=None: [obj])  # one rank
@@ -160,12 +179,13 @@ def test_one_all_to_all_per_width_routes_each_callers_global(monkeypatch, tmp_pa
     # the same again (a second load): the first AllToAll kept (no second mailbox, no
     # second dispatcher), and a wider drafter's own
     wrapped = modules[release.EXCHANGE_CALLERS[TARGET]].all_to_all_vocab_shards
-    first = vocab_shards._ROUTES[(SHARD, torch.bfloat16)]
+    cpu = torch.device("cpu")
+    first = vocab_shards._ROUTES[(None, cpu, SHARD, torch.bfloat16)]  # RANKS: group None
     wide = plugin.exchange_paths(target, _lm(width=2 * SHARD), _speculator(True),
                                  _config(seqs=3, k=1, method="dspark"), 2)
     got = plugin.install_exchanges(wide, RANKS)
     assert built[1:] == [(2 * SHARD, "bfloat16", ALL_TO_ALL_STOCK)]
-    assert vocab_shards._ROUTES[(SHARD, torch.bfloat16)] is first
+    assert vocab_shards._ROUTES[(None, cpu, SHARD, torch.bfloat16)] is first
     assert [(e.outcome.rows, e.outcome.shared, e.width) for e in got] == [
         ((1, 2, 4, 6), False, SHARD), ((2, 4), False, 2 * SHARD)]
     assert modules[release.EXCHANGE_CALLERS[TARGET]].all_to_all_vocab_shards is wrapped
@@ -222,23 +242,32 @@ def test_summary_names_both_all_to_all_paths():
         "all-to-all (no-rows: why)")
 
 
-def test_first_use_tuning_measures_the_all_to_all_against_vllms(monkeypatch, tmp_path):
-    """With first-use tuning on and no section for the all-to-all, first-use tuning
-    measures the all-to-all (``stock_kind``: ``nccl-all-to-all``) against vLLM's own
-    ``all_to_all_vocab_shards`` for the path's rows; the rows it enables are built and
-    routed (tests/test_all_to_all_tuning.py: the measuring itself)."""
+@pytest.mark.parametrize("asked", [True, False])
+def test_first_use_tuning_measures_the_all_to_all_only_where_asked(monkeypatch, tmp_path,
+                                                                    asked):
+    """With first-use tuning on, no section for the all-to-all and
+    ``LAMPORT_HEAD_ALL_TO_ALL=1``, first-use tuning measures the all-to-all
+    (``stock_kind``: ``nccl-all-to-all``) against vLLM's own ``all_to_all_vocab_shards``
+    for the path's rows; the rows it enables are built and routed
+    (tests/test_all_to_all_tuning.py: the measuring itself). Without the variable
+    (issue 49 item 3: not yet proven on a GPU) nothing is measured or built, the path
+    stays vLLM's, and the outcome says why and how to turn it on."""
     from lamport_head.config import GatherConfig
     from lamport_head.table import TableRow
     from lamport_head.tuning import firstuse
 
     modules = _vllm_modules(monkeypatch)
-    built, asked = [], []
+    built, asked_for = [], []
     _serve(monkeypatch, tmp_path, built)
     monkeypatch.setenv("LAMPORT_HEAD_AUTOTUNE", "1")
+    if asked:
+        monkeypatch.setenv("LAMPORT_HEAD_ALL_TO_ALL", "1")
+    else:
+        monkeypatch.delenv("LAMPORT_HEAD_ALL_TO_ALL", raising=False)
     monkeypatch.setattr(mailbox, "device_key", lambda device: ("host", "gpu0"))
 
     def measure(group, device, tp, rank, dcp, shard, rows, shared, name, **kwargs):
-        asked.append((shard, rows, kwargs))
+        asked_for.append((shard, rows, kwargs))
         entries = {m: TableRow(GatherConfig(4), m < 3) for m in (1, 2, 4)}
         return firstuse.Outcome({m: e for m, e in entries.items() if e.enabled}, [], False,
                                 0.1, str(tmp_path / "user.yaml"))
@@ -246,10 +275,74 @@ def test_first_use_tuning_measures_the_all_to_all_against_vllms(monkeypatch, tmp
     monkeypatch.setattr(firstuse, "measure", measure)
     (path,) = plugin.exchange_paths(_lm(width=32), None, None, _config(), 2)  # no section
     (got,) = plugin.install_exchanges([path], RANKS)
-    (shard, rows, kwargs), = asked
+    caller = modules[release.EXCHANGE_CALLERS[TARGET]].all_to_all_vocab_shards
+    if not asked:
+        assert asked_for == [] and built == [] and vocab_shards.routed() == []
+        assert got.outcome.reason is Stock.OPT_IN and not got.outcome.served
+        assert got.outcome.message == (
+            "the all-to-all has not yet passed on a GPU, so its first-use tuning is opt-in: no "
+            "table holds a section for NVIDIA H200, tp=2, dcp=1, vocab=64, "
+            f"stock={ALL_TO_ALL_STOCK}, dtype=bfloat16; to turn it on, set "
+            "LAMPORT_HEAD_ALL_TO_ALL=1 on every rank (first-use tuning then measures it) or "
+            "tune it into a table (`lamport-head tune --all-to-all` under torchrun)")
+        assert not getattr(caller, "_lamport_head_wrapped", False)
+        return
+    (shard, rows, kwargs), = asked_for
     assert (shard, tuple(rows)) == (32, path.rows)
     assert kwargs == {"stock": modules[release.EXCHANGE_HOME].all_to_all_vocab_shards,
                       "stock_kind": ALL_TO_ALL_STOCK, "dtype": "bfloat16"}
     assert got.outcome.rows == (1, 2) and built == [(32, "bfloat16", ALL_TO_ALL_STOCK)]
-    caller = modules[release.EXCHANGE_CALLERS[TARGET]].all_to_all_vocab_shards
     assert caller(torch.zeros(2, 32, dtype=torch.bfloat16), [1, 1], 1) == ("lamport", 2)
+
+
+@pytest.fixture
+def groups(tmp_path):
+    """Real gloo groups of a one-process world: ``groups(n)`` makes n new ones."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'world'}", rank=0,
+                            world_size=1)
+    yield lambda n: [dist.new_group([0]) for _ in range(n)]
+    dist.destroy_process_group()
+
+
+def test_engines_on_two_groups_in_one_process_each_get_their_own_all_to_all(
+        monkeypatch, tmp_path, groups):
+    """Issue 49 item 5: two engines in one process on two TP groups (each vLLM's pair: a
+    CPU group where install agrees, a device group where vLLM's all-to-all runs), and a
+    third on the first's group but another device. Each install builds its own AllToAll
+    (the first's, and its peers, are never reused by another group or device); a call
+    goes through the one of the group vLLM's own function would run it on (its TP group's
+    device group, looked up as vLLM looks it up) and of the shard's device; a second load
+    on a group keeps that group's."""
+    modules = _vllm_modules(monkeypatch)
+    built = []
+    _serve(monkeypatch, tmp_path, built,
+           make=lambda rows, dtype, shard: FakeAllToAll(rows, dtype, shard, tag=len(built) - 1))
+    a_cpu, a_dev, b_cpu, b_dev = groups(4)
+    engines = {"a": Ranks(a_cpu, 2, 0, "cpu", device_group=a_dev),
+               "b": Ranks(b_cpu, 2, 0, "cpu", device_group=b_dev),
+               "a on meta": Ranks(a_cpu, 2, 0, "meta", device_group=a_dev)}
+    tp_group = {"a": a_dev, "b": b_dev}
+    coordinators = modules["coordinators"]
+    for name, ranks in engines.items():
+        (path,) = plugin.exchange_paths(_lm(), None, None, _config(), 2)
+        (got,) = plugin.install_exchanges([path], ranks)
+        assert got.outcome.rows == (1, 2, 4) and not got.outcome.shared, name
+    assert len(built) == 3  # one AllToAll each: none reused another group's or device's
+    call = modules[release.EXCHANGE_CALLERS[TARGET]].all_to_all_vocab_shards
+
+    def through(engine, device="cpu"):
+        coordinators.current = types.SimpleNamespace(device_group=tp_group[engine])
+        return call(torch.zeros(4, SHARD, dtype=torch.bfloat16, device=device), [2, 2], 2)
+
+    assert through("a") == ("lamport", 4, 0) and through("b") == ("lamport", 4, 1)
+    assert through("a", "meta") == ("lamport", 4, 2)
+    assert through("b", "meta") == ("stock", release.EXCHANGE_CALLERS[TARGET], 4)  # none there
+    coordinators.current = types.SimpleNamespace(device_group=None)  # another engine's group
+    assert call(torch.zeros(4, SHARD, dtype=torch.bfloat16), [2, 2], 2) == (
+        "stock", release.EXCHANGE_CALLERS[TARGET], 4)
+    (path,) = plugin.exchange_paths(_lm(), None, None, _config(), 2)
+    (again,) = plugin.install_exchanges([path], engines["b"])  # a second load on group b
+    assert again.outcome.rows == (1, 2, 4) and len(built) == 3 and through("b")[-1] == 1
+    assert vocab_shards.routed() == [(SHARD, torch.bfloat16)]

@@ -14,6 +14,14 @@ planted shards (every special word, the sentinel included) returns the reference
 all-to-all (``reference_all_to_all``: vLLM's, sentinel words as 0). With batch sharding
 off nothing is routed. Rank 0's summary names the all-to-all path.
 
+The all-to-all has not yet passed on a GPU, so its first-use tuning is opt-in (issue 49
+item 3). With first-use tuning on and a table holding the gather's section only: by
+default nothing of the all-to-all is measured, built or routed (no kernel, no tuner
+imported), ``sample`` takes vLLM's own, and the summary says why and how to turn it on;
+with ``LAMPORT_HEAD_ALL_TO_ALL=1`` first-use tuning measures it (its timing a cost
+model, ``helpers.CollectiveTarget``) against vLLM's own ``all_to_all_vocab_shards``,
+writes its section, and ``sample`` takes the product's ``AllToAll`` bitwise.
+
 Stood in, only where this machine lacks what vLLM's CPU path needs (no Triton backend
 here: vLLM's ``triton`` is its placeholder):
 - ``triton.next_power_of_2`` on vLLM's Triton placeholder (``BatchSharder.__init__``
@@ -62,6 +70,8 @@ TABLE = sections((1024,)) + f"""\
         4-5: {{ctas: 8, enabled: true}}
 """
 SPLITS = {"even": [2, 2], "uneven": [3, 2], "empty": [1, 0], "stock": [2, 1]}
+# first-use tuning's rows for the all-to-all (the cost model's Lamport wins at each)
+MEASURED = [1, 2, 4, 6]
 
 
 class _ShardPlan:
@@ -107,8 +117,18 @@ class _ShardPlan:
 
 # ---- what runs on each rank (a spawned process) ------------------------------------
 
-def _rank(rank, world, run, table, model_dir):
-    as_vllm_rank(run, rank, LAMPORT_HEAD_TABLE=table)
+def _rank(rank, world, run, table, model_dir, case="table"):
+    """``case``: "table" (the all-to-all's section in ``table``), or first-use tuning on
+    with ``table`` holding the gather's section only and the all-to-all "default" (not
+    asked for) or asked for ("env": ``LAMPORT_HEAD_ALL_TO_ALL=1``)."""
+    env = {"LAMPORT_HEAD_TABLE": table}
+    if case != "table":
+        env.update(LAMPORT_HEAD_AUTOTUNE="1", LAMPORT_HEAD_CACHE=f"{run}/cache")
+    if case == "env":
+        env["LAMPORT_HEAD_ALL_TO_ALL"] = "1"
+    as_vllm_rank(run, rank, **env)
+    import sys
+
     import torch
     import vllm.plugins
     from vllm.config import (LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig,
@@ -134,14 +154,29 @@ def _rank(rank, world, run, table, model_dir):
     stand_in = install._build
     toolchain = cpu_kernel.use(gpu=f"gpu{rank}")
 
+    builds = []  # every all-to-all install built
+
     def build_all_to_all(group, device, tp, r, shard, entries, budget_s, dtype, stock):
         """The all-to-all as install builds it: the product's AllToAll over real ipc
         mailboxes, its kernel the CPU stand-in (tests/cpu_kernel.py)."""
         if stock == ALL_TO_ALL_STOCK:
+            builds.append(sorted(entries))
             return build(group, device, tp, r, shard, entries, budget_s, dtype, stock=stock)
         return stand_in(group, device, tp, r, shard, entries, budget_s, dtype, stock)
 
     install._build = build_all_to_all
+    targets = []  # the collectives first-use tuning timed: (stock kind, whose stock)
+    if case == "env":
+        from helpers import CollectiveTarget
+
+        from lamport_head.tuning import firstuse
+
+        def make_target(ranks, vocab, limits=None, stock=None, dtype="bfloat16", *,
+                        stock_kind=None):
+            targets.append([stock_kind, stock is batch_shard.all_to_all_vocab_shards, vocab])
+            return CollectiveTarget(ranks, vocab, "", [])
+
+        firstuse.make_target = make_target
     # the stand-ins the module docstring lists (no Triton backend here)
     if not hasattr(triton, "next_power_of_2"):
         triton.next_power_of_2 = lambda n: 1 << max(int(n) - 1, 0).bit_length()
@@ -169,17 +204,30 @@ def _rank(rank, world, run, table, model_dir):
         return runner
 
     # 1. batch sharding off: nothing is routed
-    print("=== off", flush=True)
-    runner = load(False)
-    out["off"] = {"sharder": runner.batch_sharder is not None,
-                  "global_is_vllms": runner_module.all_to_all_vocab_shards is original,
-                  "routed": [list(map(str, k)) for k in vocab_shards.routed()]}
+    if case == "table":
+        print("=== off", flush=True)
+        runner = load(False)
+        out["off"] = {"sharder": runner.batch_sharder is not None,
+                      "global_is_vllms": runner_module.all_to_all_vocab_shards is original,
+                      "routed": [list(map(str, k)) for k in vocab_shards.routed()]}
 
     # 2. batch sharding on: sample's all-to-all through the installed collective
     print("=== on", flush=True)
     runner = load(True)
     model = runner.get_model()
-    a2a = vocab_shards._ROUTES[(512, torch.bfloat16)].func  # as install built it
+    out["builds"], out["targets"] = builds, targets
+    out["launchers"] = len(toolchain.launches)  # the all-to-all kernels built
+    out["tuner"] = "lamport_head.tuning.firstuse" in sys.modules
+    if case == "default":  # vLLM's own: nothing routed
+        out["global_is_vllms"] = runner_module.all_to_all_vocab_shards is original
+        out["routed"] = [list(map(str, k)) for k in vocab_shards.routed()]
+        torch.distributed.barrier()
+        return out
+    from vllm.distributed import parallel_state
+
+    # as install built it, for this engine's TP group (vLLM's device group) and device
+    key = (parallel_state.get_tp_group().device_group, torch.device("cpu"), 512, torch.bfloat16)
+    a2a = vocab_shards._ROUTES[key].func
     out["built"] = type(a2a) is AllToAll
     def calls(since=0):
         """The kernel's launches' (M, splits) since the ``since``-th."""
@@ -243,6 +291,10 @@ def _rank(rank, world, run, table, model_dir):
             "-0.0": bool(((want == 0) & want.signbit()).any()),
             "sentinel": bool((words == -0x80000000).any())}
 
+    if case == "env":
+        torch.distributed.barrier()
+        return out
+
     # 3. the routed global called directly on planted shards: every special word
     direct = {}
     for name, splits in SPLITS.items():
@@ -279,6 +331,25 @@ def ranks(request, tmp_path_factory, vllm_release):
     (model_dir / "config.json").write_text(json.dumps(LLAMA))
     return spawn_vllm_ranks(_rank, 2, tmp, str(tmp), str(table), str(model_dir),
                             host_isa=request.param)
+
+
+@pytest.fixture(scope="module", params=["default", "env"])
+def first_use(request, tmp_path_factory, vllm_release):
+    """The ranks' results and logs with first-use tuning on and a table holding the
+    gather's section only, the all-to-all not asked for ("default") or asked for
+    ("env"): ``(case, results, logs, the user table's text or None)``."""
+    if vllm_release == "0.33.0":
+        pytest.skip("vLLM 0.33 has no all_to_all_vocab_shards")
+    tmp = tmp_path_factory.mktemp(f"vllm_sharded_{request.param}")
+    table = tmp / "table.yaml"
+    table.write_text(sections((1024,)))
+    model_dir = tmp / "llama"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(LLAMA))
+    results, logs = spawn_vllm_ranks(_rank, 2, tmp, str(tmp), str(table), str(model_dir),
+                                     request.param)
+    user = tmp / "cache" / "head_gather.yaml"
+    return request.param, results, logs, user.read_text() if user.exists() else None
 
 
 def _lacks(rank, world):
@@ -358,3 +429,44 @@ def test_the_summary_names_the_all_to_all_path(ranks):
         assert len(re.findall(line, sections["on"])) == (1 if rank == 0 else 0), sections["on"]
         off = re.findall(r"lamport-head summary: .*\n", sections["off"])
         assert len(off) == (1 if rank == 0 else 0) and "all-to-all" not in "".join(off)
+
+
+def test_the_all_to_all_is_opt_in_until_it_has_passed_on_a_gpu(first_use):
+    """Issue 49 item 3, on vLLM 0.34's own ``sample``: by default nothing of the
+    all-to-all is measured, built or routed and the summary's clause says why and how to
+    turn it on; with LAMPORT_HEAD_ALL_TO_ALL=1 first-use tuning measures it against
+    vLLM's own all-to-all, writes its section and sample takes the AllToAll bitwise."""
+    case, results, logs, user = first_use
+    gather = (r"lamport-head summary: vLLM 0\.34\.\d, LlamaForCausalLM, tp=2, dcp=1: "
+              r"Lamport logits gather installed for rows \[1, 2, 4\] on all 2 TP ranks, but no "
+              r"step takes it: compute_logits_local \(enable_batch_sharded_sampling: an "
+              r"all-to-all of vocab-local logits, not a gather\) skips the gather; ")
+    if case == "default":
+        clause = ("GPUModelRunner.sample's all_to_all_vocab_shards: stock all-to-all (opt-in: "
+                  "the all-to-all has not yet passed on a GPU, so its first-use tuning is "
+                  "opt-in: no table holds a section for NVIDIA H200, tp=2, dcp=1, vocab=1024, "
+                  f"stock={ALL_TO_ALL_STOCK}, dtype=bfloat16; to turn it on, set "
+                  "LAMPORT_HEAD_ALL_TO_ALL=1 on every rank (first-use tuning then measures it) "
+                  "or tune it into a table (`lamport-head tune --all-to-all` under torchrun))")
+        for r in results:
+            assert r["builds"] == [] and r["launchers"] == 0 and r["targets"] == []
+            assert not r["tuner"]  # first-use tuning never started: not even imported
+            assert r["global_is_vllms"] and r["routed"] == []
+        assert user is None  # nothing measured, nothing written
+    else:
+        clause = (r"Lamport all-to-all for rows [1, 2, 3, 4, 5, 6] through "
+                  "GPUModelRunner.sample's all_to_all_vocab_shards")
+        for r in results:
+            assert r["targets"] == [[ALL_TO_ALL_STOCK, True, 1024]]  # vLLM's own, timed
+            assert r["builds"] == [REQUESTS] and r["launchers"] > 0 and r["built"]
+            on = r["on"]
+            assert on["wrapped"] and on["routed"] == [["512", "torch.bfloat16"]]
+            assert on["equal"] == {str(n): True for n in REQUESTS}
+            assert on["calls"] == {str(n): [[n, on["splits"][str(n)]]] for n in REQUESTS}
+        assert f"stock: {ALL_TO_ALL_STOCK}" in user and "vocab: 1024" in user
+        assert all(f"      {m}: {{ctas:" in user for m in MEASURED)
+    for rank, log in enumerate(logs):
+        lines = re.findall(r"lamport-head summary: .*\n", log)
+        assert len(lines) == (1 if rank == 0 else 0), log[-3000:]
+        if rank == 0:
+            assert re.fullmatch(gather + re.escape(clause) + "\n", lines[0]), lines[0]

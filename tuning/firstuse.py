@@ -28,8 +28,8 @@ When to stop measuring is rank 0's clock's decision, broadcast (``DistComm``): a
 stopping by its own clock would leave its peers alone in the next row's collectives.
 The write is the one step whose failure costs nothing but itself: its outcome travels
 to every rank (an all-gather), and a cache that cannot be written (read-only, full)
-leaves every rank serving what it measured, with one line saying why it was not
-saved. Such a failure raises on every rank at the same step, marked
+leaves every rank serving what it measured: the outcome's ``unsaved`` says why it was
+not saved, and install says it in one line (one a start, with a broken user table's). Such a failure raises on every rank at the same step, marked
 ``collective.raised_together``; install catches it and leaves every rank stock with one
 warning. A failure of one rank alone (the engine's own gather, timed as stock, failing
 on one rank: its peers are inside that collective) is not marked: install lets it stop
@@ -44,7 +44,6 @@ slice it: their figures are not performance. The section is written
 a stale one is served as it is.
 """
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -54,8 +53,6 @@ from lamport_head.config import default_config
 from lamport_head.kernels.protocol import DEFAULT_THREADS
 from lamport_head.dtypes import DEFAULT as DEFAULT_DTYPE
 from lamport_head.table import NCCL_STOCK, fill, normalize, user_path
-
-logger = logging.getLogger("lamport_head")
 
 COMMAND = "first-use tuning at install (lamport_head.tuning.firstuse)"
 
@@ -228,10 +225,6 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
                                 group)
     unsaved = failed[hosts.index(hosts[rank])]
     path = str(user_path())  # the file this rank's host serves from (its writer's)
-    if unsaved is not None:
-        logger.warning("lamport-head: first-use tuning measured rows %s and serves them on this "
-                       "start, but could not save the user table %s (%s): the next start "
-                       "measures again", [r.rows for r in results], path, unsaved)
     measured = {r.rows: r.entry for r in results}
     entries = {m: e for m, e in fill(measured).items() if e.enabled and m in set(rows)}
     return Outcome(entries, results, emulated, seconds, path, unsaved)

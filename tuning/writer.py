@@ -41,7 +41,8 @@ def _load(path):
         table = load_table(path, strict=False)
     except TableError as exc:
         aside = tablefile.set_aside(path)
-        logger.warning(tablefile.aside_line(path, aside, exc))
+        logger.warning(tablefile.aside_line(path, aside, exc, "a fresh table is written in its "
+                                            "place"))
         return {"schema": SCHEMA, "devices": {}}
     devices = {}
     for s in table.sections:

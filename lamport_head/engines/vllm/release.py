@@ -22,11 +22,14 @@ logger = logging.getLogger("lamport_head")
 RELEASES = ("0.33.0", "0.34.0")  # the vLLM releases tested (the README names them too)
 STOCK_PROCESSOR = ("vllm.model_executor.layers.logits_processor", "LogitsProcessor")
 
+# vLLM's TP group of a worker (the hook's), and of an all-to-all's call: the dispatcher
+# finds it where vLLM's own all_to_all_vocab_shards does
+TP_GROUP = ("vllm.distributed.parallel_state", "get_tp_group")
 # (module, dotted attribute): every module-level name of vLLM the adapter calls, wraps,
 # replaces or recognizes
 RELIED = (
     ("vllm.v1.worker.gpu_worker", "Worker.load_model"),  # wrapped: the install hook
-    ("vllm.distributed.parallel_state", "get_tp_group"),  # the TP group of a worker
+    TP_GROUP,  # the TP group (route's hook; the all-to-all's dispatcher)
     ("vllm.distributed", "tensor_model_parallel_all_gather"),  # the candidates' stock
     ("vllm.model_executor.layers.logits_processor", "LogitsProcessor._gather_logits"),
     ("vllm.model_executor.layers.logits_processor", "LogitsProcessor.get_top_tokens"),

@@ -18,16 +18,20 @@ us keep copies of vLLM's owner sorting and sampling in step; wrapping the TP gro
 PyNCCL ``all_to_all_single`` would put every all-to-all of that communicator (MoE's
 too) through us, with the splits re-derived from its arguments.
 
-Invariants: the dispatcher decides by the call's shard width and dtype only, and the
-AllToAll by M (``sum(send_splits)``, vLLM's replicated plan), so every rank takes the
-same path. One AllToAll per distinct (shard width, dtype) of the paths a step takes,
-for the union of their row counts, installed in the same order on every rank (sorted
-keys) through ``install.install`` (agreed, fail-stop: every rank serves or every rank
-keeps vLLM's all-to-all). Whether to install is decided before any collective from
-facts every rank shares (the config, the models' classes, the release's names). Only a
-table section measured against the all-to-all (``stock: nccl-all-to-all``) serves;
-first-use tuning measures one where none is (the tuner's ``AllToAllTarget``, timed
-against vLLM's own ``all_to_all_vocab_shards``).
+Invariants: the dispatcher decides by the call's TP group (the one vLLM's own
+function runs on: its TP group's device group, looked up as vLLM looks it up), device,
+shard width and dtype only, and the AllToAll by M (``sum(send_splits)``, vLLM's
+replicated plan), so every rank takes the same path. One AllToAll per distinct (group,
+device, shard width, dtype) of the paths a step takes, for the union of their row
+counts, installed in the same order on every rank (sorted keys) through
+``install.install`` (agreed, fail-stop: every rank serves or every rank keeps vLLM's
+all-to-all); an engine on another group or device never reaches another's AllToAll or
+its peers. Whether to install is decided before any collective from facts every rank
+shares (the config, the models' classes, the release's names). Only a table section
+measured against the all-to-all (``stock: nccl-all-to-all``) serves; first-use tuning
+measures one where none is only where asked (``install.UNPROVEN``: the all-to-all has
+not yet passed on a GPU; the tuner's ``AllToAllTarget``, timed against vLLM's own
+``all_to_all_vocab_shards``).
 """
 
 import functools
@@ -38,18 +42,21 @@ from typing import NamedTuple
 import torch
 
 from ... import install
+from ...build import cuda_device
 from ...outcome import Outcome, Stock
 from ...table import ALL_TO_ALL_STOCK
 from .. import measure_first_use
 from . import release as releases
 
 _MARK = "_lamport_head_wrapped"
-# This process's served all-to-alls, {(shard width, torch dtype): the routed exchange}:
-# what the dispatchers consult (one engine per process)
+# This process's served all-to-alls, {(group, device, shard width, torch dtype): the routed
+# exchange}: what the dispatchers consult. The group (``_group``: the ProcessGroup object,
+# hashed by identity, kept alive here) and the device keep engines of one process apart.
 _ROUTES = {}
-# The install core's processor of each (shard width, dtype name), kept: a later load's
-# install of a key finds its AllToAll there and keeps it (install's "an earlier call
-# installed one"), with no collective and no second mailbox, as every rank did the same
+# The install core's processor of each (group, device, shard width, dtype name), kept: a
+# later load's install of a key finds its AllToAll there and keeps it (install's "an
+# earlier call installed one"), with no collective and no second mailbox, as every rank
+# did the same; another group or device gets its own
 _HOLDERS = {}
 
 
@@ -88,6 +95,24 @@ def _site(path, holder):
         stock=ALL_TO_ALL_STOCK, dtype=head_dtype)
 
 
+def _group(ranks):
+    """The identity of the TP group an install over ``ranks`` serves: the group vLLM's own
+    all-to-all runs on (its device group, ``Ranks.timing_group``), which the dispatcher
+    finds again at a call (``_calling_group``)."""
+    return ranks.timing_group
+
+
+def _calling_group():
+    """The group vLLM's own ``all_to_all_vocab_shards`` would run a call on now (its TP
+    group's device group, looked up as vLLM's function looks it up), or None when vLLM
+    has none (vLLM's own then raises its own error)."""
+    module, name = releases.TP_GROUP
+    try:
+        return getattr(importlib.import_module(module), name)().device_group
+    except Exception:
+        return None
+
+
 def _width(path):
     weight = getattr(path.head, "weight", None)
     return int(weight.shape[0]) if getattr(weight, "dim", lambda: 0)() == 2 else 0
@@ -101,8 +126,9 @@ def install_exchanges(paths, ranks):
     - The running vLLM lacks a name this relies on (0.33: no ``all_to_all_vocab_shards``)
       or no processor was found: that path stays stock, before any collective.
     - Else one ``install.install`` per distinct (shard width, dtype), sorted, for the
-      union of its paths' rows (a key an earlier load installed keeps its AllToAll:
-      ``_HOLDERS``); a served one is registered for the dispatchers and each
+      union of its paths' rows (a key an earlier load installed on this group and
+      device keeps its AllToAll: ``_HOLDERS``); a served one is registered for the
+      dispatchers (by group, device, width and dtype) and each
       of its callers' module globals is replaced, once (``_dispatching``). A path served
       by an AllToAll an earlier path installed is ``shared``; each path's rows are its
       own (``Outcome.within``).
@@ -123,34 +149,37 @@ def install_exchanges(paths, ranks):
         keys.setdefault((_width(p), str(dtype).removeprefix("torch.")), []).append(p)
     if keys:
         original = getattr(importlib.import_module(releases.EXCHANGE_HOME), releases.EXCHANGE)
+        where = (_group(ranks), cuda_device(ranks.device))  # this engine's, apart from others'
     for key in sorted(keys):
-        group = keys[key]
-        holder = _HOLDERS.setdefault(key, _Holder(original))
-        site = _site(group[0], holder)
-        rows = (None if any(p.rows is None for p in group)
-                else tuple(sorted({m for p in group for m in p.rows})))
+        callers = keys[key]
+        holder = _HOLDERS.setdefault(where + key, _Holder(original))
+        site = _site(callers[0], holder)
+        rows = (None if any(p.rows is None for p in callers)
+                else tuple(sorted({m for p in callers for m in p.rows})))
         outcome = install.install(site, ranks, rows, measure=measure_first_use)
         if outcome.served:
             # install built it for the site's shard width (key[0]) and logits dtype
-            _ROUTES[(key[0], holder.head_gather.dtype)] = holder.exchange
-            for p in group:
+            _ROUTES[where + (key[0], holder.head_gather.dtype)] = holder.exchange
+            for p in callers:
                 _dispatching(releases.EXCHANGE_CALLERS[p.path])
-        for i, p in enumerate(group):
+        for i, p in enumerate(callers):
             shared = replace(outcome, shared=True) if i and outcome.served else outcome
             out[p.path] = shared.within(p.rows)
     return tuple(Exchange(p.path, out[p.path], _width(p)) for p in paths)
 
 
 def routed():
-    """The (shard width, dtype) keys this process's dispatchers route, sorted by width."""
-    return sorted(_ROUTES, key=lambda k: (k[0], str(k[1])))
+    """The (shard width, dtype) pairs this process's dispatchers route (on some group and
+    device), sorted by width."""
+    return sorted({k[2:] for k in _ROUTES}, key=lambda k: (k[0], str(k[1])))
 
 
 def _dispatching(module_name):
     """Replace ``all_to_all_vocab_shards`` in the caller's module ``module_name``, once,
-    by a dispatcher: a 2-D call whose (shard width, dtype) is routed goes through that
-    AllToAll, with this module's original as its stock; every other call is the
-    original's, unchanged."""
+    by a dispatcher: a 2-D call whose (group, device, shard width, dtype) is routed (the
+    group vLLM's own would run it on: ``_calling_group``) goes through that AllToAll,
+    with this module's original as its stock; every other call is the original's,
+    unchanged."""
     module = importlib.import_module(module_name)
     original = getattr(module, releases.EXCHANGE)
     if getattr(original, _MARK, False):
@@ -158,8 +187,9 @@ def _dispatching(module_name):
 
     @functools.wraps(original)
     def all_to_all_vocab_shards(logits_shard, send_splits, num_local_rows):
-        route = (_ROUTES.get((logits_shard.shape[-1], logits_shard.dtype))
-                 if logits_shard.dim() == 2 else None)
+        route = (_ROUTES.get((_calling_group(), logits_shard.device, logits_shard.shape[-1],
+                              logits_shard.dtype))
+                 if logits_shard.dim() == 2 and _ROUTES else None)
         if route is None:
             return original(logits_shard, send_splits, num_local_rows)
         return route(logits_shard, send_splits, num_local_rows, stock=original)
