@@ -116,21 +116,25 @@ def base_path(model):
 
 
 def _not_routed(model):
-    """``[(path, why), ...]``: the DSpark collectives of a step no Lamport gather serves."""
+    """``[(path, words), ...]``: the DSpark collectives of a step no Lamport gather serves,
+    each "not routed (why)"."""
     name, out = type(model).__name__, []
     markov = getattr(model, MARKOV, None)
     shard = getattr(markov, VOCAB_SHARD, None)
     if shard is not None:
-        gather = type(getattr(shard, "gather", None)).__name__
-        out.append((f"{type(markov).__name__}'s {gather} candidate exchange ({NVLINK_ENV})",
-                    "SGLang's VocabGather exchanges each draft step's per-block candidates, "
-                    "rank-stacked [TP x rows, 2 x blocks] FP32 (value, index bits), with a "
-                    "Lamport push of its own on its NVLink plane (NCCL without multicast); not "
-                    "[M, V/TP] logits, and no table section is measured against it"))
+        vocab_gather = f"{type(markov).__name__}'s {type(getattr(shard, 'gather', None)).__name__}"
+        own = (f"SGLang's VocabGather, its own Lamport push on its NVLink plane ({NVLINK_ENV}; "
+               "NCCL without multicast)")
+        out.append((f"{vocab_gather} candidate exchange",
+                    f"each draft step's per-block candidates, rank-stacked [TP x rows, 2 x "
+                    f"blocks] FP32 (value, index bits), not logits, through {own}"))
+        out.append((f"{vocab_gather} step-logits gather (drafting not greedy)",
+                    f"the kept step logits [rows, V/TP] through {own}: no table section is "
+                    "measured against it"))
     if getattr(model, FC_GATHERER, None) is not None:
         out.append((f"{FC_GATHERER}", "it gathers fc's hidden columns of the target's context "
                                       "features, not logits"))
-    return [(f"drafter {name} {path}", why) for path, why in out]
+    return [(f"drafter {name} {path}", f"not routed ({why})") for path, why in out]
 
 
 def _why_stock(model, head):
@@ -195,7 +199,7 @@ def _site(model, head, kind, what):
     name = type(model).__name__
     fp32 = bool(getattr(model, FP32_FLAG, False)) and getattr(head.weight, "is_floating_point",
                                                                lambda: False)()
-    if kind == MULTIMEM:
+    if kind == MULTIMEM:  # SGLang's gatherer: its kind is the stock (engines/sglang.py)
         holder, processor, attr, stock = None, model, BASE_GATHERER, adapter.stock_kind(what)
     else:
         original = getattr(what, CROP)
@@ -267,6 +271,8 @@ def install_sglang_dspark_gathers(model, dcp=1, rows=None, target=None):
     kind, what = base_path(model)
     others = tuple(_not_routed(model))
     path = f"drafter {name} {PATH_WORDS.get(kind, BASE_LOGITS)}"
+    if kind in (GATHER, MULTIMEM):  # the stock it replaces: its table sections' key
+        path += f" ({NCCL_STOCK if kind == GATHER else adapter.stock_kind(what)})"
     words = f"SGLang DSpark drafter {name}'s base-logits gather"
     why = what if kind is None else None if kind == LOCAL else _why_stock(model, head)
     site = holder = shared = None
@@ -308,9 +314,13 @@ def install_sglang_dspark_gathers(model, dcp=1, rows=None, target=None):
 
 
 def served_gather(model):
-    """The HeadGather serving this draft's base logits, or None."""
-    holder = _ROUTES.get(getattr(model, "lm_head", None))
-    return getattr(holder if holder is not None else model, "head_gather", None)
+    """The HeadGather serving this draft's base logits (its path's: ``base_path``), or None."""
+    kind = base_path(model)[0]
+    if kind == MULTIMEM:
+        return getattr(model, "head_gather", None)
+    if kind == GATHER:
+        return getattr(_ROUTES.get(getattr(model, "lm_head", None)), "head_gather", None)
+    return None
 
 
 def summary(target, dspark):
