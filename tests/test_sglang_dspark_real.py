@@ -409,19 +409,16 @@ def _assert_base_logits(rows, what, served, local=False):
             assert row["sglang"] == (0 if local else 1), (what, m, row)
 
 
-def test_the_target_is_served_as_before(ranks):
-    isa, results, _ = ranks
-    for r in results:
-        assert r["target"] == {"served": TARGET_ROWS}
-        assert r["amx_told"] is (isa == "amx-seen")
-
-
 def test_a_dense_drafts_gather_and_crop_vocab_takes_its_own_gather(ranks):
     """``DSparkDraftModel``: the hook waits for SGLang to attach the target's head, then
     routes ``gather_and_crop_vocab`` (NCCL's all-gather: not the target's multimem stock,
     so a gather of its own, its NCCL section) for its rows bs x gamma; its runner polls
-    the gather; every row bitwise SGLang's own compute_base_logits."""
-    for r in ranks[1]:
+    the gather; every row bitwise SGLang's own compute_base_logits. The target keeps
+    its gather."""
+    isa, results, _ = ranks
+    for r in results:
+        assert r["target"] == {"served": TARGET_ROWS}
+        assert r["amx_told"] is (isa == "amx-seen")  # the simulated host reached SGLang
         d = r["dense"]
         assert d["model"] == "DSparkDraftModel" and d["kind"] == "gather_and_crop_vocab"
         assert d["waited_for_the_head"] and d["rows"] == DSPARK_ROWS
@@ -458,53 +455,66 @@ def test_a_vocab_parallel_drafts_multimem_gatherer_takes_the_targets_gather(rank
 def test_a_tp_sharded_markov_head_leaves_the_base_logits_local(ranks, name):
     """``SGLANG_DSPARK_OPT_MARKOV_W2_TP_SHARD=1`` (``SGLANG_DSPARK_NVLINK_VOCAB_GATHER`` on or
     off: on a CPU SGLang builds its NCCL VocabGather either way): no base-logits gather to
-    route (vocab-local logits, no kernel, no all-gather), nothing built."""
-    for r in ranks[1]:
+    route (vocab-local logits, no kernel, no all-gather), nothing built; rank 0 says so,
+    and names the VocabGather exchanges as not routed."""
+    _, results, logs = ranks
+    for rank, r in enumerate(results):
         d = r[name]
         assert d["kind"] == "local" and d["served"] is None and d["polled"] == []
         assert d["built_nothing"]
         _assert_base_logits(d["base_logits"], name, [], local=True)
+        said = [x for x in _sections(logs[rank])[name].splitlines() if "lamport-head" in x]
+        assert len(said) == (1 if rank == 0 else 0), said  # no install: the summary only
+        if rank == 0:
+            assert "the base logits stay vocab-local, not gathered" in said[0]
+            assert "NcclVocabGather candidate exchange: not routed" in said[0]
 
 
 def test_lamport_head_disable_keeps_sglangs_gather(ranks):
-    for r in ranks[1]:
+    """``LAMPORT_HEAD_DISABLE=1`` (on every rank): the dense draft's install stays stock
+    on every rank, each saying so; every row SGLang's own."""
+    _, results, logs = ranks
+    for rank, r in enumerate(results):
         d = r["disabled"]
         assert d["kind"] == "gather_and_crop_vocab" and d["served"] is None
         assert d["polled"] == []
         _assert_base_logits(d["base_logits"], "disabled", [])
+        said = _sections(logs[rank])["disabled"]
+        assert "stays stock: disabled by LAMPORT_HEAD_DISABLE [disabled]" in said, said
 
 
 def test_rank_0_names_every_dspark_path(ranks):
+    """One summary line per DSpark draft, rank 0's: the target, then every DSpark path of
+    a step (served rows and the stock each replaces, SGLang's gather with why, or not
+    routed with why), then the routed paths."""
     _, _, logs = ranks
-    OWN = ("SGLang's VocabGather, its own Lamport push on its NVLink plane "
+    own = ("SGLang's VocabGather, its own Lamport push on its NVLink plane "
            "(SGLANG_DSPARK_NVLINK_VOCAB_GATHER; NCCL without multicast)")
     head = ("lamport-head summary: SGLang speculative decoding (DSpark), tp=2, dcp=1: target "
             "LlamaForCausalLM: Lamport logits gather for rows [1, 2]; ")
-    vocab_gather = (
-        "drafter DSparkMiniMaxDraftModel compute_base_logits: its Markov head is TP-sharded "
-        "(SGLANG_DSPARK_OPT_MARKOV_W2_TP_SHARD): the base logits stay vocab-local, not gathered; "
-        "drafter DSparkMiniMaxDraftModel VanillaMarkov's NcclVocabGather candidate exchange: "
-        "not routed (each draft step's per-block candidates, rank-stacked [TP x rows, 2 x "
-        f"blocks] FP32 (value, index bits), not logits, through {OWN}); drafter "
-        "DSparkMiniMaxDraftModel VanillaMarkov's NcclVocabGather step-logits gather (drafting "
-        f"not greedy): not routed (the kept step logits [rows, V/TP] through {OWN}: no table "
-        "section is measured against it); drafter DSparkMiniMaxDraftModel _fc_gatherer: not routed (it gathers fc's hidden "
-        "columns of the target's context features, not logits); routed on all 2 TP ranks: "
-        "target logits gather")
     fc = ("drafter DSparkMiniMaxDraftModel _fc_gatherer: not routed (it gathers fc's hidden "
           "columns of the target's context features, not logits)")
+    local = (
+        "drafter DSparkMiniMaxDraftModel compute_base_logits: its Markov head is TP-sharded "
+        "(SGLANG_DSPARK_OPT_MARKOV_W2_TP_SHARD): the base logits stay vocab-local, not "
+        "gathered; drafter DSparkMiniMaxDraftModel VanillaMarkov's NcclVocabGather candidate "
+        "exchange: not routed (each draft step's per-block candidates, rank-stacked [TP x "
+        f"rows, 2 x blocks] FP32 (value, index bits), not logits, through {own}); drafter "
+        "DSparkMiniMaxDraftModel VanillaMarkov's NcclVocabGather step-logits gather (drafting "
+        f"not greedy): not routed (the kept step logits [rows, V/TP] through {own}: no table "
+        f"section is measured against it); {fc}; routed on all 2 TP ranks: target logits "
+        "gather")
+    dense = "drafter DSparkDraftModel compute_base_logits's gather_and_crop_vocab (nccl-all-gather)"
     want = {
-        "dense": "drafter DSparkDraftModel compute_base_logits's gather_and_crop_vocab "
-                 "(nccl-all-gather): Lamport logits gather for rows [2, 4]; routed on all 2 TP ranks: target logits "
-                 "gather, drafter base-logits gather",
-        "multimem": "drafter DSparkMiniMaxDraftModel compute_base_logits's "
-                    "_base_logits_gatherer (multimem-all-gather): Lamport logits gather (the target's: the same shard "
+        "dense": f"{dense}: Lamport logits gather for rows [2, 4]; routed on all 2 TP ranks: "
+                 "target logits gather, drafter base-logits gather",
+        "multimem": "drafter DSparkMiniMaxDraftModel compute_base_logits's _base_logits_gatherer "
+                    "(multimem-all-gather): Lamport logits gather (the target's: the same shard "
                     f"width and stock) for rows [2]; {fc}; routed on all 2 TP ranks: target "
                     "logits gather, drafter base-logits gather",
-        "local_nvlink": vocab_gather, "local_nccl": vocab_gather,
-        "disabled": "drafter DSparkDraftModel compute_base_logits's gather_and_crop_vocab "
-                    "(nccl-all-gather): SGLang's gather (disabled: disabled by LAMPORT_HEAD_DISABLE); routed on all "
-                    "2 TP ranks: target logits gather"}
+        "local_nvlink": local, "local_nccl": local,
+        "disabled": f"{dense}: SGLang's gather (disabled: disabled by LAMPORT_HEAD_DISABLE); "
+                    "routed on all 2 TP ranks: target logits gather"}
     for rank, log in enumerate(logs):
         sections = _sections(log)
         for name, tail in want.items():

@@ -47,7 +47,7 @@ import torch
 
 from .. import dtypes, install
 from ..collective import all_gather_objects
-from ..outcome import Outcome, Ranks, Stock
+from ..outcome import Ranks, Stock
 from ..table import MAX_ROWS, NCCL_STOCK
 from . import measure_first_use
 from . import sglang as adapter
@@ -55,7 +55,7 @@ from . import sglang as adapter
 logger = logging.getLogger("lamport_head")
 
 # SGLang 0.5.23's DSpark names we rely on (docs/sglang.md), each looked up in the real
-# modules by tests/test_sglang_real.py.
+# modules by tests/test_sglang_dspark_real.py.
 BASE_LOGITS = "compute_base_logits"  # draft model: (hidden) -> (base logits [M, V], features)
 ATTACH = "attach_shared_modules"  # draft model: (*, embed_tokens, lm_head) -> None
 MARKOV = "markov_head"  # draft model: its Markov head
