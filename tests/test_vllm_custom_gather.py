@@ -230,3 +230,33 @@ def test_first_use_tuning_times_custom_all_gather_as_the_stock(ranks):
         assert p["asked"] == [["custom-all-gather", 1, True]], p["asked"]
         assert p["served"] is None
         _assert_rows(p["rows"], (), custom=True)
+
+
+def test_gather_stock_reads_the_code_of_vllms_own_gather():
+    """Without vLLM: ``find.gather_stock`` names ``custom-all-gather`` only where vLLM's own
+    LogitsProcessor class (by module and name) gathers through ``custom_all_gather``,
+    directly or in code nested in its ``_gather_logits``; a subclass with a gather of its
+    own keeps NCCL's key (forced, as before), and so does a plain NCCL gather."""
+    from lamport_head.engines.vllm import find
+
+    def processor_class(gather):
+        cls = type("LogitsProcessor", (), {"_gather_logits": gather})
+        cls.__module__ = "vllm.model_executor.layers.logits_processor"
+        return cls
+
+    def direct(self, logits):
+        return self.communicator.custom_all_gather(logits)
+
+    def nested(self, logits):
+        return (lambda: self.communicator.custom_all_gather(logits))()
+
+    def nccl(self, logits):
+        return self.tensor_model_parallel_all_gather(logits)
+
+    for gather, want in ((direct, "custom-all-gather"), (nested, "custom-all-gather"),
+                         (nccl, "nccl-all-gather")):
+        assert find.gather_stock(processor_class(gather)()) == want, gather.__name__
+    own = type("SpecializedDecodeLogitsProcessor", (processor_class(nccl),),
+               {"_gather_logits": direct})  # DeepSeek V4.1's shape: its own, custom inside
+    assert find.gather_stock(own()) == "nccl-all-gather" and find.gather_stock(None) == \
+        "nccl-all-gather"

@@ -257,8 +257,9 @@ def install_sglang_dspark_gathers(model, dcp=1, rows=None, target=None):
     ``rows_from_sglang``'s.
 
     Every rank of SGLang's TP group (the head's: the one current at attach) meets at
-    one agreement on (path, dtype, whether it can share the target's gather): ranks
-    that differ keep SGLang's gathers, all of them. Then, alike on every rank: the
+    one agreement on (path, whether the configuration lets it be served, whether it can
+    share the target's gather): ranks on different paths keep SGLang's gathers, all of
+    them, and the target's gather is shared only where every rank can. Then, alike on every rank: the
     target's gather (``install.reroute``: the same group, shard width, dtype and
     stock) or an install of its own (``install.install``, collective, fail-stop), or
     stock with the reason. A served ``GATHER`` route is registered for its lm_head and
