@@ -45,10 +45,20 @@ def gather_and_crop_vocab(local_logits, lm_head):
 
 
 class ParallelLMHead(torch.nn.Module):
-    def __init__(self, tp=2, dtype=torch.bfloat16, attention_tp=False):
+    def __init__(self, tp=2, dtype=torch.bfloat16, attention_tp=False, shard=SHARD):
         super().__init__()
         self.tp_size, self.org_vocab_size, self.use_attn_tp_group = tp, VOCAB, attention_tp
-        self.weight = torch.nn.Parameter(torch.zeros(SHARD, 16, dtype=dtype), requires_grad=False)
+        self.weight = torch.nn.Parameter(torch.zeros(shard, 16, dtype=dtype), requires_grad=False)
+
+
+class MultimemAllGatherer:
+    """SGLang's gatherer by name and ``_state`` (left enabled: ``multimem-all-gather``);
+    NCCL-shaped underneath (our tests never create multicast)."""
+
+    _state = object()
+
+    def __call__(self, x):
+        return tensor_model_parallel_all_gather(x, dim=-1)
 
 
 class DSparkDraft(torch.nn.Module):
@@ -73,9 +83,9 @@ class DSparkDraft(torch.nn.Module):
         return gather_and_crop_vocab(hidden, self.lm_head), hidden
 
 
-def _shard(rank, rows):
+def _shard(rank, rows, width=SHARD):
     g = torch.Generator().manual_seed(1000 * rows + rank)
-    return torch.randn(rows, SHARD, generator=g).to(torch.bfloat16)
+    return torch.randn(rows, width, generator=g).to(torch.bfloat16)
 
 
 def _reference(nprocs, rows):
@@ -129,9 +139,33 @@ def _worker(rank, nprocs, table):
     out["shared"]["same_gather"] = shared is g
     multimem = target._replace(stock="multimem-all-gather")
     run("other_stock", attached(DSparkDraft()), multimem)
-    fp32 = attached(DSparkDraft(fp32=True), ParallelLMHead(nprocs, dtype=torch.float32))
-    site, _ = dspark._site(fp32, fp32.lm_head, *dspark.base_path(fp32))
-    out["fp32_site_dtype"] = str(site.logits_dtype)
+    for name, flag in (("fp32_site_dtype", True), ("bf16_site_dtype", False)):
+        # DeepSeek V4's SGLANG_DSPARK_FP32_LM_HEAD: FP32 logits over the BF16 weight
+        model = attached(DSparkDraft(fp32=flag))
+        site, _ = dspark._site(model, model.lm_head, *dspark.base_path(model))
+        out[name] = str(site.logits_dtype)
+    # first-use tuning (no section for this V): handed SGLang's own collective to time,
+    # with its kind, for each path
+    os.environ["LAMPORT_HEAD_AUTOTUNE"] = "1"
+    from lamport_head.collective import together
+    from lamport_head.tuning import firstuse
+
+    asked = []
+
+    def measure(*args, stock=None, stock_kind=None, **kwargs):
+        x = _shard(rank, 2, width=2 * SHARD)
+        before = len(CALLS)
+        got = stock(x)
+        asked.append([stock_kind, len(CALLS) - before, same_bits(got, torch.cat(
+            [_shard(r, 2, width=2 * SHARD) for r in range(nprocs)], dim=1))])
+        raise together(RuntimeError("measured elsewhere"))  # on every rank alike: stock
+
+    firstuse.measure = measure
+    wide = lambda: ParallelLMHead(nprocs, shard=2 * SHARD)  # noqa: E731 (V = 256: no section)
+    run("first_use_nccl", attached(DSparkDraft(), wide()), calls=False)
+    run("first_use_multimem", attached(DSparkDraft(gatherer=MultimemAllGatherer()), wide()),
+        calls=False)
+    out["asked"] = asked
     return out
 
 
@@ -197,8 +231,22 @@ def test_the_targets_gather_of_the_same_stock_serves_the_draft(results):
 
 
 def test_an_fp32_projection_gathers_float32_logits(results):
+    """DeepSeek V4's FP32 projection over a BF16 head: a float32 gather (and section)."""
     for r in results:
         assert r["fp32_site_dtype"] == "torch.float32"
+        assert r["bf16_site_dtype"] == "torch.bfloat16"
+
+
+def test_first_use_tuning_times_the_stock_each_path_replaces(results):
+    """No section for the draft's V: first-use tuning is handed SGLang's own collective
+    of each path to time, with its kind: ``gather_and_crop_vocab``'s all-gather
+    (``nccl-all-gather``; a call of it is one SGLang all-gather, right) and the vocab-
+    parallel draft's ``MultimemAllGatherer`` (``multimem-all-gather``); a failure on
+    every rank leaves both stock."""
+    for r in results:
+        assert r["asked"] == [["nccl-all-gather", 1, True], ["multimem-all-gather", 1, True]]
+        for name in ("first_use_nccl", "first_use_multimem"):
+            assert r[name]["routes"][0][2] == "tuning-failed" and not r[name]["gather"], name
 
 
 def test_sglang_without_gather_and_crop_vocab_stays_stock(monkeypatch):

@@ -50,8 +50,8 @@ TARGET_ROWS = [1, 2]  # the target's plugin rows: 2 requests x 1
 ROWS = [1, 2, 3, 4, 5]  # the row counts compute_base_logits is called with here
 # vocab 1024 against SGLang's multimem gatherer (the target's stock) and against NCCL
 # (gather_and_crop_vocab's): rows 1-2, 4 enabled, 3 not
-TABLE = sections((1024,), stock="multimem-all-gather") + sections((1024,)).split(
-    "  NVIDIA H200:\n", 1)[1]
+MULTIMEM_TABLE = sections((1024,), stock="multimem-all-gather")
+TABLE = MULTIMEM_TABLE + sections((1024,)).split("  NVIDIA H200:\n", 1)[1]
 DEADLINE_S = 240
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
          "hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 1,
@@ -74,7 +74,10 @@ DRAFTS = (("dense", "dspark", {}, "target"),
           ("multimem", "minimax", {TP_SHARD: "0"}, "target"),
           ("local_nvlink", "minimax", {TP_SHARD: "1", NVLINK: "1"}, "target"),
           ("local_nccl", "minimax", {TP_SHARD: "1", NVLINK: "0"}, "target"),
-          ("disabled", "dspark", {"LAMPORT_HEAD_DISABLE": "1"}, "fresh"))
+          ("disabled", "dspark", {"LAMPORT_HEAD_DISABLE": "1"}, "fresh"),
+          # no section against NCCL's all-gather at this V: first-use tuning is asked
+          ("first_use", "dspark", {"LAMPORT_HEAD_AUTOTUNE": "1",
+                                   "LAMPORT_HEAD_TABLE": "{run}/multimem.yaml"}, "fresh"))
 
 
 # ---- what runs on each rank (a spawned process, under SGLang's interpreter) ----------
@@ -187,9 +190,11 @@ def _scenarios(rank, tp, run):
     from sglang.srt.models import deepseek_v4_dspark, dspark as models
     from sglang.srt.plugins import load_plugins
 
+    from lamport_head.collective import together
     from lamport_head.engines import sglang as engine
     from lamport_head.engines import sglang_dspark as dspark
     from lamport_head.kernels.protocol import SENTINEL_I32
+    from lamport_head.tuning import firstuse
     from lamport_head.tuning.support import reference
 
     out = {"rank": rank}
@@ -291,9 +296,24 @@ def _scenarios(rank, tp, run):
             result[str(m)] = row
         return result
 
+    asked = []
+
+    def measure(*args, stock=None, stock_kind=None, **kwargs):
+        """First-use tuning's measuring, recorded: a call of the stock it is handed (an
+        SGLang all-gather, SGLang's bytes) and its kind; then a failure on every rank."""
+        x = reference.planted(2, 512, generator=torch.Generator().manual_seed(5 + rank))
+        before = len(gathered)
+        got = stock(x)
+        calls = len(gathered) - before
+        asked.append([stock_kind, calls, same_bits(got, tensor_model_parallel_all_gather(x, -1))])
+        raise together(RuntimeError("measured elsewhere"))
+
+    firstuse.measure = measure
     heads = {"target": target.model.lm_head}
     for name, path, env, head in DRAFTS:
         mark(name)
+        env = {key: value.format(run=run) for key, value in env.items()}
+        saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:
             draft_config = ModelConfig.from_server_args(args, model_path=f"{run}/{path}",
@@ -324,8 +344,12 @@ def _scenarios(rank, tp, run):
             if name == "dense":
                 out["names"] = _names(model, dspark)
         finally:
-            for key in env:
-                os.environ.pop(key, None)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    out["asked"] = asked
 
     mark("v4")  # DeepSeek V4's own code path, on a shell (the model needs CUDA to build)
     shell = deepseek_v4_dspark.DeepseekV4ForCausalLMDSpark.__new__(
@@ -366,6 +390,7 @@ def ranks(request, tmp_path_factory):
         (run / name / "config.json").write_text(json.dumps(config))
     table = run / "table.yaml"
     table.write_text(TABLE)
+    (run / "multimem.yaml").write_text(MULTIMEM_TABLE)
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, **{HOST_ISA_ENV: request.param})
     code = (f"import sys; sys.path.insert(0, {tests!r}); import test_sglang_dspark_real as t; "
@@ -481,6 +506,26 @@ def test_lamport_head_disable_keeps_sglangs_gather(ranks):
         _assert_base_logits(d["base_logits"], "disabled", [])
         said = _sections(logs[rank])["disabled"]
         assert "stays stock: disabled by LAMPORT_HEAD_DISABLE [disabled]" in said, said
+
+
+def test_first_use_tuning_times_sglangs_all_gather_as_the_stock(ranks):
+    """No section against NCCL's all-gather at the dense draft's V (only the target's
+    multimem one): first-use tuning is handed ``gather_and_crop_vocab``'s all-gather to
+    time (a call of it is one SGLang all-gather, SGLang's bytes), with its kind; its
+    failure on every rank leaves the draft on SGLang's gather."""
+    _, results, logs = ranks
+    for rank, r in enumerate(results):
+        assert r["asked"] == [["nccl-all-gather", 1, True]], r["asked"]
+        d = r["first_use"]
+        assert d["served"] is None and d["polled"] == []
+        _assert_base_logits(d["base_logits"], "first_use", [])
+        said = [x for x in _sections(logs[rank])["first_use"].splitlines()
+                if "lamport-head summary" in x]
+        assert said == [] if rank else said[0].endswith(
+            "drafter DSparkDraftModel compute_base_logits's gather_and_crop_vocab "
+            "(nccl-all-gather): SGLang's gather (tuning-failed: first-use tuning failed: "
+            "RuntimeError: measured elsewhere); routed on all 2 TP ranks: target logits "
+            "gather"), said
 
 
 def test_rank_0_names_every_dspark_path(ranks):
