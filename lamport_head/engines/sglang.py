@@ -28,7 +28,9 @@ touched). Its rows are a draft step's: 1 .. max running requests x
 then logs one summary naming every routed path ("target logits gather, drafter
 logits gather"). SGLang later hands the draft model the target's lm_head weight
 (``set_embed_and_head`` for EAGLE, after load): a gather sees only ``[M, width]``
-shards, so a width it was not built for goes to SGLang's gatherer, bitwise.
+shards, so a width it was not built for goes to SGLang's gatherer, bitwise. A DSpark
+draft (its base logits gathered by ``compute_base_logits``, outside any LogitsProcessor)
+is ``sglang_dspark``'s: it installs once SGLang attaches the head.
 
 The checks, the table's entries, the ranks' agreement and the build are the engine-neutral
 install core's (``install.install`` on a ``GatherSite`` naming ``_logits_gatherer``):
