@@ -45,10 +45,14 @@ SECTION_KEYS = {"schema", "tp", "dcp", "vocab", "stock", "dtype", "emulated", "p
 LEGACY_VOCAB = KIMI_K2_VOCAB  # the V of a section written without ``vocab`` (older tables)
 NCCL_STOCK = "nccl-all-gather"  # vLLM's _gather_logits, SGLang without NVLS, the tuner's stand-in
 MULTIMEM_STOCK = "multimem-all-gather"  # SGLang's MultimemAllGatherer (NVLS one-shot)
+# vLLM's CudaCommunicator.custom_all_gather (one-shot IPC, or with multicast the MNNVL
+# Lamport all-gather; NCCL's where it declines): a release whose LogitsProcessor gathers
+# through it (engines/vllm/find.py gather_stock) is served only from sections against it
+CUSTOM_STOCK = "custom-all-gather"
 # vLLM 0.34's all_to_all_vocab_shards (batch-sharded sampling, DSpark): a section against it
 # is the all-to-all's (``lamport_head.all_to_all``), its rows the step's total M
 ALL_TO_ALL_STOCK = "nccl-all-to-all"
-STOCKS = (NCCL_STOCK, MULTIMEM_STOCK, ALL_TO_ALL_STOCK)
+STOCKS = (NCCL_STOCK, MULTIMEM_STOCK, ALL_TO_ALL_STOCK, CUSTOM_STOCK)
 LEGACY_STOCK = NCCL_STOCK  # the stock of a section written without ``stock``
 MAX_CTAS = 1024  # the most CTAs a table entry may ask for
 # Sections of one key kept side by side, one per environment that measured it (the

@@ -168,3 +168,52 @@ def prepare_rank(rank, tp, run):
             f"{common.is_amx_tile_supported}, its AMX backend {common.cpu_has_amx_support()} "
             "(expected off: sgl_kernel is kept out); update tests/sglang_cpu.py")
     return told
+
+
+def scheduler_runtime(rank, tp, run, model_path, **server_args):
+    """In a prepared SGLang rank: the scheduler process's order, as SGLang runs it:
+    ``ServerArgs`` (CPU, TP ``tp``, dummy weights, BF16, no CUDA graphs, and
+    ``server_args``), ``publish(role="scheduler")``, ``configure_logger``, the parallel
+    runtime on gloo, the layer runtime. Returns ``(server args, the model's ModelConfig,
+    the TP group's CPU group)``."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import bootstrap
+    from sglang.srt.distributed.parallel_state import get_tp_group
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.common import configure_logger
+
+    args = ServerArgs(model_path=model_path, device="cpu", tp_size=tp, load_format="dummy",
+                      skip_tokenizer_init=True, dtype="bfloat16", disable_cuda_graph=True,
+                      mem_fraction_static=0.5, **server_args)
+    args.resolve_once()
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=None, gpu_id=rank))
+    configure_logger(args, prefix=f" TP{rank}")
+    bootstrap.init_parallel_runtime(server_args=args, device="cpu", dist_port=0)
+    config = ModelConfig.from_server_args(args)
+    bootstrap.init_layer_runtime(model_config=config)
+    return args, config, get_tp_group().cpu_group
+
+
+def stand_in_kernel(tp, group, launches):
+    """The gather kernel's CPU stand-in for ``helpers.fake_cuda(launch=...)``: it moves
+    the shards over ``group`` as the protocol does (every word unchanged but the
+    sentinel, sent as (+0, +0); rank r's shard at columns r x V/TP), writes every word
+    of the output, and appends each launch's row count to ``launches``."""
+    import ctypes
+
+    import torch
+    import torch.distributed as dist
+
+    from lamport_head.kernels.protocol import SENTINEL_I32
+
+    def kernel(logits, dst, peers, r, ctas, budget_ns, status, stream):
+        words = logits.contiguous().view(torch.int32)
+        sent = torch.where(words == SENTINEL_I32, torch.zeros_like(words), words)
+        parts = [torch.empty_like(sent) for _ in range(tp)]
+        dist.all_gather(parts, sent, group=group)
+        full = torch.cat(parts, dim=1).contiguous()
+        ctypes.memmove(dst, full.data_ptr(), full.numel() * full.element_size())
+        launches.append(logits.shape[0])
+
+    return kernel

@@ -39,7 +39,7 @@ import sys
 
 import pytest
 from engine_cpu import HOST_ISA_ENV, HOST_ISAS
-from sglang_cpu import prepare_rank, require_sglang
+from sglang_cpu import prepare_rank, require_sglang, scheduler_runtime, stand_in_kernel
 from tables import TWO_RANKS_VOCABS, sections
 
 # 512: the EAGLE3 head's V (DRAFT_VOCAB); measured against SGLang's own gatherer, its
@@ -173,7 +173,6 @@ def _names(runner, lp, engine):
 
 
 def _scenarios(rank, tp, run):
-    import ctypes
     import functools
 
     import torch
@@ -181,11 +180,9 @@ def _scenarios(rank, tp, run):
     from helpers import fake_cuda, same_bits
 
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.distributed import bootstrap
     from sglang.srt.distributed.device_communicators.triton_symm_mem_ag import (
         MultimemAllGatherer,
     )
-    from sglang.srt.distributed.parallel_state import get_tp_group
     from sglang.srt.layers.logits_processor import LogitsMetadata
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -193,9 +190,6 @@ def _scenarios(rank, tp, run):
         load_model_with_memory_saver,
     )
     from sglang.srt.plugins import load_plugins
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
-    from sglang.srt.utils.common import configure_logger
 
     from lamport_head.tuning.support import reference
     from lamport_head.engines import sglang as engine
@@ -216,30 +210,13 @@ def _scenarios(rank, tp, run):
                      for name, attr in (("load", "load_model"), ("update", "update_model_fields"))}
 
     # the scheduler process's order: publish, logging, the parallel runtime, the runner
-    args = ServerArgs(model_path=f"{run}/llama", device="cpu", tp_size=tp, load_format="dummy",
-                      skip_tokenizer_init=True, dtype="bfloat16", disable_cuda_graph=True,
-                      mem_fraction_static=0.5, max_running_requests=REQUESTS)
-    args.resolve_once()
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=None, gpu_id=rank))
-    configure_logger(args, prefix=f" TP{rank}")
-    bootstrap.init_parallel_runtime(server_args=args, device="cpu", dist_port=0)
-    config = ModelConfig.from_server_args(args)
-    bootstrap.init_layer_runtime(model_config=config)
-    cpu_group = get_tp_group().cpu_group
+    args, config, cpu_group = scheduler_runtime(rank, tp, run, f"{run}/llama",
+                                                max_running_requests=REQUESTS)
 
     # HeadGather on CPU (helpers.fake_cuda), its kernel a stand-in that moves the bytes as
     # the protocol does: every word unchanged but the sentinel, sent as (+0, +0)
     launches = []
-
-    def kernel(logits, dst, peers, r, ctas, budget_ns, status, stream):
-        words = logits.contiguous().view(torch.int32)
-        sent = torch.where(words == SENTINEL_I32, torch.zeros_like(words), words)
-        parts = [torch.empty_like(sent) for _ in range(tp)]
-        dist.all_gather(parts, sent, group=cpu_group)
-        full = torch.cat(parts, dim=1).contiguous()  # rank r's shard at columns r * V/TP
-        ctypes.memmove(dst, full.data_ptr(), full.numel() * full.element_size())
-        launches.append(logits.shape[0])
-
+    kernel = stand_in_kernel(tp, cpu_group, launches)
     fake_cuda(setattr, rank, "ok", launch=kernel)
 
     mark("plugin")

@@ -459,7 +459,8 @@ def test_sections_are_keyed_by_the_stock_they_were_measured_against():
 
 def test_a_stock_the_loader_does_not_know_and_a_repeated_stock_are_refused():
     with pytest.raises(TableError, match=r"stock must be one of nccl-all-gather, "
-                                         r"multimem-all-gather, nccl-all-to-all .*got 'nccl'"):
+                                         r"multimem-all-gather, nccl-all-to-all, "
+                                         r"custom-all-gather .*got 'nccl'"):
         parse(STOCKS.replace("stock: multimem-all-gather", "stock: nccl"), "s.yaml")
     with pytest.raises(TableError, match="duplicate section .*stock=nccl-all-gather, dtype=bfloat16: ambiguous"):
         parse(STOCKS.replace("stock: multimem-all-gather", "stock: nccl-all-gather"), "s.yaml")
@@ -475,6 +476,20 @@ def test_an_all_to_all_section_is_keyed_apart_from_the_gathers():
     gather = t.entries("NVIDIA H200", 8, 1, vocab=163840, stock=NCCL_STOCK)
     a2a = t.entries("NVIDIA H200", 8, 1, vocab=163840, stock=ALL_TO_ALL_STOCK)
     assert gather[1].ctas == 16 and a2a[1].ctas == 8
+
+
+def test_a_custom_all_gather_section_is_keyed_apart_from_nccls():
+    """Issue 48 item 3: a vLLM release whose LogitsProcessor gathers through
+    ``CudaCommunicator.custom_all_gather`` is served only from sections measured against
+    it (``custom-all-gather``), never from NCCL's of the same GPU, TP, DCP, V and dtype."""
+    from lamport_head.table import CUSTOM_STOCK, NCCL_STOCK
+
+    t = parse(STOCKS.replace("stock: multimem-all-gather", f"stock: {CUSTOM_STOCK}"), "s.yaml")
+    nccl = t.entries("NVIDIA H200", 8, 1, vocab=163840, stock=NCCL_STOCK)
+    custom = t.entries("NVIDIA H200", 8, 1, vocab=163840, stock=CUSTOM_STOCK)
+    assert nccl[1].ctas == 16 and custom[1].ctas == 8 and not custom[1].enabled
+    assert parse(STOCKS.split("    - tp: 8\n      vocab: 163840\n      stock")[0],
+                 "n.yaml").entries("NVIDIA H200", 8, 1, vocab=163840, stock=CUSTOM_STOCK) == {}
 
 
 def test_the_writer_writes_stock_and_replaces_only_the_same_stock(tmp_path):

@@ -28,7 +28,9 @@ touched). Its rows are a draft step's: 1 .. max running requests x
 then logs one summary naming every routed path ("target logits gather, drafter
 logits gather"). SGLang later hands the draft model the target's lm_head weight
 (``set_embed_and_head`` for EAGLE, after load): a gather sees only ``[M, width]``
-shards, so a width it was not built for goes to SGLang's gatherer, bitwise.
+shards, so a width it was not built for goes to SGLang's gatherer, bitwise. A DSpark
+draft (its base logits gathered by ``compute_base_logits``, outside any LogitsProcessor)
+is ``sglang_dspark``'s: it installs once SGLang attaches the head.
 
 The checks, the table's entries, the ranks' agreement and the build are the engine-neutral
 install core's (``install.install`` on a ``GatherSite`` naming ``_logits_gatherer``):
@@ -303,6 +305,13 @@ def _after_load_model(result, runner, *args, **kwargs):
     _say_registered()
     dcp = _dcp_size()
     if getattr(runner, DRAFT_WORKER, False):
+        from . import sglang_dspark  # lazy: it names this module's Target and helpers
+
+        if sglang_dspark.is_dspark(getattr(runner, "model", None)):
+            # its base logits are gathered outside any LogitsProcessor, once SGLang
+            # attaches the head: sglang_dspark installs (and says the summary) then
+            sglang_dspark.on_attach(runner, dcp)
+            return None
         drafter = install_sglang_draft_gather(runner, dcp=dcp, rows=draft_rows_from_sglang(runner))
         if drafter.rank == 0:
             logger.info("lamport-head summary: %s", summary(_target, drafter))
@@ -320,6 +329,7 @@ class Target(NamedTuple):
     served: tuple  # its rows through a Lamport gather (() = SGLang's)
     gather: object  # the HeadGather serving them, or None
     group: object  # the agreement group it was built on (SGLang's TP CPU group)
+    stock: str = NCCL_STOCK  # the kind of SGLang's gatherer it replaces (``stock_kind``)
 
 
 _target = None  # the last target runner's outcome in this process (one scheduler: one)
@@ -335,7 +345,10 @@ def _remember_target(runner, served):
             group = _sglang_tp()[0]
         except Exception:  # no SGLang TP group (an explicit test bed): no sharing
             group = None
-    _target = Target(type(getattr(runner, "model", None)).__name__, served.rows, gather, group)
+    kept = getattr(lp, GATHERER, None)  # routed: a partial keeping SGLang's as its stock
+    kept = getattr(kept, "keywords", {}).get("stock", kept)
+    _target = Target(type(getattr(runner, "model", None)).__name__, served.rows, gather, group,
+                     stock_kind(kept))
 
 
 class Drafter(NamedTuple):
@@ -406,16 +419,20 @@ def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
     return Drafter(name, served, tp * width, rank, tp, dcp)
 
 
+def target_clause(target):
+    """The summary's words for the target model (its ``Target``, or None)."""
+    if target is None:
+        return "target: not loaded through the hook in this process"
+    if target.served:
+        return f"target {target.name}: Lamport logits gather for rows {list(target.served)}"
+    return f"target {target.name}: SGLang's logits gather"
+
+
 def summary(target, drafter):
     """Rank 0's one line for a speculative server: each model's outcome, then every
     path a Lamport gather serves ("target logits gather, drafter logits gather")."""
     head = f"SGLang speculative decoding, tp={drafter.tp}, dcp={drafter.dcp}: "
-    if target is None:
-        first = "target: not loaded through the hook in this process"
-    elif target.served:
-        first = f"target {target.name}: Lamport logits gather for rows {list(target.served)}"
-    else:
-        first = f"target {target.name}: SGLang's logits gather"
+    first = target_clause(target)
     drafted = drafter.outcome
     if drafted.served:
         whose = ("the target's Lamport logits gather (its head has the target's shard width)"

@@ -10,14 +10,15 @@ needs a collective. vLLM is not imported: its classes are recognized by module a
 """
 
 import functools
+import inspect
 from typing import NamedTuple
 
 import torch
 
 from ... import install
 from ...settings import FORCE_ENV, forced
-from ...table import MAX_ROWS
-from .release import DSPARK_EXCHANGE, DSPARK_SHARDED, TARGET_EXCHANGE
+from ...table import CUSTOM_STOCK, MAX_ROWS, NCCL_STOCK
+from .release import CUSTOM_GATHER, DSPARK_EXCHANGE, DSPARK_SHARDED, TARGET_EXCHANGE
 from .release import STOCK_PROCESSOR as _STOCK  # vLLM's own LogitsProcessor class
 
 GATHER = "_gather_logits"  # vLLM LogitsProcessor's gather: [M, V/TP] -> [M, V]
@@ -43,6 +44,30 @@ def owns_gather(processor) -> bool:
     """True when the processor's class overrides vLLM's stock ``_gather_logits``."""
     owner = _gather_owner(processor)
     return owner is not None and (owner.__module__, owner.__qualname__) != _STOCK
+
+
+def _names(code):
+    """Every global and attribute name ``code`` and the code nested in it (closures,
+    comprehensions) refer to."""
+    found = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            found |= _names(const)
+    return found
+
+
+def gather_stock(processor):
+    """The stock the route of ``processor``'s gather replaces (``table.STOCKS``), read off
+    the code of vLLM's own ``LogitsProcessor._gather_logits``: ``CUSTOM_STOCK`` where it
+    calls ``CudaCommunicator.custom_all_gather`` (no release does yet: vLLM PR 57856
+    would), so only a section measured against that one-shot gather serves it and
+    first-use tuning times it; else NCCL's all-gather. A processor whose class has its
+    own gather (routed only when forced) is keyed by NCCL's, as before. A pure function
+    of the processor's class: every rank answers alike."""
+    owner = None if processor is None or owns_gather(processor) else _gather_owner(processor)
+    gather = inspect.unwrap(vars(owner)[GATHER]) if owner is not None else None
+    code = getattr(gather, "__code__", None)
+    return CUSTOM_STOCK if code is not None and CUSTOM_GATHER in _names(code) else NCCL_STOCK
 
 
 def find_gather_target(model, force=None):

@@ -55,6 +55,11 @@ EXCHANGE_CALLERS = {
 # DSparkSpeculator's own decision (its load_model) to shard its sequential sampling: the
 # PyNCCL communicator it exchanges with, None when sampling stays replicated
 DSPARK_SHARDED = "_sharded_sequential_comm"
+# CudaCommunicator's one-shot all-gather (vLLM 0.33 on: IPC, or the MNNVL Lamport
+# all-gather with multicast; None where it declines). A LogitsProcessor._gather_logits
+# of vLLM's own that calls it (no release does yet; vLLM PR 57856 would) makes it the
+# stock the route replaces (find.gather_stock): looked up only in that code, never relied on
+CUSTOM_GATHER = "custom_all_gather"
 # what the hook reads off a loaded worker (attribute paths from the worker)
 RELIED_ON_WORKER = ("model_runner.get_model", "device")
 RELIED_ON_GROUP = ("world_size", "rank_in_group", "device_group")  # vLLM's GroupCoordinator

@@ -25,7 +25,7 @@ from . import release as releases
 from .candidates import install_drafter_candidates, install_pair_candidates
 from .find import (GATHER, candidate_path, candidate_rows, draft_model, drafter_paths,
                    drafter_rows, exchange_paths, find_drafter_target, find_gather_target,
-                   logits_paths, other_collectives, owns_gather, rows_from_vllm)
+                   gather_stock, logits_paths, other_collectives, owns_gather, rows_from_vllm)
 from .summary import summary
 from .vocab_shards import install_exchanges
 
@@ -61,7 +61,9 @@ def _site(model, lp, head, where, finder):
     """The install core's view of the processor ``finder`` found in ``model``. Its logits'
     dtype is the processor's ``head_dtype`` (vLLM's ``ModelConfig.head_dtype``: the model
     dtype, or float32 with ``--hf-overrides '{"head_dtype": "float32"}'``, the projection
-    then accumulating into FP32 over the BF16 weight), else the weight's."""
+    then accumulating into FP32 over the BF16 weight), else the weight's; its stock is
+    ``find.gather_stock``'s (NCCL's all-gather, or vLLM's custom all-gather where its
+    release gathers through it)."""
     head_dtype = getattr(lp, "head_dtype", None)
     return install.GatherSite(
         processor=lp, attr=GATHER, weight=getattr(head, "weight", None),
@@ -72,7 +74,7 @@ def _site(model, lp, head, where, finder):
                f"logits_as_input={getattr(lp, 'logits_as_input', None)}, "
                f"head_dtype={head_dtype}"),
         kept=finder(model, force=False)[2] if owns_gather(lp) else None,
-        dtype=head_dtype)
+        stock=gather_stock(lp), dtype=head_dtype)
 
 
 class Drafter(NamedTuple):
@@ -197,7 +199,8 @@ def _install_after_load(worker):
         through, around = logits_paths(model, config)
         logger.info("lamport-head summary: %s", summary(
             running, type(model).__name__, ranks.tp, dcp, outcome, through, around, drafter,
-            candidates, other_collectives(model, draft, config), exchanges))
+            candidates, other_collectives(model, draft, config), exchanges,
+            stock=gather_stock(find_gather_target(model, force=True)[0])))
     return outcome
 
 

@@ -9,11 +9,12 @@ logits dtype is named where it is not BF16 ("(float32 logits)": an FP32 lm_head)
 """
 
 from ...dtypes import DEFAULT as DEFAULT_DTYPE
-from .release import EXCHANGE
+from ...table import CUSTOM_STOCK, NCCL_STOCK
+from .release import CUSTOM_GATHER, EXCHANGE
 
 
 def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), around=(),
-            drafter=None, candidates=(), others=(), exchanges=()):
+            drafter=None, candidates=(), others=(), exchanges=(), stock=NCCL_STOCK):
     """The line. ``release``: the running vLLM (``release.Release`` or its text);
     ``outcome``: the target's ``Outcome``; ``through``/``around``: ``find.logits_paths``
     (served rows are named only with the paths that really take the gather, and said
@@ -25,7 +26,9 @@ def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), 
     logits collectives no Lamport gather serves (``find.other_collectives``), each
     named as not routed; ``exchanges``: the ``vocab_shards.Exchange`` of each caller of
     the all-to-all of vocab shards a step takes, each in a clause of its own (served
-    rows, or why vLLM's all-to-all stays)."""
+    rows, or why vLLM's all-to-all stays); ``stock``: the stock of the logits gather
+    (``find.gather_stock``), named where it is vLLM's custom all-gather (a release whose
+    ``LogitsProcessor`` gathers through ``custom_all_gather``)."""
     candidates = list(candidates or ())
     if candidates and drafter is not None:
         paths = {c.path for c in candidates}
@@ -46,6 +49,9 @@ def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), 
                        + (f"; {skip} it" if around else ""))
     else:
         line = head + f"stock logits gather on all {tp} TP ranks ({_why(outcome)})"
+    if stock == CUSTOM_STOCK:  # never for a release that gathers by NCCL: its line is as before
+        line += (f"; the logits gather's stock: {stock} (LogitsProcessor._gather_logits calls "
+                 f"CudaCommunicator.{CUSTOM_GATHER})")
     line = line if drafter is None else line + "; " + _drafter_clause(drafter)
     clauses = [_exchange_clause(e) for e in exchanges]
     clauses += [_candidates_clause(c) for c in candidates]
