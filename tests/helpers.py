@@ -162,6 +162,33 @@ class StandInAllToAll(StandInGather):
         return scrub(out)
 
 
+def vllm_lm(rank, vocab, hidden, seed=3):
+    """A model class of vLLM's own ``ParallelLMHead`` (BF16, seeded weights: this
+    rank's shard of one ``[padded vocab, hidden]`` matrix) and ``LogitsProcessor``,
+    ``compute_logits`` as vLLM's models write it: what route detection finds in a
+    release. Each instance draws the same weights."""
+    from torch import nn
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    class Lm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = ParallelLMHead(vocab, hidden, params_dtype=torch.bfloat16)
+            self.logits_processor = LogitsProcessor(vocab)
+            padded = self.lm_head.num_embeddings_padded
+            gen = torch.Generator().manual_seed(seed)
+            weight = torch.randn(padded, hidden, generator=gen).to(torch.bfloat16)
+            shard = self.lm_head.weight.shape[0]
+            self.lm_head.weight.data.copy_(weight[rank * shard:(rank + 1) * shard])
+            self.lm_head.quant_method.process_weights_after_loading(self.lm_head)
+
+        def compute_logits(self, hidden_states):
+            return self.logits_processor(self.lm_head, hidden_states)
+
+    return Lm
+
+
 def forced_build(install):
     """Install forced onto ``StandInGather`` (``StandInAllToAll`` in place of an
     all-to-all) on an "NVIDIA H200" (this rank's process), built for the dtype install

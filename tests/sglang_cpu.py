@@ -217,3 +217,38 @@ def stand_in_kernel(tp, group, launches):
         launches.append(logits.shape[0])
 
     return kernel
+
+
+def run_ranks(module, run, table, isa, deadline_s):
+    """``module``'s (a test file's name) ``_launch(run, table)`` in SGLang's interpreter
+    on a host whose CPU ISA is ``isa`` (``engine_cpu.HOST_ISA_ENV``): its 2 ranks'
+    results (``run/result.{rank}``, JSON) and logs (``run/out.{rank}``); the test
+    fails with every rank's log when they do."""
+    import json
+    import subprocess
+
+    import pytest
+    from engine_cpu import HOST_ISA_ENV
+
+    python = require_sglang()
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, **{HOST_ISA_ENV: isa})
+    code = (f"import sys; sys.path.insert(0, {tests!r}); import {module} as t; "
+            f"t._launch({str(run)!r}, {str(table)!r})")
+    done = subprocess.run([python, "-c", code], env=env, cwd=tests, capture_output=True,
+                          text=True, timeout=deadline_s + 60)
+    logs = [(run / f"out.{r}").read_text() if (run / f"out.{r}").exists() else ""
+            for r in range(2)]
+    if done.returncode != 0:
+        pytest.fail(f"SGLang ranks failed (rc {done.returncode}):\n{done.stderr[-4000:]}\n"
+                    + "\n".join(f"--- rank {r}:\n{log[-4000:]}" for r, log in enumerate(logs)))
+    return [json.loads((run / f"result.{r}").read_text()) for r in range(2)], logs
+
+
+def log_sections(log):
+    """A rank's log split at its ``=== name`` lines: ``{name: text}``."""
+    import re
+
+    parts = re.split(r"^=== (\w+)\n", log, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+

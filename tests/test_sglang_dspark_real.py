@@ -36,11 +36,11 @@ looked up in the real modules. On a simulated host with AMX and one without
 
 import json
 import os
-import subprocess
 
 import pytest
-from engine_cpu import HOST_ISA_ENV, HOST_ISAS
-from sglang_cpu import prepare_rank, require_sglang, scheduler_runtime, stand_in_kernel
+from engine_cpu import HOST_ISAS
+from sglang_cpu import (log_sections, prepare_rank, require_sglang, run_ranks, scheduler_runtime,
+                        stand_in_kernel)
 from tables import sections
 
 VOCAB, HIDDEN = 1000, 64  # padded to 1024: 512 rows a rank
@@ -383,7 +383,7 @@ def _launch(run, table):
 
 @pytest.fixture(scope="module", params=HOST_ISAS)
 def ranks(request, tmp_path_factory):
-    python = require_sglang()
+    require_sglang()
     run = tmp_path_factory.mktemp("sglang_dspark")
     for name, config in (("llama", LLAMA), ("dspark", DSPARK), ("minimax", MINIMAX)):
         (run / name).mkdir()
@@ -391,26 +391,8 @@ def ranks(request, tmp_path_factory):
     table = run / "table.yaml"
     table.write_text(TABLE)
     (run / "multimem.yaml").write_text(MULTIMEM_TABLE)
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, **{HOST_ISA_ENV: request.param})
-    code = (f"import sys; sys.path.insert(0, {tests!r}); import test_sglang_dspark_real as t; "
-            f"t._launch({str(run)!r}, {str(table)!r})")
-    done = subprocess.run([python, "-c", code], env=env, cwd=tests, capture_output=True,
-                          text=True, timeout=DEADLINE_S + 60)
-    logs = [(run / f"out.{r}").read_text() if (run / f"out.{r}").exists() else ""
-            for r in range(2)]
-    if done.returncode != 0:
-        pytest.fail(f"SGLang ranks failed (rc {done.returncode}):\n{done.stderr[-4000:]}\n"
-                    + "\n".join(f"--- rank {r}:\n{log[-4000:]}" for r, log in enumerate(logs)))
-    results = [json.loads((run / f"result.{r}").read_text()) for r in range(2)]
+    results, logs = run_ranks("test_sglang_dspark_real", run, table, request.param, DEADLINE_S)
     return request.param, results, logs
-
-
-def _sections(log):
-    import re
-
-    parts = re.split(r"^=== (\w+)\n", log, flags=re.M)
-    return dict(zip(parts[1::2], parts[2::2]))
 
 
 def _assert_base_logits(rows, what, served, local=False):
@@ -488,7 +470,7 @@ def test_a_tp_sharded_markov_head_leaves_the_base_logits_local(ranks, name):
         assert d["kind"] == "local" and d["served"] is None and d["polled"] == []
         assert d["built_nothing"]
         _assert_base_logits(d["base_logits"], name, [], local=True)
-        said = [x for x in _sections(logs[rank])[name].splitlines() if "lamport-head" in x]
+        said = [x for x in log_sections(logs[rank])[name].splitlines() if "lamport-head" in x]
         assert len(said) == (1 if rank == 0 else 0), said  # no install: the summary only
         if rank == 0:
             assert "the base logits stay vocab-local, not gathered" in said[0]
@@ -504,7 +486,7 @@ def test_lamport_head_disable_keeps_sglangs_gather(ranks):
         assert d["kind"] == "gather_and_crop_vocab" and d["served"] is None
         assert d["polled"] == []
         _assert_base_logits(d["base_logits"], "disabled", [])
-        said = _sections(logs[rank])["disabled"]
+        said = log_sections(logs[rank])["disabled"]
         assert "stays stock: disabled by LAMPORT_HEAD_DISABLE [disabled]" in said, said
 
 
@@ -519,7 +501,7 @@ def test_first_use_tuning_times_sglangs_all_gather_as_the_stock(ranks):
         d = r["first_use"]
         assert d["served"] is None and d["polled"] == []
         _assert_base_logits(d["base_logits"], "first_use", [])
-        said = [x for x in _sections(logs[rank])["first_use"].splitlines()
+        said = [x for x in log_sections(logs[rank])["first_use"].splitlines()
                 if "lamport-head summary" in x]
         assert said == [] if rank else said[0].endswith(
             "drafter DSparkDraftModel compute_base_logits's gather_and_crop_vocab "
@@ -561,7 +543,7 @@ def test_rank_0_names_every_dspark_path(ranks):
         "disabled": f"{dense}: SGLang's gather (disabled: disabled by LAMPORT_HEAD_DISABLE); "
                     "routed on all 2 TP ranks: target logits gather"}
     for rank, log in enumerate(logs):
-        sections = _sections(log)
+        sections = log_sections(log)
         for name, tail in want.items():
             lines = [x for x in sections[name].splitlines() if "lamport-head summary" in x]
             assert len(lines) == (1 if rank == 0 else 0), (name, lines)

@@ -34,12 +34,12 @@ Without it these tests skip, unless ``LAMPORT_HEAD_REQUIRE_SGLANG=1`` (CI).
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from engine_cpu import HOST_ISA_ENV, HOST_ISAS
-from sglang_cpu import prepare_rank, require_sglang, scheduler_runtime, stand_in_kernel
+from engine_cpu import HOST_ISAS
+from sglang_cpu import (log_sections, prepare_rank, require_sglang, run_ranks, scheduler_runtime,
+                        stand_in_kernel)
 from tables import TWO_RANKS_VOCABS, sections
 
 # 512: the EAGLE3 head's V (DRAFT_VOCAB); measured against SGLang's own gatherer, its
@@ -407,7 +407,7 @@ def _launch(run, table):
 def ranks(request, tmp_path_factory):
     """Every test below, on a host whose CPU has AMX and on one without
     (tests/engine_cpu.py): SGLang's ISA choice never decides whether the bed builds."""
-    python = require_sglang()
+    require_sglang()
     run = tmp_path_factory.mktemp("sglang_real")
     for name, config in (("llama", LLAMA), ("eagle", EAGLE), ("eagle3", EAGLE3),
                          ("llama32", LLAMA_FP32)):
@@ -415,26 +415,8 @@ def ranks(request, tmp_path_factory):
         (run / name / "config.json").write_text(json.dumps(config))
     table = run / "table.yaml"
     table.write_text(TABLE)  # vocab 1024: the target and EAGLE heads; 512: the EAGLE3 head
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, **{HOST_ISA_ENV: request.param})
-    code = (f"import sys; sys.path.insert(0, {tests!r}); import test_sglang_real as t; "
-            f"t._launch({str(run)!r}, {str(table)!r})")
-    done = subprocess.run([python, "-c", code], env=env, cwd=tests, capture_output=True,
-                          text=True, timeout=DEADLINE_S + 60)
-    logs = [(run / f"out.{r}").read_text() if (run / f"out.{r}").exists() else ""
-            for r in range(2)]
-    if done.returncode != 0:
-        pytest.fail(f"SGLang ranks failed (rc {done.returncode}):\n{done.stderr[-4000:]}\n"
-                    + "\n".join(f"--- rank {r}:\n{log[-4000:]}" for r, log in enumerate(logs)))
-    results = [json.loads((run / f"result.{r}").read_text()) for r in range(2)]
+    results, logs = run_ranks("test_sglang_real", run, table, request.param, DEADLINE_S)
     return request.param, results, logs
-
-
-def _sections(log):
-    import re
-
-    parts = re.split(r"^=== (\w+)\n", log, flags=re.M)
-    return dict(zip(parts[1::2], parts[2::2]))
 
 
 def _assert_rows(gather, what, served, dtype="torch.bfloat16"):
@@ -550,7 +532,7 @@ def test_log_lines_reach_sglangs_handler(ranks):
     first hook call; each install once; the draft's line."""
     _, _, logs = ranks
     for rank, log in enumerate(logs):
-        sections = _sections(log)
+        sections = log_sections(log)
         mine = [line for line in log.splitlines() if "lamport-head" in line]
         registered = [x for x in mine if "logits gather hooks registered" in x]
         assert len(registered) == 1 and f"TP{rank}" in registered[0], mine

@@ -19,8 +19,8 @@ loading a model in turn:
 """
 
 import pytest
-from helpers import (as_vllm_rank, forced_build, same_bits, spawn_vllm_ranks, vllm_ranks,
-                     vllm_worker)
+from helpers import (as_vllm_rank, forced_build, same_bits, spawn_vllm_ranks, vllm_lm,
+                     vllm_ranks, vllm_worker)
 from tables import sections
 
 VOCAB, HIDDEN = 1000, 64  # padded to 1024: 512 rows of lm_head a rank
@@ -39,7 +39,6 @@ def _rank(rank, world, tmp, tables):
 
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     import vllm
     import vllm.plugins
@@ -47,7 +46,6 @@ def _rank(rank, world, tmp, tables):
     from vllm.distributed import parallel_state as ps
     from vllm.distributed import tensor_model_parallel_all_gather
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     import lamport_head.install as install
     from lamport_head import mailbox, provenance
@@ -69,19 +67,7 @@ def _rank(rank, world, tmp, tables):
     provenance.facts = lambda: {}
     gen = torch.Generator()
 
-    class Lm(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm_head = ParallelLMHead(VOCAB, HIDDEN, params_dtype=torch.bfloat16)
-            self.logits_processor = LogitsProcessor(VOCAB)
-            padded = self.lm_head.num_embeddings_padded
-            weight = torch.randn(padded, HIDDEN, generator=gen.manual_seed(3)).to(torch.bfloat16)
-            shard = self.lm_head.weight.shape[0]
-            self.lm_head.weight.data.copy_(weight[rank * shard:(rank + 1) * shard])
-            self.lm_head.quant_method.process_weights_after_loading(self.lm_head)
-
-        def compute_logits(self, hidden):
-            return self.logits_processor(self.lm_head, hidden)
+    Lm = vllm_lm(rank, VOCAB, HIDDEN)
 
     class Runner:
         def __init__(self):

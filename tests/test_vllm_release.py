@@ -15,8 +15,8 @@ on both), 2 gloo ranks made by vLLM's own init, the real plugin loader and the r
 """
 
 import pytest
-from helpers import (as_vllm_rank, forced_build, same_bits, spawn_vllm_ranks, vllm_ranks,
-                     vllm_worker)
+from helpers import (as_vllm_rank, forced_build, same_bits, spawn_vllm_ranks, vllm_lm,
+                     vllm_ranks, vllm_worker)
 from tables import TWO_RANKS as TABLE
 
 VOCAB, HIDDEN = 1000, 64
@@ -30,13 +30,11 @@ def _rank(rank, world, tmp, table, case, version):
 
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     import vllm
     import vllm.plugins
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     from vllm.v1.worker.gpu_worker import Worker
 
     import lamport_head.install as install
@@ -61,19 +59,7 @@ def _rank(rank, world, tmp, table, case, version):
     forced_build(install)  # a stand-in kernel (no GPU): it gathers with its own collective
     gen = torch.Generator().manual_seed(3)
 
-    class Lm(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm_head = ParallelLMHead(VOCAB, HIDDEN, params_dtype=torch.bfloat16)
-            self.logits_processor = LogitsProcessor(VOCAB)
-            padded = self.lm_head.num_embeddings_padded
-            weight = torch.randn(padded, HIDDEN, generator=gen.manual_seed(3)).to(torch.bfloat16)
-            shard = self.lm_head.weight.shape[0]
-            self.lm_head.weight.data.copy_(weight[rank * shard:(rank + 1) * shard])
-            self.lm_head.quant_method.process_weights_after_loading(self.lm_head)
-
-        def compute_logits(self, hidden):
-            return self.logits_processor(self.lm_head, hidden)
+    Lm = vllm_lm(rank, VOCAB, HIDDEN)
 
     class Runner:
         def __init__(self):
