@@ -198,9 +198,9 @@ class DriverLaunch:
     (``compiled.all_to_all``) takes ``offsets`` too: the tp + 1 row offsets."""
 
     def __init__(self, compiled, pdl=None, *, serving):
-        self.all_to_all = bool(getattr(compiled, "all_to_all", False))
-        self.tp = getattr(compiled, "tp", 0)
         params = slots(compiled)
+        self.all_to_all = params is ALL_TO_ALL_PARAMS
+        self.tp = getattr(compiled, "tp", 0)
         values = _AllToAllValues if self.all_to_all else _Values
         self.name = kernel_name(compiled)
         self.context = current_context()

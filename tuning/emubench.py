@@ -186,39 +186,32 @@ class EmulatedRunner:
         pairs = [(torch.empty(rows, vocab, device=self.device, dtype=self.target.dtype),
                   torch.ones(rows, vocab, device=self.device, dtype=self.target.dtype))
                  for _ in range(self.tp)]
-        here = torch.cuda.current_stream(self.device)
-
-        def run(n):
-            for s in self.streams:
-                s.wait_stream(here)
-            for _ in range(n):
-                for (dst, src), s in zip(pairs, self.streams):
-                    with torch.cuda.stream(s):
-                        dst.copy_(src)
-            for s in self.streams:
-                here.wait_stream(s)
-
-        return self._gated(None, run)
+        return self._each_rank_us([lambda d=d, x=x: d.copy_(x) for d, x in pairs])
 
     def op_us(self):
         """GPU µs per step of one ``torch.add_`` of 16 floats on every rank's stream (the
         launch-latency floor of a step of one kernel per rank), gated as the gathers."""
         small = [torch.zeros(16, device=self.device) for _ in range(self.tp)]
+        return self._each_rank_us([lambda x=x: x.add_(1.0) for x in small])
+
+    # -- pieces --------------------------------------------------------------------
+
+    def _each_rank_us(self, ops):
+        """GPU µs per step of ``ops[r]()`` on rank r's stream, every rank, gated as the
+        gathers (the streams forked from the caller's once and joined once)."""
         here = torch.cuda.current_stream(self.device)
 
         def run(n):
             for s in self.streams:
                 s.wait_stream(here)
             for _ in range(n):
-                for x, s in zip(small, self.streams):
+                for op, s in zip(ops, self.streams):
                     with torch.cuda.stream(s):
-                        x.add_(1.0)
+                        op()
             for s in self.streams:
                 here.wait_stream(s)
 
         return self._gated(None, run)
-
-    # -- pieces --------------------------------------------------------------------
 
     def _gated(self, emu, run):
         """GPU µs per step of ``run(n)`` (gated), after one warm-up step (cuBLAS takes
