@@ -26,7 +26,7 @@ from cutlass import Int32, Int64, Uint32
 from cutlass.memory.smem import SmemAllocator
 
 from .primitives import barrier_any, load_address, load_shared_word, store_shared_word, store_word
-from .protocol import (GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1,
+from .protocol import (CONTROL_DONE, GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1,
                        SHARED_CONTROL_BYTES, SLOW_SHIFT, TIMER_BASE, TIMER_CALLS, TIMER_PHASES,
                        WORDS)
 from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, REPORT_CAUSE, REPORT_SLOW, batch_of, deliver, fetch,
@@ -105,7 +105,7 @@ class Gather:
         if slow == 0:
             if waited > (budget >> SLOW_SHIFT):
                 slow = raise_slow(status, own_control, epoch)
-        cause = Int32(0)  # CAUSE_TIMEOUT implies the heartbeat is up: wait > budget / 2
+        cause = Int32(0)  # here CAUSE_TIMEOUT implies the heartbeat is up: wait > budget / 2
         if waited > wait:
             cause = Int32(CAUSE_TIMEOUT)
         elif mark_of(own_control) != 0:
@@ -148,7 +148,8 @@ class Gather:
         stamps = cute.make_rmem_tensor((len(TIMER_PHASES),), Int64)  # diagnostics only
         self.stamp(stamps, 0)
         # One shared allocation, so its layout is ``protocol.shared_bytes``'s: the
-        # CTA's control words (``SHARED_CONTROL_BYTES``: [0] the epoch thread 0 took),
+        # CTA's control words (``SHARED_CONTROL_BYTES``: [0] the epoch thread 0 took,
+        # [1] whether its ticket was the launch's last, [2] whether it was stale),
         # then, staged, each thread's ``unroll`` slots of 16 bytes (``steps.slot``)
         slot_words: cutlass.Constexpr = unroll * self.threads * WORDS if self.staged else 0
         block = SmemAllocator().allocate_tensor(
@@ -168,9 +169,23 @@ class Gather:
             firsts[step] = load_address(peers + Int64(PEER_PARITY0 * tp + (rank + step) % tp) * 8)
         span = load_address(peers + Int64(PEER_PARITY1 * tp + rank) * 8) - firsts[0]
 
+        # One ticket per CTA (``steps.take_epoch``), before PDL's wait: its epoch,
+        # broadcast through shared memory. The previous launch's CTAs each took theirs
+        # before they let this launch start (their ``launch_dependents`` follows), and
+        # its last ticket moved the epoch on by an atomic that had returned, so the
+        # ticket's latency hides behind the previous kernel's tail. Nothing is left to
+        # count at the end but the done count.
+        last = Int32(0)  # thread 0 of the CTA that took the launch's last ticket
+        if tid == 0:
+            epoch, last, stale = take_epoch(own_control)
+            store_shared_word(shared, epoch)
+            store_shared_word(shared + 4, last)  # the move's result: performed before the barrier
+            store_shared_word(shared + 8, stale)
+        cute.arch.sync_threads()
+        epoch = Int32(load_shared_word(shared))
         if cutlass.const_expr(self.pdl):
-            # The shard is the previous kernel's output, and the epoch is the previous
-            # gather's: both only after the wait.
+            # The shard is the previous kernel's output, the mark and the done counts
+            # the previous gather's: all only after the wait.
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         start = cute.arch.globaltimer()
@@ -181,20 +196,21 @@ class Gather:
         wait = budget
         if serving != 0:
             wait = budget - (budget >> GIVE_UP_SHIFT)
-        # One ticket per CTA (``steps.take_epoch``): its epoch, broadcast through shared
-        # memory; the launch's last ticket moves the epoch on, so nothing is left to
-        # count at the end but the done count.
         if tid == 0:
-            store_shared_word(shared, take_epoch(own_control))
+            if last != 0:  # the next launch's done count: the previous one has ended
+                store_word(own_control + (CONTROL_DONE + ((epoch + 1) & 1)) * 4, 0)
         stopped = Int32(mark_of(own_control) != 0)  # a call before this one failed
-        cute.arch.sync_threads()
-        epoch = Int32(load_shared_word(shared))
         parity = epoch & 1
         targets = cute.make_rmem_tensor((tp,), Int64)
         for step in cutlass.range_constexpr(tp):
             targets[step] = firsts[step] + Int64(parity) * span
         own = targets[0]
         cause = CAUSE_MARK * stopped
+        # A stale ticket (``take_epoch``) gives up like a timeout before any push or
+        # poll; read again from shared memory at the end, not held in a register
+        if load_shared_word(shared + 8) != 0:
+            stopped = Int32(1)
+            cause = Int32(CAUSE_TIMEOUT)
 
         # 1 once this thread raised STATUS_SLOW, and from the start unless serving
         # (nothing to raise): the heartbeats test this one flag, never ``serving``
@@ -260,15 +276,20 @@ class Gather:
             base = base + stride * unroll
         self.stamp(stamps, 3)
         if cause == CAUSE_TIMEOUT:
+            if load_shared_word(shared + 8) != 0:  # every rank, this one too: the pair
+                missing = Int32((1 << tp) - 1)  # is not this launch's alone
             mark_peers(peers, missing, epoch, status, serving, tp)
         if serving == 0:  # recoverable: serving's record is ``record_and_stop``'s
             if cause != 0:
                 publish(status, own_control, epoch, tp)
-        # What the CTA's threads report to its ``finish``: one barrier, and serving's
-        # heartbeat a second (``serving`` is uniform across the grid)
-        reported = Int32(barrier_any(cause)) * REPORT_CAUSE
-        if serving != 0:
-            reported = reported | Int32(barrier_any(slow)) * REPORT_SLOW
+        # What the CTA's threads report to its ``finish``: one barrier says whether any
+        # thread has anything (a cause, or serving's heartbeat raised), and only then
+        # (the answer is the CTA's, so every thread branches alike) two more say what
+        raised = (serving != 0) & (slow != 0)
+        reported = Int32(barrier_any(Int32(cause != 0) | Int32(raised)))
+        if reported != 0:
+            reported = (Int32(barrier_any(cause)) * REPORT_CAUSE
+                        | Int32(barrier_any(Int32(raised))) * REPORT_SLOW)
         if tid == 0:
             finish(own_control, epoch, reported, status, budget,
                    start, slow, serving, tp)

@@ -16,7 +16,7 @@ published or armed whole:
   is weak in the PTX model, so only a batch's first read is staged; a fragment still
   armed is polled again with the volatile load. A stale read sees the sentinel: time
   lost, never bits.
-- ``take_ticket``/``store_pair``/``count_word``/``await_word``: the epoch's ticket pair
+- ``take_ticket``/``count_word``/``await_word``: the epoch's ticket pair
   and the done count (``steps.take_epoch``, ``steps.finish``); ``*_shared_word``: a CTA's
   broadcast word (the epoch); ``barrier_any``: what its threads report at the end.
 - ``trap``: serving's stop, after the record is out (``steps.record_and_stop``).
@@ -134,23 +134,16 @@ def store_word(address, word, *, loc=None, ip=None):
 
 
 @_op
-def take_ticket(address, *, loc=None, ip=None):
-    """Adds 1 to the 64-bit little-endian pair (low, high) at ``address`` (8-byte
-    aligned; device scope, relaxed) and returns the old pair as two words: one atomic
-    read of both."""
-    values = [Int64(address).ir_value(loc=loc, ip=ip)]
+def take_ticket(address, value, *, loc=None, ip=None):
+    """Adds ``value`` (Int64) to the 64-bit little-endian pair (low, high) at ``address``
+    (8-byte aligned; device scope, relaxed) and returns the old pair as two words: one
+    atomic read of both. The caller waits for the result: the add is performed."""
+    values = [Int64(address).ir_value(loc=loc, ip=ip), Int64(value).ir_value(loc=loc, ip=ip)]
     old = Int64(llvm.inline_asm(Int64.mlir_type, values,
-                                "atom.relaxed.gpu.global.add.u64 $0, [$1], 1;", "=l,l,~{memory}",
+                                "atom.relaxed.gpu.global.add.u64 $0, [$1], $2;", "=l,l,l,~{memory}",
                                 has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT,
                                 loc=loc, ip=ip))
     return Uint32(old & Int64(0xFFFFFFFF)), Uint32(old >> 32)
-
-
-@_op
-def store_pair(address, low, high, *, loc=None, ip=None):
-    """Two words to the 8-byte aligned ``address`` in one plain store."""
-    _asm("st.global.v2.u32 [$0], {$1,$2};", "l,r,r,~{memory}",
-         [Int64(address), Uint32(low), Uint32(high)], 0, True, loc, ip)
 
 
 @_op

@@ -45,7 +45,7 @@ from cutlass import Int32, Int64, Uint32
 
 from .primitives import (armed, atomic_max_word_sys, await_word, copy_async, count_word, fence_acq_rel_gpu,
                          fence_acq_rel_sys, fence_sys, grid_size, load, load_address, load_shared, load_volatile,
-                         load_word_volatile, opaque, scrub, store, store_pair, store_sys, store_word,
+                         load_word_volatile, opaque, scrub, store, store_sys, store_word,
                          store_word_sys, take_ticket, trap, wait_async)
 from .protocol import (CONTROL_DONE, CONTROL_MARK, CONTROL_MISSING, CONTROL_TICKETS,
                        EPOCH_SPAN, MARK_TOP, NAN_PAIR, PEER_CONTROL, PEER_PARITY0, SENTINEL, STATUS_EPOCH, STATUS_FLAG,
@@ -66,20 +66,31 @@ REPORT_CAUSE, REPORT_SLOW = 1, 2  # a thread stopped waiting; it raised serving'
 
 
 @cute.jit
-def take_epoch(control: Int64) -> Int32:
-    """Thread 0 of each CTA, after PDL's wait: this launch's epoch, from one atomic add to
-    the ticket pair (``CONTROL_TICKETS``, ``CONTROL_EPOCH``). The CTA that takes the
-    launch's last ticket (all but one taken before it) stores the next epoch (modulo
-    ``EPOCH_SPAN``) with the count at 0, and clears the done count of the next launch's
-    parity: every CTA of this launch has read the epoch by then (the pair is one word),
-    and the next launch reads the pair only after PDL's wait or stream order, when this
-    one has finished. No fence: the atomic is the read, and nothing is announced."""
-    taken, epoch = take_ticket(control + CONTROL_TICKETS * 4)
-    if taken == Uint32(grid_size() - 1):
-        after = (Int32(epoch) + 1) & Int32(EPOCH_SPAN - 1)
-        store_pair(control + CONTROL_TICKETS * 4, 0, after)
-        store_word(control + (CONTROL_DONE + (after & 1)) * 4, 0)
-    return Int32(epoch)
+def take_epoch(control: Int64):
+    """Thread 0 of each CTA, before PDL's wait: ``(epoch, last, stale)``, this launch's
+    epoch from one atomic add to the ticket pair (``CONTROL_TICKETS``,
+    ``CONTROL_EPOCH``); 1 in the CTA that took the launch's last ticket (all but one
+    taken before it); 1 when the ticket found the count at or past the grid (the pair
+    is not this launch's alone: two launches on one mailbox at once, or a count a host
+    write left behind; the caller marks every rank, itself included, so the call
+    starts marked: no push, nothing delivered, every rank raises).
+    That CTA moves the pair to (0, the next epoch modulo ``EPOCH_SPAN``) with an atomic
+    add it waits for, before it lets the next launch start: every CTA of this launch
+    has read the epoch by then (the pair is one word), and the next launch's tickets
+    come after this one's ``launch_dependents`` (PDL) or its end (stream order). No
+    fence: the atomics are the reads and the move, performed at the device's point of
+    coherence (docs/design.md, the epoch: a premise of the hardware, not of the PTX
+    model). The caller clears the next launch's done count after PDL's wait."""
+    taken, epoch = take_ticket(control + CONTROL_TICKETS * 4, Int64(1))
+    last = Int32(0)
+    grid = Uint32(grid_size())
+    if taken == grid - 1:
+        # (grid, epoch) -> (0, epoch + 1): add 2^32 - grid; at the span's end, wrap
+        moved, _ = take_ticket(control + CONTROL_TICKETS * 4, Int64(1 << 32) - Int64(taken) - 1)
+        if epoch == Uint32(EPOCH_SPAN - 1):
+            moved, _ = take_ticket(control + CONTROL_TICKETS * 4, Int64(-(EPOCH_SPAN << 32)))
+        last = Int32(moved == taken + 1) | Int32(moved == 0)  # 1: read, so waited for
+    return Int32(epoch), last, Int32(taken >= grid)
 
 
 @cute.jit

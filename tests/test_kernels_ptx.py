@@ -439,14 +439,17 @@ def test_no_system_fence_before_the_pushes_the_kernel_boundary_orders_the_rearms
     calls later by the kernel boundary (PDL's wait, stream order), with no fence on the
     critical path: a ``fence.acq_rel.sys`` after the wait, measured on the H200, cost TP 8
     M = 1 7.31 -> 10.62 µs and TP 2 4.09 -> 5.70 (docs/figures.md). Pinned: nothing
-    of the call's protocol (mailbox loads, stores, atomics) comes before PDL's wait, and
-    no system fence comes between the wait and the first push."""
+    of the call's protocol but the epoch's ticket (mailbox loads, stores) comes before
+    PDL's wait, and no system fence comes between the wait and the first push."""
     k = _kernel(tp, unroll, arch, all_to_all)
     ins = _mode(k, serving)
     first_push = next(i for i, t in enumerate(ins) if t.startswith("st.relaxed.sys.global.v4"))
     start = ins.index("griddepcontrol.wait;") if has_pdl(arch) else 0
     before = [t for _, t in _memory_ops(ins[:start])]
-    assert all(t.startswith("ld.global.b64") for t in before), before  # the peer table only
+    # the peer table, and the epoch's ticket (``take_epoch``) broadcast to the CTA
+    assert all(t.startswith(("ld.global.b64", "atom.relaxed.gpu.global.add.u64", "st.shared.u32",
+                             "ld.shared.u32", "bar.sync"))
+               for t in before), before
     assert not any(t.startswith(("fence.acq_rel.sys", "fence.sc.sys", "membar.sys"))
                    for t in ins[start:first_push])
 
@@ -463,32 +466,43 @@ def _guarded(ins, i, j):
 def test_the_epoch_is_a_ticket_and_a_cta_fences_only_what_it_reports(
         tp, unroll, serving, arch, all_to_all):
     """Issue 51 item 2, ``steps.take_epoch`` and ``steps.finish``. The epoch is one
-    atomic add to the ticket pair, after PDL's wait and before the first push; the
-    launch's last ticket stores the next pair (one 8-byte store) and clears the next
-    parity's done count, and the epoch reaches the CTA's threads through shared memory
-    across a barrier. At the end the CTA's threads' reports are one barrier reduction
-    (serving: a second, the heartbeat's), then thread 0 counts the CTA done with a
+    atomic add to the ticket pair, before PDL's wait (hidden behind the previous
+    kernel's tail); the launch's last ticket moves the pair on with a second atomic
+    (a third at the span's end) whose result is read before the barrier, so it is
+    performed before the CTA lets the next launch start, and the epoch reaches the
+    CTA's threads through shared memory across that barrier; the next parity's done
+    count is cleared after the wait, when the previous launch has ended. At the end one
+    barrier reduction tells whether any thread of the CTA has something to report (two
+    more, in a branch on it, say what), then thread 0 counts the CTA done with a
     ``red`` (no return: nobody waits on it); the release ``fence.acq_rel.gpu`` before
     it sits in a branch (a CTA with nothing to report skips it), and the only other
     fence of the gpu scope is the acquire of the heartbeat's clear, after the count and
     before the mark's read. No atomic with a return value at the end."""
     k = _kernel(tp, unroll, arch, all_to_all)
     ins = _mode(k, serving)
-    start = ins.index("griddepcontrol.wait;") if has_pdl(arch) else 0
     tickets = [i for i, t in enumerate(ins) if t.startswith("atom.relaxed.gpu.global.add.u64")]
-    assert len(tickets) == 1 and start < tickets[0] < _data_pushes(ins)[0]
-    ticket = tickets[0]
-    barrier = next(i for i in range(ticket, len(ins)) if ins[i].startswith("bar.sync"))
-    texts = [t for _, t in _memory_ops(ins[ticket + 1:barrier])]
-    assert sum(t.startswith("st.global.v2.u32") for t in texts) == 1  # the next pair
-    assert sum(t.startswith("st.global.u32") for t in texts) == 1  # the next done count
-    assert sum(t.startswith("st.shared.u32") for t in texts) == 1  # the epoch, to the CTA
+    assert len(tickets) == 3  # the ticket; the last one's move and the span's wrap
+    barrier = next(i for i in range(tickets[0], len(ins)) if ins[i].startswith("bar.sync"))
+    assert tickets[-1] < barrier
+    texts = [t for _, t in _memory_ops(ins[tickets[-1] + 1:barrier])]
+    # the epoch; the move, read; whether the ticket found the count past the grid
+    assert sum(t.startswith("st.shared.u32") for t in texts) == 3
+    assert not any(t.startswith(("st.global", "ld.global")) for t in texts)
     assert any(t.startswith("ld.shared.u32") for t in ins[barrier:barrier + 8])
+    if has_pdl(arch):  # all before the wait, and the wait before the trigger
+        start = ins.index("griddepcontrol.wait;")
+        assert barrier < start < ins.index("griddepcontrol.launch_dependents;")
+    # the next launch's done count cleared after the wait, before the first push
+    start = ins.index("griddepcontrol.wait;") if has_pdl(arch) else barrier
+    clears = [i for i, t in enumerate(ins[start:_data_pushes(ins)[0]])
+              if t.startswith("st.global.u32")]
+    assert len(clears) == 1
     counts = [i for i, t in enumerate(ins) if t.startswith("red.relaxed.gpu.global.add.u32")]
     assert len(counts) == 1
     count = counts[0]
     reductions = [i for i, t in enumerate(ins[:count]) if "bar.red.or.pred" in t]
-    assert len(reductions) == (2 if serving else 1)
+    assert len(reductions) == 3  # whether anything; then which, in a branch on the first
+    assert _guarded(ins, reductions[1], count) and not _guarded(ins, reductions[0], count)
     fences = [i for i, t in enumerate(ins) if t == "fence.acq_rel.gpu;"]
     assert len(fences) == 2
     release, acquire = fences
@@ -534,7 +548,8 @@ def test_the_record_reads_the_missing_ranks_only_after_an_acquire(
 # TP 2 unroll 4: 58; unroll 8: 50 (the serving variant's 56 and 46 before: TP 2's
 # allocation rises by 8; at 256 threads unroll 4 keeps 4 CTAs per SM, unroll 8
 # (staged, 32 KiB of slots) goes from 5 to 4). The epoch a ticket, the CTA count a
-# ``red`` (issue 51): TP 8 64, 64; TP 2 58, 52.
+# ``red`` (issue 51): TP 8 64, 64; TP 2 58, 52. The ticket before PDL's wait, with the
+# stale ticket's give-up: TP 8 64, 64; TP 2 58, 50.
 REGISTER_CEILING = {(8, 4): 64, (8, 8): 64, (2, 4): 64, (2, 8): 56}
 
 
@@ -657,7 +672,8 @@ def test_the_fp32_widths_compile_and_pass_the_audit(vocab, tp, arch):
 # where it is pushed, the rank's rows computed after the pushes): TP 8 unroll 4: 66;
 # unroll 8: 48; TP 2 unroll 4: 56; unroll 8: 44 (the selects over the held box
 # addresses instead: 76, 64, 58, 40). The epoch a ticket, the CTA count a ``red`` (issue
-# 51): 64, 48, 60, 50.
+# 51): 64, 48, 60, 50. The ticket before PDL's wait, with the stale ticket's give-up
+# (issue 51): 70, 58, 62, 48 (TP 8 unroll 4 back to 3 CTAs per SM).
 A2A_REGISTER_CEILING = {(8, 4): 72, (8, 8): 64, (2, 4): 64, (2, 8): 56}
 
 
