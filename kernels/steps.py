@@ -72,8 +72,9 @@ def take_epoch(control: Int64):
     ``CONTROL_EPOCH``); 1 in the CTA that took the launch's last ticket (all but one
     taken before it); 1 when the ticket found the count at or past the grid (the pair
     is not this launch's alone: two launches on one mailbox at once, or a count a host
-    write left behind; the caller marks every rank, itself included, so the call
-    starts marked: no push, nothing delivered, every rank raises).
+    write left behind; the caller gives up before any push and marks every rank,
+    itself included). A stale ticket moves the epoch on by one, so the rank's next call
+    is behind the failed one and raises its host flag, as every peer's does.
     That CTA moves the pair to (0, the next epoch modulo ``EPOCH_SPAN``) with an atomic
     add it waits for, before it lets the next launch start: every CTA of this launch
     has read the epoch by then (the pair is one word), and the next launch's tickets
@@ -90,7 +91,10 @@ def take_epoch(control: Int64):
         if epoch == Uint32(EPOCH_SPAN - 1):
             moved, _ = take_ticket(control + CONTROL_TICKETS * 4, Int64(-(EPOCH_SPAN << 32)))
         last = Int32(moved == taken + 1) | Int32(moved == 0)  # 1: read, so waited for
-    return Int32(epoch), last, Int32(taken >= grid)
+    stale = Int32(taken >= grid)
+    if stale != 0:  # the epoch moves on all the same, so the next call reports this one
+        take_ticket(control + CONTROL_TICKETS * 4, Int64(1 << 32))
+    return Int32(epoch), last, stale
 
 
 @cute.jit
