@@ -105,7 +105,7 @@ class Gather:
         if slow == 0:
             if waited > (budget >> SLOW_SHIFT):
                 slow = raise_slow(status, own_control, epoch)
-        cause = Int32(0)  # here CAUSE_TIMEOUT implies the heartbeat is up: wait > budget / 2
+        cause = Int32(0)  # CAUSE_TIMEOUT implies the heartbeat is up: wait > budget / 2
         if waited > wait:
             cause = Int32(CAUSE_TIMEOUT)
         elif mark_of(own_control) != 0:
@@ -148,8 +148,7 @@ class Gather:
         stamps = cute.make_rmem_tensor((len(TIMER_PHASES),), Int64)  # diagnostics only
         self.stamp(stamps, 0)
         # One shared allocation, so its layout is ``protocol.shared_bytes``'s: the
-        # CTA's control words (``SHARED_CONTROL_BYTES``: [0] the epoch thread 0 took,
-        # [1] whether its ticket was the launch's last, [2] whether it was stale),
+        # CTA's control words (``SHARED_CONTROL_BYTES``: [0] the epoch thread 0 took),
         # then, staged, each thread's ``unroll`` slots of 16 bytes (``steps.slot``)
         slot_words: cutlass.Constexpr = unroll * self.threads * WORDS if self.staged else 0
         block = SmemAllocator().allocate_tensor(
@@ -177,10 +176,9 @@ class Gather:
         # count at the end but the done count.
         last = Int32(0)  # thread 0 of the CTA that took the launch's last ticket
         if tid == 0:
-            epoch, last, stale = take_epoch(own_control)
+            epoch, last = take_epoch(own_control)
             store_shared_word(shared, epoch)
             store_shared_word(shared + 4, last)  # the move's result: performed before the barrier
-            store_shared_word(shared + 8, stale)
         cute.arch.sync_threads()
         epoch = Int32(load_shared_word(shared))
         if cutlass.const_expr(self.pdl):
@@ -206,11 +204,6 @@ class Gather:
             targets[step] = firsts[step] + Int64(parity) * span
         own = targets[0]
         cause = CAUSE_MARK * stopped
-        # A stale ticket (``take_epoch``) gives up like a timeout before any push or
-        # poll; read again from shared memory at the end, not held in a register
-        if load_shared_word(shared + 8) != 0:
-            stopped = Int32(1)
-            cause = Int32(CAUSE_TIMEOUT)
 
         # 1 once this thread raised STATUS_SLOW, and from the start unless serving
         # (nothing to raise): the heartbeats test this one flag, never ``serving``
@@ -276,8 +269,6 @@ class Gather:
             base = base + stride * unroll
         self.stamp(stamps, 3)
         if cause == CAUSE_TIMEOUT:
-            if load_shared_word(shared + 8) != 0:  # every rank, this one too: the pair
-                missing = Int32((1 << tp) - 1)  # is not this launch's alone
             mark_peers(peers, missing, epoch, status, serving, tp)
         if serving == 0:  # recoverable: serving's record is ``record_and_stop``'s
             if cause != 0:

@@ -67,34 +67,24 @@ REPORT_CAUSE, REPORT_SLOW = 1, 2  # a thread stopped waiting; it raised serving'
 
 @cute.jit
 def take_epoch(control: Int64):
-    """Thread 0 of each CTA, before PDL's wait: ``(epoch, last, stale)``, this launch's
-    epoch from one atomic add to the ticket pair (``CONTROL_TICKETS``,
-    ``CONTROL_EPOCH``); 1 in the CTA that took the launch's last ticket (all but one
-    taken before it); 1 when the ticket found the count at or past the grid (the pair
-    is not this launch's alone: two launches on one mailbox at once, or a count a host
-    write left behind; the caller gives up before any push and marks every rank,
-    itself included). A stale ticket moves the epoch on by one, so the rank's next call
-    is behind the failed one and raises its host flag, as every peer's does.
-    That CTA moves the pair to (0, the next epoch modulo ``EPOCH_SPAN``) with an atomic
-    add it waits for, before it lets the next launch start: every CTA of this launch
-    has read the epoch by then (the pair is one word), and the next launch's tickets
-    come after this one's ``launch_dependents`` (PDL) or its end (stream order). No
-    fence: the atomics are the reads and the move, performed at the device's point of
-    coherence (docs/design.md, the epoch: a premise of the hardware, not of the PTX
-    model). The caller clears the next launch's done count after PDL's wait."""
+    """Thread 0 of each CTA, before PDL's wait: ``(epoch, last)``, this launch's epoch from
+    one atomic add to the ticket pair (``CONTROL_TICKETS``, ``CONTROL_EPOCH``), and 1
+    in the CTA that took the launch's last ticket (all but one taken before it). That
+    CTA moves the pair to (0, the next epoch modulo ``EPOCH_SPAN``) with an atomic add
+    it waits for, before it lets the next launch start: every CTA of this launch has
+    read the epoch by then (the pair is one word), and the next launch's tickets come
+    after this one's ``launch_dependents`` (PDL) or its end (stream order). No fence:
+    the atomics are the reads and the move, at the device's point of coherence. The
+    caller clears the next launch's done count after PDL's wait."""
     taken, epoch = take_ticket(control + CONTROL_TICKETS * 4, Int64(1))
     last = Int32(0)
-    grid = Uint32(grid_size())
-    if taken == grid - 1:
+    if taken == Uint32(grid_size() - 1):
         # (grid, epoch) -> (0, epoch + 1): add 2^32 - grid; at the span's end, wrap
         moved, _ = take_ticket(control + CONTROL_TICKETS * 4, Int64(1 << 32) - Int64(taken) - 1)
         if epoch == Uint32(EPOCH_SPAN - 1):
             moved, _ = take_ticket(control + CONTROL_TICKETS * 4, Int64(-(EPOCH_SPAN << 32)))
         last = Int32(moved == taken + 1) | Int32(moved == 0)  # 1: read, so waited for
-    stale = Int32(taken >= grid)
-    if stale != 0:  # the epoch moves on all the same, so the next call reports this one
-        take_ticket(control + CONTROL_TICKETS * 4, Int64(1 << 32))
-    return Int32(epoch), last, stale
+    return Int32(epoch), last
 
 
 @cute.jit

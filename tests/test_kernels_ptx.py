@@ -481,12 +481,11 @@ def test_the_epoch_is_a_ticket_and_a_cta_fences_only_what_it_reports(
     k = _kernel(tp, unroll, arch, all_to_all)
     ins = _mode(k, serving)
     tickets = [i for i, t in enumerate(ins) if t.startswith("atom.relaxed.gpu.global.add.u64")]
-    assert len(tickets) == 4  # the ticket; the last one's move, the span's wrap; a stale one's move
+    assert len(tickets) == 3  # the ticket; the last one's move and the span's wrap
     barrier = next(i for i in range(tickets[0], len(ins)) if ins[i].startswith("bar.sync"))
     assert tickets[-1] < barrier
     texts = [t for _, t in _memory_ops(ins[tickets[-1] + 1:barrier])]
-    # the epoch; the move, read; whether the ticket found the count past the grid
-    assert sum(t.startswith("st.shared.u32") for t in texts) == 3
+    assert sum(t.startswith("st.shared.u32") for t in texts) == 2  # the epoch; the move, read
     assert not any(t.startswith(("st.global", "ld.global")) for t in texts)
     assert any(t.startswith("ld.shared.u32") for t in ins[barrier:barrier + 8])
     if has_pdl(arch):  # all before the wait, and the wait before the trigger
@@ -548,8 +547,7 @@ def test_the_record_reads_the_missing_ranks_only_after_an_acquire(
 # TP 2 unroll 4: 58; unroll 8: 50 (the serving variant's 56 and 46 before: TP 2's
 # allocation rises by 8; at 256 threads unroll 4 keeps 4 CTAs per SM, unroll 8
 # (staged, 32 KiB of slots) goes from 5 to 4). The epoch a ticket, the CTA count a
-# ``red`` (issue 51): TP 8 64, 64; TP 2 58, 52. The ticket before PDL's wait, with the
-# stale ticket's give-up: TP 8 64, 64; TP 2 58, 50.
+# ``red`` (issue 51): TP 8 64, 64; TP 2 58, 52; the ticket before PDL's wait: the same.
 REGISTER_CEILING = {(8, 4): 64, (8, 8): 64, (2, 4): 64, (2, 8): 56}
 
 
@@ -672,8 +670,8 @@ def test_the_fp32_widths_compile_and_pass_the_audit(vocab, tp, arch):
 # where it is pushed, the rank's rows computed after the pushes): TP 8 unroll 4: 66;
 # unroll 8: 48; TP 2 unroll 4: 56; unroll 8: 44 (the selects over the held box
 # addresses instead: 76, 64, 58, 40). The epoch a ticket, the CTA count a ``red`` (issue
-# 51): 64, 48, 60, 50. The ticket before PDL's wait, with the stale ticket's give-up
-# (issue 51): 70, 58, 62, 48 (TP 8 unroll 4 back to 3 CTAs per SM).
+# 51): 64, 48, 60, 50; the ticket before PDL's wait: 64, 48, 60, 50 (a stale-ticket
+# give-up tried beside it, a flag broadcast through shared memory: 70, 58, 62, 48).
 A2A_REGISTER_CEILING = {(8, 4): 72, (8, 8): 64, (2, 4): 64, (2, 8): 56}
 
 
