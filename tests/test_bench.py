@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -281,6 +282,62 @@ def test_verdicts_name_each_target_and_its_outcome():
         [record(1, 4.0)], tp=2)
 
 
+
+class _CpuEmuTarget:
+    """An emulated target on the CPU: each build a stand-in gather of its PDL, verified."""
+
+    dtype, collective = torch.bfloat16, "all-gather"
+
+    def build(self, plan, pdl=None):
+        return types.SimpleNamespace(pdl=pdl, streams=[None, None])
+
+    def verify(self, emu, rows, calls=3):
+        return True
+
+
+def test_an_lm_head_gather_run_that_cannot_run_emulated_is_skipped_and_the_rest_kept(monkeypatch):
+    from lamport_head.config import GatherConfig
+    from lamport_head.head_gather import GatherTimeout
+    from lamport_head.tuning import emubench
+
+    # an EmulatedRunner (TP 2, tiny shapes) whose only GPU work is stubbed: every timing
+    # is 1 µs, but the lm_head GEMM then the gather with PDL on gives up, as on one H100
+    runner = object.__new__(emubench.EmulatedRunner)
+    runner.target, runner.hidden, runner.budget_s = _CpuEmuTarget(), 8, 1.0
+    runner.device, runner.tp, runner.shard = torch.device("cpu"), 2, 4
+    runner.steps, runner.reps, runner.calls, runner.pdl = 2, 1, 1, True
+    runner.streams, runner.notes = [None, None], []
+    timeout = GatherTimeout(1, [0], 144)
+
+    def rank_steps(n, streams, device, emu=None, shards=None, heads=None):
+        if emu is not None and heads is not None and emu.pdl is None:
+            raise timeout
+
+    monkeypatch.setattr(emubench, "rank_steps", rank_steps)
+    runner._gated = lambda emu, run: run(1) or 1.0
+    runner._host = lambda emu, shards: (8.0, 10.0)
+    runner._captured = lambda emu, shards: (2.0, 0.5)
+    runner.copies_us = lambda rows: 1.5
+    config = GatherConfig(ctas=24)
+
+    row = runner.row(1, config, config)
+
+    for kept in ("gpu_us", "gpu_nopdl_us", "default_gpu_us", "host_us", "add_us",
+                 "captured_gpu_us", "captured_host_us", "lm_head_us", "lm_head_gather_nopdl_us"):
+        assert math.isfinite(row[kept]), kept
+    assert math.isnan(row["lm_head_gather_pdl_us"])
+    assert row["skipped"] == {"lm_head_gather_pdl_us": "cannot run emulated"}
+    assert runner.notes == [
+        f"M=1 {config.label()} pdl=arch: the lm_head GEMM then the gather cannot run emulated "
+        "here, skipped: a virtual rank's spinning gather holds the SMs another's GEMM needs "
+        f"(real ranks each have their own GPU) ({timeout})"]
+    assert not any("later figures NaN" in note for note in runner.notes)
+    record = report.derive({"rows": 1, "plan": "default", **row}, tp=2, vocab=8, ranks_here=2,
+                           bandwidth_gbs=BANDWIDTH)
+    lines = goals.verdicts([record], tp=8)
+    assert "  visible / standalone, PDL on at M=1: skipped (cannot run emulated)" in lines
+    assert "  host per call / torch.add_ at M=1: 0.80 (target <= 1.0): met" in lines
+
 def test_bench_help_names_the_modes_and_defaults(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
@@ -524,7 +581,6 @@ def test_drafter_torchrun_path_times_the_same_shapes(tmp_path, monkeypatch, caps
     """The real RanksRunner under a fake torchrun (one process here, its collectives
     the identity): it builds a DistributedTarget per shard width on the same ranks and
     times our gather and the stock path of exactly the shapes the emulated path gets."""
-    import types
 
     ranks = types.SimpleNamespace(group=None, device=torch.device("cpu"), world=2, rank=0,
                                   shared=False)
@@ -791,7 +847,6 @@ def test_all_to_all_torchrun_path_times_both_collectives_on_the_same_ranks(
     identity): the all-gather on the bench's DistributedTarget, the all-to-all on a
     AllToAllTarget of the same ranks, budget, V and dtype whose splits are
     --splits'; both timed with their stock paths."""
-    import types
 
     from lamport_head import build
     from lamport_head.tuning.harness import AllToAllTarget

@@ -22,10 +22,14 @@ ranks run (the mailbox alone orders them):
 
 Invariants: a gather is verified bitwise (and its mailbox found re-armed) before it
 is timed and after; every wait is bounded by the spin budget ``budget_s``: a gather
-that gives up makes its figures NaN and is dropped (never reused: its ranks' epochs
-may differ), and the run goes on. Every launch and event names its stream. On one
-GPU the ranks' GEMMs and spinning gathers share the SMs, so a GEMM that finds no room
-beside other ranks' spinning CTAs waits for their budget: NaN, not a hang.
+that gives up is dropped (never reused: its ranks' epochs may differ), the figures
+it had left to take are NaN, a note says so, and the run goes on. Every launch and
+event names its stream. On one GPU the ranks' GEMMs and spinning gathers share the
+SMs, so a GEMM that finds no room beside other ranks' spinning CTAs waits for their
+budget: a give-up, not a hang. Each lm_head+gather run (PDL on, PDL off) therefore
+has a gather of its own, measured after every other figure of its M: where it cannot
+run emulated it is skipped and named (the row's ``skipped``, a note saying why), and
+the other figures of that M are kept.
 """
 
 import functools
@@ -47,6 +51,13 @@ from .report import EMULATED
 MEASURED = ("gpu_us", "gpu_nopdl_us", "default_gpu_us", "captured_gpu_us", "copy_us", "lm_head_us",
             "lm_head_gather_pdl_us", "lm_head_gather_nopdl_us", "host_us", "add_us",
             "captured_host_us")
+# the lm_head GEMM then the gather of its output, per gather PDL: (figure, pdl)
+OVERLAPS = (("lm_head_gather_pdl_us", None), ("lm_head_gather_nopdl_us", False))
+SKIPPED = "skipped"  # the row's {figure: why} of the figures that cannot run emulated
+CANNOT_EMULATE = "cannot run emulated"
+OVERLAP_SKIPPED = ("the lm_head GEMM then the gather cannot run emulated here, skipped: a "
+                   "virtual rank's spinning gather holds the SMs another's GEMM needs (real "
+                   "ranks each have their own GPU)")
 
 
 def rank_steps(n, streams, device, emu=None, shards=None, heads=None):
@@ -70,6 +81,11 @@ class _Broken(Exception):
     """A gather gave up while measured: drop it, its figures are NaN."""
 
 
+class _CannotEmulate(Exception):
+    """A run that one GPU cannot host for TP virtual ranks gave up: its figure is skipped
+    (real ranks, one GPU each, can run it), the gather dropped."""
+
+
 class EmulatedRunner:
     """The bench's per-row measurements on ``target``'s GPU (an ``EmulatedTarget``:
     its ``limit`` and ``verify``)."""
@@ -91,7 +107,8 @@ class EmulatedRunner:
     # -- one row count -------------------------------------------------------------
 
     def row(self, rows, config, default):
-        """``{figure: value}`` for ``MEASURED`` (NaN where not measured)."""
+        """``{figure: value}`` for ``MEASURED`` (NaN where not measured), and ``SKIPPED``:
+        ``{figure: CANNOT_EMULATE}`` of the lm_head+gather figures skipped at this M."""
         out = dict.fromkeys(MEASURED, math.nan)
         dtype = self.target.dtype
         data = planted(self.tp, rows, self.shard, device=self.device, dtype=dtype)
@@ -103,15 +120,11 @@ class EmulatedRunner:
 
         def main(emu, got):
             got["gpu_us"] = self._gated(emu, lambda n: rank_steps(n, emu.streams, self.device, emu, shards))
-            got["lm_head_gather_pdl_us"] = self._gated(
-                emu, lambda n: rank_steps(n, emu.streams, self.device, emu, heads=heads))
             got["host_us"], got["add_us"] = self._host(emu, shards)
             got["captured_gpu_us"], got["captured_host_us"] = self._captured(emu, shards)
 
         def nopdl(emu, got):
             got["gpu_nopdl_us"] = self._gated(emu, lambda n: rank_steps(n, emu.streams, self.device, emu, shards))
-            got["lm_head_gather_nopdl_us"] = self._gated(
-                emu, lambda n: rank_steps(n, emu.streams, self.device, emu, heads=heads))
 
         def plain(emu, got):
             got["default_gpu_us"] = self._gated(emu, lambda n: rank_steps(n, emu.streams, self.device, emu, shards))
@@ -122,13 +135,34 @@ class EmulatedRunner:
             out["default_gpu_us"] = out["gpu_us"]
         else:
             out.update(self._measure(rows, default, None, plain))
+        # last, each on a gather of its own: one GPU may not hold a rank's GEMM beside the
+        # other ranks' spinning gathers, and a give-up then costs that figure alone
+        out[SKIPPED] = {}
+        for figure, pdl in OVERLAPS:
+            try:
+                out.update(self._measure(rows, config, pdl, self._overlap(figure, heads)))
+            except _CannotEmulate:
+                out[SKIPPED][figure] = CANNOT_EMULATE
         return out
+
+    def _overlap(self, figure, heads):
+        """The ``_measure`` body of ``figure``: every rank's lm_head GEMM (``heads``) then
+        its gather of the GEMM's output, on the rank's stream. A give-up raises
+        ``_CannotEmulate``: on one GPU it is the ranks' shared SMs, not the gather."""
+        def body(emu, got):
+            try:
+                got[figure] = self._gated(
+                    emu, lambda n: rank_steps(n, emu.streams, self.device, emu, heads=heads))
+            except (GatherTimeout, _Broken) as exc:
+                raise _CannotEmulate(f"{OVERLAP_SKIPPED} ({exc})") from exc
+
+        return body
 
     def _measure(self, rows, config, pdl, body, target=None):
         """Build, verify, ``body(emu, got)``, verify again: the figures ``got``. A
         give-up keeps those taken before it (each was checked); a failed
-        verification keeps none. ``target``: whose collective and shard width (default
-        the bench's)."""
+        verification keeps none; a body's ``_CannotEmulate`` is noted and raised.
+        ``target``: whose collective and shard width (default the bench's)."""
         target = target or self.target
         got, what = {}, f"M={rows} {config.label()} pdl={'arch' if pdl is None else pdl}"
         if target is not self.target:
@@ -147,9 +181,18 @@ class EmulatedRunner:
                 self.notes.append(f"{what}: FAILED bitwise verification after timing")
                 return {}
         except (GatherTimeout, _Broken) as exc:
-            self.notes.append(f"{what}: a wait gave up, later figures NaN ({exc})")
-        torch.cuda.synchronize(self.device)
+            self.notes.append(f"{what}: a wait gave up, this run's later figures are not "
+                              f"measured ({exc})")
+        except _CannotEmulate as exc:
+            self.notes.append(f"{what}: {exc}")
+            raise
+        finally:
+            self._sync()
         return got
+
+    def _sync(self):
+        if self.device.type == "cuda":  # the bench's tests run its bookkeeping on the CPU
+            torch.cuda.synchronize(self.device)
 
     # -- bench --drafter: one gather of any shard width (tuning/draftbench.py) ----------
 

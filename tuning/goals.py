@@ -19,7 +19,9 @@ def _fmt(x):
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.2f}"
 
 
-def _line(name, value, limit, rows):
+def _line(name, value, limit, rows, skipped=None):
+    if skipped:  # its runner could not take it here: say why, not "not measured"
+        return f"  {name} at M={rows}: skipped ({skipped})"
     if value is None or not math.isfinite(value):
         return f"  {name} at M={rows}: not measured"
     verdict = "met" if value <= limit else "MISSED"
@@ -28,7 +30,8 @@ def _line(name, value, limit, rows):
 
 def verdicts(records, tp):
     """One line per (target, row count) the records cover: the figure, the target and
-    met / MISSED / not measured. ``records``: the bench's per-row dicts."""
+    met / MISSED / not measured / skipped (why). ``records``: the bench's per-row dicts; a
+    record's ``skipped``, where present: ``{figure: why}`` of the figures its runner skipped."""
     lines = []
     for r in records:
         m = r["rows"]
@@ -43,7 +46,8 @@ def verdicts(records, tp):
                            r["captured_host_us"], CAPTURED_HOST_US, m))
         if m <= VISIBLE_UP_TO_ROWS:
             lines.append(_line("visible / standalone, PDL on", r["visible_pdl_share"],
-                               VISIBLE_SHARE, m))
+                               VISIBLE_SHARE, m,
+                               r.get("skipped", {}).get("lm_head_gather_pdl_us")))
         if r.get("plan") == "table":  # else the benchmarked plan is the default itself
             lines.append(_line("default plan / table's plan", r["default_vs_plan"],
                                DEFAULT_WITHIN, m))
