@@ -12,11 +12,11 @@ Invariants a change must keep (docs/design.md, the fail-stop rule):
 - First-use tuning (``measure``) is injected by the adapter: this module never imports
   the tuner. It runs, collectively, only when the agreed view asks for it; what
   follows reads the agreed view, never the environment again.
-- First-use tuning of a collective not yet proven on a GPU (``UNPROVEN``: the
-  all-to-all of vocab shards) is opt-in: where it would measure one for whose key no
-  layer holds a section, it does only with that collective's switch on
-  (``settings.ALL_TO_ALL_ENV``, agreed as every setting); else every rank keeps the
-  engine's collective (``Stock.OPT_IN``), nothing measured or built.
+- First-use tuning of a collective with a switch of its own (``SWITCHED``: the
+  all-to-all of vocab shards, ``settings.ALL_TO_ALL_ENV``, on by default, agreed as
+  every setting): where it would measure one for whose key no layer holds a section
+  and the switch is off, every rank keeps the engine's collective
+  (``Stock.SWITCHED_OFF``), nothing measured or built.
 - A broken user table costs only itself: when any rank's vote says its host's copy
   cannot be read whole, every rank serves from the other layers (``Table.without_user``,
   read in the same vote), and the broken copies are set aside where they can be.
@@ -40,10 +40,9 @@ from .tablefile import healing_line, set_aside_agreed
 
 logger = logging.getLogger("lamport_head")
 
-# The collectives whose kernels have not yet passed their GPU files and multiproc cases on
-# a GPU: first-use tuning measures one only where asked (``settings.ALL_TO_ALL_ENV``) or
-# a table holds a section for its key. Once they pass, this empties (CHANGELOG says so).
-UNPROVEN = (ALL_TO_ALL_STOCK,)
+# The collectives whose first-use tuning a switch of their own can turn off
+# (``settings.ALL_TO_ALL_ENV=0``): then only a table section for the key serves one.
+SWITCHED = (ALL_TO_ALL_STOCK,)
 
 
 @dataclass(frozen=True)
@@ -194,7 +193,7 @@ def install(site, ranks, rows=None, *, measure):
     choice, entries = _choose(view, shared)
     unasked = _unasked(view, choice, name, tp, dcp, vocab)
     if unasked:
-        choice = "opt-in"
+        choice = "switched-off"
     unwritable = False  # this host's broken copy could not be set aside: the cache is not
     if healing:  # writable, which the one line of this start says
         # collective: the broken copies are set aside (a host whose copy reads whole keeps
@@ -206,7 +205,7 @@ def install(site, ranks, rows=None, *, measure):
         if line is not None:
             logger.warning(line)
     if unasked:
-        return say(Stock.OPT_IN, unasked)
+        return say(Stock.SWITCHED_OFF, unasked)
     measured = False
     if choice == "unknown":
         return say(Stock.NO_DEVICE_KEY, "first-use tuning cannot tell whether the TP ranks "
@@ -472,7 +471,7 @@ class _View:
     broken: object = None  # why this host's user table cannot be read whole (set aside), or None
     dtype: str = dtypes.DEFAULT  # the logits' dtype (the site's): sections of it only count
     dtypes: tuple = ()  # the dtypes of real-rank sections at this V and stock for another (log)
-    asked: object = None  # an UNPROVEN stock's switch (settings.ALL_TO_ALL_ENV); None: others
+    asked: object = None  # a SWITCHED stock's switch (settings.ALL_TO_ALL_ENV); None: others
     fallback: object = None  # the same reading of every layer but the user table (a _View):
     # what every rank serves from when some host's user table is broken
 
@@ -510,7 +509,7 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock, dtype=dtypes.DEFAULT)
             key = mailbox.device_key(device)
         except Exception:  # no device key: first-use tuning will not guess
             pass
-        asked = settings.all_to_all_enabled() if stock in UNPROVEN else None
+        asked = settings.all_to_all_enabled() if stock in SWITCHED else None
         same = dict(autotune=on, serve_emulated=settings.serve_emulated(),
                     rows=tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key=key,
                     budget_s=settings.spin_budget_s(), stock=stock, dtype=dtype, asked=asked)
@@ -551,25 +550,25 @@ def _reading(table, name, tp, dcp, rows, vocab, same):
 
 def _unasked(view, choice, name, tp, dcp, vocab):
     """Why first-use tuning leaves this collective off, or None: ``choice`` (``_choose``'s)
-    would measure, the stock is ``UNPROVEN``, its switch is off and no layer holds a
+    would measure, the stock is ``SWITCHED``, its switch is off and no layer holds a
     section for its key. From the agreed view: the same on every rank."""
-    if (choice not in ("tune", "unknown") or view.stock not in UNPROVEN or view.asked
+    if (choice not in ("tune", "unknown") or view.stock not in SWITCHED or view.asked
             or view.real != "missing" or view.emulated != "missing"):
         return None
-    return (f"the all-to-all has not yet passed on a GPU, so its first-use tuning is opt-in: "
-            f"no table holds a section for {name}, tp={tp}, dcp={dcp}, vocab={vocab}, "
-            f"stock={view.stock}, dtype={view.dtype}; to turn it on, set "
-            f"{settings.ALL_TO_ALL_ENV}=1 on every rank (first-use tuning then measures it) or "
+    return (f"first-use tuning of the all-to-all is switched off ({settings.ALL_TO_ALL_ENV}=0) "
+            f"and no table holds a section for {name}, tp={tp}, dcp={dcp}, vocab={vocab}, "
+            f"stock={view.stock}, dtype={view.dtype}; to turn it on, unset "
+            f"{settings.ALL_TO_ALL_ENV} on every rank (first-use tuning then measures it) or "
             "tune it into a table (`lamport-head tune --all-to-all` under torchrun)")
 
 
 def _next(view, choice, entries, what, unwritable):
     """What happens next for ``what`` on this start, said by a broken user table's line:
-    from the agreed choice on the other layers (``_choose``'s, or "opt-in") and whether
+    from the agreed choice on the other layers (``_choose``'s, or "switched-off") and whether
     the cache could take a fresh table."""
-    if choice == "opt-in":
-        return (f"the {what} stays stock (opt-in: {settings.ALL_TO_ALL_ENV}=1 or a table "
-                "section turns it on)")
+    if choice == "switched-off":
+        return (f"the {what} stays stock ({settings.ALL_TO_ALL_ENV}=0: unsetting it or a "
+                "table section turns it on)")
     if choice == "tune":
         if unwritable:
             return (f"first-use tuning measures the {what} and serves it on this start, but "

@@ -26,7 +26,7 @@ class Stock(enum.Enum):
     TUNING_FAILED = ("tuning-failed", logging.WARNING)  # first-use tuning failed on every rank
     EMULATED = ("emulated", logging.INFO)  # ranks share one GPU: the emulated section only
     NO_ROWS = ("no-rows", logging.INFO)  # no enabled table rows for this GPU, TP, DCP, V
-    OPT_IN = ("opt-in", logging.INFO)  # a collective not yet proven on a GPU, not asked for
+    SWITCHED_OFF = ("switched-off", logging.INFO)  # its first-use tuning turned off, no section
     BUILD_FAILED = ("build-failed", logging.WARNING)  # building the gather failed on every rank
     ENGINE = ("engine", logging.WARNING)  # the engine's release lacks a name the adapter uses
     NOT_GATHERED = ("not-gathered", logging.INFO)  # no step of this path gathers logits

@@ -15,8 +15,8 @@ from .kernels.protocol import STOP_SHIFT, trap_grace
 DISABLE_ENV = "LAMPORT_HEAD_DISABLE"  # stock logits gather, whatever the tables say
 FORCE_ENV = "LAMPORT_HEAD_FORCE"  # route a processor whose class has its own gather
 AUTOTUNE_ENV = "LAMPORT_HEAD_AUTOTUNE"  # first-use tuning at install (default on)
-# first-use tuning of the all-to-all of vocab shards (default off: opt-in until its GPU
-# files and multiproc cases have passed on a GPU; a table section for its key turns it on too)
+# first-use tuning of the all-to-all of vocab shards (default on; 0 turns it off, and then
+# only a table section for its key serves it)
 ALL_TO_ALL_ENV = "LAMPORT_HEAD_ALL_TO_ALL"
 SERVE_EMULATED_ENV = "LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED"  # serve emulated sections (tests)
 BUDGET_ENV = "LAMPORT_HEAD_BUDGET_S"  # seconds a serving gather waits for its peers
@@ -73,9 +73,9 @@ def autotune_enabled() -> bool:
 
 
 def all_to_all_enabled() -> bool:
-    """``$LAMPORT_HEAD_ALL_TO_ALL`` (default off): first-use tuning may measure the
-    all-to-all of vocab shards where no table section holds its key."""
-    return _flag(ALL_TO_ALL_ENV, "0")
+    """``$LAMPORT_HEAD_ALL_TO_ALL`` (default on; 0 turns it off): first-use tuning may
+    measure the all-to-all of vocab shards where no table section holds its key."""
+    return _flag(ALL_TO_ALL_ENV, "1")
 
 
 def serve_emulated() -> bool:

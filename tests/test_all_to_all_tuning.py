@@ -4,12 +4,12 @@
 - The splits a row count M is verified and timed with (``support.splits.vllm_splits``):
   deterministic, M in all, uneven, ranks of 0 rows at small M, as vLLM's batch sharding.
 - First use through the install core at a site whose stock is vLLM's all-to-all, the
-  timing a collective cost model (``helpers.CollectiveTarget``), asked for with
-  ``LAMPORT_HEAD_ALL_TO_ALL=1`` (issue 49: not yet proven on a GPU, so opt-in): the
+  timing a collective cost model (``helpers.CollectiveTarget``), on by default
+  (``LAMPORT_HEAD_ALL_TO_ALL=0`` switches it off, issue 49): the
   target is made for the all-to-all against the site's callable, the section written has
   stock ``nccl-all-to-all`` and the rows measured, serving builds the all-to-all
-  (``helpers.StandInAllToAll``), a second start without the variable serves that
-  section and measures nothing, every rank agrees. Without the variable or a section,
+  (``helpers.StandInAllToAll``), a second start switched off serves that
+  section and measures nothing, every rank agrees. Switched off with no section,
   nothing is measured or built and every rank keeps the engine's all-to-all.
 - First use on the real ``AllToAllTarget`` with the kernel's CPU stand-in
   (tests/cpu_kernel.py: real ipc mailboxes) and the CUDA timing machinery as no-ops
@@ -96,7 +96,7 @@ def test_vllms_splits_are_deterministic_sum_to_m_uneven_with_empty_ranks_at_smal
 def _install_worker(rank, tp, cache, asked=True, facts=FACTS):
     """One server start: the install core at a site whose stock is vLLM's all-to-all,
     first-use tuning on (its timing a cost model), the all-to-all's first-use tuning
-    asked for (``LAMPORT_HEAD_ALL_TO_ALL=1``) or not, then a call of a served M and one
+    left on (the default) or switched off (``LAMPORT_HEAD_ALL_TO_ALL=0``), then a call of a served M and one
     past the rows through the routed site."""
     from lamport_head import install, mailbox, provenance
     from lamport_head.outcome import Ranks
@@ -104,10 +104,10 @@ def _install_worker(rank, tp, cache, asked=True, facts=FACTS):
 
     os.environ.pop("LAMPORT_HEAD_TABLE", None)
     os.environ.update(LAMPORT_HEAD_AUTOTUNE="1", LAMPORT_HEAD_CACHE=cache)
-    if asked:
-        os.environ["LAMPORT_HEAD_ALL_TO_ALL"] = "1"
-    else:
+    if asked:  # the default
         os.environ.pop("LAMPORT_HEAD_ALL_TO_ALL", None)
+    else:
+        os.environ["LAMPORT_HEAD_ALL_TO_ALL"] = "0"
     fake_cuda(setattr, rank, "ok")
     forced_build(install)  # serving's all-to-all: StandInAllToAll (its own collective)
     builds, build = [], install._build
@@ -181,7 +181,7 @@ def test_first_use_tuning_of_the_all_to_all_writes_its_section_and_serves_it(tmp
 
     run = tmp_path / "run1"
     run.mkdir()
-    # a second start, the variable unset: the section (a table layer's) turns it on, and
+    # a second start, switched off (=0): the section (a table layer's) turns it on, and
     # it measures nothing
     for r in spawn(_install_worker, 2, run, str(cache), False):
         assert r["asked"] == [] and r["timed"] == [] and r["measured"] == []
@@ -191,7 +191,7 @@ def test_first_use_tuning_of_the_all_to_all_writes_its_section_and_serves_it(tmp
 
     run = tmp_path / "run2"
     run.mkdir()
-    # another environment (torch), the variable unset: the section (stale here) still
+    # another environment (torch), switched off: the section (stale here) still
     # turns it on, so first-use tuning measures this environment's version beside it
     other = dict(FACTS, torch="2.14.0")
     for r in spawn(_install_worker, 2, run, str(cache), False, other):
@@ -201,26 +201,26 @@ def test_first_use_tuning_of_the_all_to_all_writes_its_section_and_serves_it(tmp
         == ["2.13.0", "2.14.0"]
 
 
-def test_the_all_to_all_is_off_by_default_where_no_table_holds_its_section(tmp_path):
-    """Issue 49 item 3: the all-to-all has not yet passed on a GPU, so with first-use
-    tuning on but neither ``LAMPORT_HEAD_ALL_TO_ALL`` nor a section for its key, every
+def test_the_all_to_all_switched_off_stays_stock_where_no_table_holds_its_section(tmp_path):
+    """Issue 49 item 3: with first-use tuning on, ``LAMPORT_HEAD_ALL_TO_ALL=0`` and no
+    section for its key, every
     rank keeps the engine's all-to-all: no target made, nothing timed or built, nothing
     written, every call the engine's own; the outcome says why and how to turn it on."""
     cache = tmp_path / "cache"
     for rank, r in enumerate(spawn(_install_worker, 2, tmp_path, str(cache), False)):
-        assert r["rows"] == [] and r["reason"] == "opt-in"
+        assert r["rows"] == [] and r["reason"] == "switched-off"
         assert r["message"] == (
-            "the all-to-all has not yet passed on a GPU, so its first-use tuning is opt-in: no "
-            f"table holds a section for NVIDIA H200, tp=2, dcp=1, vocab={2 * SHARD}, "
-            f"stock={ALL_TO_ALL_STOCK}, dtype=bfloat16; to turn it on, set "
-            "LAMPORT_HEAD_ALL_TO_ALL=1 on every rank (first-use tuning then measures it) or "
+            "first-use tuning of the all-to-all is switched off (LAMPORT_HEAD_ALL_TO_ALL=0) and "
+            f"no table holds a section for NVIDIA H200, tp=2, dcp=1, vocab={2 * SHARD}, "
+            f"stock={ALL_TO_ALL_STOCK}, dtype=bfloat16; to turn it on, unset "
+            "LAMPORT_HEAD_ALL_TO_ALL on every rank (first-use tuning then measures it) or "
             "tune it into a table (`lamport-head tune --all-to-all` under torchrun)")
         assert r["asked"] == [] and r["timed"] == [] and r["builds"] == []
         assert r["class"] == "NoneType" and r["calls"] is None
         assert not any("measured rows" in x for x in r["log"])
         assert r["engine"] == [[m, vllm_splits(m, 2), vllm_splits(m, 2)[rank]] for m in (8, 9)]
-        assert [x for x in r["log"] if "[opt-in]" in x] == [
-            f"lamport-head: stock all-to-all: {r['message']} [opt-in]"]
+        assert [x for x in r["log"] if "[switched-off]" in x] == [
+            f"lamport-head: stock all-to-all: {r['message']} [switched-off]"]
     assert not (cache / "head_gather.yaml").exists()
 
 

@@ -243,15 +243,15 @@ def test_summary_names_both_all_to_all_paths():
 
 
 @pytest.mark.parametrize("asked", [True, False])
-def test_first_use_tuning_measures_the_all_to_all_only_where_asked(monkeypatch, tmp_path,
+def test_first_use_tuning_measures_the_all_to_all_unless_switched_off(monkeypatch, tmp_path,
                                                                     asked):
     """With first-use tuning on, no section for the all-to-all and
-    ``LAMPORT_HEAD_ALL_TO_ALL=1``, first-use tuning measures the all-to-all
+    ``LAMPORT_HEAD_ALL_TO_ALL`` unset, first-use tuning measures the all-to-all
     (``stock_kind``: ``nccl-all-to-all``) against vLLM's own ``all_to_all_vocab_shards``
     for the path's rows; the rows it enables are built and routed
-    (tests/test_all_to_all_tuning.py: the measuring itself). Without the variable
-    (issue 49 item 3: not yet proven on a GPU) nothing is measured or built, the path
-    stays vLLM's, and the outcome says why and how to turn it on."""
+    (tests/test_all_to_all_tuning.py: the measuring itself). With it 0 (issue 49 item
+    3) nothing is measured or built, the path stays vLLM's, and the outcome says why and
+    how to turn it on."""
     from lamport_head.config import GatherConfig
     from lamport_head.table import TableRow
     from lamport_head.tuning import firstuse
@@ -260,10 +260,10 @@ def test_first_use_tuning_measures_the_all_to_all_only_where_asked(monkeypatch, 
     built, asked_for = [], []
     _serve(monkeypatch, tmp_path, built)
     monkeypatch.setenv("LAMPORT_HEAD_AUTOTUNE", "1")
-    if asked:
-        monkeypatch.setenv("LAMPORT_HEAD_ALL_TO_ALL", "1")
-    else:
+    if asked:  # the default
         monkeypatch.delenv("LAMPORT_HEAD_ALL_TO_ALL", raising=False)
+    else:
+        monkeypatch.setenv("LAMPORT_HEAD_ALL_TO_ALL", "0")
     monkeypatch.setattr(mailbox, "device_key", lambda device: ("host", "gpu0"))
 
     def measure(group, device, tp, rank, dcp, shard, rows, shared, name, **kwargs):
@@ -278,12 +278,12 @@ def test_first_use_tuning_measures_the_all_to_all_only_where_asked(monkeypatch, 
     caller = modules[release.EXCHANGE_CALLERS[TARGET]].all_to_all_vocab_shards
     if not asked:
         assert asked_for == [] and built == [] and vocab_shards.routed() == []
-        assert got.outcome.reason is Stock.OPT_IN and not got.outcome.served
+        assert got.outcome.reason is Stock.SWITCHED_OFF and not got.outcome.served
         assert got.outcome.message == (
-            "the all-to-all has not yet passed on a GPU, so its first-use tuning is opt-in: no "
-            "table holds a section for NVIDIA H200, tp=2, dcp=1, vocab=64, "
-            f"stock={ALL_TO_ALL_STOCK}, dtype=bfloat16; to turn it on, set "
-            "LAMPORT_HEAD_ALL_TO_ALL=1 on every rank (first-use tuning then measures it) or "
+            "first-use tuning of the all-to-all is switched off (LAMPORT_HEAD_ALL_TO_ALL=0) and "
+            "no table holds a section for NVIDIA H200, tp=2, dcp=1, vocab=64, "
+            f"stock={ALL_TO_ALL_STOCK}, dtype=bfloat16; to turn it on, unset "
+            "LAMPORT_HEAD_ALL_TO_ALL on every rank (first-use tuning then measures it) or "
             "tune it into a table (`lamport-head tune --all-to-all` under torchrun)")
         assert not getattr(caller, "_lamport_head_wrapped", False)
         return

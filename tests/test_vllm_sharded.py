@@ -14,13 +14,13 @@ planted shards (every special word, the sentinel included) returns the reference
 all-to-all (``reference_all_to_all``: vLLM's, sentinel words as 0). With batch sharding
 off nothing is routed. Rank 0's summary names the all-to-all path.
 
-The all-to-all has not yet passed on a GPU, so its first-use tuning is opt-in (issue 49
-item 3). With first-use tuning on and a table holding the gather's section only: by
-default nothing of the all-to-all is measured, built or routed (no kernel, no tuner
-imported), ``sample`` takes vLLM's own, and the summary says why and how to turn it on;
-with ``LAMPORT_HEAD_ALL_TO_ALL=1`` first-use tuning measures it (its timing a cost
-model, ``helpers.CollectiveTarget``) against vLLM's own ``all_to_all_vocab_shards``,
-writes its section, and ``sample`` takes the product's ``AllToAll`` bitwise.
+First-use tuning of the all-to-all has a switch of its own (issue 49 item 3). With
+first-use tuning on and a table holding the gather's section only: by default it
+measures the all-to-all (its timing a cost model, ``helpers.CollectiveTarget``) against
+vLLM's own ``all_to_all_vocab_shards``, writes its section, and ``sample`` takes the
+product's ``AllToAll`` bitwise; with ``LAMPORT_HEAD_ALL_TO_ALL=0`` nothing of it is
+measured, built or routed (no kernel, no tuner imported), ``sample`` takes vLLM's own,
+and the summary says why and how to turn it on.
 
 Stood in, only where this machine lacks what vLLM's CPU path needs (no Triton backend
 here: vLLM's ``triton`` is its placeholder):
@@ -119,13 +119,13 @@ class _ShardPlan:
 
 def _rank(rank, world, run, table, model_dir, case="table"):
     """``case``: "table" (the all-to-all's section in ``table``), or first-use tuning on
-    with ``table`` holding the gather's section only and the all-to-all "default" (not
-    asked for) or asked for ("env": ``LAMPORT_HEAD_ALL_TO_ALL=1``)."""
+    with ``table`` holding the gather's section only and the all-to-all switched off ("off":
+    ``LAMPORT_HEAD_ALL_TO_ALL=0``) or as it comes ("default": measured)."""
     env = {"LAMPORT_HEAD_TABLE": table}
     if case != "table":
         env.update(LAMPORT_HEAD_AUTOTUNE="1", LAMPORT_HEAD_CACHE=f"{run}/cache")
-    if case == "env":
-        env["LAMPORT_HEAD_ALL_TO_ALL"] = "1"
+    if case == "off":
+        env["LAMPORT_HEAD_ALL_TO_ALL"] = "0"
     as_vllm_rank(run, rank, **env)
     import sys
 
@@ -166,7 +166,7 @@ def _rank(rank, world, run, table, model_dir, case="table"):
 
     install._build = build_all_to_all
     targets = []  # the collectives first-use tuning timed: (stock kind, whose stock)
-    if case == "env":
+    if case == "default":
         from helpers import CollectiveTarget
 
         from lamport_head.tuning import firstuse
@@ -218,7 +218,7 @@ def _rank(rank, world, run, table, model_dir, case="table"):
     out["builds"], out["targets"] = builds, targets
     out["launchers"] = len(toolchain.launches)  # the all-to-all kernels built
     out["tuner"] = "lamport_head.tuning.firstuse" in sys.modules
-    if case == "default":  # vLLM's own: nothing routed
+    if case == "off":  # vLLM's own: nothing routed
         out["global_is_vllms"] = runner_module.all_to_all_vocab_shards is original
         out["routed"] = [list(map(str, k)) for k in vocab_shards.routed()]
         torch.distributed.barrier()
@@ -291,7 +291,7 @@ def _rank(rank, world, run, table, model_dir, case="table"):
             "-0.0": bool(((want == 0) & want.signbit()).any()),
             "sentinel": bool((words == -0x80000000).any())}
 
-    if case == "env":
+    if case == "default":
         torch.distributed.barrier()
         return out
 
@@ -333,11 +333,11 @@ def ranks(request, tmp_path_factory, vllm_release):
                             host_isa=request.param)
 
 
-@pytest.fixture(scope="module", params=["default", "env"])
+@pytest.fixture(scope="module", params=["off", "default"])
 def first_use(request, tmp_path_factory, vllm_release):
     """The ranks' results and logs with first-use tuning on and a table holding the
-    gather's section only, the all-to-all not asked for ("default") or asked for
-    ("env"): ``(case, results, logs, the user table's text or None)``."""
+    gather's section only, the all-to-all switched off ("off") or as it comes
+    ("default"): ``(case, results, logs, the user table's text or None)``."""
     if vllm_release == "0.33.0":
         pytest.skip("vLLM 0.33 has no all_to_all_vocab_shards")
     tmp = tmp_path_factory.mktemp(f"vllm_sharded_{request.param}")
@@ -431,23 +431,24 @@ def test_the_summary_names_the_all_to_all_path(ranks):
         assert len(off) == (1 if rank == 0 else 0) and "all-to-all" not in "".join(off)
 
 
-def test_the_all_to_all_is_opt_in_until_it_has_passed_on_a_gpu(first_use):
-    """Issue 49 item 3, on vLLM 0.34's own ``sample``: by default nothing of the
-    all-to-all is measured, built or routed and the summary's clause says why and how to
-    turn it on; with LAMPORT_HEAD_ALL_TO_ALL=1 first-use tuning measures it against
-    vLLM's own all-to-all, writes its section and sample takes the AllToAll bitwise."""
+def test_first_use_tuning_measures_the_all_to_all_unless_switched_off(first_use):
+    """Issue 49 item 3, on vLLM 0.34's own ``sample``: by default first-use tuning
+    measures the all-to-all against vLLM's own, writes its section and sample takes the
+    AllToAll bitwise; with LAMPORT_HEAD_ALL_TO_ALL=0 nothing of it is measured, built or
+    routed and the summary's clause says why and how to turn it on."""
     case, results, logs, user = first_use
     gather = (r"lamport-head summary: vLLM 0\.34\.\d, LlamaForCausalLM, tp=2, dcp=1: "
               r"Lamport logits gather installed for rows \[1, 2, 4\] on all 2 TP ranks, but no "
               r"step takes it: compute_logits_local \(enable_batch_sharded_sampling: an "
               r"all-to-all of vocab-local logits, not a gather\) skips the gather; ")
-    if case == "default":
-        clause = ("GPUModelRunner.sample's all_to_all_vocab_shards: stock all-to-all (opt-in: "
-                  "the all-to-all has not yet passed on a GPU, so its first-use tuning is "
-                  "opt-in: no table holds a section for NVIDIA H200, tp=2, dcp=1, vocab=1024, "
-                  f"stock={ALL_TO_ALL_STOCK}, dtype=bfloat16; to turn it on, set "
-                  "LAMPORT_HEAD_ALL_TO_ALL=1 on every rank (first-use tuning then measures it) "
-                  "or tune it into a table (`lamport-head tune --all-to-all` under torchrun))")
+    if case == "off":
+        clause = ("GPUModelRunner.sample's all_to_all_vocab_shards: stock all-to-all "
+                  "(switched-off: first-use tuning of the all-to-all is switched off "
+                  "(LAMPORT_HEAD_ALL_TO_ALL=0) and no table holds a section for NVIDIA H200, "
+                  f"tp=2, dcp=1, vocab=1024, stock={ALL_TO_ALL_STOCK}, dtype=bfloat16; to turn "
+                  "it on, unset LAMPORT_HEAD_ALL_TO_ALL on every rank (first-use tuning then "
+                  "measures it) or tune it into a table (`lamport-head tune --all-to-all` "
+                  "under torchrun))")
         for r in results:
             assert r["builds"] == [] and r["launchers"] == 0 and r["targets"] == []
             assert not r["tuner"]  # first-use tuning never started: not even imported

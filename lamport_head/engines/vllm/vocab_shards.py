@@ -29,9 +29,8 @@ all-to-all); an engine on another group or device never reaches another's AllToA
 its peers. Whether to install is decided before any collective from facts every rank
 shares (the config, the models' classes, the release's names). Only a table section
 measured against the all-to-all (``stock: nccl-all-to-all``) serves; first-use tuning
-measures one where none is only where asked (``install.UNPROVEN``: the all-to-all has
-not yet passed on a GPU; the tuner's ``AllToAllTarget``, timed against vLLM's own
-``all_to_all_vocab_shards``).
+measures one where none (the tuner's ``AllToAllTarget``, timed against vLLM's own
+``all_to_all_vocab_shards``) unless its switch is off (``install.SWITCHED``).
 """
 
 import functools
