@@ -25,7 +25,7 @@ from itertools import accumulate
 from operator import index
 
 from .head_gather import HeadGather
-from .kernels.launch import check_offsets
+from .launch import check_offsets
 
 
 def offsets(send_splits, tp, rank, local, rows):

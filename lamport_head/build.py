@@ -23,7 +23,7 @@ from . import dtypes, kernels
 from . import mailbox as boxes  # its start-up deadline is read per build (a test shortens it)
 from .collective import agree, attempt, step
 from .kernels.arch import has_pdl
-from .kernels.launch import DriverLaunch, bind_primary_context, kernel_name
+from .launch import DriverLaunch, bind_primary_context, kernel_name
 from .mailbox import MAILBOXES, choose_backend
 from .occupancy import device_arch, resident_ctas
 from .plan import Limit, fit
@@ -55,7 +55,7 @@ class Toolchain:
                                       **config.kernel_knobs())
 
     def launcher(self, compiled, device, serving):
-        """``compiled`` launched through the driver (``kernels.launch.DriverLaunch``, the
+        """``compiled`` launched through the driver (``launch.DriverLaunch``, the
         cheaper host path) in the device's primary context, with the launch flag
         ``serving``. Called as ``launcher(shard, out, peers, rank, ctas, budget, status,
         stream)``."""

@@ -35,8 +35,9 @@ from . import all_to_all, dtypes, head_gather, mailbox, provenance, settings
 from .collective import all_gather_objects, raised_together, within
 from .outcome import Outcome, Stock
 from .status import SERVING
-from .table import ALL_TO_ALL_STOCK, MAX_ROWS, NCCL_STOCK, TableError, load_table, user_path
-from .tablefile import healing_line, set_aside_agreed
+from .table import (ALL_TO_ALL_STOCK, MAX_ROWS, NCCL_STOCK, TableError, load_table,
+                    section_status, set_aside_agreed, user_path)
+from .tablefile import healing_line
 
 logger = logging.getLogger("lamport_head")
 
@@ -457,7 +458,7 @@ class _View:
 
     entries: dict  # {rows: TableRow}: the enabled entries of the real-rank section
     emulated_entries: dict  # ... and of the emulated section
-    real: str  # provenance.section_status of the real-rank section
+    real: str  # table.section_status of the real-rank section
     emulated: str  # ... and of the emulated one
     autotune: bool
     serve_emulated: bool
@@ -536,7 +537,7 @@ def _reading(table, name, tp, dcp, rows, vocab, same):
         enabled = {m: e for m, e in entries.items()
                    if e.enabled and (rows is None or m in rows)}
         # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
-        state = provenance.section_status(section) if on else ("missing" if section is None
+        state = section_status(section) if on else ("missing" if section is None
                                                                else "current")
         return enabled, state
 

@@ -8,7 +8,7 @@ import functools
 import torch
 
 from .kernels.arch import target
-from .kernels.launch import bind_primary_context, checked, load_function
+from .launch import bind_primary_context, checked, load_function
 
 
 def device_arch(device) -> str:

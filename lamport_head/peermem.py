@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.launch import bind_primary_context, checked
+from .launch import bind_primary_context, checked
 
 RECEIVE_WAIT_S = 30.0  # a peer that said it sent its descriptor: how long to wait for it
 
@@ -57,7 +57,7 @@ class CudaSegments:
     def __init__(self, device, driver=None, bind=None):
         """``driver``: the ``cuda.bindings.driver`` module (a stand-in in tests);
         ``bind(index)``: makes the device's primary context current on the calling
-        thread (``kernels.launch.bind_primary_context``; a stand-in's own in tests)."""
+        thread (``launch.bind_primary_context``; a stand-in's own in tests)."""
         self.device = torch.device(device)
         if driver is None:
             from cuda.bindings import driver  # lazy: loads the CUDA driver (a GPU process only)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, table
 from .settings import commit_override
 
 STALE_KEYS = ("driver", "torch", "cutlass_dsl", "lamport_head", "kernel")
@@ -92,7 +91,7 @@ def runtime_facts():
         "cuda": torch.version.cuda or "unknown",
         "torch": str(torch.__version__),
         "cutlass_dsl": _version("nvidia-cutlass-dsl"),
-        "lamport_head": __version__,
+        "lamport_head": _version("lamport-head"),
         "kernel": kernel_identity(),
     }
 
@@ -120,13 +119,3 @@ def facts():
     return _FACTS
 
 
-def section_status(section):
-    """'missing', 'current', or 'stale: key, ...' for a table section. Only the user
-    table goes stale; the packaged table and ``LAMPORT_HEAD_TABLE`` serve as they are."""
-    if section is None:
-        return "missing"
-    if section.source != str(table.user_path()):
-        return "current"
-    now = facts()
-    old = [k for k in STALE_KEYS if str(section.provenance.get(k)) != str(now[k])]
-    return f"stale: {', '.join(old)}" if old else "current"

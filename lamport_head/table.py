@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import yaml
 
-from . import dtypes
+from . import dtypes, tablefile  # tablefile's lock and set-aside read at the call
 from .config import GatherConfig
 from .dtypes import DEFAULT as LEGACY_DTYPE  # the dtype of a section written without ``dtype``
 from .dtypes import ITEMSIZE, NAMES as DTYPES
@@ -239,7 +239,7 @@ class Section:
 def version(provenance):
     """What environment a section was measured in (``provenance.STALE_KEYS``' values);
     ``()`` for a section with none of them (hand-written: one version only)."""
-    from .provenance import STALE_KEYS  # lazy: cycle (provenance imports table)
+    from .provenance import STALE_KEYS  # lazy: provenance loads torch (the CLI's help reads tables)
 
     if not isinstance(provenance, dict) or not any(k in provenance for k in STALE_KEYS):
         return ()
@@ -557,6 +557,20 @@ def user_path() -> Path:
     return cache_dir() / "head_gather.yaml"
 
 
+def section_status(section):
+    """'missing', 'current', or 'stale: key, ...' for a table section. Only the user
+    table goes stale; the packaged table and ``LAMPORT_HEAD_TABLE`` serve as they are."""
+    from . import provenance  # lazy: it loads torch; read at the call (tests replace facts)
+
+    if section is None:
+        return "missing"
+    if section.source != str(user_path()):
+        return "current"
+    now = provenance.facts()
+    old = [k for k in provenance.STALE_KEYS if str(section.provenance.get(k)) != str(now[k])]
+    return f"stale: {', '.join(old)}" if old else "current"
+
+
 def layer_paths():
     """The table files serving reads, lowest to highest: the packaged table, the
     user's table (when it exists), ``$LAMPORT_HEAD_TABLE`` (when set; it must exist)."""
@@ -661,3 +675,41 @@ def load_table(path=None, *, strict=True) -> Table:
         raise TableError(f"{path}: not a UTF-8 text file (byte {exc.object[exc.start]:#04x} at "
                          f"offset {exc.start}); a table is YAML text") from None
     return (parse if strict else read)(text, str(path))
+
+
+def _set_aside_if_broken(path):
+    """Under the writer's lock: set ``path`` aside unless it reads whole now (another
+    engine on this host healed it since this one read it)."""
+    with tablefile.locked(path):
+        try:
+            load_table(path, strict=False)
+            return ("gone", None)
+        except TableError:
+            return ("aside", str(tablefile.set_aside(path)))
+
+
+def set_aside_agreed(path, keys, rank, group):
+    """Collective, on every rank once any rank's vote says its host's copy is broken:
+    the first rank of each host by ``keys`` (the vote's ``(host, gpu)`` or None; a rank
+    with None acts too) sets that copy aside unless it now reads whole. Returns this
+    rank's host's outcome ``(kind, detail)``: ("aside", the new path), ("gone", None)
+    (reads whole now, or already moved) or ("kept", why it could not be moved); the same
+    on every rank of a host. Logs nothing (install says it: ``healing_line``); never
+    raises."""
+    # lazy: collective loads torch, and the CLI loads this module (through table) for its help
+    from .collective import all_gather_objects
+
+    host = keys[rank][0] if keys[rank] is not None else None
+    first = next(r for r, k in enumerate(keys) if (k[0] if k is not None else None) == host)
+    outcome = None
+    if first == rank or host is None:
+        try:
+            outcome = _set_aside_if_broken(path)
+        except FileNotFoundError:
+            outcome = ("gone", None)  # another rank of this host set it aside first
+        except OSError as exc:
+            outcome = ("kept", f"{type(exc).__name__}: {exc.strerror or exc}")
+        except Exception as exc:  # this rank alone: its peers are about to gather outcomes
+            outcome = ("kept", f"{type(exc).__name__}: {exc}")
+    outcomes = all_gather_objects(outcome, group)
+    return tuple(outcomes[first] if outcomes[first] is not None else outcomes[rank])

@@ -17,7 +17,7 @@ import types
 
 import pytest
 import torch
-from lamport_head.tuning import bench, goals, plot, report
+from lamport_head.tuning import bench, benchplot, goals, report
 from lamport_head.tuning.floor import floor_us, step_bytes
 from lamport_head.tuning.targets import Chosen
 
@@ -69,8 +69,8 @@ def _fake(monkeypatch, mode=report.EMULATED, tp=8, fail_at=None, interrupt_at=No
     """The bench on a machine that claims one H200; ``mode``'s target and runner."""
     runner = _on_one_h200(monkeypatch, bench, FakeRunner(mode, fail_at, interrupt_at), mode, tp)
     titles = []
-    real = plot.plot_bench
-    monkeypatch.setattr(plot, "plot_bench", lambda *a: titles.append(real(*a)) or titles[-1])
+    real = benchplot.plot_bench
+    monkeypatch.setattr(benchplot, "plot_bench", lambda *a: titles.append(real(*a)) or titles[-1])
     return runner, titles
 
 

@@ -36,7 +36,7 @@ class _Ranks:
                  budget_s=2.0):
         from lamport_head.kernels import DriverLaunch, compile_all_to_all
         from lamport_head.kernels.arch import target
-        from lamport_head.kernels.launch import bind_primary_context
+        from lamport_head.launch import bind_primary_context
         from lamport_head.mailbox import LocalMailbox
 
         self.device, self.tp, self.shard, self.ctas = device, tp, shard, ctas

@@ -84,7 +84,7 @@ def holder_kernel(arch):
 def _attribute(device_index, name):
     from cuda.bindings import driver as cu
 
-    from lamport_head.kernels.launch import checked
+    from lamport_head.launch import checked
 
     device = checked(cu.cuDeviceGet(device_index), "cuDeviceGet")
     return int(checked(cu.cuDeviceGetAttribute(getattr(cu.CUdevice_attribute, name), device),
@@ -98,7 +98,7 @@ class HeldSMs:
     def __init__(self, device, count):
         from cuda.bindings import driver as cu
 
-        from lamport_head.kernels.launch import checked, current_context, load_function
+        from lamport_head.launch import checked, current_context, load_function
         from lamport_head.occupancy import device_arch
 
         self.device, self.count = device, count
@@ -204,7 +204,7 @@ def test_the_largest_plan_runs_bitwise_beside_a_kernel_holding_the_headroom(tp):
     from lamport_head.config import GatherConfig
     from lamport_head.tuning.support.emulate import EmulatedGather
     from lamport_head.kernels import compile_gather
-    from lamport_head.kernels.launch import kernel_entry
+    from lamport_head.launch import kernel_entry
     from lamport_head.occupancy import device_arch, resident_ctas
     from lamport_head.plan import co_resident_limit, headroom_sms
 

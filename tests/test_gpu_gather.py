@@ -100,7 +100,7 @@ def test_explicitly_poisoned_outputs(dtype):
 
 
 def test_the_driver_launch_and_the_dsl_callable_agree_bitwise_from_any_thread():
-    """HeadGather launches through the driver (``kernels.launch.DriverLaunch``); the
+    """HeadGather launches through the driver (``launch.DriverLaunch``); the
     DSL's own TVM-FFI callable of the same kernel, in alternate calls, must give the
     same words and keep the same parity sequence. The last rounds launch every rank
     from a fresh thread, where no CUDA context is current: a launch on an explicit
@@ -108,7 +108,7 @@ def test_the_driver_launch_and_the_dsl_callable_agree_bitwise_from_any_thread():
     refuses none of them (the retry path: the next test)."""
     import threading
 
-    from lamport_head.kernels.launch import current_context
+    from lamport_head.launch import current_context
 
     device = torch.device("cuda", torch.cuda.current_device())
     tp, shard = 4, 163840 // 4

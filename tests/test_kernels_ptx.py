@@ -138,7 +138,7 @@ def test_one_kernel_serves_both_modes():
     launcher writes (``launch.PARAMS``)."""
     import inspect
 
-    from lamport_head.kernels.launch import PARAMS, _Values
+    from lamport_head.launch import PARAMS, _Values
 
     assert "stop" not in inspect.signature(compile_gather).parameters
     with pytest.raises(TypeError):
@@ -202,7 +202,7 @@ def test_the_driver_launchers_slots_are_the_kernels_parameters():
     signature changed is refused when the launcher is built."""
     import ctypes
 
-    from lamport_head.kernels.launch import PARAMS, _Attribute, _Config, kernel_entry
+    from lamport_head.launch import PARAMS, _Attribute, _Config, kernel_entry
 
     for arch in ARCHS:
         assert kernel_entry(compile_gather(8, 10240, arch=arch).ptx)
@@ -256,7 +256,7 @@ _LOGIC = {"and": lambda a, b: a and b, "or": lambda a, b: a or b, "xor": lambda 
 
 def _serving_param(ptx):
     """The PTX name of the kernel's ``serving`` parameter (``launch.PARAMS``' place)."""
-    from lamport_head.kernels.launch import PARAMS
+    from lamport_head.launch import PARAMS
 
     names = re.findall(r"\.param\s+\.\w+\s+(\w+)", _ENTRY_PARAMS.search(ptx).group(1))
     return names[[n for n, _ in PARAMS].index("serving")]
@@ -711,7 +711,7 @@ def test_the_all_to_all_reads_its_offsets_only_after_the_pdl_wait_and_only_tp_pl
     """The offsets are parameters (``ld.param``), read where the call needs them; the
     prologue before PDL's wait is the gather's (the peer table, tp + 2 loads); of the
     ``MAX_TP + 1`` offset parameters only the first tp + 1 are ever loaded."""
-    from lamport_head.kernels.launch import ALL_TO_ALL_PARAMS, PARAMS
+    from lamport_head.launch import ALL_TO_ALL_PARAMS, PARAMS
 
     k = compile_all_to_all(tp, 163840 // tp // 2, arch="sm_90a")
     before, after = k.ptx.split("griddepcontrol.wait", 1)
@@ -758,7 +758,7 @@ def test_the_driver_launcher_picks_the_all_to_all_slots_by_the_kernels_mode():
     ``compiled.all_to_all``)."""
     import ctypes
 
-    from lamport_head.kernels.launch import ALL_TO_ALL_PARAMS, PARAMS, _AllToAllValues, kernel_entry
+    from lamport_head.launch import ALL_TO_ALL_PARAMS, PARAMS, _AllToAllValues, kernel_entry
     from lamport_head.kernels.protocol import MAX_TP
 
     assert ALL_TO_ALL_PARAMS[:len(PARAMS)] == PARAMS
@@ -789,7 +789,7 @@ def test_a_gpu_starts_host_checks_pass_on_the_real_ptx_of_every_mode_and_dtype(
     another mode's slots fails on the CPU (0.6.0's all-to-all did, in ``resident``)."""
     from lamport_head import build, dtypes
     from lamport_head.config import GatherConfig
-    from lamport_head.kernels import launch
+    from lamport_head import launch
 
     names = []
     monkeypatch.setattr(build, "resident_ctas",

@@ -1,4 +1,10 @@
-"""The runtime package holds serving code only (issue 30 item 3).
+"""The module map of docs/design.md is the code (issue 50 item 1), and the runtime
+package holds serving code only (issue 30 item 3).
+
+The map's table names each room's modules and the rooms it may import; every module of
+``lamport_head/``, ``kernels/`` and ``tuning/`` sits in exactly one room, every import
+(lazy ones included) stays inside its room or goes to a room the map allows, and no
+import closes a circle but the one the map names.
 
 ``lamport_head/`` (the runtime: engines, install core, build, gather, mailbox, tables)
 is what a serving process loads. The tools that serve the tuner, the CLI and the
@@ -10,7 +16,9 @@ never reaches, or a runtime import of a tool, fails here before it ships.
 """
 
 import ast
+import fnmatch
 import importlib.util
+import re
 import json
 import subprocess
 import sys
@@ -195,3 +203,147 @@ def test_the_kernels_import_nothing_of_the_runtime():
         ours = sorted(m for m in _imports(name, path) if m.startswith("lamport_head")
                       and not m.startswith("lamport_head.kernels"))
         assert ours == [], f"{path.name} imports {ours}"
+
+
+# ---- the map -------------------------------------------------------------------------
+
+MAP = ROOT / "docs" / "design.md"
+HOMES = ((ROOT / "lamport_head", "lamport_head"), (ROOT / "kernels", "lamport_head.kernels"),
+         (ROOT / "tuning", "lamport_head.tuning"))
+
+
+def _map(text=None):
+    """``({room: (module patterns, rooms it may import)}, the named circles)`` from
+    docs/design.md's module map: its table's rows, and the circle its text names."""
+    text = MAP.read_text(encoding="utf-8") if text is None else text
+    section = text.split("## 4. The module map", 1)[1].split("\n## ", 1)[0]
+    rooms, table = {}, False
+    for line in section.splitlines():
+        if not line.startswith("|"):
+            if table:
+                break  # the first table is the map
+            continue
+        table = True
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == "room" or set(cells[0]) <= set("- "):
+            continue
+        rooms[cells[0]] = (re.findall(r"`([\w.*]+)`", cells[1]),
+                           {r.strip() for r in cells[2].split(",") if r.strip()})
+    circles = [frozenset(pair) for pair in
+               re.findall(r"`(lamport_head[\w.]*)` <-> `(lamport_head[\w.]*)`", section)]
+    return rooms, circles
+
+
+def _modules():
+    """{installed module name: path} of every module of the three trees."""
+    out = {}
+    for home, package in HOMES:
+        for path in sorted(home.rglob("*.py")):
+            parts = list(path.relative_to(home).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _graph(modules):
+    """{module: the modules of ours it imports}: ``_imports``' names, each resolved to
+    the module it names (``from . import x`` is the module ``x``, not the package)."""
+    def resolve(name):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, path in modules.items():
+        found = _imports(name, path)
+        # ``from pkg import mod`` yields pkg and pkg.mod: the module, not its package
+        edges = {resolve(m) for m in found
+                 if not any(f.startswith(m + ".") and f in modules for f in found)}
+        graph[name] = {m for m in edges if m and m != name}
+    return graph
+
+
+def _room(rooms, module):
+    return [r for r, (patterns, _) in rooms.items()
+            if any(fnmatch.fnmatchcase(module, p) for p in patterns)]
+
+
+def _circles(graph):
+    """The strongly connected components of more than one module (Tarjan's)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(frozenset(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _crossings(graph, rooms):
+    """Every import the map forbids: ``(module, its room, imported, that room)``."""
+    bad = []
+    for name, imported in sorted(graph.items()):
+        (mine,) = _room(rooms, name)
+        for m in sorted(imported):
+            (theirs,) = _room(rooms, m)
+            if theirs != mine and theirs not in rooms[mine][1]:
+                bad.append((name, mine, m, theirs))
+    return bad
+
+
+def test_every_module_sits_in_one_room():
+    rooms, _ = _map()
+    modules = _modules()
+    assert {r: len(_room(rooms, m)) for m in modules for r in [m]
+            if len(_room(rooms, m)) != 1} == {}
+    unused = [(r, p) for r, (patterns, _) in rooms.items() for p in patterns
+              if not any(fnmatch.fnmatchcase(m, p) for m in modules)]
+    assert unused == [], f"map patterns matching no module: {unused}"
+    assert all(may <= set(rooms) for _, may in rooms.values())
+
+
+def test_every_import_follows_the_map():
+    rooms, _ = _map()
+    assert _crossings(_graph(_modules()), rooms) == []
+
+
+def test_no_import_closes_a_circle():
+    _, named = _map()
+    assert sorted(map(sorted, _circles(_graph(_modules())))) == sorted(map(sorted, named))
+
+
+def test_the_map_catches_a_wrong_import_and_a_circle(tmp_path):
+    """The rules themselves, on a made-up tree: a runtime module importing the install
+    core is a crossing; two modules importing each other (one lazily) are a circle."""
+    rooms, _ = _map()
+    graph = {"lamport_head.table": {"lamport_head.install"},
+             "lamport_head.install": {"lamport_head.table"}}
+    assert _crossings(graph, rooms) == [
+        ("lamport_head.table", "runtime", "lamport_head.install", "install")]
+    assert _circles(graph) == [frozenset(graph)]
+    path = tmp_path / "tablefile.py"
+    path.write_text("def f():\n    from .table import load_table\n")
+    modules = {"lamport_head.tablefile": path, "lamport_head.table": path}
+    assert _graph(modules)["lamport_head.tablefile"] == {"lamport_head.table"}

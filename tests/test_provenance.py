@@ -41,15 +41,15 @@ def test_runtime_facts_carry_the_package_version():
 def test_only_the_user_tables_sections_go_stale(changed, state, monkeypatch):
     import types
 
-    from lamport_head.table import user_path
+    from lamport_head.table import section_status, user_path
 
     now = {k: "v" for k in provenance.STALE_KEYS}
     monkeypatch.setattr(provenance, "facts", lambda: now)
     old = types.SimpleNamespace(source=str(user_path()), provenance=dict(now, **changed))
-    assert provenance.section_status(old) == state
-    assert provenance.section_status(types.SimpleNamespace(source="/packaged.yaml",
-                                                           provenance={})) == "current"
-    assert provenance.section_status(None) == "missing"
+    assert section_status(old) == state
+    assert section_status(types.SimpleNamespace(source="/packaged.yaml",
+                                                provenance={})) == "current"
+    assert section_status(None) == "missing"
 
 
 def test_the_commit_is_this_checkouts_and_says_when_its_code_differs(tmp_path):

@@ -71,7 +71,7 @@ def test_reference_all_to_all_rejects_splits_that_do_not_fit():
 
 @pytest.mark.parametrize("splits", [(2, 2), (0, 5), (3, 0, 1, 0), (0,) * 8, (1, 2, 3, 4, 0, 0, 7, 1)])
 def test_the_launch_takes_the_offsets_of_any_split(splits):
-    from lamport_head.kernels.launch import check_offsets
+    from lamport_head.launch import check_offsets
 
     offsets = offsets_of(splits)
     assert check_offsets(offsets, len(splits), sum(splits)) == tuple(offsets)
@@ -89,7 +89,7 @@ def test_the_launch_refuses_offsets_that_would_leave_rows_unpolled(offsets, tp, 
     """The kernel routes row m to the last rank q with offsets[q] <= m: offsets that do
     not cover 0..M exactly would put rows in a box no poll re-arms, and a later call of
     that parity would deliver them as valid (``launch.check_offsets``)."""
-    from lamport_head.kernels.launch import check_offsets
+    from lamport_head.launch import check_offsets
 
     with pytest.raises(ValueError, match="non-decreasing row offsets from 0 to"):
         check_offsets(offsets, tp, rows)

@@ -155,7 +155,7 @@ def _report(args, name, tp, vocab, mode, runner, bandwidth, records, out):
             "budget_s": args.budget_s, "notes": runner.notes, "records": records}
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     if args.plot:
-        from .plot import plot_bench
+        from .benchplot import plot_bench
 
         plot_bench(records, args.plot, report.title(name, tp, vocab, mode))
     print(f"wrote {out.with_suffix('.csv')}, {out.with_suffix('.json')}"

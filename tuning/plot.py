@@ -1,7 +1,6 @@
 """PNG plots: tune's latency (and, on real ranks, its speedup over stock) against rows
-(``plot_rows``); bench's GPU time against the HBM floor and the lm_head, and its ratios
-to the targets (``plot_bench``). Every plot's title is the caller's (bench's names the
-mode)."""
+(``plot_rows``), and the helpers bench's picture shares (``benchplot``). Every plot's
+title is the caller's."""
 
 import math
 
@@ -39,43 +38,6 @@ def _lines(ax, rows, records, series, positive=False):
         if _finite(ys):
             ax.plot(rows, [y if not positive or y > 0 else math.nan for y in ys], style,
                     label=label)
-
-
-def plot_bench(records, path, title):
-    """Left: µs per step against rows (gather, HBM floor, lm_head GEMM, the gather's
-    visible cost behind it with PDL on and off, NCCL where measured). Right: the
-    ratios the targets bound (÷ floor, visible ÷ standalone, host ÷ torch.add_), with
-    the targets drawn. Returns the title drawn."""
-    from . import goals
-
-    plt = _pyplot()
-    records = sorted(records, key=lambda r: r["rows"])
-    rows = [r["rows"] for r in records]
-    fig, (lat, rat) = plt.subplots(1, 2, figsize=(12, 4.6))
-    _lines(lat, rows, records, (("gpu_us", "gather, GPU µs/step", "o-"),
-                                ("floor_us", "HBM floor", "k--"),
-                                ("lm_head_us", "lm_head GEMM", "s-"),
-                                ("visible_pdl_us", "gather visible behind lm_head, PDL on", "^-"),
-                                ("visible_nopdl_us", "gather visible, PDL off", "v:"),
-                                ("stock_gpu_us", "NCCL all-gather + reorder", "d-")),
-           positive=True)
-    lat.set_yscale("log")
-    _rows_axis(lat, "µs per step", 8)
-    for key, label, style, target in (
-            ("floor_ratio", "GPU time ÷ HBM floor", "o-", goals.FLOOR_RATIO),
-            ("visible_pdl_share", "visible ÷ standalone, PDL on", "^-", goals.VISIBLE_SHARE),
-            ("host_vs_add", "host per call ÷ torch.add_", "s-", goals.HOST_VS_ADD)):
-        ys = [r.get(key, math.nan) for r in records]
-        if _finite(ys):
-            line, = rat.plot(rows, ys, style, label=f"{label} (target ≤ {target})")
-            rat.axhline(target, color=line.get_color(), lw=0.8, ls=":")
-    _rows_axis(rat, "ratio (×)", 8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    drawn = fig._suptitle.get_text()
-    plt.close(fig)
-    return drawn
 
 
 def plot_rows(records, path, title, emulated=False):

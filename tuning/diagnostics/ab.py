@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from lamport_head import build
-from lamport_head.kernels.launch import bind_primary_context
+from lamport_head import build, launch
+from lamport_head.launch import bind_primary_context
 from lamport_head.kernels.protocol import STATUS_WORDS, TIMER_CALLS, timer_words
 from lamport_head.occupancy import resident_ctas
 from lamport_head.tuning.support.emulate import EmulatedGather
@@ -65,7 +65,10 @@ class Variant(build.Toolchain):
         self.tree, self.flag, self.timers = tree or ".", int(flag or 0), timers
         k = kernels_of(self.tree)
         self.compile = importlib.import_module(k.__name__ + ".compile")
-        self.launch = importlib.import_module(k.__name__ + ".launch")
+        # a past tree's host launcher sat in its kernels/ (before 0.7.0); this package's
+        # is the runtime's
+        self.launch = (importlib.import_module(k.__name__ + ".launch")
+                       if importlib.util.find_spec(k.__name__ + ".launch") else launch)
         self.protocol = importlib.import_module(k.__name__ + ".protocol")
         self.stop_variant = "stop" in inspect.signature(self.compile.compile_gather).parameters
         self.takes_serving = "serving" in inspect.signature(self.launch.DriverLaunch).parameters

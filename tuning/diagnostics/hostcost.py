@@ -7,7 +7,7 @@ around the piece alone: the two virtual ranks are called alternately, each on it
 own stream (so every launched gather finds its peer and completes), and the stream
 switch stays outside the clock (an engine calls on one stream; switching costs more
 than a piece here). The gather launches through the driver
-(``kernels.launch.DriverLaunch``); the DSL's TVM-FFI callable of the same kernel is
+(``launch.DriverLaunch``); the DSL's TVM-FFI callable of the same kernel is
 timed beside it. Only public names of ``HeadGather`` are timed (the stream-order
 bookkeeping inside a call is not: the whole call's line includes it).
 Run: python -m lamport_head.tuning.diagnostics.hostcost [rows]
@@ -57,7 +57,7 @@ def main(rows=1, tp=2, vocab=163840, calls=2000):
             return time.perf_counter() - t0
         return step
 
-    from lamport_head.kernels.launch import DriverLaunch, current_context
+    from lamport_head.launch import DriverLaunch, current_context
 
     handles = [s.cuda_stream for s in emu.streams]
     with torch.cuda.device(device):

@@ -24,7 +24,7 @@ import ctypes
 import functools
 import re
 
-from .protocol import MAX_TP
+from .kernels.protocol import MAX_TP
 
 # The kernel's parameters, in order (``Gather.kernel``): the shard's address, its
 # rows (M), the output's address, the peer table's, the rank, the spin budget (ns),
