@@ -1,9 +1,10 @@
 """lamport-head: the tensor-parallel logits gather of LLM decode on a Lamport mailbox.
 
-Public names (the README's "Explicit calls"; each module's docstring holds its design):
-``HeadGather``, ``install_logits_gather`` (an ``Outcome``: rows served, or a ``Stock``
-reason and its message), ``table`` (``load_table``, ``Table``,
-``TableRow``, ``TableError``; docs/design.md holds the contract). Heavy modules load
+Public names (``__all__``; docs/design.md's contract lists the same, and
+``tests/test_layout.py`` checks it): ``HeadGather``, ``AllToAll``, ``GatherTimeout``,
+``install_logits_gather`` and ``install_sglang_logits_gather`` (an ``Outcome``: rows
+served, or a ``Stock`` reason and its message), ``table`` (``load_table``, ``Table``,
+``TableRow``, ``TableError``). Heavy modules load
 lazily so that ``import lamport_head`` is cheap and works without a GPU or vLLM.
 
 ``__version__`` is the installed distribution's (pyproject.toml is the one source);
@@ -20,8 +21,10 @@ except importlib.metadata.PackageNotFoundError:
 
 _LAZY = {
     "HeadGather": ("head_gather", "HeadGather"),
-    "GatherTimeout": ("head_gather", "GatherTimeout"),
+    "AllToAll": ("all_to_all", "AllToAll"),
+    "GatherTimeout": ("status", "GatherTimeout"),
     "install_logits_gather": ("engines.vllm", "install_logits_gather"),
+    "install_sglang_logits_gather": ("engines.sglang", "install_sglang_logits_gather"),
     "Outcome": ("outcome", "Outcome"),
     "Stock": ("outcome", "Stock"),
 }

@@ -3,7 +3,8 @@
 its own rows from full-vocabulary logits), the kernel's all-to-all mode
 (``kernels.gather.Gather``, ``all_to_all``) on the same protocol as the gather.
 
-Invariants a change must keep (beyond ``HeadGather``'s, which hold here unchanged):
+Invariants a change must keep (beyond its base's, ``mailbox_collective``, which hold
+here unchanged):
 
 - The splits are a call's argument (they change every step) and the same on every
   rank: the engine computes them from the batch every rank holds. A call checks only
@@ -24,7 +25,7 @@ Invariants a change must keep (beyond ``HeadGather``'s, which hold here unchange
 from itertools import accumulate
 from operator import index
 
-from .head_gather import HeadGather
+from .mailbox_collective import MailboxCollective
 from .launch import check_offsets
 
 
@@ -42,16 +43,16 @@ def offsets(send_splits, tp, rank, local, rows):
     return at
 
 
-class AllToAll(HeadGather):
+class AllToAll(MailboxCollective):
     """``a2a(shard, send_splits, num_local_rows, stock)``: the Lamport all-to-all for the
     plan's row counts M (``shard``: this rank's ``[M, V/TP]``; ``send_splits[q]`` rows,
     in order, go to rank q; returns this rank's ``[num_local_rows, V]``, columns in
     rank order, as vLLM's ``all_to_all_vocab_shards``), ``stock(shard, send_splits,
-    num_local_rows)`` otherwise. Constructed as ``HeadGather`` (the same arguments,
-    ``default``, modes, ``poll``/``check``/``reset``/``close``): a plan is by M, the
-    step's total rows."""
+    num_local_rows)`` otherwise. The gather's sibling: constructed as ``MailboxCollective``
+    says (the same arguments, ``default``, modes, ``poll``/``check``/``reset``/``close``);
+    a plan is by M, the step's total rows."""
 
-    _all_to_all = True
+    all_to_all = True
 
     def __call__(self, shard, send_splits, num_local_rows, stock):
         self.poll()

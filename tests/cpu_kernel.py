@@ -22,7 +22,7 @@ import types
 
 import torch
 
-from lamport_head import build, head_gather, mailbox
+from lamport_head import build, mailbox, mailbox_collective
 from lamport_head.kernels.protocol import (CONTROL_EPOCH, CONTROL_WORDS, EPOCH_SPAN, PEER_CONTROL,
                                            PEER_PARITY0, PEER_PARITY1, PEER_ROWS,
                                            SENTINEL_I32)
@@ -126,7 +126,7 @@ def use(gpu="the one GPU"):
     toolchain = Toolchain()
     build.TOOLCHAIN = toolchain
     mailbox.device_key = lambda device: ("host", gpu)
-    head_gather._raw_stream = lambda index: 0
+    mailbox_collective._raw_stream = lambda index: 0
     torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(
         wait_stream=lambda other: None)
     torch.cuda.synchronize = lambda device=None: None

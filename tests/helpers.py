@@ -223,7 +223,7 @@ def fake_cuda(monkeypatch_like, rank, case, launch=None):
     collective. ``case`` picks the failing step ("prepare": the compile)."""
     import ctypes
 
-    from lamport_head import build, head_gather, install, mailbox
+    from lamport_head import build, install, mailbox, mailbox_collective
 
     set_ = monkeypatch_like
     fail_rank = int(case.split("@")[1]) if "@" in case else -1
@@ -267,7 +267,7 @@ def fake_cuda(monkeypatch_like, rank, case, launch=None):
     set_(build, "TOOLCHAIN", kernels)
     set_(build, "MAILBOXES", {"ipc": CpuRows, "symmetric": CpuRows})
     set_(mailbox, "device_key", lambda device: ("host", "the one GPU"))
-    set_(head_gather, "_raw_stream", lambda index: 0)
+    set_(mailbox_collective, "_raw_stream", lambda index: 0)
     set_(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
         wait_stream=lambda other: None))
     set_(torch.cuda, "synchronize", lambda device=None: None)

@@ -297,7 +297,7 @@ class _CpuEmuTarget:
 
 def test_an_lm_head_gather_run_that_cannot_run_emulated_is_skipped_and_the_rest_kept(monkeypatch):
     from lamport_head.config import GatherConfig
-    from lamport_head.head_gather import GatherTimeout
+    from lamport_head.status import GatherTimeout
     from lamport_head.tuning import emubench
 
     # an EmulatedRunner (TP 2, tiny shapes) whose only GPU work is stubbed: every timing

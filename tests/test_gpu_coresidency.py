@@ -251,7 +251,7 @@ def test_a_gather_beside_a_kernel_holding_nearly_every_sm_completes_or_gives_up_
     (the flag of an earlier give-up); a give-up and the mark go together. After the
     release: ``check``/``reset``, then a bitwise call."""
     from lamport_head.tuning.support.emulate import EmulatedGather
-    from lamport_head.head_gather import GatherTimeout
+    from lamport_head.status import GatherTimeout
     from lamport_head.kernels.protocol import NAN_PAIR
 
     device = torch.device("cuda", torch.cuda.current_device())

@@ -9,7 +9,7 @@ from helpers import assert_same_words, no_stock, same_bits, words
 
 from lamport_head import build
 from lamport_head.tuning.support.emulate import EmulatedGather
-from lamport_head.head_gather import GatherTimeout
+from lamport_head.status import GatherTimeout
 from lamport_head.kernels.protocol import CONTROL_EPOCH, EPOCH_SPAN, NAN_PAIR
 from lamport_head.tuning.support.reference import planted, reference_gather
 from lamport_head.tuning.diagnostics.ranks import gpu_cycles

@@ -10,7 +10,7 @@ from helpers import no_stock
 
 from lamport_head.tuning.support.emulate import EmulatedGather
 from lamport_head.plan import uniform
-from lamport_head.head_gather import GatherTimeout
+from lamport_head.status import GatherTimeout
 from lamport_head.tuning.support.reference import planted, reference_gather
 
 pytestmark = pytest.mark.gpu

@@ -91,7 +91,8 @@ def _waiting_launch(rank, tp, current, wait_s=2.0):
 def _cpu_ranks(rank, tp, fail=None):
     """This process as one of ``tp`` CPU ranks the harness can time, with the failure
     ``fail`` injected on rank 1 (see ``_inject``)."""
-    from lamport_head.head_gather import GatherTimeout, HeadGather
+    from lamport_head.head_gather import HeadGather
+    from lamport_head.status import GatherTimeout
     from lamport_head.tuning import harness
 
     torch.manual_seed(0)  # every rank plants the same shards, call for call

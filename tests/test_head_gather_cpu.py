@@ -7,10 +7,11 @@ import pytest
 import torch
 from helpers import no_stock, same_bits
 
-from lamport_head import head_gather
+from lamport_head import mailbox_collective
 from lamport_head.status import StatusRecord
 from lamport_head.config import GatherConfig, default_ctas
-from lamport_head.head_gather import GatherTimeout, HeadGather
+from lamport_head.head_gather import HeadGather
+from lamport_head.status import GatherTimeout
 from lamport_head.kernels.protocol import (CONTROL_MARK, CONTROL_MISSING, CONTROL_WORDS, MARK_TOP,
                                            STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS)
 
@@ -74,7 +75,7 @@ class FakeStream:
 def streams(monkeypatch):
     """A fake current stream the test can switch; logs every wait."""
     state = {"now": 1, "log": []}
-    monkeypatch.setattr(head_gather, "_raw_stream", lambda index: state["now"])
+    monkeypatch.setattr(mailbox_collective, "_raw_stream", lambda index: state["now"])
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device=None: FakeStream(state["now"], state["log"]))
     return state

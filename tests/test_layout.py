@@ -347,3 +347,15 @@ def test_the_map_catches_a_wrong_import_and_a_circle(tmp_path):
     path.write_text("def f():\n    from .table import load_table\n")
     modules = {"lamport_head.tablefile": path, "lamport_head.table": path}
     assert _graph(modules)["lamport_head.tablefile"] == {"lamport_head.table"}
+
+
+def test_the_public_names_are_the_contracts():
+    """``lamport_head.__all__`` is the list docs/design.md's contract names, and every
+    name resolves (lazily) without a GPU or an engine."""
+    import lamport_head
+
+    contract = MAP.read_text(encoding="utf-8").split("## 3. The public contract", 1)[1]
+    listed = contract.split("Public names", 1)[1].split("It imports lazily", 1)[0]
+    names = re.findall(r"`(\w+)`", listed.split("checks the two agree):", 1)[1])
+    assert sorted(names) == sorted(lamport_head.__all__)
+    assert all(getattr(lamport_head, n) is not None for n in lamport_head.__all__)

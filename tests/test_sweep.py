@@ -470,7 +470,7 @@ def test_every_rank_takes_part_in_every_collective(tmp_path, world, fail_rank):
 def test_an_emulated_timeout_while_measured_is_a_failed_trial(monkeypatch):
     """A wait that runs out while a configuration is timed makes the trial fail
     (None), never a figure and never an exception out of the sweep."""
-    from lamport_head.head_gather import GatherTimeout
+    from lamport_head.status import GatherTimeout
     from lamport_head.tuning.harness import EmulatedTarget
 
     target = EmulatedTarget.__new__(EmulatedTarget)

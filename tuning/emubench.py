@@ -40,7 +40,7 @@ import time
 import torch
 
 from lamport_head import build
-from lamport_head.head_gather import GatherTimeout
+from lamport_head.status import GatherTimeout
 from lamport_head.tuning.support.reference import planted
 
 from .floor import copy_bandwidth_gbs

@@ -43,7 +43,7 @@ from lamport_head import build, dtypes
 from lamport_head.all_to_all import even_splits
 from lamport_head.collective import PeerFailed, agree, all_max, all_min, attempt
 from lamport_head.config import GatherConfig
-from lamport_head.head_gather import SPIN_BUDGET_S
+from lamport_head.settings import SPIN_BUDGET_S
 from lamport_head.table import ALL_TO_ALL_STOCK
 from lamport_head.tuning.support.emulate import EmulatedAllToAll, EmulatedGather
 from lamport_head.tuning.support.reference import planted, reference_all_to_all, reference_gather
@@ -278,7 +278,7 @@ class EmulatedTarget:
     def lamport(self, rows, config):
         """Timing of a verified configuration; None when it fails verification or a
         wait runs out while it is measured (a failed trial, never a figure)."""
-        from lamport_head.head_gather import GatherTimeout
+        from lamport_head.status import GatherTimeout
 
         try:
             return self._measure(rows, config)

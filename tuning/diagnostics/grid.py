@@ -22,7 +22,7 @@ import torch
 
 from lamport_head.config import GatherConfig
 from lamport_head.tuning.support.emulate import EmulatedGather
-from lamport_head.head_gather import GatherTimeout
+from lamport_head.status import GatherTimeout
 from lamport_head.tuning.support.reference import planted
 from lamport_head.settings import BENCH_BUDGET_S
 

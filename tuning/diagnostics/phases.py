@@ -32,7 +32,7 @@ import torch
 
 from lamport_head import build
 from lamport_head.tuning.support.emulate import EmulatedGather
-from lamport_head.head_gather import GatherTimeout
+from lamport_head.status import GatherTimeout
 from lamport_head.kernels.compile import compile_gather
 from lamport_head.kernels.protocol import (CONTROL_EPOCH, STATUS_WORDS, TIMER_CALLS,
                                            TIMER_PHASES, timer_index, timer_words)

@@ -295,7 +295,7 @@ def _mode(ranks):
 
 def kill(args, ranks, gather, calls):
     """Returns only on survivors; the killed rank exits inside."""
-    from lamport_head.head_gather import GatherTimeout
+    from lamport_head.status import GatherTimeout
 
     bad = torch.zeros(args.kill_after + 10_000, dtype=torch.int32, device=ranks.device)
     run_calls(gather, calls, 0, args.kill_after, bad, ranks.device)
@@ -326,7 +326,7 @@ def slow(args, ranks, gather, calls):
     """Call k is late on one rank. Past the budget: after a sync, check() raises on
     every rank; call k + 1 returns on every rank (NaN peer columns); after a sync,
     call k + 2 raises on every rank: the same call everywhere."""
-    from lamport_head.head_gather import GatherTimeout
+    from lamport_head.status import GatherTimeout
 
     bad = torch.zeros(3 * args.calls + 3, dtype=torch.int32, device=ranks.device)
     late = args.slow_s > args.budget

@@ -16,7 +16,8 @@ import torch
 
 from lamport_head.all_to_all import AllToAll, even_splits
 from lamport_head.dtypes import words
-from lamport_head.head_gather import SPIN_BUDGET_S, HeadGather
+from lamport_head.head_gather import HeadGather
+from lamport_head.settings import SPIN_BUDGET_S
 from lamport_head.status import RECOVERABLE
 from lamport_head.kernels.protocol import DEFAULT_THREADS
 from lamport_head.mailbox import LocalMailbox
