@@ -10,8 +10,7 @@ from .arch import ARCHS, has_pdl
 from .protocol import SENTINEL, THREADS
 
 _LAZY = {"CompiledGather": "compile", "compile_gather": "compile",
-         "compile_all_to_all": "compile", "Gather": "gather",
-         "DriverLaunch": "launch"}
+         "compile_all_to_all": "compile", "Gather": "gather"}
 
 __all__ = ["ARCHS", "SENTINEL", "THREADS", "has_pdl", *_LAZY]
 

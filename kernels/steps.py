@@ -28,7 +28,9 @@ Fences (the PTX audit, tests/test_kernels_ptx.py, checks each place):
   (docs/design.md, "Parities and re-arm"; a fence's cost: docs/figures.md). Broken,
   a poll times out and the call fail-stops: never wrong data.
 - the epoch: none; the ticket is one atomic read of the pair, and the next launch
-  reads it after this one ends (PDL's wait, stream order).
+  takes its tickets after this one's CTAs each took theirs and its last moved the
+  pair (before their ``launch_dependents``, or its end in stream order): a premise of
+  the hardware, docs/design.md.
 - the done count (``finish``): a CTA that reports (a thread stopped waiting, or
   raised the heartbeat) releases ``fence.acq_rel.gpu`` before its count; one that
   takes the heartbeat down acquires ``fence.acq_rel.gpu`` after every CTA's count,

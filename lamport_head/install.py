@@ -41,8 +41,9 @@ from .tablefile import healing_line
 
 logger = logging.getLogger("lamport_head")
 
-# The collectives whose first-use tuning a switch of their own can turn off
-# (``settings.ALL_TO_ALL_ENV=0``): then only a table section for the key serves one.
+# The collectives whose first-use tuning a switch of their own can turn off where no
+# layer holds a section for the key (``settings.ALL_TO_ALL_ENV=0``): nothing of one is
+# then measured or built there; a layer's section serves (a stale one measured again).
 SWITCHED = (ALL_TO_ALL_STOCK,)
 
 

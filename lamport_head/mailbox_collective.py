@@ -54,6 +54,12 @@ class MailboxCollective:
 
     all_to_all = None  # the kernel's mode: each sibling's own (False: the gather)
 
+    def __new__(cls, *args, **kwargs):
+        if cls.all_to_all is None:  # no kernel named: a collective build for nothing
+            raise TypeError("lamport-head: MailboxCollective is a base; build HeadGather "
+                            "or AllToAll")
+        return super().__new__(cls)
+
     def __init__(self, group, device, tp, rank, shard, rows, *, mode, mailbox=None, pdl=None,
                  budget_s=SPIN_BUDGET_S, backend=None, clamp=False, dtype=torch.bfloat16):
         self._serve(build.build(group, device, tp, rank, shard, lambda limit: rows,

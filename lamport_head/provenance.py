@@ -57,11 +57,11 @@ def source_commit(package=None):
     return head + ("+dirty" if dirty else "")
 
 
-def _version(name):
+def _version(name, missing="unknown"):
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+        return missing
 
 
 def kernel_identity(sources=None):
@@ -91,7 +91,7 @@ def runtime_facts():
         "cuda": torch.version.cuda or "unknown",
         "torch": str(torch.__version__),
         "cutlass_dsl": _version("nvidia-cutlass-dsl"),
-        "lamport_head": _version("lamport-head"),
+        "lamport_head": _version("lamport-head", "0+unknown"),  # lamport_head.__version__'s
         "kernel": kernel_identity(),
     }
 

@@ -15,8 +15,8 @@ from .kernels.protocol import STOP_SHIFT, trap_grace
 DISABLE_ENV = "LAMPORT_HEAD_DISABLE"  # stock logits gather, whatever the tables say
 FORCE_ENV = "LAMPORT_HEAD_FORCE"  # route a processor whose class has its own gather
 AUTOTUNE_ENV = "LAMPORT_HEAD_AUTOTUNE"  # first-use tuning at install (default on)
-# first-use tuning of the all-to-all of vocab shards (default on; 0 turns it off, and then
-# only a table section for its key serves it)
+# first-use tuning of the all-to-all of vocab shards where no table layer holds its key
+# (default on; 0 turns it off there: a layer's section serves, a stale one measured again)
 ALL_TO_ALL_ENV = "LAMPORT_HEAD_ALL_TO_ALL"
 SERVE_EMULATED_ENV = "LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED"  # serve emulated sections (tests)
 BUDGET_ENV = "LAMPORT_HEAD_BUDGET_S"  # seconds a serving gather waits for its peers

@@ -5,9 +5,8 @@
   reads as torn, a cut at a line boundary included; one without the seal loads as is.
 - ``write_durably``: a crash leaves the old file or the new one whole, never a cut one.
 - ``set_aside`` renames, never deletes; ``$LAMPORT_HEAD_TABLE`` never comes here.
-- ``set_aside_agreed`` is collective, called only when the agreed view says the user
-  table is broken; what follows does not depend on the rename's outcome (install's
-  line says it: ``healing_line``, one a start where the copy cannot be moved).
+- ``healing_line`` says once a start what ``table.set_aside_agreed`` (collective, called
+  only when the agreed view says the user table is broken) did with a copy.
 """
 
 import datetime

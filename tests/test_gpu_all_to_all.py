@@ -34,7 +34,8 @@ class _Ranks:
 
     def __init__(self, device, tp, shard, cap, *, threads=256, unroll=4, ctas=4,
                  budget_s=2.0):
-        from lamport_head.kernels import DriverLaunch, compile_all_to_all
+        from lamport_head.kernels import compile_all_to_all
+        from lamport_head.launch import DriverLaunch
         from lamport_head.kernels.arch import target
         from lamport_head.launch import bind_primary_context
         from lamport_head.mailbox import LocalMailbox

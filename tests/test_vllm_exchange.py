@@ -3,7 +3,7 @@ stand-ins (no vLLM): which callers a step takes (``exchange_paths``) and their r
 counts, the install (one all-to-all per TP group, device, shard width and dtype, each
 caller's module global replaced once by a dispatcher that finds the call's group as
 vLLM does), a release without the names (0.33) keeping vLLM's, first-use tuning of the
-all-to-all only where asked (issue 49: not yet proven on a GPU), and the summary's
+all-to-all unless ``LAMPORT_HEAD_ALL_TO_ALL=0`` (issue 49), and the summary's
 clauses. tests/test_vllm_sharded.py runs the target's path on vLLM's own
 ``GPUModelRunner.sample``."""
 
