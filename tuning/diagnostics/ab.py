@@ -6,7 +6,10 @@ past release's, e.g. from ``git archive``; ``.`` is this package's), FLAG the la
 give-up mode, 0 recoverable (the default) or 1 serving (a tree of one compiled variant
 per mode compiles its ``stop`` variant for 1). Every variant runs on this package's
 host side (``build.TOOLCHAIN`` replaced: its compile, occupancy and driver launch are
-the tree's), the mailbox layout being the same. Per TP and M, each round times every
+the tree's), the mailbox layout being the same. The driver launcher is the tree's own
+``kernels/launch.py`` where it has one (trees before 0.7.0); a later tree's sits in its
+``lamport_head/launch.py``, which this tool does not load: such a tree runs on this
+package's launcher, right only while the launch's parameters are the same. Per TP and M, each round times every
 variant in turn (``harness.gated_gpu_us``, as ``bench`` times ``gpu_us``) after a
 bitwise check of three calls on planted data; a variant that fails it has no figure.
 The plan is the built-in heuristic's, the same for every variant. ``--phases`` adds
