@@ -54,18 +54,21 @@ class MailboxCollective:
 
     all_to_all = None  # the kernel's mode: each sibling's own (False: the gather)
 
-    def __new__(cls, *args, **kwargs):
-        if cls.all_to_all is None:  # no kernel named: a collective build for nothing
+    @classmethod
+    def _kernel_mode(cls):
+        """The sibling's kernel mode; the base names none (a collective build for
+        nothing): checked before any build."""
+        if cls.all_to_all is None:
             raise TypeError("lamport-head: MailboxCollective is a base; build HeadGather "
                             "or AllToAll")
-        return super().__new__(cls)
+        return cls.all_to_all
 
     def __init__(self, group, device, tp, rank, shard, rows, *, mode, mailbox=None, pdl=None,
                  budget_s=SPIN_BUDGET_S, backend=None, clamp=False, dtype=torch.bfloat16):
         self._serve(build.build(group, device, tp, rank, shard, lambda limit: rows,
                                 mailbox=mailbox, backend=backend, mode=mode, pdl=pdl,
                                 budget_s=budget_s, clamp=clamp, dtype=dtype,
-                                all_to_all=self.all_to_all), group)
+                                all_to_all=self._kernel_mode()), group)
 
     @classmethod
     def default(cls, group, device, tp, rank, shard, rows, *, threads=DEFAULT_THREADS,
@@ -78,7 +81,7 @@ class MailboxCollective:
                          dtype=dtype)
         gather._serve(build.build(group, device, tp, rank, shard, choose, mailbox=mailbox,
                                   backend=backend, mode=mode, pdl=pdl, budget_s=budget_s,
-                                  dtype=dtype, all_to_all=cls.all_to_all), group)
+                                  dtype=dtype, all_to_all=cls._kernel_mode()), group)
         return gather
 
     def _serve(self, built, group):

@@ -313,3 +313,16 @@ def test_closing_a_serving_gather_that_gave_up_raises_and_leaves_the_watchdog_on
     g._status.clear()  # a serving gather that never gave up closes as before
     g.close()
     assert log == ["close"] and stopped == [1]
+
+
+def test_the_base_of_the_gather_and_the_all_to_all_is_not_built_alone(monkeypatch):
+    """``MailboxCollective`` names no kernel: building it refuses before any build (a
+    collective build for nothing), by either constructor."""
+    from lamport_head import build
+    from lamport_head.mailbox_collective import MailboxCollective
+
+    monkeypatch.setattr(build, "build", lambda *a, **k: pytest.fail("built"))
+    with pytest.raises(TypeError, match="is a base"):
+        MailboxCollective(None, "cpu", 2, 0, 64, {}, mode="recoverable")
+    with pytest.raises(TypeError, match="is a base"):
+        MailboxCollective.default(None, "cpu", 2, 0, 64, [1], mode="recoverable")
