@@ -46,29 +46,34 @@ def _runtime():
     return {_name(p): p for p in sorted(RUNTIME.rglob("*.py")) if _name(p) not in TOP}
 
 
-def _imports(name, path):
-    """Every module ``name`` imports (at the top or lazily; ``from X import y`` counts
-    ``X`` and ``X.y``), relative imports resolved; string imports of ``__init__``'s
-    lazy names (``importlib.import_module(".x", __name__)``) included."""
+def _import_statements(name, path):
+    """Each import of ``name``'s source (at the top or lazily) as ``(base, names)``:
+    ``import X`` is ``(X, ())``, ``from X import y, z`` is ``(X, (X.y, X.z))``, relative
+    imports resolved; ``__init__``'s lazy names (``importlib.import_module(".x",
+    __name__)``) each a ``(lamport_head.x, ())``."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out = set()
+    out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
+            out.extend((a.name, ()) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = package.split(".")
             if node.level:
                 base = base[: len(base) - node.level + 1]
             base = ".".join(base + ([node.module] if node.module else [])) if node.level \
                 else node.module
-            out.add(base)
-            out.update(f"{base}.{a.name}" for a in node.names)
+            out.append((base, tuple(f"{base}.{a.name}" for a in node.names)))
     if path.name == "__init__.py" and name == "lamport_head":
         lazy = next(n.value for n in tree.body if isinstance(n, ast.Assign)
                     and getattr(n.targets[0], "id", None) == "_LAZY")
-        out.update(f"lamport_head.{ast.literal_eval(v)[0]}" for v in lazy.values)
+        out.extend((f"lamport_head.{ast.literal_eval(v)[0]}", ()) for v in lazy.values)
     return out
+
+
+def _imports(name, path):
+    """Every module ``name`` imports (``from X import y`` counts ``X`` and ``X.y``)."""
+    return {m for base, names in _import_statements(name, path) for m in (base, *names)}
 
 
 def test_the_tools_live_in_the_tuners_wing_not_the_runtime():
@@ -247,8 +252,9 @@ def _modules():
 
 
 def _graph(modules):
-    """{module: the modules of ours it imports}: ``_imports``' names, each resolved to
-    the module it names (``from . import x`` is the module ``x``, not the package)."""
+    """{module: the modules of ours it imports}, statement by statement: ``from X import
+    y`` is the module ``X.y`` where there is one, else (a name of ``X``) ``X`` itself;
+    ``import X.y`` is the deepest of our modules it names."""
     def resolve(name):
         while name and name not in modules:
             name = name.rpartition(".")[0]
@@ -256,10 +262,9 @@ def _graph(modules):
 
     graph = {}
     for name, path in modules.items():
-        found = _imports(name, path)
-        # ``from pkg import mod`` yields pkg and pkg.mod: the module, not its package
-        edges = {resolve(m) for m in found
-                 if not any(f.startswith(m + ".") and f in modules for f in found)}
+        edges = set()
+        for base, names in _import_statements(name, path):
+            edges.update(n if n in modules else resolve(base) for n in names or (base,))
         graph[name] = {m for m in edges if m and m != name}
     return graph
 
@@ -347,6 +352,11 @@ def test_the_map_catches_a_wrong_import_and_a_circle(tmp_path):
     path.write_text("def f():\n    from .table import load_table\n")
     modules = {"lamport_head.tablefile": path, "lamport_head.table": path}
     assert _graph(modules)["lamport_head.tablefile"] == {"lamport_head.table"}
+    # statement by statement: a package import beside a submodule's is still an edge
+    path = tmp_path / "x.py"
+    path.write_text("from lamport_head import build\nimport lamport_head\n")
+    modules = {"lamport_head.x": path, "lamport_head": path, "lamport_head.build": path}
+    assert _graph(modules)["lamport_head.x"] == {"lamport_head", "lamport_head.build"}
 
 
 def test_the_public_names_are_the_contracts():
