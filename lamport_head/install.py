@@ -193,8 +193,8 @@ def install(site, ranks, rows=None, *, measure):
         # first-use tuning measures (when on), and each host then writes a whole table.
         view = view.fallback
     choice, entries = _choose(view, shared)
-    unasked = _unasked(view, choice, name, tp, dcp, vocab)
-    if unasked:
+    off = _switched_off(view, choice, name, tp, dcp, vocab)
+    if off:
         choice = "switched-off"
     unwritable = False  # this host's broken copy could not be set aside: the cache is not
     if healing:  # writable, which the one line of this start says
@@ -206,8 +206,8 @@ def install(site, ranks, rows=None, *, measure):
                             _next(view, choice, entries, what, unwritable))
         if line is not None:
             logger.warning(line)
-    if unasked:
-        return say(Stock.SWITCHED_OFF, unasked)
+    if off:
+        return say(Stock.SWITCHED_OFF, off)
     measured = False
     if choice == "unknown":
         return say(Stock.NO_DEVICE_KEY, "first-use tuning cannot tell whether the TP ranks "
@@ -473,7 +473,7 @@ class _View:
     broken: object = None  # why this host's user table cannot be read whole (set aside), or None
     dtype: str = dtypes.DEFAULT  # the logits' dtype (the site's): sections of it only count
     dtypes: tuple = ()  # the dtypes of real-rank sections at this V and stock for another (log)
-    asked: object = None  # a SWITCHED stock's switch (settings.ALL_TO_ALL_ENV); None: others
+    switch: object = None  # a SWITCHED stock's switch (settings.ALL_TO_ALL_ENV); None: others
     fallback: object = None  # the same reading of every layer but the user table (a _View):
     # what every rank serves from when some host's user table is broken
 
@@ -481,7 +481,7 @@ class _View:
     def settings(self):
         """What every rank must set alike, whatever its tables hold."""
         return (self.autotune, self.serve_emulated, self.rows, self.budget_s, self.stock,
-                self.dtype, self.asked)
+                self.dtype, self.switch)
 
     @property
     def agreed(self):
@@ -511,10 +511,10 @@ def _local_view(tp, dcp, device, name, rows, vocab, stock, dtype=dtypes.DEFAULT)
             key = mailbox.device_key(device)
         except Exception:  # no device key: first-use tuning will not guess
             pass
-        asked = settings.all_to_all_enabled() if stock in SWITCHED else None
+        switch = settings.all_to_all_enabled() if stock in SWITCHED else None
         same = dict(autotune=on, serve_emulated=settings.serve_emulated(),
                     rows=tuple(sorted(set(rows or settings.DEFAULT_ROWS))), key=key,
-                    budget_s=settings.spin_budget_s(), stock=stock, dtype=dtype, asked=asked)
+                    budget_s=settings.spin_budget_s(), stock=stock, dtype=dtype, switch=switch)
         fallback = _reading(others, name, tp, dcp, rows, vocab, same)
         view = replace(_reading(table, name, tp, dcp, rows, vocab, same), broken=table.broken,
                        fallback=fallback)
@@ -539,7 +539,7 @@ def _reading(table, name, tp, dcp, rows, vocab, same):
                    if e.enabled and (rows is None or m in rows)}
         # Only first-use tuning asks whether a section is stale (it costs nvidia-smi).
         state = section_status(section) if on else ("missing" if section is None
-                                                               else "current")
+                                                    else "current")
         return enabled, state
 
     (entries, real), (emulated_entries, emulated) = read(False), read(True)
@@ -550,11 +550,11 @@ def _reading(table, name, tp, dcp, rows, vocab, same):
                  dtypes=kinds, **same)
 
 
-def _unasked(view, choice, name, tp, dcp, vocab):
+def _switched_off(view, choice, name, tp, dcp, vocab):
     """Why first-use tuning leaves this collective off, or None: ``choice`` (``_choose``'s)
     would measure, the stock is ``SWITCHED``, its switch is off and no layer holds a
     section for its key. From the agreed view: the same on every rank."""
-    if (choice not in ("tune", "unknown") or view.stock not in SWITCHED or view.asked
+    if (choice not in ("tune", "unknown") or view.stock not in SWITCHED or view.switch
             or view.real != "missing" or view.emulated != "missing"):
         return None
     return (f"first-use tuning of the all-to-all is switched off ({settings.ALL_TO_ALL_ENV}=0) "
