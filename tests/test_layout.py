@@ -34,16 +34,26 @@ ENTRIES = ("lamport_head", "lamport_head.engines.vllm", "lamport_head.engines.sg
 TOP = ("lamport_head.cli",)  # the command: beside the engines, may import the tuner
 
 
-def _name(path):
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+# The three trees and the names they install under (pyproject.toml's package-dir).
+HOMES = ((RUNTIME, "lamport_head"), (ROOT / "kernels", "lamport_head.kernels"),
+         (ROOT / "tuning", "lamport_head.tuning"))
+
+
+def _modules():
+    """{installed module name: path} of every module of the three trees."""
+    out = {}
+    for home, package in HOMES:
+        for path in sorted(home.rglob("*.py")):
+            parts = list(path.relative_to(home).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
 
 
 def _runtime():
     """{module name: path} of the runtime package (kernels/ and tuning/ sit outside it)."""
-    return {_name(p): p for p in sorted(RUNTIME.rglob("*.py")) if _name(p) not in TOP}
+    return {n: p for n, p in _modules().items() if p.is_relative_to(RUNTIME) and n not in TOP}
 
 
 def _import_statements(name, path):
@@ -201,10 +211,9 @@ def test_every_package_of_the_tree_is_in_the_distribution():
 def test_the_kernels_import_nothing_of_the_runtime():
     """kernels/ is device code and its plain-Python constants: it names no module of the
     runtime, the tuner or an engine (docs/design.md, the module map)."""
-    root = ROOT / "kernels"
-    for path in sorted(root.rglob("*.py")):
-        name = "lamport_head.kernels." + ".".join(path.relative_to(root).with_suffix("").parts)
-        name = name.removesuffix(".__init__")
+    for name, path in _modules().items():
+        if not (name + ".").startswith("lamport_head.kernels."):
+            continue
         ours = sorted(m for m in _imports(name, path) if m.startswith("lamport_head")
                       and not m.startswith("lamport_head.kernels"))
         assert ours == [], f"{path.name} imports {ours}"
@@ -213,8 +222,6 @@ def test_the_kernels_import_nothing_of_the_runtime():
 # ---- the map -------------------------------------------------------------------------
 
 MAP = ROOT / "docs" / "design.md"
-HOMES = ((ROOT / "lamport_head", "lamport_head"), (ROOT / "kernels", "lamport_head.kernels"),
-         (ROOT / "tuning", "lamport_head.tuning"))
 
 
 def _map(text=None):
@@ -237,18 +244,6 @@ def _map(text=None):
     circles = [frozenset(pair) for pair in
                re.findall(r"`(lamport_head[\w.]*)` <-> `(lamport_head[\w.]*)`", section)]
     return rooms, circles
-
-
-def _modules():
-    """{installed module name: path} of every module of the three trees."""
-    out = {}
-    for home, package in HOMES:
-        for path in sorted(home.rglob("*.py")):
-            parts = list(path.relative_to(home).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            out[".".join([package, *parts])] = path
-    return out
 
 
 def _graph(modules):
