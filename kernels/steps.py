@@ -47,7 +47,7 @@ from cutlass import Int32, Int64, Uint32
 
 from .primitives import (armed, atomic_max_word_sys, await_word, copy_async, count_word, fence_acq_rel_gpu,
                          fence_acq_rel_sys, fence_sys, grid_size, load, load_address, load_shared, load_volatile,
-                         load_word_volatile, opaque, scrub, store, store_sys, store_word,
+                         load_word_volatile, opaque, scrub, store, store_sys,
                          store_word_sys, take_ticket, trap, wait_async)
 from .protocol import (CONTROL_DONE, CONTROL_MARK, CONTROL_MISSING, CONTROL_TICKETS,
                        EPOCH_SPAN, MARK_TOP, NAN_PAIR, PEER_CONTROL, PEER_PARITY0, SENTINEL, STATUS_EPOCH, STATUS_FLAG,

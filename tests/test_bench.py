@@ -282,7 +282,6 @@ def test_verdicts_name_each_target_and_its_outcome():
         [record(1, 4.0)], tp=2)
 
 
-
 class _CpuEmuTarget:
     """An emulated target on the CPU: each build a stand-in gather of its PDL, verified."""
 
@@ -337,6 +336,7 @@ def test_an_lm_head_gather_run_that_cannot_run_emulated_is_skipped_and_the_rest_
     lines = goals.verdicts([record], tp=8)
     assert "  visible / standalone, PDL on at M=1: skipped (cannot run emulated)" in lines
     assert "  host per call / torch.add_ at M=1: 0.80 (target <= 1.0): met" in lines
+
 
 def test_bench_help_names_the_modes_and_defaults(capsys):
     with pytest.raises(SystemExit):
