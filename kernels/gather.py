@@ -25,8 +25,9 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 from cutlass.memory.smem import SmemAllocator
 
-from .primitives import barrier_any, load_address, load_shared_word, store_shared_word, store_word
-from .protocol import (CONTROL_DONE, GIVE_UP_SHIFT, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1,
+from .primitives import (barrier_any, load_address, load_shared_word, load_word_volatile_if,
+                         store_shared_word, store_word)
+from .protocol import (CONTROL_DONE, CONTROL_MARK, GIVE_UP_SHIFT, MARK_AFTER_NS, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1,
                        SHARED_CONTROL_BYTES, SLOW_SHIFT, TIMER_BASE, TIMER_CALLS, TIMER_PHASES,
                        WORDS)
 from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, REPORT_CAUSE, REPORT_SLOW, batch_of, deliver, fetch,
@@ -96,11 +97,13 @@ class Gather:
 
     @cute.jit
     def still_waiting(self, start: Int64, wait: Int64, budget: Int64, slow: Int32, status: Int64,
-                      own_control: Int64, epoch: Int32):
+                      own_control: Int64, epoch: Int32, mark: Int32):
         """After a poll that left fragments dirty: ``(cause, slow)``: why this thread
         stops waiting (0: it waits on; ``CAUSE_TIMEOUT`` past ``wait``, ``CAUSE_MARK``
-        once a peer gave up) and whether it raised serving's slow heartbeat (at half
-        the budget, once: ``slow`` starts at 1 unless serving)."""
+        once a peer gave up: ``mark``, read with the polls once past ``MARK_AFTER_NS``)
+        and whether it raised serving's slow heartbeat (at half the budget, once:
+        ``slow`` starts at 1 unless serving), and ``late``: whether the next poll reads
+        the mark."""
         waited = cute.arch.globaltimer() - start
         if slow == 0:
             if waited > (budget >> SLOW_SHIFT):
@@ -108,9 +111,9 @@ class Gather:
         cause = Int32(0)  # CAUSE_TIMEOUT implies the heartbeat is up: wait > budget / 2
         if waited > wait:
             cause = Int32(CAUSE_TIMEOUT)
-        elif mark_of(own_control) != 0:
+        elif mark != 0:
             cause = Int32(CAUSE_MARK)
-        return cause, slow
+        return cause, slow, Int32(waited > Int64(MARK_AFTER_NS))
 
     @cute.jit
     def __call__(self, shard: cute.Tensor, out: Int64, peers: Int64, rank: Int32, ctas: Int32,
@@ -197,31 +200,37 @@ class Gather:
         if tid == 0:
             if last != 0:  # the next launch's done count: the previous one has ended
                 store_word(own_control + (CONTROL_DONE + ((epoch + 1) & 1)) * 4, 0)
-        stopped = Int32(mark_of(own_control) != 0)  # a call before this one failed
         parity = epoch & 1
         targets = cute.make_rmem_tensor((tp,), Int64)
         for step in cutlass.range_constexpr(tp):
             targets[step] = firsts[step] + Int64(parity) * span
         own = targets[0]
-        cause = CAUSE_MARK * stopped
 
         # 1 once this thread raised STATUS_SLOW, and from the start unless serving
         # (nothing to raise): the heartbeats test this one flag, never ``serving``
         slow = Int32(serving == 0)
         watch = (start, budget, slow, status, own_control, epoch)  # serving's heartbeat
+        # The mark as the call begins (non-zero: a call before this one failed): the
+        # gather's push reads it once its first loads are out, the all-to-all's here,
+        # before its token; its first test waits for it.
+        mark = Int32(0)
+        control = own_control
         routing = None  # the gather: every fragment to every rank
         if cutlass.const_expr(self.all_to_all):
+            control = None
+            mark = mark_of(own_control)
             routing = (rank, tuple(offsets[q] for q in range(tp + 1)))
             # before the data: one store of a thread, at the start (no heartbeat due yet)
             push_token(me, epoch, Int64(rank * self.shard_words), routing, peers,
-                       Int64(parity) * span, cause, tp)
+                       Int64(parity) * span, mark, tp)
         if cutlass.const_expr(self.staged):
-            slow = push_staged(shard, out, targets, Int64(rank * self.shard_words), rows, me,
-                               stride, cause, watch, stage, tid, self.threads, tp, frags, width,
-                               unroll, routing)
+            slow, mark = push_staged(shard, out, targets, Int64(rank * self.shard_words), rows,
+                                     me, stride, mark, watch, stage, tid, self.threads, tp,
+                                     frags, width, unroll, routing, control)
         else:
-            slow = push(shard, out, targets, Int64(rank * self.shard_words), rows,
-                        me, stride, cause, watch, tp, frags, width, unroll, routing)
+            slow, mark = push(shard, out, targets, Int64(rank * self.shard_words), rows,
+                              me, stride, mark, watch, tp, frags, width, unroll, routing,
+                              control)
         self.stamp(stamps, 2)
 
         mine = rows  # rows this rank delivers
@@ -236,19 +245,24 @@ class Gather:
         if cutlass.const_expr(self.all_to_all):
             polls = polls + token * (tp - 1)  # 0 rows: the peers' tokens (``push_token``)
         missing = Int32(0)
+        cause = Int32(0)
         base = me
         while base < polls:
             if cutlass.const_expr(self.staged):
                 pending = batch_of(base, stride, polls, unroll)
-                if stopped == 0:  # marked before this call began: deliver none (below)
+                if mark == 0:  # marked before this call began: deliver none (below)
                     pending = fetch_staged(own, out, pending, base, stride, polls, rank, stage,
                                            tid, self.threads, frags, width, unroll, token)
+                else:
+                    cause = Int32(CAUSE_MARK)
+                late = Int32(0)
                 while (pending != 0) & (cause == 0):
                     pending = repoll_staged(own, out, pending, base, stride, rank, frags, width,
                                             unroll, token)
+                    seen = Int32(load_word_volatile_if(own_control + CONTROL_MARK * 4, late))
                     if pending != 0:  # a batch that just completed is never a give-up
-                        cause, slow = self.still_waiting(start, wait, budget, slow, status,
-                                                         own_control, epoch)
+                        cause, slow, late = self.still_waiting(start, wait, budget, slow, status,
+                                                               own_control, epoch, seen)
                 missing = give_up_staged(out, pending, missing, base, stride, rank, frags, width,
                                          unroll, token)
             else:
@@ -257,16 +271,20 @@ class Gather:
                 source = cute.make_rmem_tensor((unroll,), Int32)
                 pending = fetch(own, held, where, source, base, stride, polls, rank, frags, width,
                                 unroll, token)
-                if stopped != 0:  # marked before this call began: its box may hold late
+                if mark != 0:  # marked before this call began: its box may hold late
                     pending = Int32((1 << unroll) - 1)  # pushes of a void call; deliver none
+                    cause = Int32(CAUSE_MARK)
+                late = Int32(0)
                 while (pending != 0) & (cause == 0):
-                    pending = repoll(own, held, where, pending, unroll)
+                    pending, seen = repoll(own, held, where, pending, unroll, own_control, late)
                     if pending != 0:  # a batch that just completed is never a give-up
-                        cause, slow = self.still_waiting(start, wait, budget, slow, status,
-                                                         own_control, epoch)
+                        cause, slow, late = self.still_waiting(start, wait, budget, slow, status,
+                                                               own_control, epoch, seen)
                 missing = deliver(own, out, held, where, source, pending, missing, base, stride,
                                   polls, unroll, token)
             base = base + stride * unroll
+        if mark != 0:  # also a thread with nothing to poll
+            cause = Int32(CAUSE_MARK)
         self.stamp(stamps, 3)
         if cause == CAUSE_TIMEOUT:
             mark_peers(peers, missing, epoch, status, serving, tp)

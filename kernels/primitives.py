@@ -5,6 +5,8 @@ published or armed whole:
 
 - ``store_sys`` (``st.relaxed.sys.global.v4``): a push into a peer's mailbox.
 - ``load_volatile`` (``ld.volatile.global.v4``): a poll; every re-poll goes to memory.
+  ``poll`` is the same load under a predicate, in one instruction, so a batch's
+  polls issue back to back with no branch between them and none waits for another.
 - ``load``/``store``: plain accesses for the shard, the output and the re-arm.
 - ``scrub``: the sentinel word becomes 0, compared as an integer (a float compare
   takes (+0, -0) for zero; ftz could flush denormal pairs to it).
@@ -60,6 +62,15 @@ def load(address, *, loc=None, ip=None):
 
 
 @_op
+def load_if(address, on, *, loc=None, ip=None):
+    """``load`` at ``address`` if ``on`` is non-zero, else four zeros: one predicated
+    instruction, so a batch's loads issue back to back with no branch between them."""
+    code = ("{ .reg .pred p; setp.ne.u32 p, $4, 0; mov.u32 $0, 0; mov.u32 $1, 0; "
+            "mov.u32 $2, 0; mov.u32 $3, 0; @p ld.global.v4.u32 {$0,$1,$2,$3}, [$5]; }")
+    return _asm(code, "=r,=r,=r,=r,r,l", [Int32(on), Int64(address)], 4, True, loc, ip)
+
+
+@_op
 def load_address(address, *, loc=None, ip=None):
     """The 64-bit word at ``address`` (an entry of the peer table)."""
     values = [Int64(address).ir_value(loc=loc, ip=ip)]
@@ -74,6 +85,16 @@ def load_volatile(address, *, loc=None, ip=None):
     """Four words at ``address``, read from memory on every call (a mailbox poll)."""
     return _asm("ld.volatile.global.v4.u32 {$0,$1,$2,$3}, [$4];",
                 "=r,=r,=r,=r,l,~{memory}", [Int64(address)], 4, True, loc, ip)
+
+
+@_op
+def poll(address, on, words, *, loc=None, ip=None):
+    """``load_volatile`` at ``address`` if ``on`` is non-zero; else ``words`` unchanged
+    (tied operands: no register beyond the fragment's own four)."""
+    code = ("{ .reg .pred p; setp.ne.u32 p, $4, 0; "
+            "@p ld.volatile.global.v4.u32 {$0,$1,$2,$3}, [$5]; }")
+    return _asm(code, "=r,=r,=r,=r,r,l,0,1,2,3,~{memory}",
+                [Int32(on), Int64(address), *(Uint32(w) for w in words)], 4, True, loc, ip)
 
 
 @_op
@@ -123,6 +144,16 @@ def load_word_volatile(address, *, loc=None, ip=None):
     """One word at ``address``, read from memory on every call (a control word)."""
     (word,) = _asm("ld.volatile.global.u32 $0, [$1];", "=r,l,~{memory}", [Int64(address)], 1,
                    True, loc, ip)
+    return word
+
+
+@_op
+def load_word_volatile_if(address, on, *, loc=None, ip=None):
+    """``load_word_volatile`` at ``address`` if ``on`` is non-zero, else 0: one predicated
+    instruction, issued beside a batch's polls without a branch."""
+    code = ("{ .reg .pred p; setp.ne.u32 p, $1, 0; mov.u32 $0, 0; "
+            "@p ld.volatile.global.u32 $0, [$2]; }")
+    (word,) = _asm(code, "=r,r,l,~{memory}", [Int32(on), Int64(address)], 1, True, loc, ip)
     return word
 
 

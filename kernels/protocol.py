@@ -64,6 +64,10 @@ STATUS_WORDS = STATUS_SLOW + 1
 # budget - (budget >> GIVE_UP_SHIFT), three quarters; its trap follows the status
 # record's flag by budget >> STOP_SHIFT, an eighth: seven eighths in all.
 SLOW_SHIFT, GIVE_UP_SHIFT, STOP_SHIFT = 1, 2, 3
+# A waiting thread reads its mark only once it has waited MARK_AFTER_NS: the mark only
+# ends a wait early, so a spin of a normal call (µs) costs one round trip, its polls',
+# and no thread loads the control line a marker writes.
+MARK_AFTER_NS = 1 << 16
 
 
 def slow_after(budget):

@@ -13,9 +13,13 @@ Invariants a change must keep:
   fragments and writes none of them out (``write_out``).
 - The reader re-arms what it copied, only through ``take``; nobody else re-arms.
 - A fragment that never arrived is written as NaN; its rank joins ``missing``.
-- A batch's loads are all issued before the first check; only dirty fragments are
-  polled again. Staged: a slot is rewritten only after its thread read it; repolls
-  use the volatile load (``cp.async`` is weak).
+- A batch's loads are all issued before the first check: predicated loads
+  (``primitives.poll``, ``load_if``), no branch between them, so a poll, a spin and
+  a push's first loads each cost one round trip (the PTX audit pins it). Only dirty
+  fragments are polled again; the mark is read with them once a wait is late
+  (``protocol.MARK_AFTER_NS``), and in the push after the first batch's loads.
+  Staged: a slot is rewritten only after its thread read it; repolls use the
+  volatile load (``cp.async`` is weak).
 - A CTA's epoch is its ticket (``take_epoch``: one atomic add to the ticket pair);
   only the launch's last ticket moves the epoch on, once every CTA holds it.
 - Serving-only steps sit behind ``serving`` (uniform across the grid) or a thread's
@@ -46,8 +50,8 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from .primitives import (armed, atomic_max_word_sys, await_word, copy_async, count_word, fence_acq_rel_gpu,
-                         fence_acq_rel_sys, fence_sys, grid_size, load, load_address, load_shared, load_volatile,
-                         load_word_volatile, opaque, scrub, store, store_sys,
+                         fence_acq_rel_sys, fence_sys, grid_size, load_if, load_address, load_shared, load_volatile,
+                         load_word_volatile, load_word_volatile_if, opaque, poll, scrub, store, store_sys,
                          store_word_sys, take_ticket, trap, wait_async)
 from .protocol import (CONTROL_DONE, CONTROL_MARK, CONTROL_MISSING, CONTROL_TICKETS,
                        EPOCH_SPAN, MARK_TOP, NAN_PAIR, PEER_CONTROL, PEER_PARITY0, SENTINEL, STATUS_EPOCH, STATUS_FLAG,
@@ -158,41 +162,49 @@ def record_and_stop(status: Int64, own_control: Int64, budget: Int64, epoch: Int
 
 @cute.jit
 def push(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int32,
-         first: Int32, stride: Int32, stop: Int32, watch, tp: cutlass.Constexpr,
+         first: Int32, stride: Int32, mark: Int32, watch, tp: cutlass.Constexpr,
          frags: cutlass.Constexpr, width: cutlass.Constexpr,
-         unroll: cutlass.Constexpr, routing=None) -> Int32:
+         unroll: cutlass.Constexpr, routing=None, control=None):
     """This rank's fragments (``first``, ``first + stride``, ...) to the output and,
-    unless ``stop``, into row m of every peer's box (``targets[1:]``); before each
-    batch after the first, ``heartbeat`` (``watch``: its arguments; its flag ``slow``
-    starts at 1 unless serving); returns the flag. All-to-all (``routing``: the rank
-    and its tp + 1 row offsets): each fragment to its one destination instead
-    (``route``, ``send_fragment``)."""
+    unless the call begins marked, into row m of every peer's box (``targets[1:]``);
+    before each batch after the first, ``heartbeat`` (``watch``: its arguments; its
+    flag ``slow`` starts at 1 unless serving). Returns ``(slow, mark)``: the mark
+    (``mark_of``) is ``mark`` as given, or, with ``control``, read once here after the
+    first batch's loads are issued (or at once, with no batch), so the two round trips
+    overlap. All-to-all (``routing``: the rank and its tp + 1 row offsets): each
+    fragment to its one destination instead (``route``, ``send_fragment``)."""
     pushes = rows * frags
     base = first
     slow = watch[2]
+    if cutlass.const_expr(control is not None):
+        if first >= pushes:
+            mark = mark_of(control)
     while base < pushes:
         if base != first:  # before this batch's stores: a store can stall
             slow = heartbeat(watch[0], watch[1], slow, watch[3], watch[4], watch[5])
         held = cute.make_rmem_tensor((unroll, WORDS), Uint32)
-        for i in cutlass.range_constexpr(unroll):  # every load before any store
-            f = base + i * stride
-            if f < pushes:
-                words = load(src + Int64(f) * 16)
-                for k in cutlass.range_constexpr(WORDS):
-                    held[i, k] = words[k]
+        for i in cutlass.range_constexpr(unroll):  # every load before any store, no branch
+            f = base + i * stride  # i = 0: in the loop, always a fragment
+            words = load_if(src + Int64(f) * 16, Int32(f < pushes) if i else Int32(1))
+            for k in cutlass.range_constexpr(WORDS):
+                held[i, k] = words[k]
+        if cutlass.const_expr(control is not None):
+            if base == first:
+                mark = mark_of(control)
+        again = opaque(base)  # the offsets computed after the mark's read, not held through it
         for i in cutlass.range_constexpr(unroll):
-            f = base + i * stride
-            if f < pushes:
+            f = again + i * stride
+            if (f < pushes) | (i == 0):
                 if cutlass.const_expr(routing is None):
                     offset = push_offset(f, column, frags, width)
                     push_fragment(tuple(held[i, k] for k in range(WORDS)), offset, dst,
-                                  targets, stop, tp)
+                                  targets, mark, tp)
                 else:
                     offset, step, box = route(f, column, routing, targets, frags, width, tp)
                     send_fragment(tuple(held[i, k] for k in range(WORDS)), offset, dst, step,
-                                  box, stop)
+                                  box, mark)
         base = base + stride * unroll
-    return slow
+    return slow, mark
 
 
 @cute.jit
@@ -205,12 +217,13 @@ def push_offset(f: Int32, column: Int64, frags: cutlass.Constexpr,
 
 
 @cute.jit
-def push_fragment(words, offset: Int64, dst: Int64, targets: cute.Tensor, stop: Int32,
+def push_fragment(words, offset: Int64, dst: Int64, targets: cute.Tensor, mark: Int32,
                   tp: cutlass.Constexpr):
     """A fragment of this rank's (``words``), scrubbed, at ``offset`` of every peer's
-    box (unless ``stop``) and of the output: ``push``'s stores, staged or not."""
+    box (unless ``mark``: the call began marked) and of the output: ``push``'s stores,
+    staged or not."""
     clean = tuple(scrub(words[k]) for k in range(WORDS))
-    if stop == 0:
+    if mark == 0:
         for step in cutlass.range_constexpr(1, tp):
             store_sys(targets[step] + offset, clean)
     store(dst + offset, clean)  # every rank's output holds the same bits
@@ -244,15 +257,15 @@ def route(f: Int32, column: Int64, routing, targets: cute.Tensor, frags: cutlass
 
 
 @cute.jit
-def send_fragment(words, offset: Int64, dst: Int64, step: Int32, box: Int64, stop: Int32):
+def send_fragment(words, offset: Int64, dst: Int64, step: Int32, box: Int64, mark: Int32):
     """All-to-all's ``push_fragment``: a fragment of this rank's (``words``), scrubbed,
     at ``offset`` of its one destination: this rank's output (``step`` 0) or, unless
-    ``stop``, its rank's ``box`` by a system-scope store."""
+    ``mark``, its rank's ``box`` by a system-scope store."""
     clean = tuple(scrub(words[k]) for k in range(WORDS))
     if step == 0:
         store(dst + offset, clean)
     else:
-        if stop == 0:
+        if mark == 0:
             store_sys(box + offset, clean)
 
 
@@ -300,34 +313,39 @@ def fetch(own: Int64, held: cute.Tensor, where: cute.Tensor, source: cute.Tensor
           base: Int32, stride: Int32, polls: Int32, rank: Int32, frags: cutlass.Constexpr,
           width: cutlass.Constexpr, unroll: cutlass.Constexpr, token=None) -> Int32:
     """Load a batch of peer fragments (``token``: tokens, ``locate``) from this rank's
-    box; the dirty ones' mask."""
-    pending = Int32(0)
+    box, every ``poll`` issued before the first check (no branch between them: a
+    fragment past ``polls`` is a poll switched off); the dirty ones' mask."""
+    exists = Int32(0)
     for i in cutlass.range_constexpr(unroll):
         f = base + i * stride
-        where[i] = Int64(0)
-        source[i] = Int32(0)
-        if f < polls:
-            where[i], source[i] = locate(f, rank, frags, width, token)
-            words = load_volatile(own + where[i])
-            for k in cutlass.range_constexpr(WORDS):
-                held[i, k] = words[k]
-            if armed(words) != 0:
-                pending = pending | (1 << i)
-    return pending
+        on = Int32(f < polls)
+        exists = exists | (on << i)
+        where[i], source[i] = locate(f, rank, frags, width, token)
+        words = poll(own + where[i], on, (Uint32(SENTINEL),) * WORDS)
+        for k in cutlass.range_constexpr(WORDS):
+            held[i, k] = words[k]
+    pending = Int32(0)
+    for i in cutlass.range_constexpr(unroll):
+        pending = pending | (Int32(armed(tuple(held[i, k] for k in range(WORDS))) != 0) << i)
+    return pending & exists
 
 
 @cute.jit
 def repoll(own: Int64, held: cute.Tensor, where: cute.Tensor, pending: Int32,
-           unroll: cutlass.Constexpr) -> Int32:
-    """Poll the dirty fragments of a batch once more; the mask still dirty."""
+           unroll: cutlass.Constexpr, control: Int64, late: Int32):
+    """Poll the dirty fragments of a batch once more, every ``poll`` issued before the
+    first check (a spin costs one round trip), and, once the wait is ``late``, the
+    mark with them (``mark_of``; else 0, no load). Returns ``(the mask still dirty,
+    the mark)``."""
     for i in cutlass.range_constexpr(unroll):
-        if (pending >> i) & 1:
-            words = load_volatile(own + where[i])
-            for k in cutlass.range_constexpr(WORDS):
-                held[i, k] = words[k]
-            if armed(words) == 0:
-                pending = pending & ~(1 << i)
-    return pending
+        words = poll(own + where[i], (pending >> i) & 1, tuple(held[i, k] for k in range(WORDS)))
+        for k in cutlass.range_constexpr(WORDS):
+            held[i, k] = words[k]
+    mark = Int32(load_word_volatile_if(control + CONTROL_MARK * 4, late))
+    for i in cutlass.range_constexpr(unroll):
+        arrived = Int32(armed(tuple(held[i, k] for k in range(WORDS))) == 0)
+        pending = pending & ~(arrived << i)
+    return pending, mark
 
 
 @cute.jit
@@ -377,13 +395,17 @@ def slot(stage: Int32, i: cutlass.Constexpr, tid: Int32, threads: cutlass.Conste
 
 @cute.jit
 def push_staged(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, rows: Int32,
-                first: Int32, stride: Int32, stop: Int32, watch, stage: Int32, tid: Int32,
+                first: Int32, stride: Int32, mark: Int32, watch, stage: Int32, tid: Int32,
                 threads: cutlass.Constexpr, tp: cutlass.Constexpr, frags: cutlass.Constexpr,
-                width: cutlass.Constexpr, unroll: cutlass.Constexpr, routing=None) -> Int32:
-    """``push``, the batch's shard fragments staged through shared memory."""
+                width: cutlass.Constexpr, unroll: cutlass.Constexpr, routing=None, control=None):
+    """``push``, the batch's shard fragments staged through shared memory (the mark
+    read after the first batch's copies are issued)."""
     pushes = rows * frags
     base = first
     slow = watch[2]
+    if cutlass.const_expr(control is not None):
+        if first >= pushes:
+            mark = mark_of(control)
     while base < pushes:
         if base != first:  # before this batch's stores: a store can stall
             slow = heartbeat(watch[0], watch[1], slow, watch[3], watch[4], watch[5])
@@ -391,6 +413,9 @@ def push_staged(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, row
             f = base + i * stride
             if f < pushes:
                 copy_async(slot(stage, i, tid, threads), src + Int64(f) * 16)
+        if cutlass.const_expr(control is not None):
+            if base == first:
+                mark = mark_of(control)
         wait_async()
         again = opaque(base)  # the offsets again, not held across the wait
         for i in cutlass.range_constexpr(unroll):
@@ -399,13 +424,13 @@ def push_staged(src: Int64, dst: Int64, targets: cute.Tensor, column: Int64, row
                 if cutlass.const_expr(routing is None):
                     offset = push_offset(f, column, frags, width)
                     push_fragment(load_shared(slot(stage, i, tid, threads)), offset, dst,
-                                  targets, stop, tp)
+                                  targets, mark, tp)
                 else:
                     offset, step, box = route(f, column, routing, targets, frags, width, tp)
                     send_fragment(load_shared(slot(stage, i, tid, threads)), offset, dst, step,
-                                  box, stop)
+                                  box, mark)
         base = base + stride * unroll
-    return slow
+    return slow, mark
 
 
 @cute.jit

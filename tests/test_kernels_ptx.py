@@ -548,6 +548,8 @@ def test_the_record_reads_the_missing_ranks_only_after_an_acquire(
 # allocation rises by 8; at 256 threads unroll 4 keeps 4 CTAs per SM, unroll 8
 # (staged, 32 KiB of slots) goes from 5 to 4). The epoch a ticket, the CTA count a
 # ``red`` (issue 51): TP 8 64, 64; TP 2 58, 52; the ticket before PDL's wait: the same.
+# A batch's loads issued together (predicated, the mark beside them): TP 8 64, 64;
+# TP 2 64, 52.
 REGISTER_CEILING = {(8, 4): 64, (8, 8): 64, (2, 4): 64, (2, 8): 56}
 
 
@@ -806,3 +808,50 @@ def test_a_gpu_starts_host_checks_pass_on_the_real_ptx_of_every_mode_and_dtype(
                 launch.DriverLaunch(compiled, serving=True)
             assert launch.slots(compiled) == (launch.ALL_TO_ALL_PARAMS if all_to_all
                                               else launch.PARAMS)
+
+
+def _issued_together(ins, opcode):
+    """Runs of ``opcode`` loads in ``ins`` issued back to back: no branch, label or read
+    of an earlier load's registers between the first and the last. Returns
+    ``(first index, last index, loads)`` per run."""
+    runs, current, written = [], None, set()
+    for i, t in enumerate(ins):
+        body = re.sub(r"^@!?%?\w+\s+", "", t)
+        if body.startswith(opcode + " "):
+            target = body.split("[", 1)[0]
+            if current is not None and any(r in written for r in re.findall(r"%r\d+", t.split("[", 1)[1])):
+                runs.append(current)
+                current, written = None, set()
+            current = (current[0], i, current[2] + 1) if current else (i, i, 1)
+            written |= set(re.findall(r"%r\d+", target))
+            continue
+        if current is None:
+            continue
+        read = set(re.findall(r"%r\d+", t.split(",", 1)[1] if "," in t else "")) & written
+        if t.endswith(":") or re.search(r"\bbra\b", t) or read:
+            runs.append(current)
+            current, written = None, set()
+    return runs + ([current] if current else [])
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_a_batchs_loads_are_issued_before_the_first_is_checked(tp):
+    """Issue 51 item 2: a call's latency is round trips in a row. A batch's polls
+    (``steps.fetch``, ``steps.repoll``) are predicated loads (``primitives.poll``) with
+    no branch or check between them, so a spin costs one round trip, not one per
+    fragment; the spin's mark read (late in a wait only) sits in the same run; and the
+    push's first batch loads the shard before it reads the mark (``steps.push``), so
+    the two round trips overlap. Fails on 21acae7's kernel (branches between polls,
+    the mark read before the shard's loads)."""
+    unroll = DEFAULT_UNROLL
+    k = _kernel(tp, unroll, "sm_90a", False)
+    ins = _mode(k, 1)
+    polls = [r for r in _issued_together(ins, "ld.volatile.global.v4.u32") if r[2] == unroll]
+    assert len(polls) >= 2, _issued_together(ins, "ld.volatile.global.v4.u32")  # fetch, repoll
+    def next_access(i):  # the next load or store, guarded in its asm block or not
+        return next(t for t in ins[i + 1:] if re.match(r"^(?:@!?%?\w+\s+)?(?:ld|st|atom|red)\.", t))
+
+    assert re.match(r"@p ld\.volatile\.global\.u32", next_access(polls[-1][1]))  # the mark
+    shard = [r for r in _issued_together(ins, "ld.global.v4.u32") if r[2] == unroll]
+    assert shard, _issued_together(ins, "ld.global.v4.u32")
+    assert next_access(shard[0][1]).startswith("ld.volatile.global.u32")  # the mark

@@ -39,7 +39,7 @@ from lamport_head.occupancy import resident_ctas
 from lamport_head.tuning.support.emulate import EmulatedGather
 from lamport_head.tuning.support.reference import planted, reference_gather
 
-from ..harness import gated_gpu_us
+from ..harness import gated_gpu_us, never_stock
 from .phases import _stamps, between, spans
 
 
@@ -126,6 +126,45 @@ def timed(emu, tp, rows, shard, device, steps, reps):
     return gated_gpu_us(lambda n: emu.run_steps(shards, n), device, steps, reps)
 
 
+def captured(emu, tp, rows, shard, device, steps, reps):
+    """GPU µs per step as engines run decode: each rank's CUDA graph of ``steps``
+    gathers, replayed together on the ranks' streams (``emubench``'s captured figure);
+    NaN if a record was written."""
+    data = planted(tp, rows, shard, device=device)
+    shards = [data[r] for r in range(tp)]
+    torch.cuda.synchronize(device)
+    graphs = []
+    for r, stream in enumerate(emu.streams):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            graph.capture_begin()
+            try:
+                for _ in range(steps):
+                    emu.ranks[r](shards[r], never_stock)
+            finally:
+                graph.capture_end()
+        graphs.append(graph)
+
+    def replay(_):
+        here = torch.cuda.current_stream(device)
+        for stream in emu.streams:
+            stream.wait_stream(here)
+        for graph, stream in zip(graphs, emu.streams):
+            with torch.cuda.stream(stream):
+                graph.replay()
+        for stream in emu.streams:
+            here.wait_stream(stream)
+
+    replay(steps)  # upload
+    us = gated_gpu_us(replay, device, steps, reps)
+    try:
+        emu.check()
+    except Exception as exc:  # a record: no figure, and say why
+        print(f"  captured run raised: {exc}", flush=True)
+        return math.nan
+    return us
+
+
 def phase_figures(variant, device, tp, shard, plan, rows, batches=3):
     """Medians (µs) of ``phases``' figures for ``variant``'s timed kernel; ``{"not
     built": why}`` where it cannot be (its timers' registers cost co-resident CTAs)."""
@@ -165,6 +204,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=50, help="steps per gated run")
     p.add_argument("--reps", type=int, default=7, help="gated runs per figure (median)")
     p.add_argument("--phases", action="store_true", help="each variant's phase medians too")
+    p.add_argument("--captured", action="store_true",
+                   help="time CUDA graphs of the steps replayed together (as engines run "
+                        "decode) instead of queued eager launches")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -183,13 +225,16 @@ def main(argv=None):
                 for v in variants:
                     emu = emulated(v, device, tp, shard, one)
                     ok = bitwise(emu, tp, rows, shard, device)
-                    figures[v.name].append(timed(emu, tp, rows, shard, device, args.steps,
-                                                 args.reps) if ok else math.nan)
+                    how = captured if args.captured else timed
+                    figures[v.name].append(how(emu, tp, rows, shard, device, args.steps,
+                                               args.reps) if ok else math.nan)
                     del emu
             base = statistics.median(figures[names[0]])
             line = "  ".join(f"{n} {' / '.join(f'{x:.2f}' for x in figures[n])} "
                              f"({statistics.median(figures[n]) / base:.3f}x)" for n in names)
-            print(f"tp {tp} M {rows} ({plan[rows].label()}), µs per step: {line}", flush=True)
+            mode = "captured" if args.captured else "eager"
+            print(f"tp {tp} M {rows} ({plan[rows].label()}), {mode} µs per step: {line}",
+                  flush=True)
             record = {"tp": tp, "rows": rows, "config": plan[rows].label(), "us": figures}
             if args.phases:
                 record["phases"] = {v.name: phase_figures(v, device, tp, shard, one, rows)
