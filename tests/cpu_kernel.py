@@ -6,11 +6,14 @@ stock fallbacks and output shapes, with the protocol's addressing and re-arm.
 What it models of ``kernels.gather.Gather(all_to_all=True)``, per call: the parity is
 the rank's epoch (its control block); rows ``offsets[q]..offsets[q + 1]`` of the shard,
 sentinel words made 0, go to rows 0.. of rank q's box of that parity at this rank's
-columns (its own rows straight to the output); a rank q of 0 rows gets one token word
-from every peer instead (row 0, the peer's first column); then this rank polls its box
-for its rows (or the tokens) of every peer until no word is the sentinel, copies them
-out, re-arms them, and advances its epoch. A poll past the budget raises
-``TimeoutError`` (the give-up, the mark and NaN delivery are the GPU tests').
+columns (its own rows straight to the output); a rank q of 0 rows gets one token
+fragment (the epoch in every word) from every peer instead (row 0, the peer's first
+column); then this rank polls its box for its rows (or the tokens) of every peer as
+the kernel does, fragment by fragment
+(16 bytes, ``WORDS`` words): a fragment is taken, copied out and re-armed as soon as no
+word of it is the sentinel, whatever its neighbours hold; then it advances its epoch.
+A poll past the budget raises ``TimeoutError`` (the give-up, the mark and NaN
+delivery are the GPU tests').
 
 It is not the kernel: what it proves is the host's side and the addressing rule; the
 kernel's own bytes are tests/test_gpu_all_to_all.py's.
@@ -25,7 +28,7 @@ import torch
 from lamport_head import build, mailbox, mailbox_collective
 from lamport_head.kernels.protocol import (CONTROL_EPOCH, CONTROL_WORDS, EPOCH_SPAN, PEER_CONTROL,
                                            PEER_PARITY0, PEER_PARITY1, PEER_ROWS,
-                                           SENTINEL_I32)
+                                           SENTINEL_I32, WORDS)
 
 
 def _ints(address, count, ctype=ctypes.c_int32, dtype=torch.int32):
@@ -72,20 +75,25 @@ class Launch:
             elif part.shape[0]:
                 box(q)[:part.shape[0], columns] = part
             else:
-                box(q)[0, rank * words] = epoch  # the token: never the sentinel
+                box(q)[0, rank * words:rank * words + WORDS] = epoch  # the token: never the sentinel
         own, end = box(rank), time.monotonic_ns() + budget
         for p in range(tp):
             if p == rank:
                 continue
-            cols = slice(p * words, (p + 1) * words)
-            region = own[:mine, cols] if mine else own[0, p * words:p * words + 1]
-            while bool((region == SENTINEL_I32).any()):
-                if time.monotonic_ns() > end:
-                    raise TimeoutError(f"rank {rank}, epoch {epoch}: rank {p}'s rows never came")
-                time.sleep(0)
-            if mine:
-                target[:, cols] = region
-            region.fill_(SENTINEL_I32)
+            # the kernel's polls (``steps.locate``): row-major over a row's peer
+            # fragments; a 0-row rank polls the token, the first fragment of row 0
+            spots = ([(m, p * words + j) for m in range(mine) for j in range(0, words, WORDS)]
+                     if mine else [(0, p * words)])
+            for m, c in spots:
+                fragment = own[m, c:c + WORDS]
+                while bool((fragment == SENTINEL_I32).any()):  # ``armed``: any word
+                    if time.monotonic_ns() > end:
+                        raise TimeoutError(f"rank {rank}, epoch {epoch}: rank {p}'s rows "
+                                           "never came")
+                    time.sleep(0)
+                if mine:  # ``take``: copied out, then re-armed; a token only re-armed
+                    target[m, c:c + WORDS] = fragment
+                fragment.fill_(SENTINEL_I32)
         control[CONTROL_EPOCH] = (epoch + 1) % EPOCH_SPAN
 
 

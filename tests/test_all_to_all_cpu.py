@@ -282,3 +282,54 @@ def test_the_engine_loops_all_to_all_route_serves_every_step_bitwise(tmp_path):
         # measured rows 1, 2, 4, 8; the gaps between enabled rows are filled, so 1-8
         assert r["served"] == list(range(1, 9)) and r["bad"] == [], f"rank {rank}: {r}"
     assert sum(r["empty"] for r in results) > 0  # ranks with no rows took part
+
+
+# Issue 49 item 1: ranks that disagree on the splits of one call (an engine bug: vLLM
+# derives them from replicated state). Rank 1 believes [2, 1, ...], the others [1, 2, ...].
+DISAGREEING = {2: ([1, 2], [2, 1]), 3: ([1, 2, 0], [2, 1, 0])}
+
+
+def _disagreeing_splits(rank, tp):
+    """One call whose splits differ between ranks (each rank's own split is its rows),
+    then ``check()``, a collective ``reset()``, and correct calls of both parities."""
+    import torch.distributed as dist
+
+    import cpu_kernel
+    from lamport_head.status import GatherTimeout
+
+    cpu_kernel.use()
+    a2a = AllToAll(dist.group.WORLD, "cpu", tp, rank, SHARD, {3: GatherConfig(1)},
+                   mode="recoverable", backend="ipc", budget_s=5.0)
+    agreed, odd = DISAGREEING[tp]
+    splits = odd if rank == 1 else agreed
+    shards = _shards(0, tp, 3, torch.bfloat16)
+    out = a2a(shards[rank], splits, splits[rank], None)
+    wrong = not torch.equal(words(out), words(reference_all_to_all(shards, splits)[rank]))
+    try:
+        a2a.check()
+        raised = None
+    except GatherTimeout as exc:
+        raised = sorted(exc.missing)
+    a2a.reset()
+    after = []
+    for call in (1, 2, 3):  # both parities
+        shards = _shards(call, tp, 3, torch.bfloat16)
+        got = a2a(shards[rank], agreed, agreed[rank], None)
+        after.append(torch.equal(words(got), words(reference_all_to_all(shards, agreed)[rank])))
+    armed = a2a.box.armed()
+    a2a.close()
+    return {"raised": raised, "wrong": wrong, "after": after, "armed": armed}
+
+
+@pytest.mark.xfail(strict=True, reason="issue 49 item 1: the kernel carries no digest of "
+                   "the split yet, so a rank cannot tell a peer's rows were sent for "
+                   "another split (each takes what arrives, fragment by fragment)")
+@pytest.mark.parametrize("tp", [2, 3])
+def test_ranks_that_disagree_on_the_splits_all_raise_and_then_serve_bitwise(tmp_path, tp):
+    """Every rank raises on the call whose splits differ (``check()``: the mark), never
+    a silent row; after a collective ``reset()`` calls of both parities are bitwise and
+    every mailbox word armed."""
+    results = spawn(_disagreeing_splits, tp, tmp_path)
+    for rank, r in enumerate(results):
+        assert r["raised"] is not None, f"rank {rank} took rows sent for another split: {r}"
+        assert r["after"] == [True] * 3 and r["armed"], f"rank {rank}: {r}"
