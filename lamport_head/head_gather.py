@@ -9,8 +9,8 @@ from .mailbox_collective import MailboxCollective
 
 class HeadGather(MailboxCollective):
     """``gather(logits, stock)``: the Lamport gather for the plan's row counts;
-    ``stock(logits)`` otherwise. Constructed as ``MailboxCollective`` says (``rows``
-    the plan; ``HeadGather.default`` the heuristic's for row counts ``rows``)."""
+    ``stock(logits)`` otherwise. Constructed as ``MailboxCollective`` says (``plan``;
+    ``HeadGather.default`` the heuristic's for ``row_counts``)."""
 
     all_to_all = False
 

@@ -32,6 +32,7 @@ import torch
 # modules, not names, where a test replaces a name (mailbox.device_key, its deadline,
 # head_gather.HeadGather, provenance.facts): read at the call
 from . import all_to_all, dtypes, head_gather, mailbox, provenance, settings
+from .mailbox_collective import Setup
 from .collective import all_gather_objects, raised_together, within
 from .outcome import Outcome, Stock
 from .status import SERVING
@@ -99,8 +100,9 @@ def _build(group, device, tp, rank, shard, entries, budget_s, dtype=dtypes.DEFAU
     engine's sampler or its host. Built on ``build``'s one path: the kernel is the one
     the tuner timed for the row, under the tuner's occupancy limit."""
     plan = {m: e.config for m, e in entries.items()}
-    gather = collective(stock)(group, device, tp, rank, shard, plan, budget_s=budget_s,
-                               mode=SERVING, clamp=True, dtype=dtypes.torch_dtype(dtype))
+    gather = collective(stock)(group, device, tp, rank, shard, plan, mode=SERVING,
+                               dtype=dtypes.torch_dtype(dtype),
+                               setup=Setup(budget_s=budget_s, clamp=True))
     for m, (asked, most) in sorted(gather.clamped.items()):
         logger.warning("lamport-head: the table's %d CTAs for %d rows cannot all be co-resident "
                        "with this version's kernel on this device: served with %d (re-tune with "

@@ -25,6 +25,7 @@ Invariants a change must keep (docs/design.md: the protocol and the fail-stop ru
   deadline, never stranding a peer.
 """
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -39,18 +40,34 @@ from .status import SERVING, STOP_GRACE_S, GatherTimeout, Watcher
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+@dataclass(frozen=True)
+class Setup:
+    """How a collective is built, beyond who the ranks are, the shard, the plan, the
+    mode and the dtype. ``mailbox``: a ``LocalMailbox`` shared by virtual ranks (one-GPU
+    emulation); None builds this rank's over the group with the ``backend``
+    ``mailbox.choose_backend`` picks. ``pdl``: None takes it where the architecture has
+    it. ``budget_s``: the spin budget. ``clamp``: a row whose CTAs cannot all be
+    co-resident is cut to the limit (listed in ``clamped``, ``{rows: (asked,
+    limit)}``) instead of refusing. ``threads``/``unroll``: the CTA shape of
+    ``default``'s heuristic plan."""
+
+    mailbox: object = None
+    backend: object = None
+    pdl: object = None
+    budget_s: float = SPIN_BUDGET_S
+    clamp: bool = False
+    threads: int = DEFAULT_THREADS
+    unroll: object = None
+
+
 class MailboxCollective:
     """The base of ``HeadGather`` and ``AllToAll`` (not built alone: a sibling names its
-    kernel). ``rows``: the plan, ``{rows: GatherConfig}`` (a table's enabled entries'
-    configs, ``plan.uniform``); ``default`` builds with the built-in heuristic's.
-    ``mode``: ``"serving"`` or ``"recoverable"``, no default. ``mailbox``: a
-    ``LocalMailbox`` shared by virtual ranks (one-GPU emulation); None builds this
-    rank's over ``group`` with the ``backend`` ``mailbox.choose_backend`` picks.
-    ``pdl``: None takes it where the architecture has it. ``clamp``: a row whose CTAs
-    cannot all be co-resident is cut to the limit (listed in ``clamped``, ``{rows:
-    (asked, limit)}``) instead of refusing. ``plan``: the plan served. ``dtype``: the
-    one logits dtype served (``torch.bfloat16`` or ``torch.float32``; ``shard`` whole
-    16-byte fragments of it); a call of another takes ``stock``."""
+    kernel). ``plan``: ``{rows: GatherConfig}`` (a table's enabled entries' configs,
+    ``plan.uniform``); ``default`` builds the built-in heuristic's for ``row_counts``.
+    ``mode``: ``"serving"`` or ``"recoverable"``, no default. ``dtype``: the one logits
+    dtype served (``torch.bfloat16`` or ``torch.float32``; ``shard`` whole 16-byte
+    fragments of it); a call of another takes ``stock``. ``setup``: how it is built
+    (``Setup``). ``plan`` (the attribute): the plan served."""
 
     all_to_all = None  # the kernel's mode: each sibling's own (False: the gather)
 
@@ -63,25 +80,28 @@ class MailboxCollective:
                             "or AllToAll")
         return cls.all_to_all
 
-    def __init__(self, group, device, tp, rank, shard, rows, *, mode, mailbox=None, pdl=None,
-                 budget_s=SPIN_BUDGET_S, backend=None, clamp=False, dtype=torch.bfloat16):
-        self._serve(build.build(group, device, tp, rank, shard, lambda limit: rows,
-                                mailbox=mailbox, backend=backend, mode=mode, pdl=pdl,
-                                budget_s=budget_s, clamp=clamp, dtype=dtype,
-                                all_to_all=self._kernel_mode()), group)
+    def __init__(self, group, device, tp, rank, shard, plan, *, mode, dtype=torch.bfloat16,
+                 setup=None):
+        setup = setup or Setup()
+        self._serve(build.build(group, device, tp, rank, shard, lambda limit: plan,
+                                mailbox=setup.mailbox, backend=setup.backend, mode=mode,
+                                pdl=setup.pdl, budget_s=setup.budget_s, clamp=setup.clamp,
+                                dtype=dtype, all_to_all=self._kernel_mode()), group)
 
     @classmethod
-    def default(cls, group, device, tp, rank, shard, rows, *, threads=DEFAULT_THREADS,
-                unroll=None, mode, mailbox=None, pdl=None, budget_s=SPIN_BUDGET_S,
-                backend=None, dtype=torch.bfloat16):
-        """The collective of the row counts ``rows`` on the built-in heuristic's plan
-        (``plan.default``), chosen once the device's co-resident limit is known."""
+    def default(cls, group, device, tp, rank, shard, row_counts, *, mode, dtype=torch.bfloat16,
+                setup=None):
+        """The collective of ``row_counts`` on the built-in heuristic's plan
+        (``plan.default``, of ``setup``'s threads and unroll), chosen once the
+        device's co-resident limit is known."""
+        setup = setup or Setup()
         gather = cls.__new__(cls)
-        choose = partial(plans.default, rows, tp=tp, shard=shard, threads=threads, unroll=unroll,
-                         dtype=dtype)
-        gather._serve(build.build(group, device, tp, rank, shard, choose, mailbox=mailbox,
-                                  backend=backend, mode=mode, pdl=pdl, budget_s=budget_s,
-                                  dtype=dtype, all_to_all=cls._kernel_mode()), group)
+        choose = partial(plans.default, row_counts, tp=tp, shard=shard, threads=setup.threads,
+                         unroll=setup.unroll, dtype=dtype)
+        gather._serve(build.build(group, device, tp, rank, shard, choose, mailbox=setup.mailbox,
+                                  backend=setup.backend, mode=mode, pdl=setup.pdl,
+                                  budget_s=setup.budget_s, dtype=dtype,
+                                  all_to_all=cls._kernel_mode()), group)
         return gather
 
     def _serve(self, built, group):

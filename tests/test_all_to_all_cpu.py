@@ -16,6 +16,7 @@ from spawn import spawn
 
 from lamport_head.all_to_all import AllToAll, even_splits, offsets
 from lamport_head.config import GatherConfig
+from lamport_head.mailbox_collective import Setup
 from lamport_head.tuning.support.reference import planted, reference_all_to_all
 
 SHARD = 64  # BF16 a rank: 32 words, 8 fragments
@@ -68,7 +69,7 @@ def _free_run(rank, tp, calls, seed, dtype_name, budget_s=20.0):
     cpu_kernel.use()
     plan = {m: GatherConfig(2) for m in PLAN_ROWS}
     a2a = AllToAll(dist.group.WORLD, "cpu", tp, rank, SHARD, plan, mode="recoverable",
-                   backend="ipc", budget_s=budget_s, dtype=dtype)
+                   dtype=dtype, setup=Setup(backend="ipc", budget_s=budget_s))
     stock_calls, launches, bad = [], [], []
 
     def stock(x, splits, local):
@@ -135,7 +136,7 @@ def _rank_with_no_rows(rank, tp):
 
     toolchain = cpu_kernel.use()
     a2a = AllToAll(dist.group.WORLD, "cpu", tp, rank, SHARD, {4: GatherConfig(1)},
-                   mode="recoverable", backend="ipc", budget_s=20.0)
+                   mode="recoverable", setup=Setup(backend="ipc", budget_s=20.0))
     got = []
     for call, splits in enumerate(([2, 0, 2], [0, 4, 0], [0, 0, 4], [4, 0, 0])):
         shards = _shards(call, tp, 4, torch.bfloat16)
@@ -204,8 +205,8 @@ def _ranks_check(rank, tp, calls):
     here = Ranks(torch.device("cpu"), rank, tp, True, "gloo", dist.group.WORLD)
     rows = sorted({int(x) for x in args.rows.split(",")})
     plan = tool.Calls(rows, tp, SHARD, here.device)
-    a2a = AllToAll.default(None, here.device, tp, rank, SHARD, rows, budget_s=20.0,
-                           mode=RECOVERABLE)
+    a2a = AllToAll.default(None, here.device, tp, rank, SHARD, rows, mode=RECOVERABLE,
+                           setup=Setup(budget_s=20.0))
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         ok = tool.check(args, here, a2a, plan)
@@ -299,7 +300,7 @@ def _disagreeing_splits(rank, tp):
 
     cpu_kernel.use()
     a2a = AllToAll(dist.group.WORLD, "cpu", tp, rank, SHARD, {3: GatherConfig(1)},
-                   mode="recoverable", backend="ipc", budget_s=5.0)
+                   mode="recoverable", setup=Setup(backend="ipc", budget_s=5.0))
     agreed, odd = DISAGREEING[tp]
     splits = odd if rank == 1 else agreed
     shards = _shards(0, tp, 3, torch.bfloat16)

@@ -10,7 +10,7 @@ process: its MIN over ranks is this rank's). The test that the kernel timed for 
 tuned row is the kernel install builds for it, and the identity written with the row
 its identity, needs two ranks: ``test_harness_ranks``."""
 
-import functools
+import dataclasses
 import types
 
 import pytest
@@ -68,8 +68,13 @@ def one_rank(tmp_path):
 
 def _install_limit(monkeypatch, tp, sharing, config):
     """The CTAs install's build serves ``config``'s kernel with, asked for far more."""
-    monkeypatch.setattr(head_gather, "HeadGather",
-                        functools.partial(head_gather.HeadGather, mailbox=_box(tp, sharing)))
+    built = head_gather.HeadGather
+
+    def on_the_box(*args, setup, **kwargs):  # install's setup, on a shared box
+        return built(*args, setup=dataclasses.replace(setup, mailbox=_box(tp, sharing)),
+                     **kwargs)
+
+    monkeypatch.setattr(head_gather, "HeadGather", on_the_box)
     entries = {1: types.SimpleNamespace(config=GatherConfig(1 << 16, config.threads, config.unroll))}
     gather = install._build(None, "cpu", tp, 0, SHARD, entries, 10.0)
     try:

@@ -289,6 +289,7 @@ def test_the_host_all_to_all_serves_its_plan_and_free_runs(tp, dtype):
     bitwise against the reference; an M outside the plan takes the stock on every rank;
     the mailbox re-armed at the end."""
     from lamport_head.all_to_all import AllToAll
+    from lamport_head.mailbox_collective import Setup
     from lamport_head.config import GatherConfig
     from lamport_head.dtypes import words as words_of
     from lamport_head.mailbox import LocalMailbox
@@ -297,8 +298,8 @@ def test_the_host_all_to_all_serves_its_plan_and_free_runs(tp, dtype):
     shard, rows = VOCAB // tp, (1, 2, 5, 8, 12)
     box = LocalMailbox(device, tp, max(rows), tp * words_of(shard, dtype))
     plan = {m: GatherConfig(4) for m in rows}
-    ranks = [AllToAll(None, device, tp, r, shard, plan, mailbox=box, mode="recoverable",
-                      budget_s=0.5, dtype=dtype) for r in range(tp)]
+    ranks = [AllToAll(None, device, tp, r, shard, plan, mode="recoverable", dtype=dtype,
+                      setup=Setup(mailbox=box, budget_s=0.5)) for r in range(tp)]
     streams = [torch.cuda.Stream(device) for _ in range(tp)]
     rng, log = random.Random(tp), []
     here = torch.cuda.current_stream(device)
@@ -337,6 +338,7 @@ def test_captured_calls_replay_between_eager_calls_of_other_splits():
     calls; each replay's output copied out in stream order. Every output bitwise, every
     epoch the call count, the mailbox re-armed."""
     from lamport_head.all_to_all import AllToAll
+    from lamport_head.mailbox_collective import Setup
     from lamport_head.config import GatherConfig
     from lamport_head.mailbox import LocalMailbox
 
@@ -344,8 +346,8 @@ def test_captured_calls_replay_between_eager_calls_of_other_splits():
     tp, shard, rows = 4, VOCAB // 4, (1, 3, 8)
     box = LocalMailbox(device, tp, max(rows), tp * shard // 2)
     plan = {m: GatherConfig(4) for m in rows}
-    ranks = [AllToAll(None, device, tp, r, shard, plan, mailbox=box, mode="recoverable",
-                      budget_s=0.5) for r in range(tp)]
+    ranks = [AllToAll(None, device, tp, r, shard, plan, mode="recoverable",
+                      setup=Setup(mailbox=box, budget_s=0.5)) for r in range(tp)]
     streams = [torch.cuda.Stream(device) for _ in range(tp)]
     here = torch.cuda.current_stream(device)
     captured_splits = [2, 2, 2, 2]

@@ -379,3 +379,19 @@ def test_every_lazy_name_of_a_package_resolves_to_a_module_that_exists():
             target = ast.literal_eval(value)
             module = target[0] if isinstance(target, tuple) else target
             assert importlib.util.find_spec(f"{package}.{module}") is not None, (package, module)
+
+
+def test_each_constructor_takes_at_most_nine_parameters():
+    """Issue 50 item 3: the seed's six (who the ranks are, the shard, the plan) and a few
+    keywords; how a collective is built travels as one value (``Setup``)."""
+    import inspect
+
+    from lamport_head.all_to_all import AllToAll
+    from lamport_head.head_gather import HeadGather
+
+    for cls in (HeadGather, AllToAll):
+        for ctor in (cls.__init__, cls.default):
+            names = [n for n in inspect.signature(ctor).parameters if n not in ("self", "cls")]
+            assert len(names) <= 9, (cls.__name__, ctor.__name__, names)
+            assert names[:6] == ["group", "device", "tp", "rank", "shard",
+                                 "plan" if ctor.__name__ == "__init__" else "row_counts"]

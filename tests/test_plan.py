@@ -12,6 +12,7 @@ import torch
 from lamport_head import build
 from lamport_head.config import STAGE_ABOVE_ROUNDS, GatherConfig, default_config, default_ctas
 from lamport_head.head_gather import HeadGather
+from lamport_head.mailbox_collective import Setup
 from lamport_head.status import RECOVERABLE
 from lamport_head.plan import Limit, co_resident_limit, default, fit, uniform
 
@@ -217,11 +218,11 @@ def test_the_emulated_targets_limit_is_what_head_gather_accepts(monkeypatch, tp,
     assert limit == co_resident_limit(per_device, tp, True) == (per_device * 3 // 4) // (2 * tp)
     box = shared_box(tp, tp)
     gather = HeadGather(None, "cpu", tp, 0, SHARD, {1: GatherConfig(limit)},
-                        mailbox=box, mode=RECOVERABLE)
+                        mode=RECOVERABLE, setup=Setup(mailbox=box))
     assert gather.plan == {1: GatherConfig(limit)} and gather.resident(256, 4) == limit
     with pytest.raises(ValueError, match="cannot all be co-resident"):
         HeadGather(None, "cpu", tp, 0, SHARD, {1: GatherConfig(limit + 1)},
-                   mailbox=box, mode=RECOVERABLE)
+                   mode=RECOVERABLE, setup=Setup(mailbox=box))
 
 
 def test_a_gather_takes_one_plan_and_its_heuristic_by_name(monkeypatch):
@@ -229,25 +230,25 @@ def test_a_gather_takes_one_plan_and_its_heuristic_by_name(monkeypatch):
     which plans under the same limit (``plan.fit``) as a plan given."""
     monkeypatch.setattr(build, "TOOLCHAIN", CpuKernels(1 << 16))
     configs = {1: GatherConfig(8, 128, 2), 4: GatherConfig(16)}
-    g = HeadGather(None, "cpu", TP, 1, SHARD, configs,
-                   mailbox=shared_box(TP, TP), mode=RECOVERABLE)
+    g = HeadGather(None, "cpu", TP, 1, SHARD, configs, mode=RECOVERABLE,
+                   setup=Setup(mailbox=shared_box(TP, TP)))
     assert g.rows == frozenset({1, 4}) and g.cap == 4 and g.plan == configs
-    by_name = HeadGather.default(None, "cpu", TP, 1, SHARD, [1, 4], mailbox=shared_box(TP, TP),
-                                 mode=RECOVERABLE)
+    by_name = HeadGather.default(None, "cpu", TP, 1, SHARD, [1, 4], mode=RECOVERABLE,
+                                 setup=Setup(mailbox=shared_box(TP, TP)))
     limit = Limit(lambda c: 1 << 16, TP, True)
     assert by_name.plan == fit(default({1, 4}, limit, tp=TP, shard=SHARD), limit)
     with pytest.raises(ValueError, match="a plan maps row counts to GatherConfigs"):
-        HeadGather(None, "cpu", TP, 1, SHARD, {1: 8}, mailbox=shared_box(TP, TP),
-                   mode=RECOVERABLE)
+        HeadGather(None, "cpu", TP, 1, SHARD, {1: 8}, mode=RECOVERABLE,
+                   setup=Setup(mailbox=shared_box(TP, TP)))
     with pytest.raises(ValueError, match=r"a plan maps row counts to GatherConfigs, got \[1, 4\]"):
-        HeadGather(None, "cpu", TP, 1, SHARD, [1, 4], mailbox=shared_box(TP, TP),
-                   mode=RECOVERABLE)
+        HeadGather(None, "cpu", TP, 1, SHARD, [1, 4], mode=RECOVERABLE,
+                   setup=Setup(mailbox=shared_box(TP, TP)))
     with pytest.raises(TypeError):  # no second shape: a CTA count is plan.uniform's
-        HeadGather(None, "cpu", TP, 1, SHARD, [1, 4], 8, mailbox=shared_box(TP, TP),
-                   mode=RECOVERABLE)
+        HeadGather(None, "cpu", TP, 1, SHARD, [1, 4], 8, mode=RECOVERABLE,
+                   setup=Setup(mailbox=shared_box(TP, TP)))
 
 
 def test_without_the_seam_a_cpu_device_is_refused():
     with pytest.raises(ValueError, match="HeadGather needs a CUDA device, got cpu"):
-        HeadGather(None, "cpu", TP, 1, SHARD, uniform([1], 8),
-                   mailbox=shared_box(TP, TP), mode=RECOVERABLE)
+        HeadGather(None, "cpu", TP, 1, SHARD, uniform([1], 8), mode=RECOVERABLE,
+                   setup=Setup(mailbox=shared_box(TP, TP)))

@@ -447,11 +447,12 @@ class DistributedTarget:
                 else head_gather.HeadGather)
 
     def _gather(self, rows, config, pdl=None):
+        from lamport_head.mailbox_collective import Setup
         from lamport_head.status import RECOVERABLE
 
         return self._collective()(self.group, self.device, self.tp, self.rank, self.shard,
-                                  {rows: config}, pdl=pdl, budget_s=self.budget_s,
-                                  mode=RECOVERABLE, dtype=self.dtype)
+                                  {rows: config}, mode=RECOVERABLE, dtype=self.dtype,
+                                  setup=Setup(pdl=pdl, budget_s=self.budget_s))
 
     def _stock(self, rows, step):
         """The stock collective: the engine's own (given at construction), else the

@@ -572,11 +572,13 @@ def main(argv=None):
         return 0 if ok else 1
     from lamport_head.all_to_all import AllToAll
     from lamport_head.head_gather import HeadGather
+    from lamport_head.mailbox_collective import Setup
     from lamport_head.status import RECOVERABLE
 
     collective = AllToAll if args.all_to_all else HeadGather
     gather = collective.default(None, ranks.device, ranks.world, ranks.rank, shard, rows,
-                                budget_s=args.budget, mode=RECOVERABLE, dtype=calls.dtype)
+                                mode=RECOVERABLE, dtype=calls.dtype,
+                                setup=Setup(budget_s=args.budget))
     if args.kill_rank is not None:
         os._exit(0 if kill(args, ranks, gather, calls) else 1)  # a peer is gone: no teardown
     if args.graph:

@@ -17,6 +17,7 @@ import torch
 from lamport_head.all_to_all import AllToAll, even_splits
 from lamport_head.dtypes import words
 from lamport_head.head_gather import HeadGather
+from lamport_head.mailbox_collective import Setup
 from lamport_head.settings import SPIN_BUDGET_S
 from lamport_head.status import RECOVERABLE
 from lamport_head.kernels.protocol import DEFAULT_THREADS
@@ -34,8 +35,8 @@ class EmulatedGather:
                  dtype=torch.bfloat16):
         """``dtype``: the logits' dtype every virtual rank serves."""
         self._build(device, tp, shard, max(plan), dtype, lambda box, r: self._collective(
-            None, self.device, tp, r, shard, plan, mailbox=box, pdl=pdl, budget_s=budget_s,
-            mode=RECOVERABLE, dtype=dtype))
+            None, self.device, tp, r, shard, plan, mode=RECOVERABLE, dtype=dtype,
+            setup=Setup(mailbox=box, pdl=pdl, budget_s=budget_s)))
 
     @classmethod
     def default(cls, device, tp, shard, rows, *, threads=DEFAULT_THREADS, unroll=None, pdl=None,
@@ -43,8 +44,9 @@ class EmulatedGather:
         """The emulated gather of the row counts ``rows`` on the heuristic's plan."""
         emu = cls.__new__(cls)
         emu._build(device, tp, shard, max(rows), dtype, lambda box, r: cls._collective.default(
-            None, emu.device, tp, r, shard, rows, threads=threads, unroll=unroll, mailbox=box,
-            pdl=pdl, budget_s=budget_s, mode=RECOVERABLE, dtype=dtype))
+            None, emu.device, tp, r, shard, rows, mode=RECOVERABLE, dtype=dtype,
+            setup=Setup(mailbox=box, pdl=pdl, budget_s=budget_s, threads=threads,
+                        unroll=unroll)))
         return emu
 
     def _build(self, device, tp, shard, cap, dtype, rank_gather):
