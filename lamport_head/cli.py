@@ -14,12 +14,12 @@ import sys
 
 from lamport_head import __version__
 from lamport_head.config import SWEEP_THREADS, SWEEP_UNROLL
-from lamport_head.dtypes import DEFAULT as DEFAULT_DTYPE
+from lamport_head import dtypes
 from lamport_head.dtypes import NAMES as DTYPES
 from lamport_head.dtypes import fragment
 from lamport_head.kernels.protocol import THREADS, UNROLL_MAX
 from lamport_head.settings import BENCH_BUDGET_S
-from lamport_head.table import (ALL_TO_ALL_STOCK, KIMI_K2_VOCAB, LEGACY_VOCAB, MAX_ROWS,
+from lamport_head.table import (ALL_TO_ALL_STOCK, KIMI_K2_VOCAB, MAX_ROWS,
                                 TableError, fill, fix_for, load_table, mailbox_cost, normalize,
                                 row_span)
 from lamport_head.tuning.lmhead import KIMI_K2_HIDDEN  # no torch: every command's parser needs it
@@ -126,7 +126,7 @@ def parser():
     t.add_argument("--rows", type=_rows, default=_rows("1,2,4,8,16,32,64"), help=_ROWS_HELP)
     t.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB,
                    help="vocabulary size V (Kimi K2's); V/TP must be a multiple of 8")
-    t.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
+    t.add_argument("--dtype", choices=DTYPES, default=dtypes.DEFAULT,
                    help=_DTYPE_HELP + "; the section is written for it")
     t.add_argument("--emulate", action="store_true", help="TP virtual ranks on one GPU")
     t.add_argument("--all-to-all", action="store_true",
@@ -171,7 +171,7 @@ def parser():
                        "mailbox word is re-armed.", formatter_class=fmt)
     v.add_argument("--tp", type=_positive, default=8, help="tensor-parallel ranks (TP)")
     v.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB, help="vocabulary size V")
-    v.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help=_DTYPE_HELP)
+    v.add_argument("--dtype", choices=DTYPES, default=dtypes.DEFAULT, help=_DTYPE_HELP)
     v.add_argument("--rows", type=_rows, default=_rows("1,2,3,7,8,16,33,64"), help=_ROWS_HELP)
     v.add_argument("--calls", type=_positive, default=200, help="gathers to check")
 
@@ -190,7 +190,7 @@ def parser():
     b.add_argument("--tp", type=_positive, default=8, help="tensor-parallel ranks (TP)")
     b.add_argument("--dcp", type=_positive, default=1, help="DCP of the table section used")
     b.add_argument("--vocab", type=_positive, default=KIMI_K2_VOCAB, help="vocabulary size V")
-    b.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
+    b.add_argument("--dtype", choices=DTYPES, default=dtypes.DEFAULT,
                    help=_DTYPE_HELP + "; the table's section for it is benchmarked")
     b.add_argument("--hidden", type=_positive, default=KIMI_K2_HIDDEN,
                    help="lm_head input width (Kimi K2's hidden size): the GEMM before the gather "
@@ -315,10 +315,10 @@ def check_arguments(args):
         tp_given = False
     if command == "bench" and args.tp < 2:
         return "--tp must be at least 2 (one rank has nothing to gather)"
-    values = fragment(getattr(args, "dtype", DEFAULT_DTYPE))  # a 16-byte fragment's
+    values = fragment(getattr(args, "dtype", dtypes.DEFAULT))  # a 16-byte fragment's
     if tp_given and (args.vocab % args.tp or (args.vocab // args.tp) % values):
         return f"vocab {args.vocab} / tp {args.tp} is not a multiple of {values}" + (
-            "" if args.dtype == DEFAULT_DTYPE else f" ({args.dtype})")
+            "" if args.dtype == dtypes.DEFAULT else f" ({args.dtype})")
     if command == "bench" and args.splits is not None and not args.all_to_all:
         return f"--splits {args.splits} says how --all-to-all splits M: add --all-to-all"
     if command == "bench" and args.all_to_all:
@@ -406,7 +406,7 @@ def show(args):
         print(f"  from {s.source}")
         shard = f", {s.vocab // s.tp} a rank" if s.vocab % s.tp == 0 else ""
         print(f"  vocab V = {s.vocab}{shard}" + (
-            "" if s.vocab_written else f" (not written in the section: taken as {LEGACY_VOCAB}, "
+            "" if s.vocab_written else f" (not written in the section: taken as {KIMI_K2_VOCAB}, "
             "the tuner's default; served only to a model of that V)"))
         print(f"  {s.dtype} logits" + (
             "" if "dtype" in s.raw else " (not written in the section: BF16)")
@@ -427,7 +427,7 @@ def show(args):
                       else f" {'enabled':>7} {'lamport µs':>10} {'stock µs':>9}"))
         for key, row, entry, note in _show_rows(s):
             lam = entry.get("lamport_us", "")
-            cells = f"  {key:>9} {row.ctas:>5} {row.threads:>7} {row.unroll:>6}"
+            cells = f"  {key:>9} {row.ctas:>5} {row.config.threads:>7} {row.config.unroll:>6}"
             if s.emulated:
                 print(f"{cells} {lam!s:>10}{note}")
             else:

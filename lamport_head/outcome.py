@@ -7,7 +7,7 @@ import enum
 import logging
 from dataclasses import dataclass, replace
 
-from .dtypes import DEFAULT as DEFAULT_DTYPE
+from . import dtypes
 
 
 class Stock(enum.Enum):
@@ -54,7 +54,7 @@ class Outcome:
     message: str = ""
     shared: bool = False
     measured: bool = False
-    dtype: str = DEFAULT_DTYPE
+    dtype: str = dtypes.DEFAULT
 
     def __post_init__(self):
         if bool(self.rows) == (self.reason is not None):
@@ -68,7 +68,7 @@ class Outcome:
         return bool(self.rows)
 
     @classmethod
-    def serving(cls, rows, shared=False, dtype=DEFAULT_DTYPE):
+    def serving(cls, rows, shared=False, dtype=dtypes.DEFAULT):
         return cls(tuple(sorted(rows)), shared=shared, dtype=dtype)
 
     @classmethod

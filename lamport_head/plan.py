@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Callable
 
 from .config import GatherConfig, default_config
-from .dtypes import DEFAULT as DEFAULT_DTYPE
+from . import dtypes
 from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 
 OTHER_STREAMS_SHARE = 4  # 1/4 of the device's SMs (rounded up) stays free for other streams
@@ -72,7 +72,7 @@ def uniform(rows, ctas: int, threads: int = DEFAULT_THREADS, unroll: int = DEFAU
 
 
 def default(rows, limit: Limit, *, tp: int, shard: int, threads: int = DEFAULT_THREADS,
-            unroll=None, dtype=DEFAULT_DTYPE):
+            unroll=None, dtype=dtypes.DEFAULT):
     """The built-in heuristic's plan (``config.default_config``) for every row count;
     ``unroll`` None lets it choose per row count; ``dtype``: the logits' (the fragments
     of a ``shard`` row)."""

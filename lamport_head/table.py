@@ -9,7 +9,7 @@ Invariants a change must keep:
   at one V, against one stock or for one logits dtype (``dtypes.NAMES``: an FP32 row
   moves twice a BF16 row's bytes) is not served at another. A section without
   ``vocab`` is V = ``KIMI_K2_VOCAB``, one without ``stock`` ``nccl-all-gather``, one
-  without ``dtype`` ``bfloat16`` (``LEGACY_DTYPE``). Two sections of one file for one
+  without ``dtype`` ``bfloat16`` (``dtypes.DEFAULT``). Two sections of one file for one
   key and one environment are rejected, naming both.
 - Serving fills the rows between two measured ones from the row above, enabled only
   when both neighbours are (``fill``); rows outside the measured span are stock.
@@ -32,18 +32,17 @@ import yaml
 
 from . import dtypes, tablefile  # tablefile's lock and set-aside read at the call
 from .config import GatherConfig
-from .dtypes import DEFAULT as LEGACY_DTYPE  # the dtype of a section written without ``dtype``
 from .dtypes import ITEMSIZE, NAMES as DTYPES
 from .settings import TABLE_ENV, cache_dir, table_override
 from .tablefile import TornTable, check_seal
 
 SCHEMA = 1
 MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are far smaller)
-KIMI_K2_VOCAB = 163840  # the vocab the tools default to, and the mailbox-size example
+KIMI_K2_VOCAB = 163840  # the vocab the tools default to, and a section's written without ``vocab``
 SECTION_KEYS = {"schema", "tp", "dcp", "vocab", "stock", "dtype", "emulated", "provenance",
                 "rows"}
-LEGACY_VOCAB = KIMI_K2_VOCAB  # the V of a section written without ``vocab`` (older tables)
-NCCL_STOCK = "nccl-all-gather"  # vLLM's _gather_logits, SGLang without NVLS, the tuner's stand-in
+NCCL_STOCK = "nccl-all-gather"  # vLLM's _gather_logits, SGLang without NVLS, the tuner's stand-in,
+# and the stock of a section written without ``stock``
 MULTIMEM_STOCK = "multimem-all-gather"  # SGLang's MultimemAllGatherer (NVLS one-shot)
 # vLLM's CudaCommunicator.custom_all_gather (one-shot IPC, or with multicast the MNNVL
 # Lamport all-gather; NCCL's where it declines): a release whose LogitsProcessor gathers
@@ -53,7 +52,6 @@ CUSTOM_STOCK = "custom-all-gather"
 # is the all-to-all's (``lamport_head.all_to_all``), its rows the step's total M
 ALL_TO_ALL_STOCK = "nccl-all-to-all"
 STOCKS = (NCCL_STOCK, MULTIMEM_STOCK, ALL_TO_ALL_STOCK, CUSTOM_STOCK)
-LEGACY_STOCK = NCCL_STOCK  # the stock of a section written without ``stock``
 MAX_CTAS = 1024  # the most CTAs a table entry may ask for
 # Sections of one key kept side by side, one per environment that measured it (the
 # provenance's STALE_KEYS: driver, torch, DSL, lamport-head, kernel): two environments
@@ -80,10 +78,11 @@ class TableError(ValueError):
 @dataclass(frozen=True)
 class TableRow:
     """The table's entry for one row count: how to launch it (``config``), whether to
-    serve it, and whether it was measured or filled in (``fill``). ``ctas``,
-    ``threads`` and ``unroll`` read the config (the public contract names ``.ctas``).
-    Not a plan: a plan is ``{rows: GatherConfig}`` (``plan.plan``'s answer), and the
-    one served from a section is its enabled entries' configs."""
+    serve it, and whether it was measured or filled in (``fill``). ``ctas`` reads the
+    config: the seed's public contract names an entry's ``.ctas``; the threads and
+    unroll are the config's only. Not a plan: a plan is ``{rows: GatherConfig}``
+    (``plan.plan``'s answer), and the one served from a section is its enabled
+    entries' configs."""
 
     config: GatherConfig
     enabled: bool
@@ -92,14 +91,6 @@ class TableRow:
     @property
     def ctas(self) -> int:
         return self.config.ctas
-
-    @property
-    def threads(self) -> int:
-        return self.config.threads
-
-    @property
-    def unroll(self) -> int:
-        return self.config.unroll
 
 
 def fill(measured):
@@ -181,7 +172,7 @@ def row_span(key, where="rows"):
     return lo, hi
 
 
-def mailbox_cost(rows, vocab=KIMI_K2_VOCAB, dtype=LEGACY_DTYPE):
+def mailbox_cost(rows, vocab=KIMI_K2_VOCAB, dtype=dtypes.DEFAULT):
     """Why rows are capped: every rank holds a mailbox of 2 parities x rows x V values."""
     size = 2 * rows * vocab * ITEMSIZE[dtype]
     return (f"a mailbox for {rows} rows costs {size / 1e9:.1f} GB per rank at V = {vocab} "
@@ -226,13 +217,13 @@ class Section:
     rows: dict  # measured row count -> TableRow (ranges expanded); Table.entries fills gaps
     raw: dict  # the section as written
     source: str = ""  # the file it was read from
-    vocab: int = LEGACY_VOCAB  # the full vocabulary V its rows were measured at
-    stock: str = LEGACY_STOCK  # the engine gather its rows were measured against
-    dtype: str = LEGACY_DTYPE  # the logits dtype its rows were measured at (dtypes.NAMES)
+    vocab: int = KIMI_K2_VOCAB  # the full vocabulary V its rows were measured at
+    stock: str = NCCL_STOCK  # the engine gather its rows were measured against
+    dtype: str = dtypes.DEFAULT  # the logits dtype its rows were measured at (dtypes.NAMES)
 
     @property
     def vocab_written(self) -> bool:
-        """False for a section written without ``vocab`` (taken as ``LEGACY_VOCAB``)."""
+        """False for a section written without ``vocab`` (taken as ``KIMI_K2_VOCAB``)."""
         return "vocab" in self.raw
 
 
@@ -468,7 +459,7 @@ def _parse(text, path, strict):
                 first, written = seen[key]
                 how = ", ".join(
                     f"devices.{device}[{j}] vocab={s.vocab}"
-                    + ("" if w else f" (not written: taken as {LEGACY_VOCAB})")
+                    + ("" if w else f" (not written: taken as {KIMI_K2_VOCAB})")
                     for j, w in ((first, written), (i, s.vocab_written)))
                 skip(TableError(f"{where}: duplicate section for tp={s.tp}, dcp={s.dcp}"
                                 + (" (emulated)" if s.emulated else "")
@@ -506,18 +497,18 @@ def _section(device, sec, where):
     if tp % dcp:
         raise TableError(f"{where}: tp={tp} is not a multiple of dcp={dcp}")
     where = f"{where} (tp={tp}, dcp={dcp})"
-    vocab = sec.get("vocab", LEGACY_VOCAB)
+    vocab = sec.get("vocab", KIMI_K2_VOCAB)
     if not _int(vocab) or not 1 <= vocab <= MAX_VOCAB:
         raise TableError(f"{where}: vocab must be an int in [1, {MAX_VOCAB}] (the full "
                          f"vocabulary V the rows were measured at), got {vocab!r}")
     if "vocab" in sec and vocab % tp:
         raise TableError(f"{where}: vocab {vocab} is not a multiple of tp={tp} (V is TP x the "
                          "lm_head shard width)")
-    stock = sec.get("stock", LEGACY_STOCK)
+    stock = sec.get("stock", NCCL_STOCK)
     if stock not in STOCKS:
         raise TableError(f"{where}: stock must be one of {', '.join(STOCKS)} (the engine "
                          f"collective the rows were measured against), got {stock!r}")
-    dtype = sec.get("dtype", LEGACY_DTYPE)
+    dtype = sec.get("dtype", dtypes.DEFAULT)
     if dtype not in DTYPES:
         raise TableError(f"{where}: dtype must be one of {', '.join(DTYPES)} (the logits dtype "
                          f"the rows were measured at), got {dtype!r}")

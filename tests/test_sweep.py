@@ -55,7 +55,7 @@ def test_grid_finds_the_argmin_and_times_each_config_once(tmp_path):
     target = CostModel(limit=64)
     r = sweep.tune_rows(target, 4, device="gpu x", tp=8, dcp=1, vocab=V, trials=10_000,
                         storage=storage(tmp_path))
-    assert (r.entry.ctas, r.entry.threads, r.entry.unroll) == (16, 256, 4)
+    assert (r.entry.ctas, r.entry.config.threads, r.entry.config.unroll) == (16, 256, 4)
     assert r.lamport_us == pytest.approx(3.5) and r.stock_us == 14 and r.entry.enabled
     assert len(target.timed) == len(set(target.timed)) == len(sweep.grid(target))
 
@@ -73,7 +73,7 @@ def test_margin_decides_enabled(tmp_path):
 def test_failed_verification_is_never_chosen(tmp_path):
     target = CostModel(limit=64, bad={(16, 256, 4)})
     r = sweep.tune_rows(target, 4, device="g", tp=8, dcp=1, vocab=V, trials=10_000, storage=storage(tmp_path))
-    assert (r.entry.ctas, r.entry.threads, r.entry.unroll) != (16, 256, 4)
+    assert (r.entry.ctas, r.entry.config.threads, r.entry.config.unroll) != (16, 256, 4)
 
 
 def test_resume_times_nothing_twice(tmp_path):
@@ -98,8 +98,8 @@ def test_resume_with_other_threads_reports_only_what_it_timed(tmp_path):
     second = CostModel(limit=16)
     r = sweep.tune_rows(second, 4, device="g", tp=8, dcp=1, vocab=V, trials=100,
                         storage=storage(tmp_path), threads=(128,), unroll=(4,))
-    chosen = (4, r.entry.ctas, r.entry.threads, r.entry.unroll)
-    assert r.entry.threads == 128 and chosen in second.timed
+    chosen = (4, r.entry.ctas, r.entry.config.threads, r.entry.config.unroll)
+    assert r.entry.config.threads == 128 and chosen in second.timed
     assert r.lamport_us == pytest.approx(second.lamport(4, r.entry.config).gpu_us)
 
 
@@ -361,7 +361,7 @@ def _collective_worker(rank, world, db, fail_rank):
                         comm=sweep.DistComm(None), threads=(256,), unroll=(2, 4),
                         on_trial=lambda rows, config, timing: seen.append(
                             [list(astuple(config)), timing and timing.gpu_us]))
-    return {"entry": [r.entry.ctas, r.entry.enabled, r.entry.threads, r.entry.unroll],
+    return {"entry": [r.entry.ctas, r.entry.enabled, r.entry.config.threads, r.entry.config.unroll],
             "us": [r.lamport_us, r.stock_us], "trials": r.trials, "seen": seen}
 
 

@@ -356,11 +356,11 @@ def test_no_vocabulary_asked_takes_the_one_section_or_names_the_choices():
 def test_a_section_without_vocab_is_taken_as_the_tuners_default():
     """Tables written before sections carried ``vocab`` still load: such a section is
     V = 163840 (the tuner's default --vocab), served to that V only."""
-    from lamport_head.table import KIMI_K2_VOCAB, LEGACY_VOCAB
+    from lamport_head.table import KIMI_K2_VOCAB
 
     t = parse(VOCABS, "v.yaml")
     (old,) = [s for s in t.sections if s.tp == 4]
-    assert LEGACY_VOCAB == KIMI_K2_VOCAB == 163840
+    assert KIMI_K2_VOCAB == 163840
     assert old.vocab == 163840 and not old.vocab_written
     assert t.entries("NVIDIA H200", 4, 1, vocab=163840)[1].ctas == 32
     assert t.entries("NVIDIA H200", 4, 1, vocab=128256) == {}
@@ -442,10 +442,9 @@ def test_sections_are_keyed_by_the_stock_they_were_measured_against():
     """Issue 32 item 4: a section names the engine gather its rows beat (``stock``); a
     section measured against NCCL is not served where the route replaces SGLang's
     multimem one-shot gather, and one written without ``stock`` is NCCL's."""
-    from lamport_head.table import LEGACY_STOCK, MULTIMEM_STOCK, NCCL_STOCK
+    from lamport_head.table import MULTIMEM_STOCK, NCCL_STOCK
 
     t = parse(STOCKS, "s.yaml")
-    assert LEGACY_STOCK == NCCL_STOCK
     nccl = t.section("NVIDIA H200", 8, 1, vocab=163840, stock=NCCL_STOCK)
     multimem = t.section("NVIDIA H200", 8, 1, vocab=163840, stock=MULTIMEM_STOCK)
     assert (nccl.stock, nccl.rows[1].ctas) == (NCCL_STOCK, 16) and "stock" not in nccl.raw
@@ -713,15 +712,15 @@ devices:
 
 def test_a_bf16_section_does_not_serve_an_fp32_head():
     """Issue 42: a section is measured for one logits dtype (the bytes a row moves). A
-    section written without ``dtype`` is BF16 (``LEGACY_DTYPE``) and is not served to a
+    section written without ``dtype`` is BF16 (``dtypes.DEFAULT``) and is not served to a
     model whose lm_head runs in FP32: asked for float32, the table has nothing; an
     FP32 section of the same key sits beside it and serves FP32 only."""
     import torch
 
-    from lamport_head.table import LEGACY_DTYPE
+    from lamport_head import dtypes
 
     t = parse(DTYPES_TABLE, "d.yaml")
-    assert LEGACY_DTYPE == "bfloat16"
+    assert dtypes.DEFAULT == "bfloat16"
     bf16 = t.section("NVIDIA H200", 2, 1, vocab=128, dtype=torch.bfloat16)
     assert bf16.dtype == "bfloat16" and "dtype" not in bf16.raw
     assert t.section("NVIDIA H200", 2, 1, vocab=128, dtype=torch.float32) is None

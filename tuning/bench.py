@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lamport_head import config
-from lamport_head.dtypes import DEFAULT as DEFAULT_DTYPE
+from lamport_head import config, dtypes
 from lamport_head.dtypes import itemsize
 from lamport_head.table import NCCL_STOCK, load_table
 
@@ -62,7 +61,7 @@ def _say(root, *lines):
 
 
 def run(args):
-    dtype = getattr(args, "dtype", DEFAULT_DTYPE)
+    dtype = getattr(args, "dtype", dtypes.DEFAULT)
     chosen = make_target("bench", args.tp, args.vocab, dtype=dtype)
     target, device, root = chosen.target, chosen.device, chosen.root
     mode = report.mode_of(chosen.emulated, chosen.world)
@@ -132,7 +131,7 @@ def _measure_rows(args, target, runner, entries, records, root, mode, out, ranks
                   "plan": "table" if rows in entries else "default"}
         record.update(runner.row(rows, benchmarked, default))
         report.derive(record, tp=tp, vocab=vocab, ranks_here=ranks_here, bandwidth_gbs=bandwidth,
-                      itemsize=itemsize(getattr(args, "dtype", DEFAULT_DTYPE)))
+                      itemsize=itemsize(getattr(args, "dtype", dtypes.DEFAULT)))
         records.append(record)
         if root:
             report.write_csv(out.with_suffix(".csv"), mode, records, tp=tp, vocab=vocab,

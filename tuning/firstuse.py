@@ -51,7 +51,6 @@ from lamport_head import dtypes, provenance
 from lamport_head.collective import agree, all_gather_objects, attempt, together
 from lamport_head.config import default_config
 from lamport_head.kernels.protocol import DEFAULT_THREADS
-from lamport_head.dtypes import DEFAULT as DEFAULT_DTYPE
 from lamport_head.table import NCCL_STOCK, fill, normalize, user_path
 
 COMMAND = "first-use tuning at install (lamport_head.tuning.firstuse)"
@@ -88,7 +87,7 @@ def rows_to_measure(rows):
     return sorted(m for m in picks if m in rows)
 
 
-def row_unroll(target, rows, tp, shard, threads, dtype=DEFAULT_DTYPE):
+def row_unroll(target, rows, tp, shard, threads, dtype=dtypes.DEFAULT):
     """The unrolls the default plans of ``rows`` take at ``threads`` (a tuple, in
     order): what serving would build without a table, so first use measures that
     kernel. Collective on real ranks (``target.limit`` is): every rank asks the same
@@ -100,7 +99,7 @@ def row_unroll(target, rows, tp, shard, threads, dtype=DEFAULT_DTYPE):
     return tuple(dict.fromkeys(picks))
 
 
-def make_target(ranks, vocab, limits=FIRST_USE_LIMITS, stock=None, dtype=DEFAULT_DTYPE, *,
+def make_target(ranks, vocab, limits=FIRST_USE_LIMITS, stock=None, dtype=dtypes.DEFAULT, *,
                 stock_kind=NCCL_STOCK):
     """The real-rank harness first-use tuning measures on: the one of the collective
     serving in place of ``stock_kind`` (``harness.target_for``); ``stock``: the engine's
@@ -124,7 +123,7 @@ class Outcome:
 
 
 def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRST_USE_LIMITS, *,
-            stock=None, stock_kind=NCCL_STOCK, dtype=DEFAULT_DTYPE):
+            stock=None, stock_kind=NCCL_STOCK, dtype=dtypes.DEFAULT):
     """Collective over ``group``: measure ``rows_to_measure(rows)``, the first rank of
     each host writes the agreed rows into that host's user table, every rank returns
     the same ``Outcome`` (but ``path``: its own host's table). Raises on every rank

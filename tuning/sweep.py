@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from lamport_head.collective import together
 from lamport_head.config import CTA_STEPS, SWEEP_THREADS, SWEEP_UNROLL, GatherConfig, sweep_grid
-from lamport_head.dtypes import DEFAULT as DEFAULT_DTYPE
+from lamport_head import dtypes
 from lamport_head.dtypes import name as dtype_name
 from lamport_head.provenance import digest, kernel_identity
 from lamport_head.table import NCCL_STOCK, TableRow
@@ -109,7 +109,7 @@ def _no_fit(limits, ctas):
 
 
 
-def study_name(device, tp, dcp, rows, emulated, *, vocab, kernel, space, dtype=DEFAULT_DTYPE,
+def study_name(device, tp, dcp, rows, emulated, *, vocab, kernel, space, dtype=dtypes.DEFAULT,
                stock=NCCL_STOCK):
     """The study key: a timing is reused only for the same device, TP, DCP, vocab,
     logits dtype, stock collective (``table.STOCKS``: the all-to-all's trials time
@@ -120,7 +120,7 @@ def study_name(device, tp, dcp, rows, emulated, *, vocab, kernel, space, dtype=D
     grid_hash = digest(*(c.label().encode() for c in space), size=8)
     dtype = dtype_name(dtype)
     return (f"lamport-head|{device}|tp{tp}|dcp{dcp}|vocab{vocab}"
-            + ("" if dtype == DEFAULT_DTYPE else f"|{dtype}")
+            + ("" if dtype == dtypes.DEFAULT else f"|{dtype}")
             + ("" if stock == NCCL_STOCK else f"|{stock}")
             + f"|rows{rows}|kernel-{kernel}|space-{grid_hash}" + ("|emulated" if emulated else ""))
 
@@ -170,7 +170,7 @@ def tune_rows(target, rows, *, device, tp, dcp, vocab, trials, storage, comm=Non
     def key():  # root only, inside its guard: kernel_identity() reads files
         return study_name(device, tp, dcp, rows, target.emulated, vocab=vocab,
                           kernel=kernel or kernel_identity(), space=space,
-                          dtype=getattr(target, "dtype", DEFAULT_DTYPE), stock=stock_kind)
+                          dtype=getattr(target, "dtype", dtypes.DEFAULT), stock=stock_kind)
 
     failure = root.run(root.open, key, storage, seed) if root else None
     timed = 0

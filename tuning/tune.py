@@ -57,7 +57,7 @@ def summary(results, emulated):
     if emulated:
         lines = [f"{'rows':>5} {'ctas':>5} {'thr':>5} {'unr':>4} {'gather µs':>10}"]
         for r in sorted(results, key=lambda r: r.rows):
-            lines.append(f"{r.rows:>5} {r.entry.ctas:>5} {r.entry.threads:>5} {r.entry.unroll:>4} "
+            lines.append(f"{r.rows:>5} {r.entry.ctas:>5} {r.entry.config.threads:>5} {r.entry.config.unroll:>4} "
                          f"{r.lamport_us:>10.2f}")
         lines.append("emulated: TP virtual ranks on one GPU (or processes sharing one), no "
                      "all-gather to compare with. Written with emulated: true, never used for "
@@ -66,7 +66,7 @@ def summary(results, emulated):
     lines = [f"{'rows':>5} {'ctas':>5} {'thr':>5} {'unr':>4} {'lamport µs':>11} {'stock µs':>9} "
              f"{'speedup':>8} {'enabled':>8}"]
     for r in sorted(results, key=lambda r: r.rows):
-        lines.append(f"{r.rows:>5} {r.entry.ctas:>5} {r.entry.threads:>5} {r.entry.unroll:>4} "
+        lines.append(f"{r.rows:>5} {r.entry.ctas:>5} {r.entry.config.threads:>5} {r.entry.config.unroll:>4} "
                      f"{r.lamport_us:>11.2f} {r.stock_us:>9.2f} {r.speedup:>7.2f}x "
                      f"{str(r.entry.enabled).lower():>8}")
     return "\n".join(lines)

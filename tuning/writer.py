@@ -3,8 +3,8 @@
 Only the section being written (device, tp, dcp, emulated, vocab, stock, dtype) is
 replaced; every other device and section is kept as it was: a section for another
 vocabulary or dtype stays beside it (a section written before sections carried ``vocab``
-counts as ``table.LEGACY_VOCAB``; one written without ``stock``, ``table.LEGACY_STOCK``;
-one without ``dtype``, ``table.LEGACY_DTYPE``). The new text is validated with the loader
+counts as ``table.KIMI_K2_VOCAB``; one written without ``stock``, ``table.NCCL_STOCK``;
+one without ``dtype``, ``dtypes.DEFAULT``). The new text is validated with the loader
 before it replaces the file, sealed and durably (``tablefile``: the seal lets a reader
 tell a cut file from a whole one; temporary file, fsync, rename, fsync of the
 directory; the mode follows the umask), so a reader never sees a half-written or
@@ -23,8 +23,9 @@ from pathlib import Path
 import yaml
 
 from lamport_head import tablefile
+from lamport_head import dtypes
 from lamport_head.dtypes import name as dtype_name
-from lamport_head.table import (KIMI_K2_VOCAB, LEGACY_DTYPE, LEGACY_STOCK, LEGACY_VOCAB,
+from lamport_head.table import (KIMI_K2_VOCAB,
                                 MAX_VERSIONS, NCCL_STOCK, SCHEMA, TableError, load_table,
                                 normalize, read, version)
 
@@ -71,7 +72,7 @@ def measured_rows(results):
 
 
 def merge_section(path, device, tp, dcp, rows, provenance, *, emulated=False,
-                  vocab=KIMI_K2_VOCAB, stock=NCCL_STOCK, dtype=LEGACY_DTYPE):
+                  vocab=KIMI_K2_VOCAB, stock=NCCL_STOCK, dtype=dtypes.DEFAULT):
     """Write ``rows`` ({key: entry}) as the (device, tp, dcp, emulated, vocab, stock,
     dtype) section; ``vocab``: the full vocabulary V the rows were measured at (the
     tuner's ``--vocab``, first use's TP x shard width); ``stock``: the gather they were
@@ -93,9 +94,9 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock, dtyp
     def same_key(s):
         return (s.get("tp") == tp and s.get("dcp", 1) == dcp
                 and s.get("emulated", False) == emulated
-                and s.get("vocab", LEGACY_VOCAB) == vocab
-                and s.get("stock", LEGACY_STOCK) == stock
-                and s.get("dtype", LEGACY_DTYPE) == dtype)
+                and s.get("vocab", KIMI_K2_VOCAB) == vocab
+                and s.get("stock", NCCL_STOCK) == stock
+                and s.get("dtype", dtypes.DEFAULT) == dtype)
 
     # Another environment's version of this key is kept beside the new one (it serves that
     # environment), the oldest dropped past MAX_VERSIONS; this environment's is replaced.
@@ -109,8 +110,8 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock, dtyp
                "emulated": emulated, "provenance": provenance, "rows": rows}
     sections.append(section)
     sections.sort(key=lambda s: (s.get("emulated", False), s["tp"], s.get("dcp", 1),
-                                 s.get("vocab", LEGACY_VOCAB), s.get("stock", LEGACY_STOCK),
-                                 s.get("dtype", LEGACY_DTYPE)))
+                                 s.get("vocab", KIMI_K2_VOCAB), s.get("stock", NCCL_STOCK),
+                                 s.get("dtype", dtypes.DEFAULT)))
     devices[name] = sections + newer
     text = _render(data)
     check = read(text, str(path))  # what is written must read back, but the kept newer ones

@@ -8,7 +8,7 @@ line changes no summary (tests/test_outcome.py). Every rank takes the same outco
 logits dtype is named where it is not BF16 ("(float32 logits)": an FP32 lm_head).
 """
 
-from ...dtypes import DEFAULT as DEFAULT_DTYPE
+from ... import dtypes
 from ...table import CUSTOM_STOCK, NCCL_STOCK
 from .release import CUSTOM_GATHER, EXCHANGE
 
@@ -61,7 +61,7 @@ def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), 
 
 def _dtype(outcome):
     """The served logits' dtype, named where it is not the engines' usual BF16."""
-    return "" if outcome.dtype == DEFAULT_DTYPE else f" ({outcome.dtype} logits)"
+    return "" if outcome.dtype == dtypes.DEFAULT else f" ({outcome.dtype} logits)"
 
 
 def _why(outcome):
