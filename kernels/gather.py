@@ -25,13 +25,12 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 from cutlass.memory.smem import SmemAllocator
 
-from .primitives import (barrier_any, load_address, load_shared_word, load_word_volatile_if,
-                         store_shared_word, store_word)
-from .protocol import (CONTROL_DONE, CONTROL_MARK, GIVE_UP_SHIFT, MARK_AFTER_NS, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1,
+from .primitives import barrier_any, load_address, load_shared_word, store_shared_word, store_word
+from .protocol import (CONTROL_DONE, GIVE_UP_SHIFT, MARK_AFTER_NS, PEER_CONTROL, PEER_PARITY0, PEER_PARITY1,
                        SHARED_CONTROL_BYTES, SLOW_SHIFT, TIMER_BASE, TIMER_CALLS, TIMER_PHASES,
                        WORDS)
 from .steps import (CAUSE_MARK, CAUSE_TIMEOUT, REPORT_CAUSE, REPORT_SLOW, batch_of, deliver, fetch,
-                    fetch_staged, finish, give_up_staged, mark_of, mark_peers, publish, push,
+                    fetch_staged, finish, give_up_staged, late_mark, mark_of, mark_peers, publish, push,
                     push_staged, push_token, raise_slow, repoll, repoll_staged, take_epoch)
 
 
@@ -98,12 +97,12 @@ class Gather:
     @cute.jit
     def still_waiting(self, start: Int64, wait: Int64, budget: Int64, slow: Int32, status: Int64,
                       own_control: Int64, epoch: Int32, mark: Int32):
-        """After a poll that left fragments dirty: ``(cause, slow)``: why this thread
-        stops waiting (0: it waits on; ``CAUSE_TIMEOUT`` past ``wait``, ``CAUSE_MARK``
-        once a peer gave up: ``mark``, read with the polls once past ``MARK_AFTER_NS``)
-        and whether it raised serving's slow heartbeat (at half the budget, once:
-        ``slow`` starts at 1 unless serving), and ``late``: whether the next poll reads
-        the mark."""
+        """After a poll that left fragments dirty: ``(cause, slow, late)``: why this
+        thread stops waiting (0: it waits on; ``CAUSE_TIMEOUT`` past ``wait``,
+        ``CAUSE_MARK`` once a peer gave up: ``mark``, read with the polls once past
+        ``MARK_AFTER_NS``), whether it raised serving's slow heartbeat (at half the
+        budget, once: ``slow`` starts at 1 unless serving), and whether the next poll
+        reads the mark (``steps.late_mark``)."""
         waited = cute.arch.globaltimer() - start
         if slow == 0:
             if waited > (budget >> SLOW_SHIFT):
@@ -259,7 +258,7 @@ class Gather:
                 while (pending != 0) & (cause == 0):
                     pending = repoll_staged(own, out, pending, base, stride, rank, frags, width,
                                             unroll, token)
-                    seen = Int32(load_word_volatile_if(own_control + CONTROL_MARK * 4, late))
+                    seen = late_mark(own_control, late)
                     if pending != 0:  # a batch that just completed is never a give-up
                         cause, slow, late = self.still_waiting(start, wait, budget, slow, status,
                                                                own_control, epoch, seen)

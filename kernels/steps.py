@@ -67,6 +67,13 @@ def mark_of(control: Int64) -> Int32:
     return Int32(load_word_volatile(control + CONTROL_MARK * 4))
 
 
+@cute.jit
+def late_mark(control: Int64, late: Int32) -> Int32:
+    """``mark_of`` once a wait is ``late`` (``protocol.MARK_AFTER_NS``), else 0 with no
+    load: one predicated load, issued beside a batch's polls."""
+    return Int32(load_word_volatile_if(control + CONTROL_MARK * 4, late))
+
+
 # What a CTA's threads report at the end (``finish``; ``primitives.barrier_any``)
 REPORT_CAUSE, REPORT_SLOW = 1, 2  # a thread stopped waiting; it raised serving's heartbeat
 
@@ -335,13 +342,13 @@ def repoll(own: Int64, held: cute.Tensor, where: cute.Tensor, pending: Int32,
            unroll: cutlass.Constexpr, control: Int64, late: Int32):
     """Poll the dirty fragments of a batch once more, every ``poll`` issued before the
     first check (a spin costs one round trip), and, once the wait is ``late``, the
-    mark with them (``mark_of``; else 0, no load). Returns ``(the mask still dirty,
+    mark with them (``late_mark``). Returns ``(the mask still dirty,
     the mark)``."""
     for i in cutlass.range_constexpr(unroll):
         words = poll(own + where[i], (pending >> i) & 1, tuple(held[i, k] for k in range(WORDS)))
         for k in cutlass.range_constexpr(WORDS):
             held[i, k] = words[k]
-    mark = Int32(load_word_volatile_if(control + CONTROL_MARK * 4, late))
+    mark = late_mark(control, late)
     for i in cutlass.range_constexpr(unroll):
         arrived = Int32(armed(tuple(held[i, k] for k in range(WORDS))) == 0)
         pending = pending & ~(arrived << i)
@@ -553,5 +560,5 @@ def write_record(status: Int64, own_control: Int64, failed: Int32, tp: cutlass.C
     store_word_sys(status + STATUS_FLAG * 4, 1)
 
 
-__all__ = ["heartbeat", "route", "send_fragment", "push_token", "write_out", "push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "take_epoch", "finish", "REPORT_CAUSE", "REPORT_SLOW", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
+__all__ = ["heartbeat", "late_mark", "route", "send_fragment", "push_token", "write_out", "push_staged", "fetch_staged", "repoll_staged", "batch_of", "give_up_staged", "locate", "slot", "take", "take_epoch", "finish", "REPORT_CAUSE", "REPORT_SLOW", "mark_of", "push", "fetch", "repoll", "deliver", "mark_peers",
            "publish", "raise_slow", "record_and_stop", "write_record", "CAUSE_MARK", "CAUSE_TIMEOUT", "load_address"]
