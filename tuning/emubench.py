@@ -60,6 +60,39 @@ OVERLAP_SKIPPED = ("the lm_head GEMM then the gather cannot run emulated here, s
                    "ranks each have their own GPU)")
 
 
+def capture(stream, body):
+    """A CUDA graph of ``body()`` captured on ``stream``. Lower level than
+    ``torch.cuda.graph``, whose sync, ``gc.collect()`` and cache flush per capture cost
+    more than the figures here (the caller syncs once before)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            body()
+        finally:
+            graph.capture_end()
+    return graph
+
+
+def replay(graphs, streams, device, polls=None):
+    """Each graph once on its stream (forked from and joined to ``device``'s current
+    stream); host seconds inside the replays (and the polls before them)."""
+    here = torch.cuda.current_stream(device)
+    for s in streams:
+        s.wait_stream(here)
+    spent = 0.0
+    for r, (graph, s) in enumerate(zip(graphs, streams)):
+        with torch.cuda.stream(s):
+            t0 = time.perf_counter()
+            if polls is not None:
+                polls[r]()
+            graph.replay()
+            spent += time.perf_counter() - t0
+    for s in streams:
+        here.wait_stream(s)
+    return spent
+
+
 def rank_steps(n, streams, device, emu=None, shards=None, heads=None):
     """``n`` steps, each rank on its own stream (forked from the caller's once, joined
     once): the rank's lm_head GEMM (``heads``) and/or its gather or all-to-all (``emu``)
@@ -301,37 +334,6 @@ class EmulatedRunner:
         torch.cuda.synchronize(self.device)
         return spent * 1e6 / (self.calls * len(fns))
 
-    def _capture(self, stream, body):
-        """A CUDA graph of ``body()`` captured on ``stream``. Lower level than
-        ``torch.cuda.graph``, whose sync, ``gc.collect()`` and cache flush per capture
-        cost more than the figures here (``_captured`` syncs once before)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            graph.capture_begin()
-            try:
-                body()
-            finally:
-                graph.capture_end()
-        return graph
-
-    def _replay(self, graphs, streams, polls=None):
-        """Each graph once on its stream (forked, joined); host seconds inside the
-        replays (and the polls before them)."""
-        here = torch.cuda.current_stream(self.device)
-        for s in streams:
-            s.wait_stream(here)
-        spent = 0.0
-        for r, (graph, s) in enumerate(zip(graphs, streams)):
-            with torch.cuda.stream(s):
-                t0 = time.perf_counter()
-                if polls is not None:
-                    polls[r]()
-                graph.replay()
-                spent += time.perf_counter() - t0
-        for s in streams:
-            here.wait_stream(s)
-        return spent
-
     def _captured(self, emu, shards):
         """(GPU µs per step of graphs of ``steps`` gathers per rank replayed together,
         host µs a gather adds to a replay beyond the graph launch)."""
@@ -341,24 +343,24 @@ class EmulatedRunner:
             return lambda: [ranks[r](shards[r], never_stock) for _ in range(count)]
 
         torch.cuda.synchronize(self.device)
-        many = [self._capture(s, gathers(r, self.steps)) for r, s in enumerate(streams)]
-        self._replay(many, streams)  # warm-up (upload)
+        many = [capture(s, gathers(r, self.steps)) for r, s in enumerate(streams)]
+        replay(many, streams, self.device)  # warm-up (upload)
         torch.cuda.synchronize(self.device)
-        gpu = gated_gpu_us(lambda n: self._replay(many, streams), self.device, self.steps,
+        gpu = gated_gpu_us(lambda n: replay(many, streams, self.device), self.device, self.steps,
                            self.reps)
         self._check(emu)
         small = [torch.zeros(16, device=self.device) for _ in range(self.tp)]
         torch.cuda.synchronize(self.device)
-        one = [self._capture(s, gathers(r, 1)) for r, s in enumerate(streams)]
-        base = [self._capture(s, functools.partial(small[r].add_, 1.0))
+        one = [capture(s, gathers(r, 1)) for r, s in enumerate(streams)]
+        base = [capture(s, functools.partial(small[r].add_, 1.0))
                 for r, s in enumerate(streams)]
         polls = [g.poll for g in ranks]
         with_gather, launch_only = [], []
         for graphs, p, into in ((one, polls, with_gather), (base, None, launch_only)):
-            self._replay(graphs, streams, p)  # warm-up (upload)
+            replay(graphs, streams, self.device, p)  # warm-up (upload)
             for _ in range(self.reps):
                 torch.cuda.synchronize(self.device)
-                spent = sum(self._replay(graphs, streams, p) for _ in range(self.calls))
+                spent = sum(replay(graphs, streams, self.device, p) for _ in range(self.calls))
                 into.append(spent * 1e6 / (self.calls * self.tp))
         torch.cuda.synchronize(self.device)
         self._check(emu)

@@ -39,6 +39,7 @@ from lamport_head.occupancy import resident_ctas
 from lamport_head.tuning.support.emulate import EmulatedGather
 from lamport_head.tuning.support.reference import planted, reference_gather
 
+from ..emubench import capture, replay
 from ..harness import gated_gpu_us, never_stock
 from .phases import _stamps, between, spans
 
@@ -133,30 +134,11 @@ def captured(emu, tp, rows, shard, device, steps, reps):
     data = planted(tp, rows, shard, device=device)
     shards = [data[r] for r in range(tp)]
     torch.cuda.synchronize(device)
-    graphs = []
-    for r, stream in enumerate(emu.streams):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            graph.capture_begin()
-            try:
-                for _ in range(steps):
-                    emu.ranks[r](shards[r], never_stock)
-            finally:
-                graph.capture_end()
-        graphs.append(graph)
-
-    def replay(_):
-        here = torch.cuda.current_stream(device)
-        for stream in emu.streams:
-            stream.wait_stream(here)
-        for graph, stream in zip(graphs, emu.streams):
-            with torch.cuda.stream(stream):
-                graph.replay()
-        for stream in emu.streams:
-            here.wait_stream(stream)
-
-    replay(steps)  # upload
-    us = gated_gpu_us(replay, device, steps, reps)
+    graphs = [capture(stream, lambda r=r: [emu.ranks[r](shards[r], never_stock)
+                                           for _ in range(steps)])
+              for r, stream in enumerate(emu.streams)]
+    replay(graphs, emu.streams, device)  # upload
+    us = gated_gpu_us(lambda n: replay(graphs, emu.streams, device), device, steps, reps)
     try:
         emu.check()
     except Exception as exc:  # a record: no figure, and say why
