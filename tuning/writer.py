@@ -91,12 +91,13 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock, dtyp
     name = next((d for d in devices if normalize(d) == normalize(device)), device)
     # a newer schema's sections are another version's: kept as written, never replaced
     newer = [s for s in devices.get(name, []) if s.get("schema", SCHEMA) > SCHEMA]
+    def key_of(s):  # a section's key as written, a field left out read as its default
+        return (s.get("emulated", False), s.get("tp"), s.get("dcp", 1),
+                s.get("vocab", KIMI_K2_VOCAB), s.get("stock", NCCL_STOCK),
+                s.get("dtype", dtypes.DEFAULT))
+
     def same_key(s):
-        return (s.get("tp") == tp and s.get("dcp", 1) == dcp
-                and s.get("emulated", False) == emulated
-                and s.get("vocab", KIMI_K2_VOCAB) == vocab
-                and s.get("stock", NCCL_STOCK) == stock
-                and s.get("dtype", dtypes.DEFAULT) == dtype)
+        return key_of(s) == (emulated, tp, dcp, vocab, stock, dtype)
 
     # Another environment's version of this key is kept beside the new one (it serves that
     # environment), the oldest dropped past MAX_VERSIONS; this environment's is replaced.
@@ -109,9 +110,7 @@ def _merge(path, device, tp, dcp, rows, provenance, emulated, vocab, stock, dtyp
     section = {"tp": tp, "dcp": dcp, "vocab": vocab, "stock": stock, "dtype": dtype,
                "emulated": emulated, "provenance": provenance, "rows": rows}
     sections.append(section)
-    sections.sort(key=lambda s: (s.get("emulated", False), s["tp"], s.get("dcp", 1),
-                                 s.get("vocab", KIMI_K2_VOCAB), s.get("stock", NCCL_STOCK),
-                                 s.get("dtype", dtypes.DEFAULT)))
+    sections.sort(key=key_of)
     devices[name] = sections + newer
     text = _render(data)
     check = read(text, str(path))  # what is written must read back, but the kept newer ones
