@@ -310,7 +310,7 @@ def _disagreeing_splits(rank, tp):
         a2a.check()
         raised = None
     except GatherTimeout as exc:
-        raised = sorted(exc.missing)
+        raised = sorted(exc.peers)
     a2a.reset()
     after = []
     for call in (1, 2, 3):  # both parities
@@ -332,5 +332,8 @@ def test_ranks_that_disagree_on_the_splits_all_raise_and_then_serve_bitwise(tmp_
     every mailbox word armed."""
     results = spawn(_disagreeing_splits, tp, tmp_path)
     for rank, r in enumerate(results):
-        assert r["raised"] is not None, f"rank {rank} took rows sent for another split: {r}"
+        # each rank names a peer whose header differed from its own (rank 1: the first
+        # it polled; the others: rank 1), and may see the others' marks too
+        assert r["raised"] and (rank == 1 or 1 in r["raised"]), \
+            f"rank {rank} took rows sent for another split: {r}"
         assert r["after"] == [True] * 3 and r["armed"], f"rank {rank}: {r}"
