@@ -1,8 +1,5 @@
-"""CuTe DSL device code of lamport-head: the Lamport gather and its primitives.
-
-Imports nothing from the runtime or the tuner. ``protocol`` (the constants) is plain
-Python; the compiler entry points load the DSL only when first asked for.
-"""
+"""CuTe DSL device code of lamport-head. Imports nothing from the runtime or the tuner;
+the names in ``_LAZY`` load the DSL only when first asked for."""
 
 import importlib
 
@@ -16,7 +13,7 @@ __all__ = ["ARCHS", "SENTINEL", "THREADS", "has_pdl", *_LAZY]
 
 
 def __getattr__(name):
-    if name in _LAZY:  # lazy: these load the CuTe DSL (first compile only)
+    if name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value

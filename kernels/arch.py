@@ -1,15 +1,8 @@
-"""The GPU architectures the gather compiles for, and what each has. Plain Python
-(no DSL import): the runtime asks it before anything is compiled.
-
-One decision lives here: programmatic dependent launch (PDL: ``griddepcontrol``,
-the early launch that overlaps a kernel's prologue with its predecessor's tail)
-exists from Hopper (sm_90) on. Before it (A100 sm_80, Ada sm_89) the PTX assembler
-rejects ``griddepcontrol``, so the gather compiles without PDL there and the stream
-order alone keeps its calls in sequence.
+"""The GPU architectures the gather compiles for; plain Python. Before sm_90 the PTX
+assembler rejects PDL's ``griddepcontrol``: there stream order alone sequences the calls.
 """
 
-# Every target ``compile_gather`` is checked on (CI compiles and audits each): NVLink
-# generations from A100 to B300; Hopper and later with their arch-specific features.
+# Every target CI compiles and audits.
 ARCHS = ("sm_80", "sm_90a", "sm_100a", "sm_103a")
 
 
@@ -22,11 +15,9 @@ def capability(arch: str) -> tuple:
 
 
 def target(major: int, minor: int) -> str:
-    """The compile target of a device of compute capability ``major.minor``: the
-    arch-specific ``a`` variant from Hopper on, plain ``sm_XY`` before."""
+    """The compile target of compute capability ``major.minor`` (``a`` from Hopper on)."""
     return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
 
 
 def has_pdl(arch: str) -> bool:
-    """Whether ``arch`` has programmatic dependent launch (sm_90 and later)."""
     return capability(arch)[0] >= 9

@@ -1,15 +1,8 @@
 """``compile_gather``: one compiled Gather per shape key, cached per process.
-
-The key is everything the kernel specializes on: (tp, shard words, threads, unroll,
-pdl, arch, timers, staged, all_to_all). M, the CTA count, rank, budget, the status
-address and ``serving`` are run-time arguments (the all-to-all's row offsets too).
-Invariant: no key names a mode (``serving``); the kernel a tuner times for a key is
-the kernel serving launches for it.
-
-The DSL's callable (TVM-FFI) launches on the caller's current torch stream, always
-explicit: a DSL launch with no stream would go to the legacy default stream, which
-serializes emulated ranks. Serving launches the cubin through the driver
-(``launch.DriverLaunch``). Compiling needs no GPU (``arch`` names the target).
+Invariant: no key names a mode (``serving`` is a run-time argument), so the kernel a
+tuner times for a key is the kernel serving launches for it. The DSL's callable
+launches on the caller's current torch stream, always explicit: with no stream it
+would go to the legacy default stream, which serializes emulated ranks.
 """
 
 import os
@@ -32,20 +25,17 @@ _LOCK = threading.Lock()
 
 @dataclass(frozen=True)
 class CompiledGather:
-    """``launch(shard, out_address, peers_address, rank, ctas, budget_ns, status_address,
-    serving)`` (the DSL's TVM-FFI callable, declared for a BF16 shard: FP32 logits launch
-    through ``DriverLaunch``, which reads only the address and the rows) plus what a host needs to launch it itself and check
-    the launch (cubin, threads, pdl: ``launch.DriverLaunch``, occupancy) and a test
-    needs to audit it (ptx)."""
+    """The DSL's callable ``launch``, declared for a BF16 shard (FP32 launches go through
+    ``launch.DriverLaunch``), and what a host needs to launch it itself and audit it."""
 
     launch: object
     threads: int
     ptx: str
     cubin: bytes
     pdl: bool = False
-    smem: int = 0  # dynamic shared memory per CTA (bytes): control words, staged slots
-    all_to_all: bool = False  # ``launch`` takes the row offsets last (``Gather.exchange``)
-    tp: int = 0  # the ranks it was compiled for (an all-to-all launch takes tp + 1 offsets)
+    smem: int = 0  # dynamic shared memory per CTA, bytes
+    all_to_all: bool = False  # ``launch`` takes the row offsets last
+    tp: int = 0
 
 
 def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
@@ -53,18 +43,10 @@ def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
                    pdl: bool | None = None,
                    arch: str = "sm_90a", timers: bool = False,
                    staged: bool | None = None, all_to_all: bool = False) -> CompiledGather:
-    """The compiled gather for this key, compiled at most once per process.
-
-    ``pdl``: None takes it where ``arch`` has it (``arch.has_pdl``: sm_90 and later),
-    so the defaults compile for every architecture of ``arch.ARCHS``. Raises
-    ValueError on a key the kernel cannot serve (PDL asked for before Hopper
-    included). ``timers`` (diagnostics only, never served): each CTA's phase
-    timestamps go after the status record (``protocol.TIMER_PHASES``), so the status
-    address must then point at a buffer that large. ``staged``: None stages the
-    batches through shared memory from ``protocol.STAGED_FROM`` fragments per thread
-    (``protocol.staged``); True or False forces it (diagnostics: an A/B of the two).
-    ``all_to_all``: the kernel's all-to-all mode (``Gather``), its ``launch`` the
-    gather's arguments then a tuple of ``MAX_TP + 1`` row offsets."""
+    """The compiled gather for this key, compiled at most once per process; ValueError
+    on a key the kernel cannot serve. ``pdl`` and ``staged`` None: where ``arch`` has
+    PDL, from ``protocol.STAGED_FROM``. ``timers`` (diagnostics): the status address
+    must hold ``protocol.timer_words`` words."""
     if pdl is None:
         pdl = has_pdl(arch)
     elif pdl and not has_pdl(arch):
@@ -90,7 +72,6 @@ def compile_gather(tp: int, shard_words: int, *, threads: int = DEFAULT_THREADS,
 
 
 def compile_all_to_all(tp: int, shard_words: int, **options) -> CompiledGather:
-    """``compile_gather(tp, shard_words, all_to_all=True, **options)``."""
     return compile_gather(tp, shard_words, all_to_all=True, **options)
 
 

@@ -1,29 +1,9 @@
-"""Memory primitives of the Lamport gather, as single inline-PTX instructions.
-
-Every mailbox access moves one 16-byte fragment (four words), so a fragment is
-published or armed whole:
-
-- ``store_sys`` (``st.relaxed.sys.global.v4``): a push into a peer's mailbox.
-- ``load_volatile`` (``ld.volatile.global.v4``): a poll; every re-poll goes to memory.
-  ``poll`` is the same load under a predicate, in one instruction, so a batch's
-  polls issue back to back with no branch between them and none waits for another.
-- ``load``/``store``: plain accesses for the shard, the output and the re-arm.
-- ``scrub``: the sentinel word becomes 0, compared as an integer (a float compare
-  takes (+0, -0) for zero; ftz could flush denormal pairs to it).
-- ``load_word_volatile``/``store_word_sys``/``fence_sys``: control words and the
-  status record (details, ``fence.sc.sys``, then the flag).
-- ``fence_acq_rel_sys``/``fence_acq_rel_gpu``: the orderings ``steps`` lists.
-- ``copy_async``/``wait_async``/``load_shared``: the staged variant
-  (``cp.async.cg``, through L2, into the thread's own slots: no barrier). ``cp.async``
-  is weak in the PTX model, so only a batch's first read is staged; a fragment still
-  armed is polled again with the volatile load. A stale read sees the sentinel: time
-  lost, never bits.
-- ``take_ticket``/``count_word``/``await_word``: the epoch's ticket pair
-  and the done count (``steps.take_epoch``, ``steps.finish``); ``*_shared_word``: a CTA's
-  broadcast word (the epoch); ``barrier_any``: what its threads report at the end.
-- ``trap``: serving's stop, after the record is out (``steps.record_and_stop``).
-
-Pointer operands are raw 64-bit global addresses (``Int64``).
+"""Memory primitives of the Lamport gather, each one inline-PTX instruction on raw
+64-bit global addresses (``Int64``); a mailbox access moves a whole 16-byte fragment.
+Polls are volatile, so every re-poll goes to memory; the predicated forms let a
+batch's loads issue back to back with no branch. ``cp.async`` is weak in the PTX
+model, so only a batch's first read is staged and a fragment still armed is polled
+again with the volatile load: a stale read sees the sentinel, time lost, never bits.
 """
 
 from functools import wraps
@@ -63,8 +43,7 @@ def load(address, *, loc=None, ip=None):
 
 @_op
 def load_if(address, on, *, loc=None, ip=None):
-    """``load`` at ``address`` if ``on`` is non-zero, else four zeros: one predicated
-    instruction, so a batch's loads issue back to back with no branch between them."""
+    """``load`` at ``address`` if ``on`` is non-zero, else four zeros."""
     code = ("{ .reg .pred p; setp.ne.u32 p, $4, 0; mov.u32 $0, 0; mov.u32 $1, 0; "
             "mov.u32 $2, 0; mov.u32 $3, 0; @p ld.global.v4.u32 {$0,$1,$2,$3}, [$5]; }")
     return _asm(code, "=r,=r,=r,=r,r,l", [Int32(on), Int64(address)], 4, True, loc, ip)
@@ -72,7 +51,6 @@ def load_if(address, on, *, loc=None, ip=None):
 
 @_op
 def load_address(address, *, loc=None, ip=None):
-    """The 64-bit word at ``address`` (an entry of the peer table)."""
     values = [Int64(address).ir_value(loc=loc, ip=ip)]
     word = llvm.inline_asm(Int64.mlir_type, values, "ld.global.b64 $0, [$1];", "=l,l",
                            has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -82,15 +60,13 @@ def load_address(address, *, loc=None, ip=None):
 
 @_op
 def load_volatile(address, *, loc=None, ip=None):
-    """Four words at ``address``, read from memory on every call (a mailbox poll)."""
     return _asm("ld.volatile.global.v4.u32 {$0,$1,$2,$3}, [$4];",
                 "=r,=r,=r,=r,l,~{memory}", [Int64(address)], 4, True, loc, ip)
 
 
 @_op
 def poll(address, on, words, *, loc=None, ip=None):
-    """``load_volatile`` at ``address`` if ``on`` is non-zero; else ``words`` unchanged
-    (tied operands: no register beyond the fragment's own four)."""
+    """``load_volatile`` if ``on`` is non-zero, else ``words`` (tied: no extra registers)."""
     code = ("{ .reg .pred p; setp.ne.u32 p, $4, 0; "
             "@p ld.volatile.global.v4.u32 {$0,$1,$2,$3}, [$5]; }")
     return _asm(code, "=r,=r,=r,=r,r,l,0,1,2,3,~{memory}",
@@ -99,21 +75,18 @@ def poll(address, on, words, *, loc=None, ip=None):
 
 @_op
 def copy_async(shared, address, *, loc=None, ip=None):
-    """Starts copying the 16 bytes at global ``address`` into shared ``shared`` (a
-    32-bit shared-memory address), through L2; visible after ``wait_async``."""
+    """Starts copying 16 bytes at ``address`` to 32-bit shared address ``shared``, via L2."""
     _asm("cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
          [Int32(shared), Int64(address)], 0, True, loc, ip)
 
 
 @_op
 def wait_async(*, loc=None, ip=None):
-    """Waits for every ``copy_async`` this thread started."""
     _asm("cp.async.wait_all;", "~{memory}", [], 0, True, loc, ip)
 
 
 @_op
 def load_shared(shared, *, loc=None, ip=None):
-    """Four words at the 32-bit shared-memory address ``shared``."""
     return _asm("ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
                 [Int32(shared)], 4, True, loc, ip)
 
@@ -127,21 +100,18 @@ def store(address, words, *, loc=None, ip=None):
 
 @_op
 def store_sys(address, words, *, loc=None, ip=None):
-    """Four words to ``address`` with a relaxed system-scope store (a peer push)."""
     _asm("st.relaxed.sys.global.v4.u32 [$0], {$1,$2,$3,$4};", "l,r,r,r,r,~{memory}",
          [Int64(address), *(Uint32(w) for w in words)], 0, True, loc, ip)
 
 
 @_op
 def store_word_sys(address, word, *, loc=None, ip=None):
-    """One word to ``address`` at system scope (the host-visible error record)."""
     _asm("st.relaxed.sys.global.u32 [$0], $1;", "l,r,~{memory}",
          [Int64(address), Uint32(word)], 0, True, loc, ip)
 
 
 @_op
 def load_word_volatile(address, *, loc=None, ip=None):
-    """One word at ``address``, read from memory on every call (a control word)."""
     (word,) = _asm("ld.volatile.global.u32 $0, [$1];", "=r,l,~{memory}", [Int64(address)], 1,
                    True, loc, ip)
     return word
@@ -149,8 +119,7 @@ def load_word_volatile(address, *, loc=None, ip=None):
 
 @_op
 def load_word_volatile_if(address, on, *, loc=None, ip=None):
-    """``load_word_volatile`` at ``address`` if ``on`` is non-zero, else 0: one predicated
-    instruction, issued beside a batch's polls without a branch."""
+    """``load_word_volatile`` at ``address`` if ``on`` is non-zero, else 0."""
     code = ("{ .reg .pred p; setp.ne.u32 p, $1, 0; mov.u32 $0, 0; "
             "@p ld.volatile.global.u32 $0, [$2]; }")
     (word,) = _asm(code, "=r,r,l,~{memory}", [Int32(on), Int64(address)], 1, True, loc, ip)
@@ -159,16 +128,15 @@ def load_word_volatile_if(address, on, *, loc=None, ip=None):
 
 @_op
 def store_word(address, word, *, loc=None, ip=None):
-    """One word to ``address``, a plain store (this rank's own control words)."""
+    """A plain store: this rank's own control words."""
     _asm("st.global.u32 [$0], $1;", "l,r,~{memory}", [Int64(address), Uint32(word)], 0, True,
          loc, ip)
 
 
 @_op
 def take_ticket(address, value, *, loc=None, ip=None):
-    """Adds ``value`` (Int64) to the 64-bit little-endian pair (low, high) at ``address``
-    (8-byte aligned; device scope, relaxed) and returns the old pair as two words: one
-    atomic read of both. The caller waits for the result: the add is performed."""
+    """Adds ``value`` to the 64-bit pair (low, high) at ``address`` (8-byte aligned) and
+    returns the old pair: one atomic read of both, performed once the caller has it."""
     values = [Int64(address).ir_value(loc=loc, ip=ip), Int64(value).ir_value(loc=loc, ip=ip)]
     old = Int64(llvm.inline_asm(Int64.mlir_type, values,
                                 "atom.relaxed.gpu.global.add.u64 $0, [$1], $2;", "=l,l,l,~{memory}",
@@ -179,22 +147,19 @@ def take_ticket(address, value, *, loc=None, ip=None):
 
 @_op
 def count_word(address, *, loc=None, ip=None):
-    """Adds 1 to the word at ``address`` (device scope, relaxed), returning nothing:
-    the issuing thread does not wait for it."""
+    """Adds 1 to the word at ``address``; the issuing thread does not wait for it."""
     _asm("red.relaxed.gpu.global.add.u32 [$0], 1;", "l,~{memory}", [Int64(address)], 0, True,
          loc, ip)
 
 
 @_op
 def store_shared_word(shared, word, *, loc=None, ip=None):
-    """One word to the 32-bit shared-memory address ``shared``."""
     _asm("st.shared.u32 [$0], $1;", "r,r,~{memory}", [Int32(shared), Uint32(word)], 0, True,
          loc, ip)
 
 
 @_op
 def load_shared_word(shared, *, loc=None, ip=None):
-    """One word at the 32-bit shared-memory address ``shared``."""
     (word,) = _asm("ld.shared.u32 $0, [$1];", "=r,r,~{memory}", [Int32(shared)], 1, True,
                    loc, ip)
     return word
@@ -202,9 +167,8 @@ def load_shared_word(shared, *, loc=None, ip=None):
 
 @_op
 def await_word(address, value, budget, *, loc=None, ip=None):
-    """Polls the word at ``address`` (volatile) until it equals ``value`` (1), or for
-    ``budget`` ns of the global timer (0): one loop in PTX, so the compiler keeps
-    nothing of the caller's live across it."""
+    """1 once the word at ``address`` equals ``value``, 0 after ``budget`` ns: one loop in
+    PTX, so the compiler keeps nothing of the caller's live across it."""
     code = ("{ .reg .pred p; .reg .u32 w; .reg .u64 t, due; mov.u64 due, %globaltimer; "
             "add.u64 due, due, $3; "
             "Lpoll${:uid}: ld.volatile.global.u32 w, [$1]; setp.eq.u32 p, w, $2; "
@@ -217,16 +181,14 @@ def await_word(address, value, budget, *, loc=None, ip=None):
 
 @_op
 def grid_size(*, loc=None, ip=None):
-    """The launch's CTA count (``%nctaid.x``), read where it is used: a value the
-    compiler would otherwise hold in a register from the kernel's first line."""
+    """``%nctaid.x``, read where used, not held in a register from the kernel's start."""
     (out,) = _asm("mov.u32 $0, %nctaid.x;", "=r,~{memory}", [], 1, True, loc, ip)
     return Int32(out)
 
 
 @_op
 def barrier_any(flag, *, loc=None, ip=None):
-    """``bar.red.or.pred`` on barrier 0: every thread of the CTA waits there (as at
-    ``bar.sync``) and gets 1 if ``flag`` was non-zero in any of them, else 0."""
+    """A CTA barrier (barrier 0) returning 1 if ``flag`` was non-zero in any thread."""
     code = ("{ .reg .pred p, q; setp.ne.u32 p, $1, 0; bar.red.or.pred q, 0, p; "
             "selp.u32 $0, 1, 0, q; }")
     (out,) = _asm(code, "=r,r,~{memory}", [Int32(flag)], 1, True, loc, ip)
@@ -235,42 +197,38 @@ def barrier_any(flag, *, loc=None, ip=None):
 
 @_op
 def atomic_max_word_sys(address, value, *, loc=None, ip=None):
-    """Raises the word at ``address`` to ``value`` at system scope (a peer's mark)."""
     _asm("atom.sys.global.max.u32 $0, [$1], $2;", "=r,l,r,~{memory}",
          [Int64(address), Uint32(value)], 1, True, loc, ip)
 
 
 @_op
 def fence_sys(*, loc=None, ip=None):
-    """Orders this thread's earlier stores before its later ones at system scope."""
     _asm("fence.sc.sys;", "~{memory}", [], 0, True, loc, ip)
 
 
 @_op
 def fence_acq_rel_sys(*, loc=None, ip=None):
-    """``fence.acq_rel.sys``: a release for this thread's later strong stores (of what
-    it did or observed before) and an acquire for its earlier strong loads (of what
-    their writers released), towards every thread of the system (peer GPUs, host)."""
+    """Release for this thread's later strong stores, acquire for its earlier strong
+    loads, towards every thread of the system (peer GPUs, host)."""
     _asm("fence.acq_rel.sys;", "~{memory}", [], 0, True, loc, ip)
 
 
 @_op
 def fence_acq_rel_gpu(*, loc=None, ip=None):
-    """``fence.acq_rel.gpu``: the same towards the threads of this GPU only (the
-    launch's other CTAs: the done count of ``steps.finish``)."""
     _asm("fence.acq_rel.gpu;", "~{memory}", [], 0, True, loc, ip)
 
 
 @_op
 def trap(*, loc=None, ip=None):
-    """Stops the kernel and with it the CUDA context of this process: every later
-    stream operation (the engine's next copy of this step's tokens) raises."""
+    """Stops the kernel and the process's CUDA context: every later stream operation
+    (the engine's copy of this step's tokens) raises."""
     _asm("trap;", "~{memory}", [], 0, True, loc, ip)
 
 
 @_op
 def scrub(word, *, loc=None, ip=None):
-    """``word``, or 0 where it equals the sentinel (an integer compare)."""
+    """``word``, or 0 where it is the sentinel. An integer compare: a float compare takes
+    (+0, -0) for zero, and ftz could flush denormal pairs to it."""
     code = ("{ .reg .pred s; setp.eq.u32 s, $1, " + hex(SENTINEL) + "; "
             "selp.u32 $0, 0, $1, s; }")
     (out,) = _asm(code, "=r,r", [Uint32(word)], 1, False, loc, ip)
@@ -279,8 +237,8 @@ def scrub(word, *, loc=None, ip=None):
 
 @_op
 def opaque(value, *, loc=None, ip=None):
-    """``value``, which the compiler may not trace back to how it was computed: what
-    is derived from it is computed again here instead of held in registers since."""
+    """``value``, opaque to the compiler: what derives from it is recomputed here
+    instead of held in registers since."""
     (out,) = _asm("mov.b32 $0, $1;", "=r,r,~{memory}", [Int32(value)], 1, True, loc, ip)
     return Int32(out)
 
