@@ -3,7 +3,7 @@
 Public names (``__all__``; docs/design.md's contract lists the same, and
 ``tests/test_layout.py`` checks it): ``HeadGather``, ``AllToAll``, ``GatherTimeout``,
 ``install_logits_gather`` and ``install_sglang_logits_gather`` (an ``Outcome``: rows
-served, or a ``Stock`` reason and its message), ``table`` (``load_table``, ``Table``,
+served, or a ``Reason`` reason and its message), ``table`` (``load_table``, ``Table``,
 ``TableRow``, ``TableError``). Heavy modules load
 lazily so that ``import lamport_head`` is cheap and works without a GPU or vLLM.
 
@@ -26,7 +26,7 @@ _LAZY = {
     "install_logits_gather": ("engines.vllm", "install_logits_gather"),
     "install_sglang_logits_gather": ("engines.sglang", "install_sglang_logits_gather"),
     "Outcome": ("outcome", "Outcome"),
-    "Stock": ("outcome", "Stock"),
+    "Reason": ("outcome", "Reason"),
 }
 
 __all__ = [*_LAZY, "table"]

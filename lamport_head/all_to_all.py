@@ -57,7 +57,7 @@ class AllToAll(MailboxCollective):
     def __call__(self, shard, send_splits, num_local_rows, stock):
         self.poll()
         shape = shard.shape
-        if len(shape) != 2 or shape[1] != self.shard or shard.dtype != self.dtype:
+        if len(shape) != 2 or shape[1] != self.shard_width or shard.dtype != self.dtype:
             return stock(shard, send_splits, num_local_rows)
         launch = self._launch.get(shape[0])
         if launch is None:

@@ -96,12 +96,12 @@ class Kernels:
     a build). Local: no collective. ``TOOLCHAIN`` is read when it is built (the seam
     tests replace)."""
 
-    def __init__(self, device, tp, shard, pdl=None, dtype=dtypes.DEFAULT, all_to_all=False):
-        self.device, self.tp, self.shard = device, tp, shard
+    def __init__(self, device, tp, shard_width, pdl=None, dtype=dtypes.DEFAULT, all_to_all=False):
+        self.device, self.tp, self.shard_width = device, tp, shard_width
         # only a mode that is on reaches the toolchain: a stand-in of the gather alone
         # keeps its signature
         self._mode = {"all_to_all": True} if all_to_all else {}
-        self.words = dtypes.words(shard, dtype)  # a row's 32-bit words: what the kernel moves
+        self.words = dtypes.words(shard_width, dtype)  # a row's 32-bit words: what the kernel moves
         self._toolchain = TOOLCHAIN
         self.arch = self._toolchain.arch(device)
         self.pdl = self._toolchain.pdl(self.arch) if pdl is None else bool(pdl)
@@ -134,7 +134,7 @@ class Built:
     device: torch.device
     tp: int
     rank: int
-    shard: int
+    shard_width: int
     mode: str
     sharing: int
     kernels: Kernels
@@ -151,10 +151,10 @@ class Built:
         return max(self.plan)
 
 
-def local(device, tp, rank, shard, choose, *, sharing, mode, pdl=None, budget_s,
+def local(device, tp, rank, shard_width, plan_for, *, sharing, mode, pdl=None, budget_s,
           clamp=False, dtype=None, all_to_all=False) -> Built:
     """Everything of a rank's build that can fail on this rank alone: the checks, the
-    kernels, the plan (``choose(limit)``, fitted to the limit; ``clamp``: rows over it
+    kernels, the plan (``plan_for(limit)``, fitted to the limit; ``clamp``: rows over it
     cut to it), the launchers and the host-visible status record. No mailbox.
     ``dtype``: the logits' (a torch dtype or ``dtypes`` name; None: BF16); ``shard``
     must be whole 16-byte fragments of it. ``all_to_all``: the kernels are the
@@ -165,25 +165,25 @@ def local(device, tp, rank, shard, choose, *, sharing, mode, pdl=None, budget_s,
         raise ValueError(f"need tp >= 2 and 0 <= rank < tp, got tp={tp} rank={rank}")
     if not budget_s > 0:
         raise ValueError(f"the spin budget must be a positive number of seconds, got {budget_s!r}")
-    rank_kernels = Kernels(device, tp, shard, pdl, dtype, all_to_all)
+    rank_kernels = Kernels(device, tp, shard_width, pdl, dtype, all_to_all)
     limit = rank_kernels.limit(sharing)
     clamped = {} if clamp else None
-    plan = fit(choose(limit), limit, clamped)
+    plan = fit(plan_for(limit), limit, clamped)
     launchers = {m: rank_kernels.launcher(c, flag) for m, c in plan.items()}
-    return Built(device, tp, rank, shard, mode, sharing, rank_kernels, plan, clamped, launchers,
+    return Built(device, tp, rank, shard_width, mode, sharing, rank_kernels, plan, clamped, launchers,
                  StatusRecord(rank, tp), int(budget_s * 1e9), dtype=dtype)
 
 
-def build(group, device, tp, rank, shard, choose, *, mailbox=None, backend=None,
+def build(group, device, tp, rank, shard_width, plan_for, *, mailbox=None, backend=None,
           **local_args) -> Built:
-    """A rank's gather. ``choose(limit)`` returns its plan (``{rows: GatherConfig}``)
+    """A rank's gather. ``plan_for(limit)`` returns its plan (``{rows: GatherConfig}``)
     once the co-resident limit is known (``HeadGather`` passes a plan given, its
     ``default`` constructor the heuristic). ``local_args``: ``local``'s. With
     ``mailbox`` (a ``LocalMailbox`` shared by virtual ranks) it is local; else
     collective over ``group`` (module docstring)."""
     device = cuda_device(device)
     if mailbox is not None:  # emulated: one process, nothing to agree on
-        built = local(device, tp, rank, shard, choose, sharing=mailbox.sharing, **local_args)
+        built = local(device, tp, rank, shard_width, plan_for, sharing=mailbox.sharing, **local_args)
         if mailbox.tp != tp or mailbox.words != tp * built.kernels.words:
             raise ValueError("the shared mailbox does not fit this gather")
         if mailbox.cap < built.cap:
@@ -201,7 +201,7 @@ def build(group, device, tp, rank, shard, choose, *, mailbox=None, backend=None,
     agree(error, group, device, "to describe its GPU")
     kind, sharing = backend_of
     built, error = bounded("building the gather (checks, compile, occupancy)",
-                           lambda: local(device, tp, rank, shard, choose, sharing=sharing,
+                           lambda: local(device, tp, rank, shard_width, plan_for, sharing=sharing,
                                          **local_args))
     agree(error, group, device, "to build the gather (checks, compile, occupancy)")
     box, error = bounded(f"allocating its {kind} mailbox", MAILBOXES[kind], group, device, tp,

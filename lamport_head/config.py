@@ -72,17 +72,17 @@ class GatherConfig:
 POLLS_PER_THREAD = 2
 
 
-def peer_fragments(rows: int, tp: int, shard: int, dtype=dtypes.DEFAULT) -> int:
+def peer_fragments(rows: int, tp: int, shard_width: int, dtype=dtypes.DEFAULT) -> int:
     """Fragments a rank polls in one call of ``rows``: every peer's shard row of each
     (``shard`` values of ``dtype``, ``dtypes.fragment`` of them a fragment)."""
-    return rows * (tp - 1) * (shard // dtypes.fragment(dtype))
+    return rows * (tp - 1) * (shard_width // dtypes.fragment(dtype))
 
 
-def default_ctas(rows: int, tp: int, shard: int, threads: int, unroll: int, limit: int,
+def default_ctas(rows: int, tp: int, shard_width: int, threads: int, unroll: int, limit: int,
                  dtype=dtypes.DEFAULT) -> int:
     """Enough CTAs that each thread polls about ``POLLS_PER_THREAD`` fragments (at most
     ``unroll``: one batch), within ``limit``."""
-    return max(1, min(limit, math.ceil(peer_fragments(rows, tp, shard, dtype)
+    return max(1, min(limit, math.ceil(peer_fragments(rows, tp, shard_width, dtype)
                                        / (threads * min(unroll, POLLS_PER_THREAD)))))
 
 
@@ -93,7 +93,7 @@ def default_ctas(rows: int, tp: int, shard: int, threads: int, unroll: int, limi
 STAGE_ABOVE_ROUNDS = 6
 
 
-def default_config(rows: int, tp: int, shard: int, threads: int, unroll, limit,
+def default_config(rows: int, tp: int, shard_width: int, threads: int, unroll, limit,
                    dtype=dtypes.DEFAULT) -> GatherConfig:
     """The default plan of ``rows``: ``default_ctas`` at ``unroll`` fragments per thread,
     or, with ``unroll`` None, at DEFAULT_UNROLL while the rows take at most
@@ -107,10 +107,10 @@ def default_config(rows: int, tp: int, shard: int, threads: int, unroll, limit,
         raise ValueError(f"no CTA of {threads} threads can be co-resident on this device beside "
                          "the ranks sharing it")
     if unroll is None:
-        rounds = peer_fragments(rows, tp, shard, dtype) / (most * threads * DEFAULT_UNROLL)
+        rounds = peer_fragments(rows, tp, shard_width, dtype) / (most * threads * DEFAULT_UNROLL)
         unroll = STAGED_FROM if rounds > STAGE_ABOVE_ROUNDS else DEFAULT_UNROLL
         most = min(most, limit(GatherConfig(1, threads, unroll)))
-    return GatherConfig(default_ctas(rows, tp, shard, threads, unroll, most, dtype), threads,
+    return GatherConfig(default_ctas(rows, tp, shard_width, threads, unroll, most, dtype), threads,
                         unroll)
 
 

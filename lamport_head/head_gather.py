@@ -17,7 +17,7 @@ class HeadGather(MailboxCollective):
     def __call__(self, logits, stock):
         self.poll()
         shape = logits.shape
-        if (len(shape) != 2 or shape[1] != self.shard or logits.dtype != self.dtype):
+        if (len(shape) != 2 or shape[1] != self.shard_width or logits.dtype != self.dtype):
             return stock(logits)
         launch = self._launch.get(shape[0])
         if launch is None:

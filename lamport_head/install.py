@@ -16,7 +16,7 @@ Invariants a change must keep (docs/design.md, the fail-stop rule):
   all-to-all of vocab shards, ``settings.ALL_TO_ALL_ENV``, on by default, agreed as
   every setting): where it would measure one for whose key no layer holds a section
   and the switch is off, every rank keeps the engine's collective
-  (``Stock.SWITCHED_OFF``), nothing measured or built.
+  (``Reason.SWITCHED_OFF``), nothing measured or built.
 - A broken user table costs only itself: when any rank's vote says its host's copy
   cannot be read whole, every rank serves from the other layers (``Table.without_user``,
   read in the same vote), and the broken copies are set aside where they can be.
@@ -33,8 +33,9 @@ import torch
 # head_gather.HeadGather, provenance.facts): read at the call
 from . import all_to_all, dtypes, head_gather, mailbox, provenance, settings
 from .mailbox_collective import Setup
+from .plan import Plan
 from .collective import all_gather_objects, raised_together, within
-from .outcome import Outcome, Stock
+from .outcome import Outcome, Reason
 from .status import SERVING
 from .table import (ALL_TO_ALL_STOCK, MAX_ROWS, NCCL_STOCK, TableError, load_table,
                     section_status, set_aside_agreed, user_path)
@@ -89,7 +90,7 @@ def collective(stock):
     return all_to_all.AllToAll if stock == ALL_TO_ALL_STOCK else head_gather.HeadGather
 
 
-def _build(group, device, tp, rank, shard, entries, budget_s, dtype=dtypes.DEFAULT, *,
+def _build(group, device, tp, rank, shard_width, entries, budget_s, dtype=dtypes.DEFAULT, *,
            stock=NCCL_STOCK):
     """The serving gather of ``entries`` (``{rows: table.TableRow}``, the enabled ones)
     for logits of ``dtype`` (a ``dtypes`` name), in place of the engine's ``stock``
@@ -99,8 +100,8 @@ def _build(group, device, tp, rank, shard, entries, budget_s, dtype=dtypes.DEFAU
     so no step with missing data reaches the
     engine's sampler or its host. Built on ``build``'s one path: the kernel is the one
     the tuner timed for the row, under the tuner's occupancy limit."""
-    plan = {m: e.config for m, e in entries.items()}
-    gather = collective(stock)(group, device, tp, rank, shard, plan, mode=SERVING,
+    gather = collective(stock)(group, device, tp, rank, shard_width, Plan.of(entries),
+                               mode=SERVING,
                                dtype=dtypes.torch_dtype(dtype),
                                setup=Setup(budget_s=budget_s, clamp=True))
     for m, (asked, most) in sorted(gather.clamped.items()):
@@ -116,7 +117,7 @@ class _Vote(NamedTuple):
 
     agreed: object  # _View.agreed, or None with ``reason``
     key: object  # _View.key: equal keys mean ranks sharing one GPU
-    reason: object  # (Stock label, text): why this rank cannot serve (a local failure,
+    reason: object  # (Reason label, text): why this rank cannot serve (a local failure,
     # DISABLE), or None
     force: bool  # LAMPORT_HEAD_FORCE as this rank's environment reads it
     settings: object = None  # _View.settings: what every rank must set alike
@@ -129,7 +130,7 @@ def install(site, ranks, rows=None, *, measure):
     (an ``outcome.Ranks``: ``group`` where the ranks agree and the mailboxes are
     exchanged, ``device_group`` where first-use tuning times the engine's stock gather);
     an ``outcome.Outcome``: the rows served, or why the engine's stock gather stays
-    (``Stock``), the same on every rank. One log line says the same for people; no
+    (``Reason``), the same on every rank. One log line says the same for people; no
     caller reads it.
     ``rows``: the row counts the server's decode steps gather; served rows are
     limited to them, so the mailbox's cap follows, and first-use tuning measures
@@ -148,18 +149,18 @@ def install(site, ranks, rows=None, *, measure):
     decision from the same gathered votes."""
     group, tp, rank, device, dcp = ranks.group, ranks.tp, ranks.rank, ranks.device, ranks.dcp
     what = _words(site.stock)  # the lines' name of the collective the route replaces
-    say = partial(stock, where=what)
+    say = partial(kept, where=what)
     lp, where = site.processor, site.where
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call installed one: keep it
         return Outcome.serving(installed.rows, dtype=gather_dtype(installed))
     if tp <= 1:
-        return say(Stock.NO_GATHER, f"tp={tp} has no logits gather to replace")
+        return say(Reason.NO_GATHER, f"tp={tp} has no logits gather to replace")
     why = _site_refuses(site, tp)
     if why is not None:
-        return say(Stock.SITE, why)
-    shard = site.weight.shape[0]
-    vocab = tp * shard  # the full (padded) vocabulary: a table section is measured at one V
+        return say(Reason.SITE, why)
+    shard_width = site.weight.shape[0]
+    vocab = tp * shard_width  # the full (padded) vocabulary: a table section is measured at one V
     dtype = dtypes.name(site.logits_dtype)  # ... for one logits dtype (the site's: agreed)
     # the gather the route replaces: what a section must have been measured against, and
     # what first-use tuning times (the engine's own callable, before routing)
@@ -175,15 +176,15 @@ def install(site, ranks, rows=None, *, measure):
             return refused
     reasons = [(r, v.reason) for r, v in enumerate(votes) if v.reason]
     if reasons:
-        kind = (Stock.DISABLED if any(r[0] == Stock.DISABLED.label for _, r in reasons)
-                else Stock.RANK)
+        kind = (Reason.DISABLED if any(r[0] == Reason.DISABLED.label for _, r in reasons)
+                else Reason.RANK)
         if vote.reason and vote.reason[0] == kind.label:
             return say(kind, vote.reason[1])
         first, (_, text) = next((r, v) for r, v in reasons if v[0] == kind.label)
         return say(kind, f"rank {first}: {text}")
     healing = any(v.broken for v in votes)  # some host's user table is broken
     if len({v.fallback if healing else v.agreed for v in votes}) > 1:
-        return say(Stock.PLANS_DIFFER, "the TP ranks resolved different HEAD_GATHER plans "
+        return say(Reason.PLANS_DIFFER, "the TP ranks resolved different HEAD_GATHER plans "
                      "(different tables or environments, first-use tuning settings or the "
                      "engine's gather kind included)")
     keys = [v.key for v in votes]
@@ -209,19 +210,19 @@ def install(site, ranks, rows=None, *, measure):
         if line is not None:
             logger.warning(line)
     if off:
-        return say(Stock.SWITCHED_OFF, off)
+        return say(Reason.SWITCHED_OFF, off)
     measured = False
     if choice == "unknown":
-        return say(Stock.NO_DEVICE_KEY, "first-use tuning cannot tell whether the TP ranks "
+        return say(Reason.NO_DEVICE_KEY, "first-use tuning cannot tell whether the TP ranks "
                      "share a GPU (no device key)")
     if choice == "tune":
         try:  # collective, fail-stop: every rank gets the same outcome or every rank raises
-            outcome = measure(ranks.timing_group, device, tp, rank, dcp, shard, view.rows,
+            outcome = measure(ranks.timing_group, device, tp, rank, dcp, shard_width, view.rows,
                               shared, name, stock=stock_gather, stock_kind=stock_kind,
                               dtype=dtype)
         except Exception as exc:
             _alone(exc, "first-use tuning")
-            return say(Stock.TUNING_FAILED,
+            return say(Reason.TUNING_FAILED,
                          f"first-use tuning failed: {type(exc).__name__}: {exc}")
         if getattr(outcome, "unsaved", None) is not None and not unwritable:
             # A cache that cannot be written costs the table, not this start: the rows
@@ -243,7 +244,7 @@ def install(site, ranks, rows=None, *, measure):
             # have changed on one rank while the ranks measured.
             choice = "emulated" if view.serve_emulated else "unserved"
     if choice == "unserved":
-        return _measured(measured, what, Stock.EMULATED,
+        return _measured(measured, what, Reason.EMULATED,
                          f"the ranks share one GPU, so the {name} section for tp={tp}, "
                          f"dcp={dcp} is emulated: true, never served "
                          f"({settings.SERVE_EMULATED_ENV}=1 serves it, to test this mode only)")
@@ -251,15 +252,15 @@ def install(site, ranks, rows=None, *, measure):
         logger.warning("lamport-head: serving an emulated section (processes sharing one GPU: "
                        "not performance) because %s is set", settings.SERVE_EMULATED_ENV)
     if not entries:
-        return _measured(measured, what, Stock.NO_ROWS,
+        return _measured(measured, what, Reason.NO_ROWS,
                          f"no enabled HEAD_GATHER rows for {name}, tp={tp}, dcp={dcp}, "
                          f"vocab={vocab}, stock={stock_kind}, dtype={dtype}{_others(view)}")
     try:  # collective, fail-stop: every rank gets a gather or every rank raises
-        gather = _build(group, device, tp, rank, shard, entries, view.budget_s, dtype,
+        gather = _build(group, device, tp, rank, shard_width, entries, view.budget_s, dtype,
                         stock=stock_kind)
     except Exception as exc:  # a capability fallback, taken by every rank together
         _alone(exc, "building the gather")
-        return _measured(measured, what, Stock.BUILD_FAILED,
+        return _measured(measured, what, Reason.BUILD_FAILED,
                          f"building the {what} failed: {type(exc).__name__}: {exc}")
     served = _route(site, gather)
     logger.info("lamport-head: Lamport %s on %s (tp=%d, dcp=%d, %s logits) for rows "
@@ -270,8 +271,8 @@ def install(site, ranks, rows=None, *, measure):
 
 
 def _measured(measured, what, reason, message):
-    """``stock(reason, message, what)``, saying whether first-use tuning measured first."""
-    return replace(stock(reason, message, what), measured=measured)
+    """``kept(reason, message, what)``, saying whether first-use tuning measured first."""
+    return replace(kept(reason, message, what), measured=measured)
 
 
 def _words(stock_kind):
@@ -279,15 +280,15 @@ def _words(stock_kind):
     return "all-to-all" if stock_kind == ALL_TO_ALL_STOCK else "logits gather"
 
 
-def stock(reason, message, where=None):
-    """``Outcome.stock(reason, message)``, with its one line for people (at the
+def kept(reason, message, where=None):
+    """``Outcome.kept(reason, message)``, with its one line for people (at the
     reason's level). ``where``: what stays stock, when it is not the logits gather."""
     what = where or "logits gather"
     # a WARNING asks a person to act ("stays stock"); an INFO line states the configuration
     form = ("lamport-head: %s stays stock: %s [%s]" if reason.level >= logging.WARNING
             else "lamport-head: stock %s: %s [%s]")
     logger.log(reason.level, form, what, message, reason.label)
-    return Outcome.stock(reason, message)
+    return Outcome.kept(reason, message)
 
 
 def _alone(exc, what):
@@ -303,7 +304,7 @@ def _alone(exc, what):
         raise exc
 
 
-def _site_refuses(site, tp, shard=None, dtype=None):
+def _site_refuses(site, tp, shard_width=None, dtype=None):
     """Why ``site`` cannot take a gather over ``tp`` ranks (of ``shard`` columns and
     logits of ``dtype``, a ``dtypes`` name, when given), or None. Facts of the site
     only, the same on every rank by construction: no collective needed to act on the
@@ -323,8 +324,8 @@ def _site_refuses(site, tp, shard=None, dtype=None):
     if weight.shape[0] % fragment:
         return (f"shard width {weight.shape[0]} is not a multiple of {fragment} "
                 f"({dtypes.name(logits)}: one 16-byte fragment)")
-    if shard is not None and weight.shape[0] != shard:
-        return f"shard width {weight.shape[0]}, the gather's is {shard}"
+    if shard_width is not None and weight.shape[0] != shard_width:
+        return f"shard width {weight.shape[0]}, the gather's is {shard_width}"
     if dtype is not None and dtypes.name(logits) != dtypes.name(dtype):
         return f"{dtypes.name(logits)} logits, the gather's are {dtypes.name(dtype)}"
     return None
@@ -362,10 +363,10 @@ def reroute(site, gather, *, label=None):
         return Outcome.serving(gather.rows, shared=label is not None,
                                dtype=gather_dtype(gather))
     if site.kept is not None:
-        return stock(Stock.OWN_GATHER, site.kept, f"logits gather on {label or 'the new model'}")
-    why = _site_refuses(site, gather.tp, gather.shard, gather_dtype(gather))
+        return kept(Reason.OWN_GATHER, site.kept, f"logits gather on {label or 'the new model'}")
+    why = _site_refuses(site, gather.tp, gather.shard_width, gather_dtype(gather))
     if why is not None:
-        return stock(Stock.SITE, why, f"logits gather on {label or 'the new model'}")
+        return kept(Reason.SITE, why, f"logits gather on {label or 'the new model'}")
     served = _route(site, gather, shared=label is not None)
     if label is None:
         logger.info("lamport-head: the new model's gather routed again at %s: the gather built "
@@ -410,7 +411,7 @@ def _bounded_vote(tp, dcp, device, rows, vocab, stock, dtype=dtypes.DEFAULT):
         return within(mailbox.RENDEZVOUS_WAIT_S, "reading the tables and settings (install's vote)",
                       _local_vote, tp, dcp, device, rows, vocab, stock, dtype)
     except TimeoutError as exc:
-        return None, None, _Vote(None, None, (Stock.RANK.label, f"TimeoutError: {exc}"),
+        return None, None, _Vote(None, None, (Reason.RANK.label, f"TimeoutError: {exc}"),
                                  settings.forced())
 
 
@@ -422,17 +423,17 @@ def _local_vote(tp, dcp, device, rows, vocab, stock, dtype=dtypes.DEFAULT):
     try:
         name = _device_name(device)
     except Exception as exc:
-        return None, None, _Vote(None, None, (Stock.RANK.label, f"cannot name the GPU model of "
+        return None, None, _Vote(None, None, (Reason.RANK.label, f"cannot name the GPU model of "
                                              f"{device}: {type(exc).__name__}: {exc}"), force)
     if name is None:
-        return None, None, _Vote(None, None, (Stock.RANK.label, f"{device} is not a CUDA device"),
+        return None, None, _Vote(None, None, (Reason.RANK.label, f"{device} is not a CUDA device"),
                                  force)
     view, reason = _local_view(tp, dcp, device, name, rows, vocab, stock, dtype)
     if view is None:  # a reading that failed says so, even with an empty message
-        reason = (Stock.RANK.label, reason or "the tables could not be read")
+        reason = (Reason.RANK.label, reason or "the tables could not be read")
     if settings.disabled():
         # An environment variable may reach some ranks only: it travels with the vote.
-        view, reason = None, (Stock.DISABLED.label, f"disabled by {settings.DISABLE_ENV}")
+        view, reason = None, (Reason.DISABLED.label, f"disabled by {settings.DISABLE_ENV}")
     return name, view, _Vote(view and view.agreed, view and view.key, reason, force,
                              view and view.settings, bool(view and view.broken is not None),
                              view and view.fallback.agreed)
@@ -449,9 +450,9 @@ def _agree_force(votes, why):
     if len(on) == len(votes):
         return None
     if not on:
-        return stock(Stock.OWN_GATHER, why)
+        return kept(Reason.OWN_GATHER, why)
     off = [r for r, v in enumerate(votes) if not v.force]
-    return stock(Stock.FORCE_PARTIAL, f"{settings.FORCE_ENV}=1 reached TP rank(s) {on} but not "
+    return kept(Reason.FORCE_PARTIAL, f"{settings.FORCE_ENV}=1 reached TP rank(s) {on} but not "
                  f"{off} (every rank must say the same): {why}")
 
 
@@ -605,5 +606,5 @@ def _choose(view, shared):
 
 
 def _digest(entries):
-    """The plan of ``entries`` (``{rows: TableRow}``), hashable: each row's config."""
-    return tuple(sorted((m, e.config) for m, e in entries.items()))  # every knob, by construction
+    """The plan of ``entries`` (``{rows: TableRow}``): what the ranks compare."""
+    return Plan.of(entries)

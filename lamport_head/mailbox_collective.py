@@ -80,25 +80,25 @@ class MailboxCollective:
                             "or AllToAll")
         return cls.all_to_all
 
-    def __init__(self, group, device, tp, rank, shard, plan, *, mode, dtype=torch.bfloat16,
+    def __init__(self, group, device, tp, rank, shard_width, plan, *, mode, dtype=torch.bfloat16,
                  setup=None):
         setup = setup or Setup()
-        self._serve(build.build(group, device, tp, rank, shard, lambda limit: plan,
+        self._serve(build.build(group, device, tp, rank, shard_width, lambda limit: plan,
                                 mailbox=setup.mailbox, backend=setup.backend, mode=mode,
                                 pdl=setup.pdl, budget_s=setup.budget_s, clamp=setup.clamp,
                                 dtype=dtype, all_to_all=self._kernel_mode()), group)
 
     @classmethod
-    def default(cls, group, device, tp, rank, shard, row_counts, *, mode, dtype=torch.bfloat16,
+    def default(cls, group, device, tp, rank, shard_width, row_counts, *, mode, dtype=torch.bfloat16,
                 setup=None):
         """The collective of ``row_counts`` on the built-in heuristic's plan
         (``plan.default``, of ``setup``'s threads and unroll), chosen once the
         device's co-resident limit is known."""
         setup = setup or Setup()
         gather = cls.__new__(cls)
-        choose = partial(plans.default, row_counts, tp=tp, shard=shard, threads=setup.threads,
-                         unroll=setup.unroll, dtype=dtype)
-        gather._serve(build.build(group, device, tp, rank, shard, choose, mailbox=setup.mailbox,
+        plan_for = partial(plans.default, row_counts, tp=tp, shard_width=shard_width,
+                           threads=setup.threads, unroll=setup.unroll, dtype=dtype)
+        gather._serve(build.build(group, device, tp, rank, shard_width, plan_for, mailbox=setup.mailbox,
                                   backend=setup.backend, mode=mode, pdl=setup.pdl,
                                   budget_s=setup.budget_s, dtype=dtype,
                                   all_to_all=cls._kernel_mode()), group)
@@ -107,12 +107,12 @@ class MailboxCollective:
     def _serve(self, built, group):
         self.group, self.device, self.mode, self.kernels = group, built.device, built.mode, \
             built.kernels
-        self.tp, self.rank, self.shard, self.width = built.tp, built.rank, built.shard, \
-            built.tp * built.shard
+        self.tp, self.rank, self.shard_width, self.width = built.tp, built.rank, built.shard_width, \
+            built.tp * built.shard_width
         self.sharing, self.plan, self.clamped = built.sharing, built.plan, built.clamped
         self.dtype = built.dtype  # the one logits dtype served (a torch dtype)
-        self.rows, self.cap = frozenset(self.plan), built.cap
-        self._ctas = {m: c.ctas for m, c in self.plan.items()}  # per call: no attribute walk
+        self.rows, self.cap = self.plan.row_counts, built.cap
+        self._ctas = self.plan.ctas  # read per call
         self.box, self._launch, self._status = built.box, built.launchers, built.status
         self.budget_ns, self.status_address = built.budget_ns, built.status.address
         self.peers_address = self.box.peers.data_ptr()  # the kernel reads the table by address

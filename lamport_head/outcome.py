@@ -1,4 +1,4 @@
-"""What an install did, as a value: ``Outcome`` (rows served, or a ``Stock`` reason)
+"""What an install did, as a value: ``Outcome`` (rows served, or a ``Reason``)
 and ``Ranks`` (the TP group an install runs on). Adapters decide from these values
 only, never from log text (docs/design.md, "Rule for adapters"; tests/test_outcome.py).
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from . import dtypes
 
 
-class Stock(enum.Enum):
+class Reason(enum.Enum):
     """Why the engine's own gather stays (a closed set). Value ``(label, level)``: the
     stable name, and its log line's level (WARNING where a person should act)."""
 
@@ -44,13 +44,13 @@ class Stock(enum.Enum):
 @dataclass(frozen=True)
 class Outcome:
     """One install's result, the same on every rank: ``rows`` served (sorted), or ``()``
-    with a ``Stock`` ``reason`` and ``message``, never both. ``shared``: served by another
+    with a ``reason`` (a ``Reason``) and ``message``, never both. ``shared``: served by another
     site's gather. ``measured``: first-use tuning measured during this install.
     ``dtype``: the logits dtype the serving gather was built for (``dtypes.NAMES``; a
     call of another takes the stock gather)."""
 
     rows: tuple = ()
-    reason: object = None  # a Stock when rows is empty, else None
+    reason: object = None  # a Reason when rows is empty, else None
     message: str = ""
     shared: bool = False
     measured: bool = False
@@ -58,10 +58,10 @@ class Outcome:
 
     def __post_init__(self):
         if bool(self.rows) == (self.reason is not None):
-            raise ValueError(f"an Outcome either serves rows or names a Stock reason "
+            raise ValueError(f"an Outcome either serves rows or names a reason "
                              f"(rows={self.rows!r}, reason={self.reason!r})")
-        if self.reason is not None and not isinstance(self.reason, Stock):
-            raise TypeError(f"reason must be a Stock, not {type(self.reason).__name__}")
+        if self.reason is not None and not isinstance(self.reason, Reason):
+            raise TypeError(f"reason must be a Reason, not {type(self.reason).__name__}")
 
     @property
     def served(self):
@@ -72,7 +72,7 @@ class Outcome:
         return cls(tuple(sorted(rows)), shared=shared, dtype=dtype)
 
     @classmethod
-    def stock(cls, reason, message):
+    def kept(cls, reason, message):
         return cls((), reason, message)
 
     def within(self, rows):
@@ -83,7 +83,7 @@ class Outcome:
         kept = tuple(m for m in self.rows if m in rows)
         if kept:
             return replace(self, rows=kept)
-        return Outcome.stock(Stock.ROWS_OUTSIDE, f"the gather's rows {list(self.rows)} hold none "
+        return Outcome.kept(Reason.ROWS_OUTSIDE, f"the gather's rows {list(self.rows)} hold none "
                                                  f"of its rows 1..{max(rows)}")
 
 

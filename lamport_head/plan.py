@@ -1,6 +1,7 @@
-"""A plan is ``{rows: GatherConfig}``: what each served row count launches. This module
-holds the one limit a plan must keep (``co_resident_limit``), the one check (``fit``)
-and the two ways to make a plan without a table (``uniform``, ``default``).
+"""A ``Plan`` maps each served row count to its ``GatherConfig``: what that row count
+launches. This module holds the type, the one limit a plan must keep
+(``co_resident_limit``), the one check (``fit``) and the ways to make a plan
+(``Plan.of`` a table's entries, ``uniform``, ``default``).
 
 Invariants a change must keep:
 
@@ -23,6 +24,49 @@ from typing import Callable
 from .config import GatherConfig, default_config
 from . import dtypes
 from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
+
+class Plan(Mapping):
+    """Row count -> ``GatherConfig``, immutable and hashable (ranks vote on it).
+    ``ctas``: ``{rows: CTAs}``, what a call reads (no attribute walk per call)."""
+
+    __slots__ = ("_configs", "ctas")
+
+    def __init__(self, configs=()):
+        configs = dict(configs)
+        for m, config in configs.items():
+            if not isinstance(config, GatherConfig):
+                raise ValueError(f"a plan maps row counts to GatherConfigs; rows {m} has "
+                                 f"{config!r}")
+        self._configs = dict(sorted(configs.items()))
+        self.ctas = {m: c.ctas for m, c in self._configs.items()}
+
+    @classmethod
+    def of(cls, entries):
+        """The plan a table serves: its enabled entries' (``{rows: TableRow}``) configs."""
+        return cls({m: e.config for m, e in entries.items() if e.enabled})
+
+    @property
+    def row_counts(self) -> frozenset:
+        return frozenset(self._configs)
+
+    def __getitem__(self, rows):
+        return self._configs[rows]
+
+    def __iter__(self):
+        return iter(self._configs)
+
+    def __len__(self):
+        return len(self._configs)
+
+    def __hash__(self):
+        return hash(tuple(self._configs.items()))
+
+    def __repr__(self):
+        return f"Plan({self._configs!r})"
+
+    def __reduce__(self):
+        return Plan, (self._configs,)
+
 
 OTHER_STREAMS_SHARE = 4  # 1/4 of the device's SMs (rounded up) stays free for other streams
 
@@ -68,16 +112,16 @@ class Limit:
 
 def uniform(rows, ctas: int, threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL):
     """The plan launching ``ctas`` CTAs of ``threads`` x ``unroll`` for every row count."""
-    return dict.fromkeys(_row_counts(rows), GatherConfig(ctas, threads, unroll))
+    return Plan(dict.fromkeys(_row_counts(rows), GatherConfig(ctas, threads, unroll)))
 
 
-def default(rows, limit: Limit, *, tp: int, shard: int, threads: int = DEFAULT_THREADS,
+def default(rows, limit: Limit, *, tp: int, shard_width: int, threads: int = DEFAULT_THREADS,
             unroll=None, dtype=dtypes.DEFAULT):
     """The built-in heuristic's plan (``config.default_config``) for every row count;
     ``unroll`` None lets it choose per row count; ``dtype``: the logits' (the fragments
     of a ``shard`` row)."""
-    return {m: default_config(m, tp, shard, threads, unroll, limit, dtype)
-            for m in _row_counts(rows)}
+    return Plan({m: default_config(m, tp, shard_width, threads, unroll, limit, dtype)
+                 for m in _row_counts(rows)})
 
 
 def fit(plan, limit: Limit, clamped=None):
@@ -104,7 +148,7 @@ def fit(plan, limit: Limit, clamped=None):
                 f"{most} CTAs of {config.threads} threads per rank ({limit.sharing} rank(s) share "
                 f"it{', PDL on' if limit.pdl else ''})")
         fitted[m] = config
-    return fitted
+    return Plan(fitted)
 
 
 def _row_counts(rows):

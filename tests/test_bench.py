@@ -29,7 +29,7 @@ BANDWIDTH = 4000.0  # GB/s the fake runner "measures"
 
 class FakeTarget:
     def __init__(self, tp, vocab=V):
-        self.tp, self.shard = tp, vocab // tp
+        self.tp, self.shard_width = tp, vocab // tp
 
     def limit(self, threads, unroll):
         return 16
@@ -303,7 +303,7 @@ def test_an_lm_head_gather_run_that_cannot_run_emulated_is_skipped_and_the_rest_
     # is 1 µs, but the lm_head GEMM then the gather with PDL on gives up, as on one H100
     runner = object.__new__(emubench.EmulatedRunner)
     runner.target, runner.hidden, runner.budget_s = _CpuEmuTarget(), 8, 1.0
-    runner.device, runner.tp, runner.shard = torch.device("cpu"), 2, 4
+    runner.device, runner.tp, runner.shard_width = torch.device("cpu"), 2, 4
     runner.steps, runner.reps, runner.calls, runner.pdl = 2, 1, 1, True
     runner.streams, runner.notes = [None, None], []
     timeout = GatherTimeout(1, [0], 144)
@@ -434,8 +434,8 @@ class FakeDrafterRunner(FakeRunner):
         return FakeTarget(self.tp, vocab)
 
     def gather(self, target, rows, config):
-        self.timed.append((rows, target.shard))
-        out = {"gpu_us": _drafter_figures(rows, target.shard)}
+        self.timed.append((rows, target.shard_width))
+        out = {"gpu_us": _drafter_figures(rows, target.shard_width)}
         if self.mode != report.EMULATED:
             out["stock_gpu_us"] = 20.0 + rows
         return out
@@ -587,10 +587,10 @@ def test_drafter_torchrun_path_times_the_same_shapes(tmp_path, monkeypatch, caps
     timed, stocked = [], []
     monkeypatch.setattr(DistributedTarget, "limit", lambda self, t, u: 16)
     monkeypatch.setattr(DistributedTarget, "lamport", lambda self, rows, config, pdl=None: (
-        timed.append((rows, self.shard, self.ranks is ranks, self.budget_s))
+        timed.append((rows, self.shard_width, self.ranks is ranks, self.budget_s))
         or Timing(9.0, 3.0, 1.0, 3.0, 1.0)))
     monkeypatch.setattr(DistributedTarget, "stock", lambda self, rows: (
-        stocked.append((rows, self.shard)) or Timing(30.0, 20.0, 5.0)))
+        stocked.append((rows, self.shard_width)) or Timing(30.0, 20.0, 5.0)))
     chosen = Chosen(DistributedTarget(ranks, V), ranks.device, 2, True, False)
     monkeypatch.setattr(draftbench, "make_target", lambda command, tp, vocab, dtype="bfloat16": chosen)
     from lamport_head import build
@@ -653,7 +653,7 @@ class FakeAllToAllRunner(FakeRunner):
     def gather(self, target, rows, config):
         if rows == self.interrupt_at and target.collective == ALL_TO_ALL:
             os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` sends, mid-M
-        self.timed.append((target.collective, rows, target.shard,
+        self.timed.append((target.collective, rows, target.shard_width,
                            target.splits(rows) if target.splits else None, config.ctas))
         gpu, stock = _a2a_figures(target.collective, rows)
         return {"gpu_us": gpu, **({} if self.mode == report.EMULATED else {"stock_gpu_us": stock})}

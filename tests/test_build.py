@@ -20,6 +20,7 @@ import torch.distributed as dist
 from lamport_head import build, head_gather, install
 from lamport_head.config import SWEEP_THREADS, SWEEP_UNROLL, GatherConfig
 from lamport_head.occupancy import Resident
+from lamport_head.table import TableRow
 
 SHARD = 64
 SMS = 132
@@ -75,7 +76,7 @@ def _install_limit(monkeypatch, tp, sharing, config):
                      **kwargs)
 
     monkeypatch.setattr(head_gather, "HeadGather", on_the_box)
-    entries = {1: types.SimpleNamespace(config=GatherConfig(1 << 16, config.threads, config.unroll))}
+    entries = {1: TableRow(GatherConfig(1 << 16, config.threads, config.unroll), True)}
     gather = install._build(None, "cpu", tp, 0, SHARD, entries, 10.0)
     try:
         assert gather.mode == "serving"

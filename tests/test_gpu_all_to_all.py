@@ -40,7 +40,7 @@ class _Ranks:
         from lamport_head.launch import bind_primary_context
         from lamport_head.mailbox import LocalMailbox
 
-        self.device, self.tp, self.shard, self.ctas = device, tp, shard, ctas
+        self.device, self.tp, self.shard_width, self.ctas = device, tp, shard, ctas
         bind_primary_context(device.index)
         self.box = LocalMailbox(device, tp, cap, tp * shard // 2)
         arch = target(*torch.cuda.get_device_capability(device))
@@ -54,7 +54,7 @@ class _Ranks:
 
     def outputs(self, splits):
         """Poisoned outputs, ``[splits[q], V]`` for rank q."""
-        return [torch.full((n, self.tp * self.shard // 2), POISON, dtype=torch.int32,
+        return [torch.full((n, self.tp * self.shard_width // 2), POISON, dtype=torch.int32,
                            device=self.device).view(torch.bfloat16) for n in splits]
 
     def start(self):

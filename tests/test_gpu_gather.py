@@ -271,7 +271,7 @@ def _every_rank_raises_at_the_same_call(gather, shards, missing, skip=()):
             g.check()
     outs = gather(shards, skip=skip)
     torch.cuda.synchronize(gather.device)
-    shard = gather.shard
+    shard = gather.shard_width
     want = reference_gather(shards).view(torch.int32)
     for r, out in enumerate(outs):
         if out is None:

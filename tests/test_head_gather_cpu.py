@@ -47,7 +47,7 @@ class FakeBox:
 def fake_gather(rows=(1, 2, 4), log=None, dtype=torch.bfloat16):
     g = HeadGather.__new__(HeadGather)
     rec = Recorder()
-    g.device, g.tp, g.rank, g.shard, g.width = torch.device("cpu"), TP, 1, SHARD, TP * SHARD
+    g.device, g.tp, g.rank, g.shard_width, g.width = torch.device("cpu"), TP, 1, SHARD, TP * SHARD
     g.dtype = dtype
     g._index = -1  # what Tensor.get_device() answers for CPU tensors
     g.rows, g.cap, g.group = frozenset(rows), max(rows), None

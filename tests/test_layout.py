@@ -393,5 +393,5 @@ def test_each_constructor_takes_at_most_nine_parameters():
         for ctor in (cls.__init__, cls.default):
             names = [n for n in inspect.signature(ctor).parameters if n not in ("self", "cls")]
             assert len(names) <= 9, (cls.__name__, ctor.__name__, names)
-            assert names[:6] == ["group", "device", "tp", "rank", "shard",
+            assert names[:6] == ["group", "device", "tp", "rank", "shard_width",
                                  "plan" if ctor.__name__ == "__init__" else "row_counts"]

@@ -1,5 +1,5 @@
 """Outcomes travel as values (issue 39 item 4): install returns an ``Outcome`` (rows
-served, or a ``Stock`` reason from a closed set with its message), and rank 0's
+served, or a ``Reason`` reason from a closed set with its message), and rank 0's
 summary is built from outcomes, never from log records. Checked two ways: no adapter
 module reads a log record (the source, parsed), and on 2 gloo ranks through the real
 install path, rewording every log message of the ``lamport_head`` logger changes no
@@ -16,24 +16,24 @@ from helpers import fake_cuda, model
 from spawn import spawn
 from tables import TWO_RANKS as TABLE
 
-from lamport_head.outcome import Outcome, Ranks, Stock
+from lamport_head.outcome import Outcome, Ranks, Reason
 
 RUNTIME = pathlib.Path(__file__).resolve().parents[1] / "lamport_head"
 
 
 def test_an_outcome_serves_or_names_a_closed_reason():
     assert Outcome.serving((4, 1, 2)).rows == (1, 2, 4) and Outcome.serving((1,)).served
-    stock = Outcome.stock(Stock.NO_ROWS, "why")
-    assert not stock.served and stock.reason is Stock.NO_ROWS and stock.message == "why"
+    stock = Outcome.kept(Reason.NO_ROWS, "why")
+    assert not stock.served and stock.reason is Reason.NO_ROWS and stock.message == "why"
     with pytest.raises(ValueError):
-        Outcome((1,), Stock.NO_ROWS, "both")
+        Outcome((1,), Reason.NO_ROWS, "both")
     with pytest.raises(ValueError):
         Outcome(())
     with pytest.raises(TypeError):
         Outcome((), "no-rows", "a string is not a reason")
-    assert len({s.label for s in Stock}) == len(Stock)  # stable names, one each
+    assert len({s.label for s in Reason}) == len(Reason)  # stable names, one each
     assert Outcome.serving((1, 2, 8)).within((1, 2, 3)).rows == (1, 2)
-    assert Outcome.serving((8,)).within((1, 2)).reason is Stock.ROWS_OUTSIDE
+    assert Outcome.serving((8,)).within((1, 2)).reason is Reason.ROWS_OUTSIDE
     assert Ranks("g", 2, 0, "cpu").timing_group == "g"
     assert Ranks("g", 2, 0, "cpu", device_group="d").timing_group == "d"
 

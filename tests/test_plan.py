@@ -70,7 +70,7 @@ LIMIT = Limit(resident_by_threads, 1, True)
 
 
 def test_the_ways_to_make_a_plan_give_one_shape():
-    heuristic = fit(default({1, 8}, LIMIT, tp=TP, shard=SHARD * 64), LIMIT)
+    heuristic = fit(default({1, 8}, LIMIT, tp=TP, shard_width=SHARD * 64), LIMIT)
     assert heuristic == {m: GatherConfig(default_ctas(m, TP, SHARD * 64, 256, 4, 12))
                          for m in (1, 8)}
     assert uniform([2, 3], 5, threads=128, unroll=2) == dict.fromkeys(
@@ -100,7 +100,7 @@ def test_the_default_plan_stages_the_rows_that_take_many_rounds():
         default_ctas(1, tp, shard, 256, 4, 10), 256, 4)
     assert default_config(edge + 1, tp, shard, 256, 4, limit) == GatherConfig(10, 256, 4)
     limits = Limit(lambda c: {4: 14, 8: 10}[c.unroll], 1, False)  # limits 10 and 7
-    planned = fit(default({1, edge + 1}, limits, tp=tp, shard=shard), limits)
+    planned = fit(default({1, edge + 1}, limits, tp=tp, shard_width=shard), limits)
     assert planned[1].unroll == 4 and planned[edge + 1] == GatherConfig(7, 256, 8)
 
     def fewer_registers(config):  # the staged kernel fits more CTAs than the register one
@@ -236,7 +236,7 @@ def test_a_gather_takes_one_plan_and_its_heuristic_by_name(monkeypatch):
     by_name = HeadGather.default(None, "cpu", TP, 1, SHARD, [1, 4], mode=RECOVERABLE,
                                  setup=Setup(mailbox=shared_box(TP, TP)))
     limit = Limit(lambda c: 1 << 16, TP, True)
-    assert by_name.plan == fit(default({1, 4}, limit, tp=TP, shard=SHARD), limit)
+    assert by_name.plan == fit(default({1, 4}, limit, tp=TP, shard_width=SHARD), limit)
     with pytest.raises(ValueError, match="a plan maps row counts to GatherConfigs"):
         HeadGather(None, "cpu", TP, 1, SHARD, {1: 8}, mode=RECOVERABLE,
                    setup=Setup(mailbox=shared_box(TP, TP)))

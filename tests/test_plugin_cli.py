@@ -10,7 +10,7 @@ import pytest
 from lamport_head import cli
 from lamport_head.engines import vllm as plugin
 from lamport_head.engines.vllm import release, route
-from lamport_head.outcome import Outcome, Ranks, Stock
+from lamport_head.outcome import Outcome, Ranks, Reason
 
 
 def fake_vllm(monkeypatch, version="0.33.0", drop=None):
@@ -164,7 +164,7 @@ def test_a_worker_missing_a_relied_name_loads_on_stock(monkeypatch, caplog):
         "lamport-head: vLLM 0.33.0 lacks Worker.model_runner.get_model, which the plugin relies "
         "on: every rank keeps vLLM's own logits gather (the plugin is written for vLLM 0.33.0, "
         "0.34.0)"]
-    assert route._install_after_load(worker).reason is Stock.ENGINE
+    assert route._install_after_load(worker).reason is Reason.ENGINE
 
 
 def test_register_says_why_it_cannot_hook(monkeypatch, caplog):

@@ -27,7 +27,7 @@ from tables import sections
 
 from lamport_head import install
 from lamport_head.engines import sglang as sgl
-from lamport_head.outcome import Outcome, Ranks, Stock
+from lamport_head.outcome import Outcome, Ranks, Reason
 
 SHARD = 64  # per-rank lm_head rows (a multiple of 8), padded vocab = TP * SHARD
 
@@ -300,7 +300,7 @@ def test_runner_defaults_come_from_sglang(monkeypatch):
     monkeypatch.setattr(sgl, "_sglang_tp", lambda: ("tp-cpu-group", 2, 1, "tp-device-group"))
     monkeypatch.setattr(install, "install",
                         lambda site, *a, **kw: calls.append((site, a, kw))
-                        or Outcome.stock(Stock.NO_ROWS, "none"))
+                        or Outcome.kept(Reason.NO_ROWS, "none"))
     model = CausalLM(2)
     base = model.lm_head
     model.lm_head = torch.nn.Module()  # a LoRA wrapper
@@ -349,10 +349,10 @@ class ModelRunner:
     tokens verified per request); ``forward``: one step's gather."""
 
     def __init__(self, is_draft_worker=False, tp=2, shard=SHARD):
-        self.is_draft_worker, self.tp, self.shard = is_draft_worker, tp, shard
+        self.is_draft_worker, self.tp, self.shard_width = is_draft_worker, tp, shard
 
     def load_model(self):
-        self.model = CausalLM(self.tp, head=ParallelLMHead(self.tp, shard=self.shard))
+        self.model = CausalLM(self.tp, head=ParallelLMHead(self.tp, shard=self.shard_width))
         return "loaded"
 
     def update_model_fields(self, new_model, *, model_path, load_format, load_config):
@@ -626,7 +626,7 @@ def _logging_worker(rank, nprocs, out):
     os.dup2(fd, 2)  # basicConfig's handler writes to stderr: the file
     fake_sglang(sys.modules.__setitem__)
     sgl.install_sglang_logits_gather = (  # no ranks here
-        lambda runner, dcp, rows: Outcome.stock(Stock.NO_GATHER, "no ranks"))
+        lambda runner, dcp, rows: Outcome.kept(Reason.NO_GATHER, "no ranks"))
     sgl.register()  # load_plugins(): nothing configured logging yet
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S", force=True)  # SGLang's configure_logger

@@ -23,7 +23,7 @@ from tables import sections
 
 from lamport_head.engines import sglang as sgl
 from lamport_head.engines import sglang_dspark as dspark
-from lamport_head.outcome import Stock
+from lamport_head.outcome import Reason
 
 SHARD, VOCAB = 64, 120  # a 64-row shard a rank (V = 128 on 2 ranks), 120 kept by the crop
 GAMMA = 2
@@ -264,7 +264,7 @@ def test_sglang_without_gather_and_crop_vocab_stays_stock(monkeypatch):
     monkeypatch.setattr(sgl, "_sglang_tp", lambda: (None, 1, 0, None))
     monkeypatch.setattr(sgl, "_target", None)
     done = dspark.install_sglang_dspark_gathers(Moved())
-    assert done.routes[0][1].reason is Stock.ENGINE
+    assert done.routes[0][1].reason is Reason.ENGINE
 
 
 @pytest.mark.parametrize("requests, tokens, want", [

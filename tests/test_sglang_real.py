@@ -237,7 +237,7 @@ def _scenarios(rank, tp, run):
 
     def planted(m, salt, dtype=torch.bfloat16):
         gen = torch.Generator().manual_seed(10007 * salt + 101 * m + rank)
-        return reference.planted(m, g.shard, generator=gen, dtype=dtype)
+        return reference.planted(m, g.shard_width, generator=gen, dtype=dtype)
 
     def gathers(proc, salt, dtype=torch.bfloat16):
         """Per row count: the routed gatherer on planted ``dtype`` data, an explicit

@@ -213,7 +213,7 @@ def fake_gpu(monkeypatch, name="NVIDIA H200", limit=16):
     class FakeTarget(CostModel):
         def __init__(self, device, tp, vocab, dtype="bfloat16"):
             super().__init__(limit=limit)
-            self.tp, self.shard, self.dtype = tp, vocab // tp, dtype
+            self.tp, self.shard_width, self.dtype = tp, vocab // tp, dtype
 
     monkeypatch.setattr(harness, "EmulatedTarget", FakeTarget)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -216,7 +216,7 @@ def _scenarios(rank, world, run):
 def _said(c):
     """A ``Candidates`` as JSON: ``[path, [[width, rows], ...], why]``."""
     return [c.path, [[w, list(rows)] for w, rows in c.served],
-            f"{c.stock.reason.label}: {c.stock.message}" if c.stock else ""]
+            f"{c.kept.reason.label}: {c.kept.message}" if c.kept else ""]
 
 
 @pytest.fixture(scope="module")
@@ -306,9 +306,9 @@ def test_a_build_failing_on_one_rank_leaves_every_rank_stock(ranks):
 def test_summary_names_the_candidate_path():
     from lamport_head.engines import vllm as engine
 
-    from lamport_head.outcome import Outcome, Stock
+    from lamport_head.outcome import Outcome, Reason
 
-    d = engine.Drafter("D", Outcome.stock(Stock.NOT_GATHERED, "argmax"), 256, (),
+    d = engine.Drafter("D", Outcome.kept(Reason.NOT_GATHERED, "argmax"), 256, (),
                        ("drafter get_top_tokens x 2 (use_local_argmax_reduction: ...)",))
     c = engine.Candidates("drafter get_top_tokens x 2", ((8, Outcome.serving((1, 2))),))
     one = Outcome.serving((1,))
@@ -316,7 +316,7 @@ def test_summary_names_the_candidate_path():
         "vLLM 0.33.0, M, tp=2, dcp=1: Lamport logits gather for rows [1] on all 2 TP ranks, "
         "through target compute_logits; drafter D: no draft step gathers logits; drafter "
         "get_top_tokens x 2: Lamport candidate gather for rows [1, 2] (packed width 8)")
-    c = engine.Candidates("drafter get_top_tokens x 2", ((8, Outcome.stock(Stock.NO_ROWS,
+    c = engine.Candidates("drafter get_top_tokens x 2", ((8, Outcome.kept(Reason.NO_ROWS,
                                                                              "why")),))
     assert engine.summary("vLLM 0.33.0", "M", 2, 1, one, drafter=d, candidates=[c]).endswith(
         "; drafter get_top_tokens x 2: stock candidate all-gather (no-rows: why)")

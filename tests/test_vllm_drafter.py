@@ -412,13 +412,13 @@ def test_local_argmax_reduction_routes_the_drafters_candidates(ranks):
 def test_summary_names_every_path():
     """Without a drafter the line is the one it was; with one, each path is named."""
     from lamport_head.engines import vllm as engine
-    from lamport_head.outcome import Outcome, Stock
+    from lamport_head.outcome import Outcome, Reason
 
     assert engine.summary("vLLM 0.33.0", "M", 2, 1, Outcome.serving((1,))) == (
         "vLLM 0.33.0, M, tp=2, dcp=1: Lamport logits gather for rows [1] on all 2 TP ranks, "
         "through compute_logits")
     d = engine.Drafter("D", Outcome.serving((1,)), 256, ("drafter compute_logits x 1",), ())
-    assert engine.summary("vLLM 0.34.0", "M", 2, 1, Outcome.stock(Stock.NO_ROWS, "why"),
+    assert engine.summary("vLLM 0.34.0", "M", 2, 1, Outcome.kept(Reason.NO_ROWS, "why"),
                           drafter=d) == (
         "vLLM 0.34.0, M, tp=2, dcp=1: stock logits gather on all 2 TP ranks (no-rows: why); "
         "drafter D: its own Lamport logits gather (vocab 256) for rows [1], through drafter "

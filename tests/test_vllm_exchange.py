@@ -16,7 +16,7 @@ import torch
 from lamport_head import install, mailbox
 from lamport_head.engines import vllm as plugin
 from lamport_head.engines.vllm import release, vocab_shards
-from lamport_head.outcome import Outcome, Ranks, Stock
+from lamport_head.outcome import Outcome, Ranks, Reason
 from lamport_head.table import ALL_TO_ALL_STOCK
 
 TARGET, DSPARK = release.TARGET_EXCHANGE, release.DSPARK_EXCHANGE
@@ -85,11 +85,11 @@ class FakeAllToAll:
     which one served it); stock otherwise."""
 
     def __init__(self, rows, dtype, shard, tag=None):
-        self.rows, self.dtype, self.shard = frozenset(rows), getattr(torch, dtype), shard
+        self.rows, self.dtype, self.shard_width = frozenset(rows), getattr(torch, dtype), shard
         self.tag = tag
 
     def __call__(self, x, send_splits, num_local_rows, stock):
-        if x.shape[0] in self.rows and x.dtype == self.dtype and x.shape[1] == self.shard:
+        if x.shape[0] in self.rows and x.dtype == self.dtype and x.shape[1] == self.shard_width:
             return ("lamport", x.shape[0]) + (() if self.tag is None else (self.tag,))
         return stock(x, send_splits, num_local_rows)
 
@@ -203,7 +203,7 @@ def test_stock_outcomes_route_nothing(monkeypatch, tmp_path):
     _serve(monkeypatch, tmp_path, built)
     (path,) = plugin.exchange_paths(_lm(width=32), None, None, _config(), 2)
     (got,) = plugin.install_exchanges([path], RANKS)
-    assert got.outcome.reason is Stock.NO_ROWS and built == []
+    assert got.outcome.reason is Reason.NO_ROWS and built == []
     assert f"stock={ALL_TO_ALL_STOCK}" in got.outcome.message
     caller = modules[release.EXCHANGE_CALLERS[TARGET]].all_to_all_vocab_shards
     assert not getattr(caller, "_lamport_head_wrapped", False)
@@ -216,7 +216,7 @@ def test_stock_outcomes_route_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr(install, "all_gather_objects", no_collective)
     (path,) = plugin.exchange_paths(_lm(), None, None, _config(), 2)
     (got,) = plugin.install_exchanges([path], RANKS)
-    assert got.outcome.reason is Stock.ENGINE and built == []
+    assert got.outcome.reason is Reason.ENGINE and built == []
     assert got.outcome.message == (f"this vLLM lacks {release.EXCHANGE_CALLERS[TARGET]}:"
                                    "all_to_all_vocab_shards")
     assert plugin.install_exchanges([], RANKS) == ()
@@ -226,7 +226,7 @@ def test_summary_names_both_all_to_all_paths():
     served = plugin.Exchange(TARGET, Outcome.serving((1, 2, 4)), SHARD)
     shared = plugin.Exchange(DSPARK, Outcome.serving((2, 4), shared=True, dtype="float32"),
                              SHARD)
-    stock = plugin.Exchange(DSPARK, Outcome.stock(Stock.NO_ROWS, "why"), SHARD)
+    stock = plugin.Exchange(DSPARK, Outcome.kept(Reason.NO_ROWS, "why"), SHARD)
     line = plugin.summary("vLLM 0.34.0", "M", 2, 1, Outcome.serving((1,)), [],
                           ["compute_logits_local (x)"], exchanges=[served, shared])
     assert line == (
@@ -278,7 +278,7 @@ def test_first_use_tuning_measures_the_all_to_all_unless_switched_off(monkeypatc
     caller = modules[release.EXCHANGE_CALLERS[TARGET]].all_to_all_vocab_shards
     if not asked:
         assert asked_for == [] and built == [] and vocab_shards.routed() == []
-        assert got.outcome.reason is Stock.SWITCHED_OFF and not got.outcome.served
+        assert got.outcome.reason is Reason.SWITCHED_OFF and not got.outcome.served
         assert got.outcome.message == (
             "first-use tuning of the all-to-all is switched off (LAMPORT_HEAD_ALL_TO_ALL=0) and "
             "no table holds a section for NVIDIA H200, tp=2, dcp=1, vocab=64, "

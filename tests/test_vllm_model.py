@@ -11,7 +11,7 @@ import torch
 from lamport_head import install
 from lamport_head.engines import vllm as plugin
 from lamport_head.engines.vllm import find_gather_target, install_logits_gather, owns_gather
-from lamport_head.outcome import Outcome, Stock
+from lamport_head.outcome import Outcome, Reason
 
 STOCK_MODULE = "vllm.model_executor.layers.logits_processor"
 
@@ -78,16 +78,16 @@ def test_lora_wrapper_routes_base_layer_and_unwraps_head():
 
 
 def test_own_gather_kept_unless_forced(monkeypatch):
-    Stock = stock_class()
+    Reason = stock_class()
 
-    class SpecializedDecodeLogitsProcessor(Stock):
+    class SpecializedDecodeLogitsProcessor(Reason):
         def _gather_logits(self, logits):
             return ("own", logits.shape[0])
 
     class Inherits(SpecializedDecodeLogitsProcessor):
         pass
 
-    assert not owns_gather(Stock()) and owns_gather(Inherits())
+    assert not owns_gather(Reason()) and owns_gather(Inherits())
     assert not owns_gather(types.SimpleNamespace(_gather_logits=len))  # instance attr only
     monkeypatch.delenv("LAMPORT_HEAD_FORCE", raising=False)
     lp, h, why = find_gather_target(Lm(SpecializedDecodeLogitsProcessor()))
@@ -132,9 +132,9 @@ def test_install_routes_what_the_model_calls(monkeypatch, tmp_path, caplog):
     assert base._gather_logits(torch.zeros(3, 8, dtype=torch.bfloat16)) == ("stock", 3)
     assert not hasattr(lora, "_gather_logits") and "routed at Lm.logits_processor.base_layer" in caplog.text
     # a subclass's own gather: kept, one line saying so
-    Stock = stock_class()
+    Reason = stock_class()
 
-    class Own(Stock):
+    class Own(Reason):
         def _gather_logits(self, logits):
             return ("own", logits.shape[0])
 
@@ -152,7 +152,7 @@ def test_install_routes_what_the_model_calls(monkeypatch, tmp_path, caplog):
 
 
 SERVED = Outcome.serving((1, 2))
-WHY = Outcome.stock(Stock.NO_ROWS, "why")
+WHY = Outcome.kept(Reason.NO_ROWS, "why")
 
 
 def test_summary_line():
@@ -184,7 +184,7 @@ def test_a_bf16_section_does_not_serve_an_fp32_head_and_an_fp32_one_does(monkeyp
     fp32.logits_processor.head_dtype = torch.float32
     with caplog.at_level("INFO", logger="lamport_head"):
         stayed = install_logits_gather(fp32, None, 2, 0, "cpu")
-    assert stayed.rows == () and stayed.reason is Stock.NO_ROWS and built == []
+    assert stayed.rows == () and stayed.reason is Reason.NO_ROWS and built == []
     assert ("dtype=float32 (the tables hold sections for this vocab and stock measured for "
             "bfloat16 logits only)") in stayed.message
     assert fp32.logits_processor._gather_logits(torch.zeros(1, 8)) == ("stock", 1)

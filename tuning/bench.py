@@ -38,7 +38,7 @@ def config_for(target, rows, entries, threads=config.DEFAULT_THREADS, unroll=Non
     (``config.default_config``: unroll None chooses it per row count, as serving does)."""
     if rows in entries:
         return entries[rows].config
-    return config.default_config(rows, target.tp, target.shard, threads, unroll,
+    return config.default_config(rows, target.tp, target.shard_width, threads, unroll,
                                  lambda c: target.limit(c.threads, c.unroll),
                                  getattr(target, "dtype", None) or "bfloat16")
 

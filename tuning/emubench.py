@@ -128,7 +128,7 @@ class EmulatedRunner:
     def __init__(self, target, hidden, *, budget_s, steps=20, reps=7, calls=50):
         self.target, self.hidden, self.budget_s = target, hidden, budget_s
         target.budget_s = budget_s  # every gather the target builds waits at most this
-        self.device, self.tp, self.shard = target.device, target.tp, target.shard
+        self.device, self.tp, self.shard_width = target.device, target.tp, target.shard_width
         self.steps, self.reps, self.calls = steps, reps, calls
         self.pdl = build.TOOLCHAIN.pdl(build.TOOLCHAIN.arch(self.device))
         self.streams = [torch.cuda.Stream(self.device) for _ in range(self.tp)]
@@ -144,9 +144,9 @@ class EmulatedRunner:
         ``{figure: CANNOT_EMULATE}`` of the lm_head+gather figures skipped at this M."""
         out = dict.fromkeys(MEASURED, math.nan)
         dtype = self.target.dtype
-        data = planted(self.tp, rows, self.shard, device=self.device, dtype=dtype)
+        data = planted(self.tp, rows, self.shard_width, device=self.device, dtype=dtype)
         shards = [data[r] for r in range(self.tp)]
-        heads = [LmHead(rows, self.hidden, self.shard, self.device, seed=r, dtype=dtype)
+        heads = [LmHead(rows, self.hidden, self.shard_width, self.device, seed=r, dtype=dtype)
                  for r in range(self.tp)]
         out["lm_head_us"] = self._gated(None, lambda n: rank_steps(n, self.streams, self.device, heads=heads))
         out["copy_us"] = self.copies_us(rows)
@@ -246,7 +246,7 @@ class EmulatedRunner:
         """``{"gpu_us": ...}``: GPU µs per step of every rank's gather (``target``'s
         collective: the all-to-all's too) of ``[rows, target.shard]`` (gated, verified
         before and after; NaN where it failed)."""
-        data = planted(self.tp, rows, target.shard, device=self.device, dtype=target.dtype)
+        data = planted(self.tp, rows, target.shard_width, device=self.device, dtype=target.dtype)
         shards = [data[r] for r in range(self.tp)]
 
         def body(emu, got):
@@ -258,7 +258,7 @@ class EmulatedRunner:
     def copies_us(self, rows):
         """GPU µs per step of one ``copy_`` per rank of ``[rows, V]`` logits (what a
         rank's gather writes) on the rank's stream, gated as the gathers."""
-        vocab = self.tp * self.shard
+        vocab = self.tp * self.shard_width
         pairs = [(torch.empty(rows, vocab, device=self.device, dtype=self.target.dtype),
                   torch.ones(rows, vocab, device=self.device, dtype=self.target.dtype))
                  for _ in range(self.tp)]

@@ -232,7 +232,7 @@ class EmulatedTarget:
             raise ValueError(f"vocab {vocab} does not split into tp={tp} shards of whole "
                              f"{dtypes.fragment(dtype)}-{dtypes.name(dtype)} fragments")
         self.device = torch.device(device)
-        self.tp, self.vocab, self.shard = tp, vocab, vocab // tp
+        self.tp, self.vocab, self.shard_width = tp, vocab, vocab // tp
         self.dtype = dtypes.torch_dtype(dtype)  # the logits' dtype every trial gathers
         self.calls, self.reps, self.replays, self.budget_s = calls, reps, replays, budget_s
         self._limits = {}
@@ -244,7 +244,7 @@ class EmulatedTarget:
         builds them)."""
         key = (threads, unroll)
         if key not in self._limits:
-            kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype,
+            kernels = build.Kernels(self.device, self.tp, self.shard_width, dtype=self.dtype,
                                     all_to_all=self.collective == ALL_TO_ALL)
             self._limits[key] = kernels.limit(self.tp)(GatherConfig(1, threads, unroll))
         return self._limits[key]
@@ -252,14 +252,14 @@ class EmulatedTarget:
     def build(self, plan, pdl=None):
         """The emulated ranks of ``plan`` (``{rows: GatherConfig}``), launched with
         ``pdl`` (None: as the architecture has it), waiting at most ``budget_s``."""
-        return EmulatedGather(self.device, self.tp, self.shard, plan, pdl=pdl,
+        return EmulatedGather(self.device, self.tp, self.shard_width, plan, pdl=pdl,
                               budget_s=self.budget_s, dtype=self.dtype)
 
     def _gather(self, rows, config):
         return self.build({rows: config})
 
     def _shards(self, rows):
-        data = planted(self.tp, rows, self.shard, device=self.device, dtype=self.dtype)
+        data = planted(self.tp, rows, self.shard_width, device=self.device, dtype=self.dtype)
         return [data[r] for r in range(self.tp)]
 
     def _want(self, shards):
@@ -356,7 +356,7 @@ class EmulatedAllToAllTarget(EmulatedTarget):
         self.splits = splits or functools.partial(even_splits, tp=tp)
 
     def build(self, plan, pdl=None):
-        return EmulatedAllToAll(self.device, self.tp, self.shard, plan, pdl=pdl,
+        return EmulatedAllToAll(self.device, self.tp, self.shard_width, plan, pdl=pdl,
                                 splits={m: self.splits(m) for m in plan},
                                 budget_s=self.budget_s, dtype=self.dtype)
 
@@ -406,7 +406,7 @@ class DistributedTarget:
         self._engine_stock = stock
         self.dtype = dtypes.torch_dtype(dtype)
         self.ranks, self.group, self.device = ranks, ranks.group, ranks.device
-        self.tp, self.rank, self.vocab, self.shard = ranks.world, ranks.rank, vocab, vocab // ranks.world
+        self.tp, self.rank, self.vocab, self.shard_width = ranks.world, ranks.rank, vocab, vocab // ranks.world
         self.emulated = ranks.shared  # time-sliced processes: never a serving figure
         self.calls, self.reps, self.replays, self.budget_s = calls, reps, replays, budget_s
         self._limits = {}
@@ -428,7 +428,7 @@ class DistributedTarget:
         if key not in self._limits:
             def local():
                 sharing = self.tp if self.ranks.shared else 1
-                kernels = build.Kernels(self.device, self.tp, self.shard, dtype=self.dtype,
+                kernels = build.Kernels(self.device, self.tp, self.shard_width, dtype=self.dtype,
                                         all_to_all=self.collective == ALL_TO_ALL)
                 return kernels.limit(sharing)(GatherConfig(1, threads, unroll))
 
@@ -450,7 +450,7 @@ class DistributedTarget:
         from lamport_head.mailbox_collective import Setup
         from lamport_head.status import RECOVERABLE
 
-        return self._collective()(self.group, self.device, self.tp, self.rank, self.shard,
+        return self._collective()(self.group, self.device, self.tp, self.rank, self.shard_width,
                                   {rows: config}, mode=RECOVERABLE, dtype=self.dtype,
                                   setup=Setup(pdl=pdl, budget_s=self.budget_s))
 
@@ -461,13 +461,13 @@ class DistributedTarget:
         backend)."""
         if self._engine_stock is not None:
             return self._engine_stock
-        return step.local(self._stand_in, rows, self.shard, self.group, self.device,
+        return step.local(self._stand_in, rows, self.shard_width, self.group, self.device,
                           self.dtype)
 
     def _case(self, rows, draw):
         """Local: the arguments of a call of ``rows`` rows (``draw``: which of the row
         count's calls; a gather's are all alike): this rank's planted shard."""
-        return _GatherCase(planted(rows, self.shard, device=self.device, dtype=self.dtype))
+        return _GatherCase(planted(rows, self.shard_width, device=self.device, dtype=self.dtype))
 
     def _output(self, case):
         """Local: the output a bare launch of ``case`` writes."""
@@ -480,7 +480,7 @@ class DistributedTarget:
 
     def _reference(self, gathered):
         """This rank's exact output, from the stock path's of the same call."""
-        return reference_gather(gathered.split(self.shard, 1))
+        return reference_gather(gathered.split(self.shard_width, 1))
 
     def _reference_of(self, rows, step):
         """``want(case)``, verification's expected output of a case: the stock gather's
@@ -592,7 +592,7 @@ class DistributedTarget:
             agree(error, self.group, self.device, "to close the gather")
 
     def stock(self, rows):
-        """Stock timing, reduced (MAX) over ranks; a local failure raises on every rank."""
+        """Reason timing, reduced (MAX) over ranks; a local failure raises on every rank."""
         step = self._lockstep()
         stock = self._stock(rows, step)
         case = step.local(self._case, rows, TIMED_DRAW)
@@ -633,7 +633,7 @@ class AllToAllTarget(DistributedTarget):
 
     def _case(self, rows, draw):
         generator = torch.Generator(device=self.device).manual_seed(next(self._seeds))
-        shards = planted(self.tp, rows, self.shard, generator=generator, device=self.device,
+        shards = planted(self.tp, rows, self.shard_width, generator=generator, device=self.device,
                          dtype=self.dtype)
         splits = (self.splits(rows) if self.splits is not None
                   else vllm_splits(rows, self.tp, draw))

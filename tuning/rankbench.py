@@ -116,7 +116,7 @@ class RanksRunner:
         out["add_us"] = self._add_us()
         stock = t.stock(rows)
         out.update(stock_eager_us=stock.eager_us, stock_gpu_us=stock.gpu_us)
-        head = self._local(lambda: LmHead(rows, self.hidden, t.shard, self.device, seed=t.rank,
+        head = self._local(lambda: LmHead(rows, self.hidden, t.shard_width, self.device, seed=t.rank,
                                           dtype=t.dtype),
                            "to build the lm_head shard")
         for pdl, key in ((None, "pdl"), (False, "nopdl")):

@@ -54,7 +54,7 @@ import torch
 
 from .. import dtypes, install
 from ..collective import all_min
-from ..outcome import Outcome, Ranks, Stock
+from ..outcome import Outcome, Ranks, Reason
 from ..table import MULTIMEM_STOCK, NCCL_STOCK
 from . import measure_first_use
 
@@ -230,14 +230,14 @@ def install_sglang_logits_gather(model_or_runner, group=None, tp=None, rank=None
         model = model.model  # a ModelRunner
     owner, lp = find_logits_processor(model)
     if lp is None:
-        return install.stock(Stock.NO_PROCESSOR,
+        return install.kept(Reason.NO_PROCESSOR,
                              f"no SGLang LogitsProcessor with {GATHERER} found")
     installed = getattr(lp, "head_gather", None)
     if installed is not None:  # an earlier call installed one: keep it
         return Outcome.serving(installed.rows, dtype=install.gather_dtype(installed))
     why = _why_stock(lp, owner)
     if why is not None:
-        return install.stock(Stock.SITE, why, "SGLang logits gather")
+        return install.kept(Reason.SITE, why, "SGLang logits gather")
     site = _site(owner, lp)
     device_group = None
     if group is None or tp is None or rank is None:
@@ -385,7 +385,7 @@ def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
     owner, lp = find_logits_processor(model)
     what = "SGLang drafter logits gather"
     if lp is None:
-        return Drafter(name, install.stock(Stock.NO_PROCESSOR,
+        return Drafter(name, install.kept(Reason.NO_PROCESSOR,
                                            f"no LogitsProcessor with {GATHERER} in {name}", what),
                        0, rank, tp, dcp)
     site = _site(owner, lp)
@@ -397,10 +397,10 @@ def install_sglang_draft_gather(runner, dcp=1, rows=None, target=None):
             target, "gather", None), install.gather_dtype(installed)), tp * width, rank, tp, dcp)
     why = _why_stock(lp, owner)
     if why is not None:
-        return Drafter(name, install.stock(Stock.SITE, why, what), tp * width, rank, tp, dcp)
+        return Drafter(name, install.kept(Reason.SITE, why, what), tp * width, rank, tp, dcp)
     shared_gather = getattr(target, "gather", None)
     if (shared_gather is None or getattr(target, "group", None) is not group
-            or shared_gather.tp != tp or shared_gather.shard != width
+            or shared_gather.tp != tp or shared_gather.shard_width != width
             or not dtypes.served(site.logits_dtype)
             or dtypes.name(site.logits_dtype) != install.gather_dtype(shared_gather)):
         shared_gather = None
@@ -457,14 +457,14 @@ def reroute_new_model(runner):
     gathers = runner.__dict__.get(POLLED, [])
     what = "logits gather on the new model"
     if lp is None:
-        return install.stock(Stock.NO_PROCESSOR, f"SGLang's new model has no LogitsProcessor "
+        return install.kept(Reason.NO_PROCESSOR, f"SGLang's new model has no LogitsProcessor "
                              f"with {GATHERER}: its gather is SGLang's", what)
     if not gathers:  # stock at load, agreed by every rank then: stays so, no collective
-        return install.stock(Stock.NOT_GATHERED, "the model it replaced kept SGLang's logits "
+        return install.kept(Reason.NOT_GATHERED, "the model it replaced kept SGLang's logits "
                              "gather", what)
     why = _why_stock(lp, owner)
     if why is not None:
-        return install.stock(Stock.SITE, why, what)
+        return install.kept(Reason.SITE, why, what)
     return install.reroute(_site(owner, lp), gathers[-1])
 
 

@@ -47,7 +47,7 @@ import torch
 
 from .. import dtypes, install
 from ..collective import all_gather_objects
-from ..outcome import Ranks, Stock
+from ..outcome import Ranks, Reason
 from ..table import MAX_ROWS, NCCL_STOCK
 from . import measure_first_use
 from . import sglang as adapter
@@ -281,7 +281,7 @@ def install_sglang_dspark_gathers(model, dcp=1, rows=None, target=None):
         site, holder = _site(model, head, kind, what)
         g, weight = getattr(target, "gather", None), site.weight
         if (g is not None and torch.is_tensor(weight) and weight.dim() == 2
-                and target.group is group and g.tp == tp and g.shard == weight.shape[0]
+                and target.group is group and g.tp == tp and g.shard_width == weight.shape[0]
                 and dtypes.name(site.logits_dtype) == install.gather_dtype(g)
                 and target.stock == site.stock):
             shared = g
@@ -291,7 +291,7 @@ def install_sglang_dspark_gathers(model, dcp=1, rows=None, target=None):
     view = (str(kind), why is None, shared is not None)
     views = all_gather_objects(view, group) if tp > 1 else [view]
     if len({v[:2] for v in views}) > 1:
-        outcome = install.stock(Stock.PLANS_DIFFER, "the TP ranks took different DSpark "
+        outcome = install.kept(Reason.PLANS_DIFFER, "the TP ranks took different DSpark "
                                 f"base-logits paths ({', '.join(sorted({v[0] for v in views}))}"
                                 "): SGLang's DSpark settings differ between ranks", words)
         return DSpark(name, ((path, outcome),), others, rank, tp, dcp)
@@ -299,8 +299,8 @@ def install_sglang_dspark_gathers(model, dcp=1, rows=None, target=None):
         return DSpark(name, (), ((f"drafter {name} {BASE_LOGITS}", what),) + others, rank, tp,
                       dcp)
     if why is not None:
-        reason = Stock.ENGINE if kind is None else Stock.SITE
-        return DSpark(name, ((path, install.stock(reason, why, words)),), others, rank, tp, dcp)
+        reason = Reason.ENGINE if kind is None else Reason.SITE
+        return DSpark(name, ((path, install.kept(reason, why, words)),), others, rank, tp, dcp)
     if all(v[2] for v in views):
         outcome = install.reroute(site, shared, label=f"the SGLang DSpark drafter {name}")
     else:

@@ -41,12 +41,12 @@ def _time(target, rows, config, steps, reps, why):
     host-bound, with the reason appended to ``why``."""
     nan = float("nan")
     try:
-        emu = EmulatedGather(target.device, target.tp, target.shard, {rows: config},
+        emu = EmulatedGather(target.device, target.tp, target.shard_width, {rows: config},
                              budget_s=target.budget_s)
     except ValueError as exc:
         why.append(f"{config.label()}: not built ({exc})")
         return nan
-    data = planted(target.tp, rows, target.shard, device=target.device)
+    data = planted(target.tp, rows, target.shard_width, device=target.device)
     shards = [data[r] for r in range(target.tp)]
     try:
         if not target.verify(emu, rows, calls=1):

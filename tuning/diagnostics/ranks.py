@@ -98,7 +98,7 @@ class Calls:
     """The same call sequence on every rank: call i's M and every rank's shard."""
 
     def __init__(self, rows, tp, shard, device, dtype=torch.bfloat16):
-        self.rows, self.tp, self.shard, self.device = rows, tp, shard, device
+        self.rows, self.tp, self.shard_width, self.device = rows, tp, shard, device
         self.dtype = dtype
         rng, previous, self.m = random.Random(SEED), None, []
         for i in range(100_000):
@@ -122,7 +122,7 @@ class Calls:
         from lamport_head.tuning.support.reference import planted
 
         g = torch.Generator(device=self.device).manual_seed(SEED * 1_000_003 + i)
-        data = planted(self.tp, m, self.shard, generator=g, device=self.device, dtype=self.dtype)
+        data = planted(self.tp, m, self.shard_width, generator=g, device=self.device, dtype=self.dtype)
         return [data[r] for r in range(self.tp)]
 
 
@@ -242,7 +242,7 @@ def graph(args, ranks, gather, calls):
     from lamport_head.tuning.support.reference import reference_gather
 
     me, device, ms = ranks.rank, ranks.device, calls.rows
-    static = [torch.zeros(m, calls.shard, dtype=calls.dtype, device=device) for m in ms]
+    static = [torch.zeros(m, calls.shard_width, dtype=calls.dtype, device=device) for m in ms]
     stream = torch.cuda.Stream(device)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=stream):

@@ -51,7 +51,7 @@ class EmulatedGather:
 
     def _build(self, device, tp, shard, cap, dtype, rank_gather):
         self.device = torch.device(device)
-        self.tp, self.shard, self.dtype = tp, shard, dtype
+        self.tp, self.shard_width, self.dtype = tp, shard, dtype
         self.box = LocalMailbox(self.device, tp, cap, tp * words(shard, dtype))
         self.ranks = [rank_gather(self.box, r) for r in range(tp)]
         self.streams = [torch.cuda.Stream(self.device) for _ in range(tp)]

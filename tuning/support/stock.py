@@ -25,7 +25,7 @@ class _Stock:
 
     def __init__(self, rows, shard, group, device, dtype):
         self.group, self.tp = group, dist.get_world_size(group)
-        self.rows, self.shard, self.dtype = rows, shard, dtype
+        self.rows, self.shard_width, self.dtype = rows, shard, dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.host = dist.get_backend(group) == "gloo" and self.device.type == "cuda"
         self.out = torch.empty(rows, self.tp * shard, dtype=dtype, device=self.device)
@@ -51,7 +51,7 @@ class StockGather(_Stock):
     def __call__(self, logits):
         """``[rows, V/TP]`` contiguous on every rank -> ``[rows, V]`` (rank r's shard
         at columns ``r * V/TP``)."""
-        if (tuple(logits.shape) != (self.rows, self.shard) or logits.dtype != self.dtype
+        if (tuple(logits.shape) != (self.rows, self.shard_width) or logits.dtype != self.dtype
                 or not logits.is_contiguous()):
             raise ValueError(f"stock gather built for contiguous [{self.rows}, {self.shard}] "
                              f"{self.dtype}, got {list(logits.shape)} {logits.dtype}")
@@ -59,11 +59,11 @@ class StockGather(_Stock):
             self.staged.copy_(logits)
             dist.all_gather(self.parts, self.staged, group=self.group)
             for r, part in enumerate(self.parts):
-                self.out[:, r * self.shard:(r + 1) * self.shard].copy_(part)
+                self.out[:, r * self.shard_width:(r + 1) * self.shard_width].copy_(part)
         else:
             _all_gather_single(self.gathered, logits, group=self.group)
-            self.out.view(self.rows, self.tp, self.shard).copy_(
-                self.gathered.view(self.tp, self.rows, self.shard).movedim(0, 1))
+            self.out.view(self.rows, self.tp, self.shard_width).copy_(
+                self.gathered.view(self.tp, self.rows, self.shard_width).movedim(0, 1))
         return self.out
 
 
@@ -88,7 +88,7 @@ class StockAllToAll(_Stock):
         """``[rows, V/TP]`` contiguous on every rank -> ``[num_local_rows, V]``: rows
         ``offsets[rank]:offsets[rank + 1]`` of every rank's shard (the splits' prefix
         sums), rank q's at columns ``q * V/TP`` (vLLM's ``all_to_all_vocab_shards``)."""
-        if (tuple(logits.shape) != (self.rows, self.shard) or logits.dtype != self.dtype
+        if (tuple(logits.shape) != (self.rows, self.shard_width) or logits.dtype != self.dtype
                 or not logits.is_contiguous() or not 0 <= num_local_rows <= self.rows):
             raise ValueError(f"stock all-to-all built for contiguous [{self.rows}, "
                              f"{self.shard}] {self.dtype} and at most {self.rows} rows a rank, "
@@ -102,7 +102,7 @@ class StockAllToAll(_Stock):
         dist.all_to_all_single(received, source, output_split_sizes=[n] * tp,
                                input_split_sizes=list(send_splits), group=self.group)
         out = self.out[:n]
-        out.view(n, tp, self.shard).copy_(received.view(tp, n, self.shard).movedim(0, 1))
+        out.view(n, tp, self.shard_width).copy_(received.view(tp, n, self.shard_width).movedim(0, 1))
         return out
 
 

@@ -24,7 +24,7 @@ import torch
 
 from ... import install
 from ...candidates import SmallGather, packed_width
-from ...outcome import Stock
+from ...outcome import Reason
 from .. import measure_first_use
 from .find import (TOP_K_PATH, candidate_caller, find_drafter_target, find_gather_target,
                    pair_payloads)
@@ -54,7 +54,7 @@ class Candidates(NamedTuple):
         return tuple((w, o.rows) for w, o in self.outcomes if o.served)
 
     @property
-    def stock(self):
+    def kept(self):
         """The first stock ``Outcome`` when no gather serves, else None."""
         return None if self.served else next((o for _, o in self.outcomes), None)
 
@@ -179,7 +179,7 @@ def install_drafter_candidates(draft, ranks, rows=None):
         logger.debug("lamport-head: no candidate gather to route: %s", where)
         return None
     if processor is None:
-        return Candidates(TOP_K_PATH, ((0, install.stock(Stock.NO_PROCESSOR, where,
+        return Candidates(TOP_K_PATH, ((0, install.kept(Reason.NO_PROCESSOR, where,
                                                          f"the {TOP_K_PATH} all-gather")),))
     return install_candidate_gather([processor], ranks, rows, payloads, path=TOP_K_PATH)
 
@@ -193,7 +193,7 @@ def install_pair_candidates(draft, model, ranks, rows, path):
     processors = [p for i, p in enumerate(found) if p is not None and p not in found[:i]]
     if found[0] is None:
         why = f"no LogitsProcessor found on {type(draft).__name__}"
-        return Candidates(path, ((0, install.stock(Stock.NO_PROCESSOR, why,
+        return Candidates(path, ((0, install.kept(Reason.NO_PROCESSOR, why,
                                                    f"the {path} all-gather")),))
     return install_candidate_gather(processors, ranks, rows, pair_payloads(), path=path)
 

@@ -440,7 +440,7 @@ def other_collectives(model, draft, vllm_config):
     - XPress drafts gather 3-D logits ``[requests, 1 + k, V/TP]``; the Lamport gather
       serves 2-D logits, so vLLM's own gather serves those.
     DeepSeek V4.1's processor, whose class has its own gather, is the target's
-    outcome (``Stock.OWN_GATHER``), not repeated here; the all-to-alls of vocab shards
+    outcome (``Reason.OWN_GATHER``), not repeated here; the all-to-alls of vocab shards
     (batch-sharded sampling, DSpark's sharded sequential sampling) are paths of their own
     (``exchange_paths``), each with its outcome."""
     spec = getattr(vllm_config, "speculative_config", None)

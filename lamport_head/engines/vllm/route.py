@@ -19,7 +19,7 @@ import torch
 
 from ... import dtypes, install
 from ...collective import all_min
-from ...outcome import Outcome, Ranks, Stock
+from ...outcome import Outcome, Ranks, Reason
 from .. import measure_first_use
 from . import release as releases
 from .candidates import install_drafter_candidates, install_pair_candidates
@@ -52,7 +52,7 @@ def install_logits_gather(model, group, tp, rank, device, dcp=1, rows=None, *,
 def _install_target(model, ranks, rows):
     lp, head, where = find_gather_target(model, force=True)  # FORCE is decided agreed
     if lp is None:
-        return install.stock(Stock.NO_PROCESSOR, where)
+        return install.kept(Reason.NO_PROCESSOR, where)
     site = _site(model, lp, head, where, find_gather_target)
     return install.install(site, ranks, rows, measure=measure_first_use)
 
@@ -119,15 +119,15 @@ def install_drafter_gather(draft, target, ranks, rows=None,
     what = f"the drafter {name}'s logits gather"
     if not through:
         why = f"no draft step gathers logits: {around[0] if around else 'see the config'}"
-        return Drafter(name, install.stock(Stock.NOT_GATHERED, why, what), vocab, through,
+        return Drafter(name, install.kept(Reason.NOT_GATHERED, why, what), vocab, through,
                        around)
     if lp is None:
-        return Drafter(name, install.stock(Stock.NO_PROCESSOR, where, what), vocab, through,
+        return Drafter(name, install.kept(Reason.NO_PROCESSOR, where, what), vocab, through,
                        around)
     site = _site(draft, lp, head, where, find_drafter_target)
     target_lp = find_gather_target(target, force=True)[0] if target is not None else None
     gather = getattr(target_lp, "head_gather", None)
-    if (gather is not None and weight is not None and weight.shape[0] == gather.shard
+    if (gather is not None and weight is not None and weight.shape[0] == gather.shard_width
             and dtypes.served(site.logits_dtype)
             and dtypes.name(site.logits_dtype) == install.gather_dtype(gather)):
         outcome = install.reroute(site, gather, label=f"the drafter {name}")
@@ -159,7 +159,7 @@ def _install_after_load(worker):
     if not usable:
         why = (f"{running} lacks {', '.join(running.missing)}" if running.missing
                else "another rank's vLLM lacks a name the plugin relies on")
-        outcome = Outcome.stock(Stock.ENGINE, why)
+        outcome = Outcome.kept(Reason.ENGINE, why)
         if getattr(tp_group, "rank_in_group", 0) == 0:
             name = type(getattr(worker, "model_runner", None)).__name__
             logger.info("lamport-head summary: %s", summary(

@@ -82,7 +82,7 @@ def _exchange_clause(e):
 def _candidates_clause(c):
     """The summary's words for a candidate path (``Candidates``)."""
     if not c.served:
-        stock = c.stock
+        stock = c.kept
         return f"{c.path}: stock candidate all-gather ({_why(stock) if stock else 'none built'})"
     gathers = ", ".join(f"rows {list(rows)} (packed width {width})" for width, rows in c.served)
     return f"{c.path}: Lamport candidate gather{'s' if len(c.served) > 1 else ''} for {gathers}"

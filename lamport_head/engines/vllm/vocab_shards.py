@@ -42,7 +42,7 @@ import torch
 
 from ... import install
 from ...build import cuda_device
-from ...outcome import Outcome, Stock
+from ...outcome import Outcome, Reason
 from ...table import ALL_TO_ALL_STOCK
 from .. import measure_first_use
 from . import release as releases
@@ -136,9 +136,9 @@ def install_exchanges(paths, ranks):
     missing = releases.lacks(releases.exchange_names(p.path for p in paths))
     for p in paths:
         if missing:
-            out[p.path] = Outcome.stock(Stock.ENGINE, f"this vLLM lacks {', '.join(missing)}")
+            out[p.path] = Outcome.kept(Reason.ENGINE, f"this vLLM lacks {', '.join(missing)}")
         elif p.processor is None:
-            out[p.path] = install.stock(Stock.NO_PROCESSOR, p.where,
+            out[p.path] = install.kept(Reason.NO_PROCESSOR, p.where,
                                         f"{p.path}'s {releases.EXCHANGE}")
         else:
             found.append(p)
