@@ -22,7 +22,7 @@ from lamport_head.settings import BENCH_BUDGET_S
 from lamport_head.table import (ALL_TO_ALL_STOCK, KIMI_K2_VOCAB, MAX_ROWS,
                                 TableError, fill, fix_for, load_table, mailbox_cost, normalize,
                                 row_span)
-from lamport_head.tuning.lmhead import KIMI_K2_HIDDEN  # no torch: every command's parser needs it
+from lamport_head.benches.lmhead import KIMI_K2_HIDDEN  # no torch: every command's parser needs it
 
 
 def _rows(text):
@@ -279,11 +279,11 @@ def _main(argv=None):
             return run(args)
         if args.command == "bench":
             if args.drafter:
-                from lamport_head.tuning.draftbench import run  # lazy: the tuner
+                from lamport_head.benches.draftbench import run  # lazy: the tuner
             elif args.all_to_all:
-                from lamport_head.tuning.a2abench import run  # lazy: the tuner
+                from lamport_head.benches.a2abench import run  # lazy: the tuner
             else:
-                from lamport_head.tuning.bench import run  # lazy: the tuner
+                from lamport_head.benches.bench import run  # lazy: the tuner
 
             return run(args)
         if args.command == "verify":
@@ -322,11 +322,11 @@ def check_arguments(args):
     if command == "bench" and args.splits is not None and not args.all_to_all:
         return f"--splits {args.splits} says how --all-to-all splits M: add --all-to-all"
     if command == "bench" and args.all_to_all:
-        from lamport_head.tuning.a2abench import check  # lazy: the tuner
+        from lamport_head.benches.a2abench import check  # lazy: the tuner
 
         return check(args)
     if command == "bench" and args.drafter:
-        from lamport_head.tuning.draftbench import check  # lazy: the tuner
+        from lamport_head.benches.draftbench import check  # lazy: the tuner
 
         return check(args)
     return None
@@ -471,7 +471,7 @@ def verify(args):
     from lamport_head.tuning.support.reference import planted, reference_gather  # lazy: the tuner
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # real ranks: the free-running check
-        from lamport_head.tuning.diagnostics.ranks import main as ranks_main  # lazy: the tuner
+        from lamport_head.benches.diagnostics.ranks import main as ranks_main  # lazy: the tuner
 
         return ranks_main(["--calls", str(args.calls), "--vocab", str(args.vocab),
                            "--rows", ",".join(map(str, args.rows)), "--dtype", args.dtype])

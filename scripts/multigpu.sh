@@ -11,7 +11,7 @@
 #   - install across processes; first-use tuning at install (a fresh cache);
 #   - the tune (dcp 1 and n) and the bench against NCCL's path;
 #   - the all-to-all of vocab shards: bitwise, tuned, benched against NCCL's all-to-all.
-# The globaltimer-based diagnostics (tuning/diagnostics/phases.py: virtual ranks' clocks
+# The globaltimer-based diagnostics (benches/diagnostics/phases.py: virtual ranks' clocks
 # compared on one GPU) are one-GPU only and do not run here.
 # Every step runs whatever the previous did; a summary table ends the run (exit 1 if
 # any step failed). NVLink multicast stays off in every process.
@@ -38,7 +38,7 @@ step() {  # step NAME COMMAND...: run it, log it, record the outcome and the tim
 
 for n in "${sizes[@]}"; do
   run=(torchrun --standalone --nproc-per-node "$n")
-  ranks=("${run[@]}" -m lamport_head.tuning.diagnostics.ranks)
+  ranks=("${run[@]}" -m lamport_head.benches.diagnostics.ranks)
   step "tp$n bitwise vs NCCL" "${ranks[@]}" --calls "$calls"
   step "tp$n kill" "${ranks[@]}" --calls 1000 --kill-rank 1 --kill-after 100
   step "tp$n slow + late push" "${ranks[@]}" --calls 40 --slow-rank 1 --slow-s 3 --budget 1 --late-push
@@ -46,7 +46,7 @@ for n in "${sizes[@]}"; do
   if [ "$gpus" -ge "$n" ]; then
     step "tp$n contexts (own GPU only)" "${ranks[@]}" --install --contexts
     step "tp$n one GPU visible per process" "${run[@]}" --no-python bash -c \
-      'CUDA_VISIBLE_DEVICES=$LOCAL_RANK exec python3 -m lamport_head.tuning.diagnostics.ranks --install'
+      'CUDA_VISIBLE_DEVICES=$LOCAL_RANK exec python3 -m lamport_head.benches.diagnostics.ranks --install'
   fi
   cache=$(mktemp -d)
   step "tp$n first-use tuning" env LAMPORT_HEAD_CACHE="$cache" "${ranks[@]}" --autotune --expect-measure yes

@@ -57,7 +57,7 @@ import torch
 from helpers import capture_log
 
 from lamport_head.table import ALL_TO_ALL_STOCK
-from lamport_head.tuning.diagnostics.ranks import draw_splits
+from lamport_head.benches.diagnostics.ranks import draw_splits
 
 
 def _args(argv):

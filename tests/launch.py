@@ -49,7 +49,7 @@ def start(n, *args, program=None, gpus=ONE_GPU):
             env["CUDA_VISIBLE_DEVICES"] = _physical(0)
         elif gpus == ONLY_OWN_VISIBLE:
             env["CUDA_VISIBLE_DEVICES"] = _physical(rank)
-        argv = program or ["-m", "lamport_head.tuning.diagnostics.ranks"]
+        argv = program or ["-m", "lamport_head.benches.diagnostics.ranks"]
         procs.append(subprocess.Popen([sys.executable, *argv, *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))

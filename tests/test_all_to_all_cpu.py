@@ -196,7 +196,7 @@ def _ranks_check(rank, tp, calls):
 
     import cpu_kernel
     from lamport_head.status import RECOVERABLE
-    from lamport_head.tuning.diagnostics import ranks as tool
+    from lamport_head.benches.diagnostics import ranks as tool
     from lamport_head.tuning.support.procs import Ranks
 
     cpu_kernel.use()
@@ -226,7 +226,7 @@ def test_the_rank_tools_free_running_all_to_all_check_passes_on_the_stand_in(tmp
 
 
 def test_the_rank_tool_refuses_all_to_all_beside_another_mode():
-    from lamport_head.tuning.diagnostics import ranks as tool
+    from lamport_head.benches.diagnostics import ranks as tool
 
     for other in (["--graph"], ["--install"], ["--kill-rank", "1"], ["--slow-rank", "1"]):
         with pytest.raises(SystemExit):

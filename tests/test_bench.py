@@ -17,8 +17,8 @@ import types
 
 import pytest
 import torch
-from lamport_head.tuning import bench, benchplot, goals, report
-from lamport_head.tuning.floor import floor_us, step_bytes
+from lamport_head.benches import bench, benchplot, goals, report
+from lamport_head.benches.floor import floor_us, step_bytes
 from lamport_head.tuning.targets import Chosen
 
 from lamport_head import cli
@@ -297,7 +297,7 @@ class _CpuEmuTarget:
 def test_an_lm_head_gather_run_that_cannot_run_emulated_is_skipped_and_the_rest_kept(monkeypatch):
     from lamport_head.config import GatherConfig
     from lamport_head.status import GatherTimeout
-    from lamport_head.tuning import emubench
+    from lamport_head.benches import emubench
 
     # an EmulatedRunner (TP 2, tiny shapes) whose only GPU work is stubbed: every timing
     # is 1 µs, but the lm_head GEMM then the gather with PDL on gives up, as on one H100
@@ -412,7 +412,7 @@ def test_figures_doc_states_the_figures_of_the_plotted_bench_runs():
 
 # ---- bench --drafter (issue 32 item 6) ------------------------------------------------
 
-from lamport_head.tuning import draftbench, rankbench  # noqa: E402
+from lamport_head.benches import draftbench, rankbench  # noqa: E402
 from lamport_head.tuning.harness import DistributedTarget, Timing  # noqa: E402
 
 DRAFT_V, K = 32000, 3
@@ -617,8 +617,8 @@ def test_drafter_torchrun_path_times_the_same_shapes(tmp_path, monkeypatch, caps
 # ---- bench --all-to-all (issue 43 item 5) -------------------------------------------
 
 from lamport_head.all_to_all import even_splits  # noqa: E402
-from lamport_head.tuning import a2abench  # noqa: E402
-from lamport_head.tuning.floor import all_to_all_bytes  # noqa: E402
+from lamport_head.benches import a2abench  # noqa: E402
+from lamport_head.benches.floor import all_to_all_bytes  # noqa: E402
 from lamport_head.tuning.harness import ALL_GATHER, ALL_TO_ALL  # noqa: E402
 from lamport_head.tuning.support.splits import vllm_splits  # noqa: E402
 

@@ -12,7 +12,7 @@ from lamport_head.tuning.support.emulate import EmulatedGather
 from lamport_head.status import GatherTimeout
 from lamport_head.kernels.protocol import CONTROL_EPOCH, EPOCH_SPAN, NAN_PAIR
 from lamport_head.tuning.support.reference import planted, reference_gather
-from lamport_head.tuning.diagnostics.ranks import gpu_cycles
+from lamport_head.benches.diagnostics.ranks import gpu_cycles
 
 pytestmark = pytest.mark.gpu
 

@@ -289,7 +289,7 @@ def _overlap_worker(rank, tp, fail):
     """lm_head_overlap(PDL as the architecture has it, then off) on the real
     DistributedTarget with a CPU lm_head shard; then every rank's outcomes, gathered."""
     from lamport_head.tuning.harness import DistributedTarget
-    from lamport_head.tuning.lmhead import LmHead
+    from lamport_head.benches.lmhead import LmHead
 
     from lamport_head.collective import all_gather_objects
     from lamport_head.tuning.support.procs import Ranks
@@ -465,7 +465,7 @@ def _all_to_all_worker(rank, tp, kind):
     captures, into its output of this rank's rows (poisoned first)."""
     import cpu_kernel
 
-    from lamport_head.tuning.a2abench import splits_for
+    from lamport_head.benches.a2abench import splits_for
     from lamport_head.tuning.harness import AllToAllTarget, _AllToAllCase
     from lamport_head.tuning.support.procs import Ranks
     from lamport_head.tuning.support.reference import planted, reference_all_to_all
@@ -497,7 +497,7 @@ def test_the_all_to_all_target_verifies_times_and_launches_each_ranks_rows(tmp_p
     """Issue 43 item 5's harness: the all-to-all's target runs the gather's trial on its
     own hooks (AllToAll, its splits, the stock all-to-all, this rank's rows), every rank
     alike; a wrong hook fails its verification (None) or its launch's bytes."""
-    from lamport_head.tuning.a2abench import splits_for
+    from lamport_head.benches.a2abench import splits_for
 
     tp = 3
     split = splits_for(kind, tp)

@@ -184,7 +184,7 @@ def test_the_prologue_before_the_pdl_wait_reads_only_the_peer_table(tp):
 
 
 def test_the_phase_timers_are_a_diagnostic_variant_only():
-    """``timers=True`` (tuning/diagnostics/phases.py) stamps the global timer at each
+    """``timers=True`` (benches/diagnostics/phases.py) stamps the global timer at each
     of the protocol's phase boundaries; the variants the runtime builds read it only
     where they did (the start and the bounded waits)."""
     from lamport_head.kernels.protocol import TIMER_PHASES

@@ -2,7 +2,7 @@
 package holds serving code only (issue 30 item 3).
 
 The map's table names each room's modules and the rooms it may import; every module of
-``lamport_head/``, ``kernels/`` and ``tuning/`` sits in exactly one room, every import
+``lamport_head/``, ``kernels/``, ``tuning/`` and ``benches/`` sits in exactly one room, every import
 (lazy ones included) stays inside its room or goes to a room the map allows, and no
 import closes a circle but the one the map names.
 
@@ -34,13 +34,13 @@ ENTRIES = ("lamport_head", "lamport_head.engines.vllm", "lamport_head.engines.sg
 TOP = ("lamport_head.cli",)  # the command: beside the engines, may import the tuner
 
 
-# The three trees and the names they install under (pyproject.toml's package-dir).
+# The trees and the names they install under (pyproject.toml's package-dir).
 HOMES = ((RUNTIME, "lamport_head"), (ROOT / "kernels", "lamport_head.kernels"),
-         (ROOT / "tuning", "lamport_head.tuning"))
+         (ROOT / "tuning", "lamport_head.tuning"), (ROOT / "benches", "lamport_head.benches"))
 
 
 def _modules():
-    """{installed module name: path} of every module of the three trees."""
+    """{installed module name: path} of every module of the trees."""
     out = {}
     for home, package in HOMES:
         for path in sorted(home.rglob("*.py")):
@@ -162,7 +162,7 @@ def test_serving_loads_no_tool(tmp_path):
     code = ("import importlib, json, sys\nimport lamport_head\n"
             "[getattr(lamport_head, n) for n in lamport_head.__all__]\n"
             f"for n in {names!r}: importlib.import_module(n)\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('lamport_head.tuning')"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('lamport_head.tuning', 'lamport_head.benches'))"
             f" or m.split('.')[0] == 'optuna' or m in {[f'lamport_head.{t}' for t in TOOLS]!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=240, cwd=tmp_path)
@@ -180,7 +180,7 @@ def test_diagnostics_reach_the_runtime_through_public_names_only():
     """No private attribute of a runtime object is read, called or overwritten by the
     diagnostics (fault injection goes through ``mailbox.MAILBOXES``; timers through
     ``build.TOOLCHAIN`` and ``status_address``)."""
-    for path in sorted((ROOT / "tuning" / "diagnostics").glob("*.py")):
+    for path in sorted((ROOT / "benches" / "diagnostics").glob("*.py")):
         private = sorted({n.attr for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
                           if isinstance(n, ast.Attribute) and n.attr.startswith("_")
                           and not n.attr.startswith("__") and n.attr not in NOT_OURS})
@@ -190,7 +190,7 @@ def test_diagnostics_reach_the_runtime_through_public_names_only():
 def test_every_package_of_the_tree_is_in_the_distribution():
     """A package pyproject.toml does not list is left out of a built wheel (an editable
     install, as the tests run, still finds it): every folder with an ``__init__.py``
-    under lamport_head/, kernels/, tuning/ and tables/ is listed, under its installed name."""
+    under lamport_head/, kernels/, tuning/, benches/ and tables/ is listed, under its installed name."""
     import tomllib
 
     root = RUNTIME.parent

@@ -18,7 +18,7 @@ def _torchrun(n, *args, timeout=900):
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                NVSHMEM_DISABLE_NVLS="1")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-                           "-m", "lamport_head.tuning.diagnostics.ranks", *args],
+                           "-m", "lamport_head.benches.diagnostics.ranks", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 

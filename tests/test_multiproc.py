@@ -1,6 +1,6 @@
 """Real processes, one GPU: N ranks share the GPU through the CUDA IPC mailbox and a
 gloo group (NCCL and symmetric memory refuse two ranks on one GPU). Each case
-starts ``python -m lamport_head.tuning.diagnostics.ranks`` in N processes with torchrun's
+starts ``python -m lamport_head.benches.diagnostics.ranks`` in N processes with torchrun's
 environment (our own launcher: torchrun's agent would kill the survivors of the
 killed-rank case before they report). Skips without CUDA; correctness only, the
 contexts time-slice the GPU."""

@@ -1,8 +1,8 @@
-"""The per-phase timing diagnostic (tuning/diagnostics/phases.py) on CPU: its arithmetic."""
+"""The per-phase timing diagnostic (benches/diagnostics/phases.py) on CPU: its arithmetic."""
 
 import torch
 
-from lamport_head.tuning.diagnostics.phases import spans
+from lamport_head.benches.diagnostics.phases import spans
 
 
 def test_phase_spans_from_stamps():
@@ -20,7 +20,7 @@ def test_phase_spans_from_stamps():
 def test_period_and_gap_between_consecutive_calls():
     """Period: first entry to the next call's first entry; a rank's gap: its last CTA's
     end to its next first entry (negative when PDL launched the next call early)."""
-    from lamport_head.tuning.diagnostics.phases import between
+    from lamport_head.benches.diagnostics.phases import between
 
     call = torch.tensor([[[0, 1, 2, 3, 4000], [100, 1, 2, 3, 5000]],
                          [[50, 1, 2, 3, 4500], [60, 1, 2, 3, 4600]],
@@ -49,7 +49,7 @@ def test_where_the_visible_cost_goes_behind_the_gemms():
     """Behind the lm_head: a rank's wait releases at its own GEMM's end (its CTAs'
     latest "waited"); the spread of those, the median rank's wait to its own last
     end, and the last wait to the last end (ns in, µs out)."""
-    from lamport_head.tuning.diagnostics.phases import behind
+    from lamport_head.benches.diagnostics.phases import behind
 
     # 3 ranks x 2 CTAs: waits end at 1000, 3000, 6000 ns; last ends 5000, 7000, 8000
     stamps = torch.tensor([[[0, 900, 0, 0, 4000], [0, 1000, 0, 0, 5000]],

@@ -1,6 +1,6 @@
 """The real-rank checker's fault injection goes through public seams (issue 30 item 3).
 
-``tuning/diagnostics/ranks.py --fail-alloc-rank R`` makes rank R's mailbox allocation
+``benches/diagnostics/ranks.py --fail-alloc-rank R`` makes rank R's mailbox allocation
 fail; it used to overwrite ``IpcMailbox._allocate``. Now ``refuse_allocation()``
 replaces the entries of ``mailbox.MAILBOXES``, the constructor a build looks up. Here
 on gloo CPU ranks (helpers.fake_cuda's kernels and CPU boxes, registered in that same
@@ -19,7 +19,7 @@ def _worker(rank, nprocs, table, refuse_rank):
 
     from lamport_head import build, mailbox
     from lamport_head.engines.vllm import install_logits_gather
-    from lamport_head.tuning.diagnostics import ranks
+    from lamport_head.benches.diagnostics import ranks
 
     os.environ["LAMPORT_HEAD_TABLE"] = table
     fake_cuda(setattr, rank, "ok")

@@ -295,7 +295,7 @@ class EmulatedTarget:
                                  SOLO)
         host = gather.host_s / (self.calls * self.reps * self.tp)  # inside HeadGather calls
         # Each rank on its own stream, no per-step join (as real ranks run): a fork
-        # and join of TP streams per step alone costs ~40 µs (tuning/diagnostics/diagnose.py).
+        # and join of TP streams per step alone costs ~40 µs (benches/diagnostics/diagnose.py).
         gpu = gated_gpu_us(lambda n: gather.run_steps(shards, n), self.device, self.replays,
                             self.reps)
         graph_us, graph_host = self._captured(gather, shards)

@@ -14,7 +14,7 @@ set -o pipefail
 OUT=${OUT:-results}
 T=${T:-120}
 mkdir -p "$OUT"
-installed=$(python3 -c "import importlib.util as u, lamport_head, os; assert u.find_spec('lamport_head.tuning.draftbench'); print(os.path.dirname(os.path.dirname(lamport_head.__file__)))" 2>/dev/null)
+installed=$(python3 -c "import importlib.util as u, lamport_head, os; assert u.find_spec('lamport_head.benches.draftbench'); print(os.path.dirname(os.path.dirname(lamport_head.__file__)))" 2>/dev/null)
 if [ "$installed" != "$PWD" ]; then
   source /var/tmp/lamport-gpuhost/env.sh
   source scripts/gpuhost/setup.sh

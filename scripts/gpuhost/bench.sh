@@ -23,7 +23,7 @@
 set -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
-installed=$(python3 -c "import importlib.util as u, lamport_head, os; assert u.find_spec('lamport_head.tuning.goals'); print(os.path.dirname(os.path.dirname(lamport_head.__file__)))" 2>/dev/null)
+installed=$(python3 -c "import importlib.util as u, lamport_head, os; assert u.find_spec('lamport_head.benches.goals'); print(os.path.dirname(os.path.dirname(lamport_head.__file__)))" 2>/dev/null)
 if [ "$installed" != "$PWD" ]; then
   source /var/tmp/lamport-gpuhost/env.sh
   source scripts/gpuhost/setup.sh
@@ -62,7 +62,7 @@ if [ "${A2A:-1}" = 1 ]; then
     run a2a-torchrun2 "${A2A_T:-120}" torchrun --standalone --nproc-per-node 2 -m lamport_head.cli bench --all-to-all --tp 2 --splits uneven --rows 1,8
   fi
 fi
-# Where the GPU time goes, phase by phase (the diagnostic kernel: tuning/diagnostics/phases.py)
+# Where the GPU time goes, phase by phase (the diagnostic kernel: benches/diagnostics/phases.py)
 if [ "${PHASES:-1}" = 1 ]; then
-  timeout "${PH_T:-60}" python3 -m lamport_head.tuning.diagnostics.phases --tp 8 --rows 1,8,64 --calls 100 2>&1 | grep -v -i warn | tee "$OUT/phases.log" | tail -30
+  timeout "${PH_T:-60}" python3 -m lamport_head.benches.diagnostics.phases --tp 8 --rows 1,8,64 --calls 100 2>&1 | grep -v -i warn | tee "$OUT/phases.log" | tail -30
 fi

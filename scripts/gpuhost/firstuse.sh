@@ -11,7 +11,7 @@ source scripts/gpuhost/setup.sh
 export LAMPORT_HEAD_CACHE=$OUT/firstuse-cache LAMPORT_HEAD_AUTOTUNE=1 LAMPORT_HEAD_AUTOTUNE_SERVE_EMULATED=1
 unset LAMPORT_HEAD_TABLE
 rm -rf "$LAMPORT_HEAD_CACHE"
-run="timeout 300 torchrun --standalone --nproc-per-node ${N:-2} -m lamport_head.tuning.diagnostics.ranks --autotune --rows ${CAP:-64} --calls 200"
+run="timeout 300 torchrun --standalone --nproc-per-node ${N:-2} -m lamport_head.benches.diagnostics.ranks --autotune --rows ${CAP:-64} --calls 200"
 echo "== start 1 (no entry: measures)"
 $run --expect-measure yes 2>&1 | grep -v Warn | tee $OUT/firstuse-1.log | tail -40
 echo "== start 2 (reads the entry: measures nothing)"

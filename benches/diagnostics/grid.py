@@ -4,11 +4,11 @@ For each row count, every (threads, unroll) of the grid at a few CTA counts (the
 default heuristic's, half and all of the co-resident limit), timed as the bench
 times (``harness.gated_gpu_us``: queued behind a spin, each rank on its own stream,
 no join between steps) after a bitwise check. Prints the best plans and the
-default's, each as µs and as a multiple of the floor (``tuning.floor``: every
+default's, each as µs and as a multiple of the floor (``benches.floor``: every
 rank's bytes over the copy bandwidth of the same run). What the sweep searches
 with Optuna, walked by hand in a minute: it says which knob moves a row count.
 
-Run: python -m lamport_head.tuning.diagnostics.grid [--tp 8] [--rows 1,8,64]
+Run: python -m lamport_head.benches.diagnostics.grid [--tp 8] [--rows 1,8,64]
      [--threads 128,256,512] [--unroll 2,4,8,16] [--staged 0|1]
 
 ``--staged 1`` compiles every kernel of the run with its batches staged through shared
@@ -28,7 +28,7 @@ from lamport_head.settings import BENCH_BUDGET_S
 
 from ..bench import config_for
 from ..floor import copy_bandwidth_gbs, floor_us, step_bytes
-from ..harness import EmulatedTarget, gated_gpu_us
+from ...tuning.harness import EmulatedTarget, gated_gpu_us
 
 
 def _ints(text):

@@ -7,7 +7,7 @@ GPU, so events time the GPU alone):
 - streams: each rank's calls stay on its own stream, joined once at the end (how
   real ranks run; the mailbox orders them);
 - fork/join alone: the same stream choreography around a trivial kernel.
-Run: python -m lamport_head.tuning.diagnostics.diagnose
+Run: python -m lamport_head.benches.diagnostics.diagnose
 """
 
 import sys
@@ -19,7 +19,7 @@ from lamport_head.tuning.support.emulate import EmulatedGather
 from lamport_head.tuning.support.reference import planted, reference_gather
 from lamport_head.settings import BENCH_BUDGET_S
 
-from ..harness import gated_gpu_us
+from ...tuning.harness import gated_gpu_us
 
 
 def main(tp=8, vocab=163840, steps=20):

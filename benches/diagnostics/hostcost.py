@@ -10,7 +10,7 @@ than a piece here). The gather launches through the driver
 (``launch.DriverLaunch``); the DSL's TVM-FFI callable of the same kernel is
 timed beside it. Only public names of ``HeadGather`` are timed (the stream-order
 bookkeeping inside a call is not: the whole call's line includes it).
-Run: python -m lamport_head.tuning.diagnostics.hostcost [rows]
+Run: python -m lamport_head.benches.diagnostics.hostcost [rows]
 """
 
 import statistics
@@ -21,7 +21,7 @@ import torch
 
 from lamport_head.tuning.support.emulate import EmulatedGather
 
-from ..harness import never_stock
+from ...tuning.harness import never_stock
 
 
 def _median_us(step, calls):

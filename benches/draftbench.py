@@ -38,7 +38,7 @@ from lamport_head.table import MAX_ROWS, NCCL_STOCK, load_table
 
 from . import report
 from .floor import floor_us, step_bytes
-from .targets import make_target
+from ..tuning.targets import make_target
 
 FRAGMENT = 8  # BF16 per 16-byte fragment: a shard's width is whole fragments
 # get_top_tokens' payload per rank: (value, global index) as fp32, [M, 2]

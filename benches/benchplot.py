@@ -4,7 +4,7 @@
 import math
 
 from . import goals
-from .plot import _finite, _lines, _pyplot, _rows_axis
+from ..tuning.plot import _finite, _lines, _pyplot, _rows_axis
 
 
 def plot_bench(records, path, title):

@@ -29,7 +29,7 @@ from lamport_head.dtypes import itemsize
 from lamport_head.table import NCCL_STOCK, load_table
 
 from . import goals, report
-from .targets import make_target
+from ..tuning.targets import make_target
 
 
 def config_for(target, rows, entries, threads=config.DEFAULT_THREADS, unroll=None):

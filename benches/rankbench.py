@@ -26,7 +26,7 @@ from lamport_head import build
 
 from .emubench import MEASURED
 from .floor import copy_bandwidth_gbs
-from .harness import SOLO, AllToAllTarget, DistributedTarget, median_eager
+from ..tuning.harness import SOLO, AllToAllTarget, DistributedTarget, median_eager
 from .lmhead import LmHead
 from .report import RANKS, SHARED
 
@@ -59,7 +59,7 @@ class RanksRunner:
                            "to time torch.add_")
         return all_max(host, self.group, self.device)
 
-    # -- bench --drafter: one gather of any shard width (tuning/draftbench.py) ----------
+    # -- bench --drafter: one gather of any shard width (benches/draftbench.py) ----------
 
     def target_for(self, vocab):
         """The target of ``vocab`` on the same ranks (its shard width, limit, stock)."""

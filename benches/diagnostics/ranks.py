@@ -1,6 +1,6 @@
 """Real-rank checks under torchrun, on GPUs of their own or N processes sharing one.
 
-    torchrun --nproc-per-node N -m lamport_head.tuning.diagnostics.ranks [--calls 300]
+    torchrun --nproc-per-node N -m lamport_head.benches.diagnostics.ranks [--calls 300]
     ... --all-to-all                               the check, of the all-to-all
     ... --kill-rank 1 --kill-after 100            a rank dies mid-run
     ... --slow-rank 1 --slow-s 0.5 [--late-push]  a rank starts one call late
@@ -65,7 +65,7 @@ SEED = 1234
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="python -m lamport_head.tuning.diagnostics.ranks")
+    p = argparse.ArgumentParser(prog="python -m lamport_head.benches.diagnostics.ranks")
     p.add_argument("--vocab", type=int, default=163840)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="the logits' dtype (float32: an FP32 lm_head's)")

@@ -44,7 +44,7 @@ from lamport_head.status import GatherTimeout
 from lamport_head.tuning.support.reference import planted
 
 from .floor import copy_bandwidth_gbs
-from .harness import EmulatedAllToAllTarget, EmulatedTarget, gated_gpu_us, never_stock
+from ..tuning.harness import EmulatedAllToAllTarget, EmulatedTarget, gated_gpu_us, never_stock
 from .lmhead import LmHead
 from .report import EMULATED
 
@@ -227,7 +227,7 @@ class EmulatedRunner:
         if self.device.type == "cuda":  # the bench's tests run its bookkeeping on the CPU
             torch.cuda.synchronize(self.device)
 
-    # -- bench --drafter: one gather of any shard width (tuning/draftbench.py) ----------
+    # -- bench --drafter: one gather of any shard width (benches/draftbench.py) ----------
 
     def target_for(self, vocab):
         """The emulated target of ``vocab`` (its shard width, limit and verification)."""

@@ -16,7 +16,7 @@ The plan is the built-in heuristic's, the same for every variant. ``--phases`` a
 each variant's phase medians (``phases``: the tree's kernel compiled with its timers).
 Never served.
 
-Run: python -m lamport_head.tuning.diagnostics.ab --tp 2,8 --rows 1,2,4,16 --rounds 2 \\
+Run: python -m lamport_head.benches.diagnostics.ab --tp 2,8 --rows 1,2,4,16 --rounds 2 \\
         --variant v0.3.4=.ab/v034 --variant head:0=. --variant head:1=.:1 [--phases]
 """
 
@@ -40,7 +40,7 @@ from lamport_head.tuning.support.emulate import EmulatedGather
 from lamport_head.tuning.support.reference import planted, reference_gather
 
 from ..emubench import capture, replay
-from ..harness import gated_gpu_us, never_stock
+from ...tuning.harness import gated_gpu_us, never_stock
 from .phases import _stamps, between, spans
 
 

@@ -21,7 +21,7 @@ its own GEMM ends; here every rank's GEMM shares the one GPU), each rank's own w
 to its last CTA's end, and the last rank's wait to the last end (what no overlap can
 hide), beside a step of the GEMMs alone.
 
-Run: python -m lamport_head.tuning.diagnostics.phases [--tp 8] [--rows 1,8,64] [--calls 200]
+Run: python -m lamport_head.benches.diagnostics.phases [--tp 8] [--rows 1,8,64] [--calls 200]
      [--lmhead]
 """
 
@@ -38,7 +38,7 @@ from lamport_head.kernels.protocol import (CONTROL_EPOCH, STATUS_WORDS, TIMER_CA
                                            TIMER_PHASES, timer_index, timer_words)
 
 from ..emubench import rank_steps
-from ..harness import gated_gpu_us
+from ...tuning.harness import gated_gpu_us
 from ..lmhead import KIMI_K2_HIDDEN, LmHead
 
 

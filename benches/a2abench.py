@@ -46,9 +46,9 @@ from lamport_head.tuning.support.splits import vllm_splits
 
 from . import bench, report
 from .floor import all_to_all_bytes, floor_us, step_bytes
-from .harness import ALL_GATHER, ALL_TO_ALL
+from ..tuning.harness import ALL_GATHER, ALL_TO_ALL
 from .report import Column
-from .targets import make_target
+from ..tuning.targets import make_target
 
 COLLECTIVES = (ALL_GATHER, ALL_TO_ALL)  # each M's records, in this order
 STOCK_OF = {ALL_GATHER: NCCL_STOCK, ALL_TO_ALL: ALL_TO_ALL_STOCK}  # the table section's stock
