@@ -1,15 +1,6 @@
 """lamport-head: the tensor-parallel logits gather of LLM decode on a Lamport mailbox.
-
-Public names (``__all__``; docs/design.md's contract lists the same, and
-``tests/test_layout.py`` checks it): ``HeadGather``, ``AllToAll``, ``GatherTimeout``,
-``install_logits_gather`` and ``install_sglang_logits_gather`` (an ``Outcome``: rows
-served, or a ``Reason`` reason and its message), ``table`` (``load_table``, ``Table``,
-``TableRow``, ``TableError``). Heavy modules load
-lazily so that ``import lamport_head`` is cheap and works without a GPU or vLLM.
-
-``__version__`` is the installed distribution's (pyproject.toml is the one source);
-"0+unknown" when the package runs from a tree that was never installed.
-"""
+Public names: ``__all__`` (docs/design.md, "The public contract"), loaded lazily so that
+``import lamport_head`` needs no GPU and no engine."""
 
 import importlib
 import importlib.metadata

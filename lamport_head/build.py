@@ -1,26 +1,13 @@
-"""The one build path of a gather: ``Kernels`` (one rank's compiled kernels, their
-occupancy limit and launchers), ``launch_flag`` (a mode as the kernel's argument) and
-``build`` (a rank's gather, collective on real ranks).
-
-Invariants a change must keep:
-
-- ``install`` (serving), the emulation and both tuner targets build here, so the
-  tuner times the cubin serving launches, under the limit serving checks.
-- No mode is part of a compiled kernel: serving's give-up is the launch flag.
-- On real ranks the build never strands a peer: each step (the backend's facts, the
-  local part, the mailbox's allocation, mapping and arming) runs under the start-up
-  deadline (``mailbox.RENDEZVOUS_WAIT_S``) with its collectives on the calling thread
-  (``collective.step``), and the ranks agree after each.
-- The compiler and the driver are reached only through ``TOOLCHAIN``, the seam a
-  test replaces with a CPU stand-in.
-"""
+"""The one build path: install, the emulation and the tuner's targets all build here, so
+the tuner times the kernel serving launches, under the limit serving checks. No mode is
+compiled in (``launch_flag``). Real ranks: docs/design.md, "Install order", step 5."""
 
 from dataclasses import dataclass
 
 import torch
 
 from . import dtypes, kernels
-from . import mailbox as boxes  # its start-up deadline is read per build (a test shortens it)
+from . import mailbox as boxes
 from .collective import agree, attempt, step
 from .kernels.arch import has_pdl
 from .launch import DriverLaunch, bind_primary_context, kernel_name
@@ -31,40 +18,29 @@ from .status import MODES, SERVING, StatusRecord
 
 
 class Toolchain:
-    """The compiler and the driver, as a build reaches them: the device's compile
-    target, the compiled gather of a ``GatherConfig``, how many CTAs of it the device
-    holds, and its launcher."""
+    """The compiler and the driver, reached only through ``TOOLCHAIN`` (tests replace it)."""
 
     def arch(self, device) -> str:
-        """The compile target of ``device``; ValueError for a device the kernel cannot
-        run on."""
+        """The compile target of ``device``; ValueError for one the kernel cannot run on."""
         if device.type != "cuda":
             raise ValueError(f"HeadGather needs a CUDA device, got {device}")
         return device_arch(device)
 
     def pdl(self, arch) -> bool:
-        """Whether gathers for ``arch`` launch with PDL (``kernels.arch.has_pdl``)."""
         return has_pdl(arch)
 
     def compiled(self, tp, words, config, pdl, arch, all_to_all=False):
-        """The compiled gather (``.launch``, ``.cubin``, ``.threads``) of rows of ``words``
-        32-bit words a rank (``dtypes.words``: the kernel moves words, whatever the
-        dtype) for ``config``'s compile-time knobs, compiled once per process (the DSL
-        loads on first use); ``all_to_all``: the kernel's all-to-all mode."""
+        """The kernel for rows of ``words`` words and ``config``'s knobs, compiled once."""
         return kernels.compile_gather(tp, words, pdl=pdl, arch=arch, all_to_all=all_to_all,
                                       **config.kernel_knobs())
 
     def launcher(self, compiled, device, serving):
-        """``compiled`` launched through the driver (``launch.DriverLaunch``, the
-        cheaper host path) in the device's primary context, with the launch flag
-        ``serving``. Called as ``launcher(shard, out, peers, rank, ctas, budget, status,
-        stream)``."""
+        """A ``launch.DriverLaunch`` of ``compiled`` in the device's primary context."""
         with torch.cuda.device(device):
             bind_primary_context(torch.device(device).index)
             return DriverLaunch(compiled, serving=serving)
 
     def resident(self, compiled, device) -> int:
-        """CTAs of ``compiled`` the whole device holds at once."""
         return resident_ctas(bytes(compiled.cubin), kernel_name(compiled), compiled.threads,
                              device.index, compiled.smem)
 
@@ -73,15 +49,13 @@ TOOLCHAIN = Toolchain()
 
 
 def launch_flag(mode) -> int:
-    """The kernel's ``serving`` argument for ``mode``, the one check of a mode: 1
-    (serving's give-up traps) or 0 (recoverable: tools, tests, every tuner)."""
+    """The kernel's ``serving`` argument for ``mode`` (the one check of a mode)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return int(mode == SERVING)
 
 
 def cuda_device(device):
-    """``device`` as a torch device, a bare ``cuda`` given the current index."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -89,35 +63,26 @@ def cuda_device(device):
 
 
 class Kernels:
-    """One rank's kernels for (device, tp, shard, dtype, collective): the compile target,
-    PDL (None: where the architecture has it), and per configuration the compiled kernel
-    of rows of ``words`` (``dtypes.words``: ``shard x itemsize / 4``), its occupancy limit
-    and its launcher. ``all_to_all``: every kernel is the all-to-all mode (one collective
-    a build). Local: no collective. ``TOOLCHAIN`` is read when it is built (the seam
-    tests replace)."""
+    """One rank's kernels (local): per config, the compiled kernel, its co-resident limit and
+    its launcher; ``all_to_all``: every kernel is the all-to-all mode."""
 
     def __init__(self, device, tp, shard_width, pdl=None, dtype=dtypes.DEFAULT, all_to_all=False):
         self.device, self.tp, self.shard_width = device, tp, shard_width
-        # only a mode that is on reaches the toolchain: a stand-in of the gather alone
-        # keeps its signature
+        # only a mode that is on is passed: a gather-only stand-in keeps its signature
         self._mode = {"all_to_all": True} if all_to_all else {}
-        self.words = dtypes.words(shard_width, dtype)  # a row's 32-bit words: what the kernel moves
+        self.words = dtypes.words(shard_width, dtype)
         self._toolchain = TOOLCHAIN
         self.arch = self._toolchain.arch(device)
         self.pdl = self._toolchain.pdl(self.arch) if pdl is None else bool(pdl)
 
     def compiled(self, config):
-        """The one compiled kernel of ``config``'s knobs (its ``ctas`` is run-time)."""
         return self._toolchain.compiled(self.tp, self.words, config, self.pdl, self.arch,
                                         **self._mode)
 
     def resident(self, config) -> int:
-        """CTAs of ``config``'s kernel the whole device holds (its ``ctas`` ignored)."""
         return self._toolchain.resident(self.compiled(config), self.device)
 
     def limit(self, sharing) -> Limit:
-        """The co-resident limit of these kernels with ``sharing`` ranks on the device:
-        what ``plan.fit`` checks a plan against."""
         return Limit(self.resident, sharing, self.pdl)
 
     def launcher(self, config, flag):
@@ -126,10 +91,8 @@ class Kernels:
 
 @dataclass
 class Built:
-    """What a rank's gather serves with: the plan (``{rows: GatherConfig}``, fitted),
-    ``clamped`` (``{rows: (asked, limit)}``, or None when not asked to clamp), a
-    launcher per row count, the mailbox, the status record, the spin budget (ns) and
-    ``dtype``, the torch dtype of the logits it serves."""
+    """What a rank's collective serves with: the fitted plan, ``clamped`` (``{rows: (asked,
+    limit)}``, None when not clamping), a launcher per row count, the mailbox and status."""
 
     device: torch.device
     tp: int
@@ -153,12 +116,8 @@ class Built:
 
 def local(device, tp, rank, shard_width, plan_for, *, sharing, mode, pdl=None, budget_s,
           clamp=False, dtype=None, all_to_all=False) -> Built:
-    """Everything of a rank's build that can fail on this rank alone: the checks, the
-    kernels, the plan (``plan_for(limit)``, fitted to the limit; ``clamp``: rows over it
-    cut to it), the launchers and the host-visible status record. No mailbox.
-    ``dtype``: the logits' (a torch dtype or ``dtypes`` name; None: BF16); ``shard``
-    must be whole 16-byte fragments of it. ``all_to_all``: the kernels are the
-    all-to-all mode's (``lamport_head.all_to_all``)."""
+    """Everything of a rank's build that can fail on this rank alone: the checks, the kernels,
+    the plan (``plan_for(limit)``, fitted), the launchers and the status record; no mailbox."""
     flag = launch_flag(mode)
     dtype = dtypes.torch_dtype(dtypes.DEFAULT if dtype is None else dtype)
     if tp < 2 or not 0 <= rank < tp:
@@ -176,13 +135,10 @@ def local(device, tp, rank, shard_width, plan_for, *, sharing, mode, pdl=None, b
 
 def build(group, device, tp, rank, shard_width, plan_for, *, mailbox=None, backend=None,
           **local_args) -> Built:
-    """A rank's gather. ``plan_for(limit)`` returns its plan (``{rows: GatherConfig}``)
-    once the co-resident limit is known (``HeadGather`` passes a plan given, its
-    ``default`` constructor the heuristic). ``local_args``: ``local``'s. With
-    ``mailbox`` (a ``LocalMailbox`` shared by virtual ranks) it is local; else
-    collective over ``group`` (module docstring)."""
+    """A rank's collective; ``plan_for(limit)`` gives its plan once the co-resident limit is
+    known. With ``mailbox`` (emulation) it is local, else collective over ``group``."""
     device = cuda_device(device)
-    if mailbox is not None:  # emulated: one process, nothing to agree on
+    if mailbox is not None:
         built = local(device, tp, rank, shard_width, plan_for, sharing=mailbox.sharing, **local_args)
         if mailbox.tp != tp or mailbox.words != tp * built.kernels.words:
             raise ValueError("the shared mailbox does not fit this gather")
@@ -194,8 +150,6 @@ def build(group, device, tp, rank, shard_width, plan_for, *, mailbox=None, backe
     def bounded(what, fn, *args):
         return attempt(start_up, device, what, fn, *args)
 
-    # the backend and how many ranks share this GPU: gathered facts, the same on every
-    # rank (a rank whose facts failed makes every rank raise)
     backend_of, error = bounded("describing the ranks' GPUs", choose_backend, group, device,
                                 backend)
     agree(error, group, device, "to describe its GPU")
@@ -218,9 +172,7 @@ def build(group, device, tp, rank, shard_width, plan_for, *, mailbox=None, backe
         _, error = bounded("arming its mailbox", arm)
         agree(error, group, device, "to arm its mailbox")  # also: every rank armed
     except BaseException:
-        # A build that failed frees this rank's box and mappings now (no gather ran:
-        # nothing can still push), unless this rank's own step was given up on: its
-        # helper thread may still be inside the box; it stays.
+        # a step given up on may still be inside the box in its helper thread: it stays
         if box is not None and not isinstance(error, TimeoutError):
             attempt(box.discard)
         raise
@@ -229,9 +181,8 @@ def build(group, device, tp, rank, shard_width, plan_for, *, mailbox=None, backe
 
 
 def start_up(device, what, fn, *args):
-    """``fn(*args)``, one start-up step of this rank, under the start-up deadline
-    (``mailbox.RENDEZVOUS_WAIT_S``, read now): ``collective.step``
-    (its collectives stay on this thread), with ``device`` current in its threads."""
+    """``fn(*args)``, one start-up step, under the start-up deadline (read now, tests shorten
+    it) via ``collective.step``, with ``device`` current in its threads."""
     scope = (lambda: torch.cuda.device(device)) if device.type == "cuda" else None
     return step(boxes.RENDEZVOUS_WAIT_S, f"lamport-head start-up: {what}", fn, *args,
                 scope=scope)

@@ -1,11 +1,7 @@
-"""The agreement collectives every multi-rank path uses, on NCCL or gloo alike.
-
-A rank never leaves a collective sequence alone: local work runs in ``attempt``, then
-every rank calls ``agree`` and all go on or all raise (docs/design.md, "Together or
-alone"). ``step`` bounds a start-up step in time, since the group's own timeout is 30
-min (gloo) or none (vLLM's CPU group), and keeps a rank's collectives on one thread, in
-order. gloo gets CPU tensors (it refuses CUDA ones), NCCL the rank's device;
-``group=None`` is the world group.
+"""The agreement collectives, on NCCL or gloo alike (gloo gets CPU tensors, NCCL the rank's
+device; ``group=None``: the world). ``attempt``/``agree``: docs/design.md, "Together or
+alone". ``step`` bounds a start-up step in time (the group's own timeout is 30 min on gloo,
+none on vLLM's CPU group) and keeps a rank's collectives on one thread, in order.
 """
 
 import contextlib
@@ -26,9 +22,8 @@ _TOGETHER = "_lamport_head_raised_together"
 
 
 def raised_together(exc) -> bool:
-    """Whether every rank raised ``exc`` at the same step (``agree``, or ``together``):
-    only then may every rank take the same fallback. Any other exception must stop
-    this rank (fail-stop), never send it to a fallback of its own."""
+    """Whether every rank raised ``exc`` at the same step: only then may they all take a
+    fallback; any other exception must stop this rank."""
     return bool(getattr(exc, _TOGETHER, False))
 
 
@@ -48,8 +43,7 @@ _STEP = contextvars.ContextVar("lamport_head_step", default=None)
 
 
 def _on_caller(fn):
-    """A collective that, called inside a ``step``'s helper thread, runs on the thread
-    that called ``step`` (the rank's one thread of collectives)."""
+    """A collective that, called in a ``step``'s helper thread, runs on the step's caller."""
     @functools.wraps(fn)
     def collective(*args, **kwargs):
         current = _STEP.get()
@@ -88,7 +82,6 @@ def all_gather_objects(obj, group=None) -> list:
 
 @_on_caller
 def broadcast_object(obj, group=None):
-    """Rank 0 of ``group``'s ``obj`` on every rank."""
     box = [obj]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(box, src=src, group=group)
@@ -101,9 +94,8 @@ def barrier(group=None, device="cpu"):
 
 
 def agree(error, group=None, device="cpu", what="the step"):
-    """Collective, after a local step: raises on every rank if any failed (``error``:
-    this rank's exception, or None). The failing rank raises its own, the others
-    ``PeerFailed``; both marked ``raised_together``."""
+    """Collective, after a local step: raises on every rank if any failed (``error``: this
+    rank's or None), the failing rank its own, the others ``PeerFailed``, both together."""
     if all_min(error is None, group, device):
         return
     if error is not None:
@@ -112,22 +104,19 @@ def agree(error, group=None, device="cpu", what="the step"):
 
 
 def attempt(fn, *args, **kwargs):
-    """``(fn(...), None)`` or ``(None, the exception)``, for ``agree``. Inside a ``step``
-    it is bounded by the step's ``seconds`` (a ``TimeoutError``), so a rank blocking
-    there still reaches the collective that follows."""
+    """``(fn(...), None)`` or ``(None, the exception)``, for ``agree``; bounded inside a
+    ``step``, so a rank blocking there still reaches the collective that follows."""
     current = _STEP.get()
     try:
         if current is not None and threading.current_thread() is current.helper:
             return current.bounded(functools.partial(fn, *args, **kwargs)), None
         return fn(*args, **kwargs), None
-    except Exception as exc:  # reported to every rank by ``agree``
+    except Exception as exc:
         return None, exc
 
 
 def within(seconds, what, fn, *args, why=""):
-    """``fn(*args)`` if it returns or raises within ``seconds``; else ``TimeoutError``
-    naming ``what`` (and ``why``), ``fn`` left running in a daemon thread, its outcome
-    dropped."""
+    """``fn(*args)`` within ``seconds``, else ``TimeoutError`` (``fn`` left in a daemon thread)."""
     outcome = {}
 
     def run():
@@ -155,13 +144,10 @@ def within(seconds, what, fn, *args, why=""):
 
 
 class StepAbandoned(TimeoutError):
-    """Raised in a step's helper thread that its caller gave up on, instead of the
-    collective or local part it was about to begin: it never enters one again."""
+    """Raised in a helper thread given up on, at its next collective or local part."""
 
 
 class _Step:
-    """One bounded step: where its helper thread is (code of its own, a bounded local
-    part, a collective handed to the caller), and the collective handed over."""
 
     def __init__(self, seconds, what, scope):
         self.seconds, self.what, self.scope = seconds, what, scope or contextlib.nullcontext
@@ -206,8 +192,7 @@ class _Step:
         return value
 
     def serve(self):
-        """Caller side: run the helper's collectives until it is done; raise
-        ``TimeoutError`` once it has spent ``seconds`` in code of its own."""
+        """Caller side: run the helper's collectives; ``TimeoutError`` past its own ``seconds``."""
         while True:
             with self.lock:
                 while True:
@@ -238,15 +223,10 @@ class _Step:
 
 
 def step(seconds, what, fn, *args, scope=None):
-    """``fn(*args)``, a start-up step that may issue collectives, unless it spends
-    ``seconds`` in code of its own: then ``TimeoutError`` naming ``what``.
-
-    ``fn`` runs in a helper thread; the collectives it issues through this module run
-    on this thread, and its ``attempt``s are bounded by ``seconds``. A helper given up
-    on raises ``StepAbandoned`` at its next collective or local part, so no peer meets
-    it in a collective they have left; its code between them must touch no peer.
-    ``scope``: a context-manager factory entered in the helper and its local parts'
-    threads (the CUDA device is per thread)."""
+    """``fn(*args)`` in a helper thread whose collectives run on this one, unless it spends
+    ``seconds`` in code of its own: then ``TimeoutError``. A helper given up on enters no
+    collective again, so its code between them must touch no peer. ``scope``: entered in
+    every thread of the step (the CUDA device is per thread)."""
     current = _Step(seconds, what, scope)
 
     def run():

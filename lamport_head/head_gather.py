@@ -1,16 +1,11 @@
-"""HeadGather: the vocab-parallel lm_head's gather ``[M, V/TP] -> [M, V]`` (BF16, or
-FP32 from an FP32 lm_head: one dtype a gather) for the row counts of a plan, on two
-parities of a Lamport mailbox; its base (``mailbox_collective``) holds what it shares
-with the all-to-all, and the invariants both keep.
-"""
+"""``HeadGather``: the vocab-parallel lm_head's gather ``[M, V/TP] -> [M, V]``; its base,
+``mailbox_collective``, holds what it shares with the all-to-all."""
 
 from .mailbox_collective import MailboxCollective
 
 
 class HeadGather(MailboxCollective):
-    """``gather(logits, stock)``: the Lamport gather for the plan's row counts;
-    ``stock(logits)`` otherwise. Constructed as ``MailboxCollective`` says (``plan``;
-    ``HeadGather.default`` the heuristic's for ``row_counts``)."""
+    """``gather(logits, stock)``: Lamport for the plan's row counts, else ``stock(logits)``."""
 
     all_to_all = False
 
@@ -30,8 +25,7 @@ class HeadGather(MailboxCollective):
         return out
 
     def launch(self, logits, out, ctas):
-        """The bare kernel launch into ``out`` on the current stream, with no checks:
-        explicitly poisoned outputs in tests, CTA counts outside the plan in tuning."""
+        """The bare launch into ``out`` on the current stream, unchecked (tests, tuning)."""
         launch = self._launch[logits.shape[0]]
         launch(logits, out.data_ptr(), self.peers_address, self.rank, ctas, self.budget_ns,
                self.status_address, self._stream_handle())

@@ -1,24 +1,8 @@
-"""``DriverLaunch``: a compiled gather launched straight through the CUDA driver
-(``cuLaunchKernelEx`` from the cubin, arguments kept in ctypes memory), so an eager
-decode step pays no per-call argument marshalling.
-
-Invariants a change must keep:
-
-- The argument slots follow the kernel's parameters exactly (``PARAMS``);
-  ``kernel_entry`` checks count and widths against the PTX ``.entry`` (a swap of two
-  of one width is caught by the bitwise GPU tests, not here).
-- A PDL kernel launches with programmatic stream serialization, others plainly.
-- The kernel loads into the context current when the launcher is built. Only
-  CUDA_ERROR_INVALID_HANDLE and INVALID_CONTEXT are retried, once, with that context
-  pushed; any other code raises: launching a collective twice would put this rank a
-  call ahead.
-- One launcher serves one caller at a time (its slots are rewritten per call).
-- ``serving`` is fixed when the launcher is built (one gather, one mode).
-- The compiled kernel's mode picks the slots: ``PARAMS`` for the gather,
-  ``ALL_TO_ALL_PARAMS`` (the same, then ``MAX_TP + 1`` row offsets) for the
-  all-to-all; every launch of the all-to-all writes all of its offsets, which its
-  caller checked (``check_offsets``): the launcher copies them as they are.
-"""
+"""``DriverLaunch``: a compiled kernel launched straight through ``cuLaunchKernelEx``, its
+arguments kept in ctypes memory (no per-call marshalling). The slots follow the kernel's
+parameters exactly (``kernel_entry`` checks count and widths). Only an invalid context or
+handle is retried, once, with the kernel's context pushed: launching a collective twice
+would put this rank a call ahead. One launcher serves one caller at a time."""
 
 import ctypes
 import functools
@@ -26,16 +10,11 @@ import re
 
 from .kernels.protocol import MAX_TP
 
-# The kernel's parameters, in order (``Gather.kernel``): the shard's address, its
-# rows (M), the output's address, the peer table's, the rank, the spin budget (ns),
-# the status record's address and ``serving`` (1: serving's give-up, 0: the
-# recoverable one; ``protocol``).
+# ``Gather.kernel``'s parameters, in order
 PARAMS = (("shard", ctypes.c_uint64), ("rows", ctypes.c_int32), ("out", ctypes.c_uint64),
           ("peers", ctypes.c_uint64), ("rank", ctypes.c_int32), ("budget", ctypes.c_int64),
           ("status", ctypes.c_uint64), ("serving", ctypes.c_int32))
-# The all-to-all's (``Gather(all_to_all=True)``): the gather's, then the row offsets
-# (prefix sums of the splits, ``offset0`` = 0); a launch for tp ranks fills the tail
-# past ``offset{tp}`` with M, which the kernel never reads.
+# the all-to-all's: then the row offsets; the tail past ``offset{tp}`` is M, never read
 ALL_TO_ALL_PARAMS = PARAMS + tuple((f"offset{q}", ctypes.c_int32) for q in range(MAX_TP + 1))
 _PTX_WIDTH = {".u64": 8, ".s64": 8, ".b64": 8, ".u32": 4, ".s32": 4, ".b32": 4}
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
@@ -70,11 +49,9 @@ class _Config(ctypes.Structure):  # CUlaunchConfig
 
 
 def check_offsets(offsets, tp: int, rows: int):
-    """The row offsets of an all-to-all launch, refused (ValueError) unless they are
-    ``tp + 1`` non-decreasing ints from 0 to ``rows``: rows routed past the last offset
-    would land in a peer's box where no poll re-arms them, and a later call of that
-    parity would deliver them as valid. The splits' agreement across ranks and their
-    fit in the mailbox are the caller's to check."""
+    """``offsets`` as a tuple; ValueError unless ``tp + 1`` non-decreasing ints from 0 to
+    ``rows``: rows past the last offset would land where no poll re-arms them, and a later
+    call of that parity would deliver them."""
     offsets = tuple(offsets)
     if (len(offsets) != tp + 1 or offsets[0] != 0 or offsets[-1] != rows
             or any(b < a for a, b in zip(offsets, offsets[1:]))):
@@ -84,8 +61,7 @@ def check_offsets(offsets, tp: int, rows: int):
 
 
 def kernel_entry(ptx: str, params=PARAMS) -> str:
-    """The name of the PTX's one kernel, after checking that its parameters are
-    ``params`` (count and widths); ValueError otherwise."""
+    """The PTX's one kernel's name; ValueError unless its parameters have ``params``' widths."""
     entries = _ENTRY.findall(ptx)
     if len(entries) != 1:
         raise ValueError(f"expected one .entry in the gather's PTX, found {len(entries)}")
@@ -99,14 +75,11 @@ def kernel_entry(ptx: str, params=PARAMS) -> str:
 
 
 def slots(compiled):
-    """The argument slots of ``compiled``'s mode: ``ALL_TO_ALL_PARAMS`` for an
-    all-to-all kernel (``compiled.all_to_all``), ``PARAMS`` otherwise."""
     return ALL_TO_ALL_PARAMS if getattr(compiled, "all_to_all", False) else PARAMS
 
 
 def kernel_name(compiled) -> str:
-    """``kernel_entry`` of ``compiled``'s PTX against its mode's slots: the one check
-    every host path runs before loading the cubin (the launcher, the occupancy query)."""
+    """``kernel_entry`` of ``compiled``: every host path's check before loading the cubin."""
     return kernel_entry(compiled.ptx, slots(compiled))
 
 
@@ -130,33 +103,27 @@ def _error(code) -> str:
 
 
 def checked(result, what):
-    """The value of a ``cuda.bindings`` driver call's ``(status, value...)`` (None for a
-    call that returns none); RuntimeError naming ``what`` and the status otherwise."""
+    """The value(s) of a ``cuda.bindings`` call's result; RuntimeError naming ``what``."""
     status, *values = result
-    if int(status) != 0:  # CUDA_SUCCESS
+    if int(status) != 0:
         raise RuntimeError(f"{what} failed: {status}")
     return values[0] if len(values) == 1 else (tuple(values) or None)
 
 
 @functools.lru_cache(maxsize=None)
 def load_function(cubin: bytes, name: str, context: int, smem: int = 0) -> int:
-    """The CUfunction of kernel ``name`` of ``cubin`` in the current context
-    (``context``: its handle, a cache key), loaded once per process and shared by the
-    occupancy check and the launcher; allowed ``smem`` bytes of dynamic shared memory
-    (ValueError when the device has fewer per CTA)."""
+    """The CUfunction of ``name`` in ``cubin``, loaded once per context, allowed ``smem`` bytes
+    of dynamic shared memory (ValueError when the device has fewer per CTA)."""
     from cuda.bindings import driver as cu  # lazy: loads the CUDA driver
 
     library = checked(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), "cuLibraryLoadData")
     kernel = checked(cu.cuLibraryGetKernel(library, name.encode()), "cuLibraryGetKernel")
     function = checked(cu.cuKernelGetFunction(kernel), "cuKernelGetFunction")
     if smem:
-        # Always for a staged kernel, not only above the 48 KiB default: the static
-        # shared memory the cubin declares (1 KiB on sm_90a, ``cuobjdump -res-usage``:
-        # SHARED:1024) counts against that default too, so 47-48 KiB of slots would
-        # fail to launch without it.
+        # also below the 48 KiB default: the cubin's static shared memory counts against it
         attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         (status,) = cu.cuFuncSetAttribute(function, attribute, smem)
-        if status != cu.CUresult.CUDA_SUCCESS:  # more than the device has per CTA
+        if status != cu.CUresult.CUDA_SUCCESS:
             raise ValueError(f"the gather's kernel needs {smem} bytes of shared memory per CTA "
                              f"(threads x unroll x 16: staged batches), more than this device "
                              f"allows ({status}): use fewer threads or a smaller unroll")
@@ -164,12 +131,9 @@ def load_function(cubin: bytes, name: str, context: int, smem: int = 0) -> int:
 
 
 def bind_primary_context(index: int) -> int:
-    """Make device ``index``'s primary context (the one torch's runtime uses) current on
-    the calling thread, and return it. Torch makes it current lazily, at its first
-    runtime call that needs one: switching torch's current device or stream does not,
-    so a thread whose first CUDA work is a driver call (load a kernel, map a mailbox)
-    binds it here first, as vLLM's cuMem allocator does."""
-    from cuda.bindings import driver as cu  # lazy: loads the CUDA driver
+    """Make device ``index``'s primary context current on this thread and return it: torch
+    binds it lazily, so a thread whose first CUDA work is a driver call binds it here."""
+    from cuda.bindings import driver as cu
 
     checked(cu.cuInit(0), "cuInit")
     device = checked(cu.cuDeviceGet(index), "cuDeviceGet")
@@ -179,7 +143,6 @@ def bind_primary_context(index: int) -> int:
 
 
 def current_context() -> int:
-    """The calling thread's current CUDA context handle (0: none)."""
     handle = ctypes.c_void_p()
     code = _driver().cuCtxGetCurrent(ctypes.byref(handle))
     if code:
@@ -188,14 +151,9 @@ def current_context() -> int:
 
 
 class DriverLaunch:
-    """``launch(shard, out, peers, rank, ctas, budget, status, stream)``: the DSL
-    callable's arguments but ``serving`` (``shard`` a contiguous, 16-byte aligned tensor
-    of any 16-bit or 32-bit dtype, read by address and rows only; the rest ints) plus ``stream``, the raw ``cudaStream_t`` to launch on.
-    ``serving`` (bool) is this launcher's: every launch passes it (``PARAMS``). Build it
-    with the device's context current (``__init__`` loads the kernel there).
-    ``pdl=False`` launches a PDL kernel without the attribute (diagnostics: its wait is
-    then a no-op, the stream serializes it fully). An all-to-all kernel
-    (``compiled.all_to_all``) takes ``offsets`` too: the tp + 1 row offsets."""
+    """``launch(shard, out, peers, rank, ctas, budget, status, stream[, offsets])``, with
+    ``serving`` fixed per launcher; build it with the device's context current. ``pdl=False``
+    drops PDL's attribute (diagnostics)."""
 
     def __init__(self, compiled, pdl=None, *, serving):
         params = slots(compiled)
@@ -215,7 +173,7 @@ class DriverLaunch:
         base = ctypes.addressof(self._values)
         self._params = (ctypes.c_void_p * len(params))(
             *(base + getattr(values, n).offset for n, _ in params))
-        if self.all_to_all:  # the offsets' slots, consecutive int32: written as one array
+        if self.all_to_all:  # consecutive int32 slots, written as one array
             self._offsets = (ctypes.c_int32 * (MAX_TP + 1)).from_address(
                 base + _AllToAllValues.offset0.offset)
         self._attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
@@ -227,13 +185,13 @@ class DriverLaunch:
         self._args = (ctypes.addressof(self._config), self.function,
                       ctypes.addressof(self._params), None)
         self._launch = _driver().cuLaunchKernelEx
-        self.refusals = 0  # launches the driver refused (tests: the retry path ran)
+        self.refusals = 0
 
     def __call__(self, shard, out, peers, rank, ctas, budget, status, stream, offsets=()):
         v = self._values
         v.shard, v.rows, v.out, v.peers = shard.data_ptr(), shard.shape[0], out, peers
         v.rank, v.budget, v.status = rank, budget, status
-        if self.all_to_all:  # checked by the caller (``check_offsets``), once per call
+        if self.all_to_all:
             n = len(offsets)
             self._offsets[:n] = offsets
             self._offsets[n:] = (offsets[-1],) * (MAX_TP + 1 - n)
@@ -243,9 +201,6 @@ class DriverLaunch:
             self._failed(code)
 
     def _failed(self, code):
-        """A launch the driver refused: once more with the kernel's context pushed when
-        the refusal names the context or handle and the calling thread has another
-        one (or none) current; else raise."""
         lib = _driver()
         self.refusals += 1
         if code in _RETRIED and current_context() != self.context:

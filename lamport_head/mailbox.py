@@ -1,32 +1,9 @@
-"""Lamport mailboxes: per rank, ``[2 parities, cap rows, words]`` int32 words, armed,
-plus a control block (layout: ``kernels.protocol``; docs/design.md, the protocol).
-
-Peers push into a box; only its own rank reads and re-arms it. ``peers`` is the
-int64 ``[3, tp]`` device table of each rank's parity boxes and control block, as
-mapped in this process.
-
-Backends, one interface (``peers``, ``tp``, ``cap``, ``words``, ``sharing``,
-``emulated``, ``arm()``, ``armed()``, ``barrier()``, ``close()``):
-
-- ``ipc``: the ranks of one host, on distinct GPUs or sharing one: a cuMem box
-  exported as a file descriptor and mapped by each peer in its own context
-  (``peermem``: why). GPUs are named by UUID. No multicast object, ever.
-- ``symmetric``: torch symmetric memory, only for ranks spanning hosts of one NVLink
-  domain (forced); multicast is switched off before the first allocation, which
-  refuses to go on if torch still reports it (``multicast_off``).
-- ``local``: ``tp`` virtual ranks in one process (tests, emulation).
-
-Invariants a change must keep (docs/design.md, the fail-stop rule):
-
-- A local failure never strands a peer in a collective: the constructor only
-  allocates, ``connect()`` exchanges; the caller agrees between the steps. Inside
-  ``connect()`` a local step before a collective goes through ``exchange``, so
-  every rank issues the same collectives and a failure raises on every rank.
-- ``close()`` waits for every rank before the box is freed: a peer may still push.
-- Torch's rendezvous runs in a helper thread given ``RENDEZVOUS_WAIT_S`` (a rank
-  failing inside it would leave its peers in a phase no agreement reaches); one not
-  back in time is that rank's failure, and every rank raises.
-"""
+"""Lamport mailboxes (docs/design.md, "The mailbox"): per rank ``[2 parities, cap rows,
+words]`` int32 words plus a control block; peers push, only the owner reads and re-arms.
+Backends: ``ipc`` (the ranks of one host: cuMem boxes, ``peermem``), ``symmetric`` (torch
+symmetric memory, hosts of one NVLink domain, forced only) and ``local`` (virtual ranks
+in one process). Fail-stop: the constructor only allocates and ``connect()`` only
+exchanges, the caller agreeing after each."""
 
 
 import os
@@ -43,17 +20,13 @@ from .kernels.protocol import (CONTROL_EPOCH, MAX_TP, PEER_CONTROL, PEER_ROWS, S
 from .settings import MAILBOX_ENV, forced_backend
 
 BACKENDS = ("symmetric", "ipc")
-MULTICAST_OFF_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"  # read by torch at rendezvous
-RENDEZVOUS_WAIT_S = 60.0  # how long a rank waits for torch's rendezvous to return (start-up)
+MULTICAST_OFF_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
+RENDEZVOUS_WAIT_S = 60.0  # each start-up step's deadline (build.start_up)
 
 
 def multicast_off(symm_mem, device):
-    """Before torch symmetric memory's first use in this process: no multicast. Sets
-    torch's switch (the rendezvous reads it) and checks that torch now reports no
-    multicast support for ``device``; raises otherwise (a rank failing here fails in
-    the allocation step, which the ranks agree on), so the library never creates an
-    NVLink multicast object (a program that does can take a shared host's GPUs out
-    of service)."""
+    """Before torch symmetric memory's first use: switch multicast off, raise unless torch
+    then reports none. A multicast object can take a shared host's GPUs out of service."""
     os.environ[MULTICAST_OFF_ENV] = "1"
     probe = getattr(getattr(symm_mem, "_SymmetricMemory", None), "has_multicast_support", None)
     if probe is None or torch.device(device).type != "cuda":
@@ -74,7 +47,6 @@ def _check(tp, cap, words):
 
 
 def peer_table(bases, cap, words):
-    """The ``[3, tp]`` address rows for boxes starting at ``bases`` (one per rank)."""
     parity = cap * words * 4
     rows = [[b + p * parity for b in bases] for p in range(2)]
     rows.insert(PEER_CONTROL, [b + 2 * parity for b in bases])
@@ -83,8 +55,6 @@ def peer_table(bases, cap, words):
 
 
 class _Mailbox:
-    """What every backend shares: the armed layout of one or more boxes."""
-
     emulated = False
 
     def _split(self, box):
@@ -92,21 +62,19 @@ class _Mailbox:
         return box[..., :split], box[..., split:]
 
     def arm(self):
-        """Every box word to the sentinel, every control word to 0 (this process's
-        boxes only; the caller orders it against peers' pushes)."""
+        """Every box word to the sentinel, every control word to 0 (this process's boxes; the
+        caller orders it against peers' pushes)."""
         data, control = self._split(self.box)
         data.fill_(SENTINEL_I32)
         control.zero_()
 
     def armed(self) -> bool:
-        """True when every box word of this process is armed and no mark or missing
-        rank is recorded (the epoch and CTA count may be anything) (synchronizes)."""
+        """Every box word armed, no mark or missing rank recorded (synchronizes)."""
         data, control = self._split(self.box)
         return bool((data == SENTINEL_I32).all().item()
                     and (control[..., :CONTROL_EPOCH] == 0).all().item())
 
     def control(self, rank):
-        """``rank``'s control block in this process (a box this process owns)."""
         box = self.box[rank] if self.box.dim() == 2 else self.box
         return self._split(box)[1]
 
@@ -137,11 +105,9 @@ class LocalMailbox(_Mailbox):
 
 
 def exchange(export, group, tp=None, what="export"):
-    """Collective: every rank's ``export()`` result, in rank order. ``export`` is local
-    and may fail on one rank: its error travels with the results, so every rank
-    issues the same one all-gather and then every rank raises, naming the ranks that
-    failed (the failing rank's own exception chained), or every rank returns.
-    ``tp``: the group size expected, checked when given."""
+    """Collective: every rank's ``export()`` result, in rank order. A local failure travels
+    with the results, so every rank issues the one all-gather, then every rank raises,
+    naming the ranks that failed, or every rank returns."""
     mine, error = attempt(export)
     cause = None if error is None else f"{type(error).__name__}: {error}"
     sent = all_gather_objects((mine, None) if error is None else (None, cause), group)
@@ -156,8 +122,6 @@ def exchange(export, group, tp=None, what="export"):
 
 
 class _ProcessMailbox(_Mailbox):
-    """One box per process; ``connect()`` (collective) fills ``peers``."""
-
     def __init__(self, group, device, tp: int, rank: int, cap: int, words: int):
         _check(tp, cap, words)
         self.group, self.tp, self.rank, self.cap, self.words = group, tp, rank, cap, words
@@ -179,9 +143,7 @@ class _ProcessMailbox(_Mailbox):
         self.discard()
 
     def discard(self):
-        """Local: this rank's box and mappings, freed after a build that failed (no
-        gather ran, so no peer can still push; a peer's own mapping keeps the pages it
-        holds)."""
+        """Local: free this rank's box after a failed build (no gather ran: no peer pushes)."""
         self._release()
         self.box = self.peers = None
 
@@ -190,14 +152,11 @@ class _ProcessMailbox(_Mailbox):
 
 
 class IpcMailbox(_ProcessMailbox):
-    """A cuMem allocation of this rank's GPU, shared with every peer of the host as a
-    POSIX file descriptor and mapped by each peer in its own context
-    (``lamport_head.peermem`` says why; on the CPU device, memfd shared memory)."""
+    """A cuMem box exported as a file descriptor, mapped by each peer (``peermem``)."""
 
     name = "ipc"
 
     def _allocate(self, count):
-        """Local: this rank's box (mapped here, exported) and its descriptor inbox."""
         # the inbox first: a socket closes itself when dropped, a cuMem box does not
         self._channel = peermem.FdChannel()
         self._segments = peermem.segments_for(self.device)
@@ -206,11 +165,8 @@ class IpcMailbox(_ProcessMailbox):
         return self._segments.tensor(self._own, count)
 
     def connect(self):
-        """Collective: every rank maps every peer's box; ``peers`` holds the mappings.
-        Two collectives (``exchange``), each reached by every rank whatever failed
-        before it on one: the inboxes' names and the boxes' sizes, then whether every
-        rank sent its descriptor to every peer. What follows (receiving and mapping)
-        is local; the caller agrees on it."""
+        """Collective: two ``exchange``s, inbox names and sizes, then whether every descriptor
+        went out; receiving and mapping are local, and the caller agrees on them."""
         facts = exchange(lambda: (self._channel.name, self._own.size), self.group, self.tp,
                          "describe its mailbox")
         peers = [r for r in range(self.tp) if r != self.rank]
@@ -231,14 +187,11 @@ class IpcMailbox(_ProcessMailbox):
                          for r in range(self.tp)])
 
     def peer_view(self, peer):
-        """``peer``'s whole box as a tensor of this process (tests of late pushes)."""
         if peer == self.rank:
             return self.box
         return self._segments.tensor(self._mapped[peer], self.box.numel())
 
     def _release(self):
-        """This process's mappings and references (after ``close``'s barrier, or at a
-        failed build's end); a dead peer's pages go with the last one."""
         self.box = self.peers = None  # no tensor of ours over the mappings
         channel, self._channel = getattr(self, "_channel", None), None
         if channel is not None:
@@ -250,10 +203,8 @@ class IpcMailbox(_ProcessMailbox):
 
 
 def symmetric_bases(buffer_ptrs, own_ptr: int, rank: int):
-    """Each rank's address of *this box*, from a symmetric-memory handle's
-    ``buffer_ptrs``. PyTorch versions point those at the allocation segment's base
-    or at the tensor itself; the box sits at the same offset on every rank, so that
-    offset is taken from this rank's own pointer and applied to every peer's."""
+    """Each rank's address of this box from a handle's ``buffer_ptrs``, which torch versions
+    point at the segment's base or at the tensor: this rank's offset, applied to every peer."""
     ptrs = [int(p) for p in buffer_ptrs]
     offset = own_ptr - ptrs[rank]
     if offset < 0:
@@ -263,15 +214,12 @@ def symmetric_bases(buffer_ptrs, own_ptr: int, rank: int):
 
 
 class SymmetricMailbox(_ProcessMailbox):
-    """A torch symmetric-memory allocation (ranks on distinct GPUs)."""
-
     name = "symmetric"
 
     def _allocate(self, count):
-        """Local: also everything ``connect`` needs before torch's rendezvous (the
-        module, the group), so that a rank failing at it fails here, in the step the
-        ranks agree on, never in ``connect`` while its peers sit in the rendezvous."""
-        # lazy: only this backend loads torch's symmetric memory (``_symmetric_available``)
+        """Local: also what ``connect`` needs before the rendezvous, so a rank fails here, in an
+        agreed step, never while its peers sit in the rendezvous."""
+        # lazy: only this backend loads torch's symmetric memory
         import torch.distributed._symmetric_memory as symm_mem
 
         multicast_off(symm_mem, self.device)
@@ -280,11 +228,8 @@ class SymmetricMailbox(_ProcessMailbox):
         return symm_mem.empty(count, dtype=torch.int32, device=self.device)
 
     def connect(self):
-        """Collective: torch's rendezvous first (nothing local before it; bounded in
-        time, so a peer failing inside it cannot strand this rank), then
-        ``exchange``'s one all-gather, which every rank reaches whatever its
-        rendezvous did and which carries each rank's derivation of the peer
-        addresses, or its failure, to every rank."""
+        """Collective: torch's rendezvous (bounded, nothing local before it), then one
+        ``exchange`` every rank reaches, carrying each rank's peer addresses or failure."""
         def rendezvous():  # in its own thread: the current device is per thread
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
@@ -302,15 +247,13 @@ class SymmetricMailbox(_ProcessMailbox):
         derived = exchange(derive, self.group, self.tp, "rendezvous and derive peer addresses "
                            "from its symmetric memory handle")
         offsets = [offset for _, offset in derived]
-        if len(set(offsets)) > 1:  # the derivation assumes one offset on every rank
+        if len(set(offsets)) > 1:
             raise RuntimeError(f"symmetric memory places the box at different offsets on the "
                                f"ranks ({offsets} words): cannot derive peer addresses")
         bases, self._offset = derived[self.rank]
         self._set_bases(bases)
 
     def _derive(self):
-        """``(every rank's address of this box, its offset in words into the handle's
-        buffer)`` from the rendezvous' handle (local; may fail on this rank alone)."""
         if self.handle.world_size != self.tp:
             raise RuntimeError(f"symmetric memory spans {self.handle.world_size} ranks, "
                                f"expected tp={self.tp}")
@@ -318,7 +261,6 @@ class SymmetricMailbox(_ProcessMailbox):
         return bases, (bases[self.rank] - int(self.handle.buffer_ptrs[self.rank])) // 4
 
     def peer_view(self, peer):
-        """``peer``'s whole box as a tensor of this process (tests of late pushes)."""
         return self.handle.get_buffer(peer, self.box.shape, torch.int32,
                                       storage_offset=self._offset)
 
@@ -326,18 +268,13 @@ class SymmetricMailbox(_ProcessMailbox):
         self.handle = None
 
 
-# The real-rank backends by name: what ``choose_backend`` answers, what HeadGather builds.
-# The public seam of a box's construction: a build looks its backend's constructor up
-# here each time (``build.build``: ``MAILBOXES[kind](group, device, tp, rank, cap,
-# words)``, the local allocation step), so a fault-injection harness replaces an entry
-# for its process (tuning/diagnostics/ranks.py ``--fail-alloc-rank``: one that raises,
-# as a refused allocation does) instead of patching a backend's private methods.
+# A build looks the constructor up here each time: a fault-injection harness replaces
+# an entry (tuning/diagnostics/ranks.py --fail-alloc-rank), not private methods.
 MAILBOXES = {"ipc": IpcMailbox, "symmetric": SymmetricMailbox}
 
 
 def device_key(device):
-    """``(host, GPU UUID)``: what names this rank's GPU to every other process (a local
-    index names another GPU, or none, where each process sees its own devices)."""
+    """``(host, NVML UUID)``: what names this GPU to other processes (a local index does not)."""
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     if uuid is None:
         raise RuntimeError(f"torch reports no UUID for {device}: cannot name this GPU to "
@@ -355,18 +292,9 @@ def _symmetric_available():
 
 
 def decide(keys, symmetric, forced=None):
-    """The backend every rank uses, from every rank's (host, GPU) key and whether it
-    has symmetric memory: a pure function of gathered facts, so ranks cannot differ
-    (when it raises, every rank raises the same error).
-
-    Both backends hand the kernel peer pointers. Ranks of one host take CUDA IPC
-    (whether they share a GPU or not: it needs no multicast, and no symmetric-memory
-    support); CUDA IPC maps memory of the ranks' own host only; symmetric memory
-    reaches other hosts only inside one multi-node NVLink domain (GB200 NVL72), which
-    these facts cannot tell from separate hosts. So ranks on several hosts get an
-    error that names the hosts (install: every rank stock), unless every rank was
-    told ``symmetric`` (the operator vouches for the NVLink domain; the rendezvous
-    then decides)."""
+    """The backend, a pure function of gathered facts (every rank returns or raises alike):
+    ipc for one host; several hosts raise unless every rank forced ``symmetric`` (vouching
+    for one NVLink domain, which these facts cannot tell from separate hosts)."""
     if forced and forced not in BACKENDS:
         raise ValueError(f"{MAILBOX_ENV}={forced!r}: expected one of {', '.join(BACKENDS)}")
     hosts = sorted({str(host) for host, _ in keys})
@@ -383,11 +311,8 @@ def decide(keys, symmetric, forced=None):
 
 
 def choose_backend(group, device, backend=None):
-    """Collective: ``(backend, ranks on this GPU)``, the backend the same on every
-    rank. ``backend`` (or ``$LAMPORT_HEAD_MAILBOX``) forces one; else ipc (the ranks
-    of one host, each GPU reaching its peers' GPUs); ranks on several hosts: none
-    (``decide`` raises). A rank whose own facts fail still takes part, and then every
-    rank raises."""
+    """Collective: ``(backend, ranks on this GPU)``, the same on every rank; a rank whose
+    facts fail takes part, then every rank raises."""
     forced = backend or forced_backend()
     facts = exchange(lambda: (device_key(device), _symmetric_available(), forced), group,
                      what="describe its GPU")
@@ -395,24 +320,18 @@ def choose_backend(group, device, backend=None):
     if len(asked) > 1:
         raise ValueError(f"ranks disagree on the mailbox backend: {sorted(map(str, asked))}")
     keys = [k for k, _, _ in facts]
-    me = torch.distributed.get_rank(group)  # facts come in the group's rank order
+    me = torch.distributed.get_rank(group)
     kind = decide(keys, [s for _, s, _ in facts], forced)
     if kind == "ipc" and torch.device(device).type == "cuda":
-        # Every rank checks that its GPU reaches each other GPU its host's ranks use, by
-        # UUID (a process's local indices name other GPUs, or none, in another process);
-        # the verdicts travel together, so a pair without peer access makes every rank
-        # raise the same error, naming it, and install leaves every rank stock.
+        # the verdicts travel together: a pair without peer access fails every rank alike
         exchange(lambda: check_peer_reach(keys, me), group,
                  what="reach its TP peers' GPUs (CUDA peer access)")
     return kind, keys.count(keys[me])
 
 
 def check_peer_reach(keys, me):
-    """Raise unless this rank's GPU can store into (and do atomics on) the memory of
-    every other GPU its host's ranks use, asked by UUID (``peermem.p2p_status``: NVML,
-    which sees every GPU whatever this process sees). Ranks sharing this GPU need
-    nothing; a pair NVML cannot tell about is left to the mapping, whose failure the
-    ranks agree on, naming it."""
+    """Raise unless this GPU can store into (and do atomics on) every other GPU its host's
+    ranks use, asked of NVML by UUID; a pair NVML cannot tell about is left to the mapping."""
     host, gpu = keys[me]
     for r, (h, g) in enumerate(keys):
         if h == host and g != gpu:

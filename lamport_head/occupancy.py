@@ -1,7 +1,5 @@
 """How many CTAs of a compiled kernel a device holds at once (the driver's occupancy
-calculator). Every CTA of every rank sharing a device must be resident together, or
-the gather waits out its spin budget (docs/design.md, "Co-residency").
-"""
+calculator), for ``plan.co_resident_limit``."""
 
 import functools
 
@@ -12,13 +10,11 @@ from .launch import bind_primary_context, checked, load_function
 
 
 def device_arch(device) -> str:
-    """The compile target of ``device`` (``kernels.arch.target``)."""
     return target(*torch.cuda.get_device_capability(device))
 
 
 class Resident(int):
-    """CTAs the whole device holds (the int, ``per_sm * sms``); ``per_sm`` and ``sms``
-    kept so the plan's headroom can be whole SMs (``plan.co_resident_limit``)."""
+    """CTAs the device holds (the int); ``per_sm`` and ``sms`` let headroom be whole SMs."""
 
     def __new__(cls, per_sm: int, sms: int):
         value = super().__new__(cls, per_sm * sms)
@@ -32,9 +28,8 @@ class Resident(int):
 @functools.lru_cache(maxsize=None)
 def resident_ctas(cubin: bytes, name: str, threads: int, device_index: int,
                   smem: int = 0) -> Resident:
-    """``Resident`` CTAs of the cubin's kernel ``name`` (``threads`` per CTA, ``smem``
-    bytes of dynamic shared memory). Loaded as the launcher loads it, once per context."""
-    from cuda.bindings import driver as cu  # lazy: loads the CUDA driver
+    """``Resident`` CTAs of the cubin's kernel ``name``, loaded as the launcher loads it."""
+    from cuda.bindings import driver as cu
 
     torch.cuda.init()
     with torch.cuda.device(device_index):

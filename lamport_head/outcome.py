@@ -1,6 +1,5 @@
-"""What an install did, as a value: ``Outcome`` (rows served, or a ``Reason``)
-and ``Ranks`` (the TP group an install runs on). Adapters decide from these values
-only, never from log text (docs/design.md, "Rule for adapters"; tests/test_outcome.py).
+"""What an install did, as a value: ``Outcome`` and ``Ranks``. Adapters decide from these
+values only, never from log text (docs/design.md, "Rule for adapters").
 """
 
 import enum
@@ -17,15 +16,15 @@ class Reason(enum.Enum):
     NO_GATHER = ("no-gather", logging.INFO)  # tp = 1: nothing to replace
     NO_PROCESSOR = ("no-processor", logging.INFO)  # no LogitsProcessor found in the model
     OWN_GATHER = ("own-gather", logging.INFO)  # its class keeps its own gather (not forced)
-    FORCE_PARTIAL = ("force-partial", logging.WARNING)  # LAMPORT_HEAD_FORCE on some ranks only
-    SITE = ("site", logging.INFO)  # not a BF16/FP32 vocab-parallel head gathered by all-gather
-    DISABLED = ("disabled", logging.WARNING)  # LAMPORT_HEAD_DISABLE on some rank
+    FORCE_PARTIAL = ("force-partial", logging.WARNING)
+    SITE = ("site", logging.INFO)
+    DISABLED = ("disabled", logging.WARNING)
     RANK = ("rank", logging.WARNING)  # a rank could not take part (not CUDA, its tables, ...)
-    PLANS_DIFFER = ("plans-differ", logging.WARNING)  # ranks resolved different plans
+    PLANS_DIFFER = ("plans-differ", logging.WARNING)
     NO_DEVICE_KEY = ("no-device-key", logging.WARNING)  # first use cannot tell GPU sharing
     TUNING_FAILED = ("tuning-failed", logging.WARNING)  # first-use tuning failed on every rank
     EMULATED = ("emulated", logging.INFO)  # ranks share one GPU: the emulated section only
-    NO_ROWS = ("no-rows", logging.INFO)  # no enabled table rows for this GPU, TP, DCP, V
+    NO_ROWS = ("no-rows", logging.INFO)
     SWITCHED_OFF = ("switched-off", logging.INFO)  # its first-use tuning turned off, no section
     BUILD_FAILED = ("build-failed", logging.WARNING)  # building the gather failed on every rank
     ENGINE = ("engine", logging.WARNING)  # the engine's release lacks a name the adapter uses
@@ -43,14 +42,12 @@ class Reason(enum.Enum):
 
 @dataclass(frozen=True)
 class Outcome:
-    """One install's result, the same on every rank: ``rows`` served (sorted), or ``()``
-    with a ``reason`` (a ``Reason``) and ``message``, never both. ``shared``: served by another
-    site's gather. ``measured``: first-use tuning measured during this install.
-    ``dtype``: the logits dtype the serving gather was built for (``dtypes.NAMES``; a
-    call of another takes the stock gather)."""
+    """One install's result, the same on every rank: ``rows`` served (sorted), or a
+    ``Reason`` and ``message``, never both. ``shared``: served by another site's gather;
+    ``dtype``: the logits dtype the gather serves (another takes the stock gather)."""
 
     rows: tuple = ()
-    reason: object = None  # a Reason when rows is empty, else None
+    reason: object = None
     message: str = ""
     shared: bool = False
     measured: bool = False
@@ -76,8 +73,7 @@ class Outcome:
         return cls((), reason, message)
 
     def within(self, rows):
-        """This outcome for a site gathering only ``rows`` (None: any); ``ROWS_OUTSIDE``
-        when none is left."""
+        """This outcome for a site gathering only ``rows`` (None: any)."""
         if not self.rows or rows is None:
             return self
         kept = tuple(m for m in self.rows if m in rows)
@@ -89,10 +85,8 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Ranks:
-    """The TP group an install runs on. ``group``: where ranks agree and exchange
-    mailboxes (the engine's CPU group where it has one: a rank whose CUDA context broke
-    still reaches it). ``device_group``: where first-use tuning times the stock gather
-    (None: ``group``)."""
+    """The TP group an install runs on. ``group``: where ranks agree and exchange mailboxes
+    (a CPU group where there is one); ``device_group``: where first-use tuning times stock."""
 
     group: object
     tp: int

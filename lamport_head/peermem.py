@@ -1,23 +1,8 @@
-"""Peer memory for the ``ipc`` mailbox: each rank's box is a cuMem allocation of its own
-GPU, exported as a POSIX file descriptor; every peer maps it in ITS OWN context,
-granting access to ITS OWN device only (NCCL's and torch symmetric memory's mechanism
-on one host).
-
-Invariants a change must keep:
-
-- Every driver call runs with this rank's device current; no call names another
-  device (``cuMemSetAccess`` names this rank's only).
-- A survivor's import holds a handle reference and a mapping until its ``close()``,
-  so a dead peer's pages cannot become another process's memory while we may still
-  store into them (CUDA's ``cuMemRelease`` guarantee).
-- GPUs are named by UUID, never a local index; reachability is NVML's
-  (``p2p_status``), which sees every GPU whatever ``CUDA_VISIBLE_DEVICES`` says.
-- Descriptors travel over abstract Unix datagram sockets (``FdChannel``,
-  SCM_RIGHTS), each bound before names are exchanged: a send never waits for a peer.
-
-``CudaSegments`` uses ``cuda.bindings.driver`` (tests hand it tests/fake_driver.py);
-``HostSegments`` is the same contract over memfd memory, for the CPU device.
-"""
+"""Peer memory of the ``ipc`` mailbox: each rank's box is a cuMem allocation of its own GPU,
+exported as a file descriptor; every peer maps it in its own context, granting access to
+its own device only (no driver call names another device). An import holds its
+reference and mapping until ``close()``, so a dead peer's pages never become another
+process's memory while survivors may still store into them. GPUs are named by UUID."""
 
 import array
 import contextlib
@@ -34,33 +19,26 @@ import torch
 
 from .launch import bind_primary_context, checked
 
-RECEIVE_WAIT_S = 30.0  # a peer that said it sent its descriptor: how long to wait for it
+RECEIVE_WAIT_S = 30.0
 
 
 @dataclass
 class Segment:
-    """One mapped box in this process: its address, its size in bytes, the driver's
-    handle and (exported boxes only) the descriptor peers import."""
-
     ptr: int
     size: int
     handle: object = None
     fd: int = -1
-    keep: object = None  # what keeps a host mapping alive (HostSegments)
+    keep: object = None  # keeps a host mapping alive (HostSegments)
 
 
 class CudaSegments:
-    """cuMem boxes of this process's device. Invariant: every call runs with this
-    device's primary context current (torch's), and every location named is
-    ``self.ordinal``, this process's own device as its driver numbers it."""
+    """cuMem boxes of this process's device, every call with its primary context current,
+    every location ``self.ordinal`` (this device, as its driver numbers it)."""
 
     def __init__(self, device, driver=None, bind=None):
-        """``driver``: the ``cuda.bindings.driver`` module (a stand-in in tests);
-        ``bind(index)``: makes the device's primary context current on the calling
-        thread (``launch.bind_primary_context``; a stand-in's own in tests)."""
         self.device = torch.device(device)
         if driver is None:
-            from cuda.bindings import driver  # lazy: loads the CUDA driver (a GPU process only)
+            from cuda.bindings import driver  # lazy: a GPU process only
         self.cu, self._bind = driver, bind or bind_primary_context
         with self._current():
             self.ordinal = int(checked(self.cu.cuCtxGetDevice(), "cuCtxGetDevice"))
@@ -74,9 +52,9 @@ class CudaSegments:
 
     @contextlib.contextmanager
     def _current(self):
-        """This device's primary context current on this thread, bound explicitly:
-        torch binds it lazily, and start-up steps run in helper threads."""
-        if self.device.type != "cuda":  # a stand-in driver on the CPU
+        """This device's primary context current, bound explicitly: torch binds it lazily,
+        and start-up steps run in helper threads."""
+        if self.device.type != "cuda":
             self._bind(self.device.index)
             yield
             return
@@ -89,7 +67,6 @@ class CudaSegments:
         holder.id = self.ordinal
 
     def _map(self, handle, size):
-        """Reserve, map and grant read/write to THIS device; undone on any failure."""
         cu = self.cu
         ptr = int(checked(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
         try:
@@ -108,7 +85,6 @@ class CudaSegments:
         return ptr
 
     def create(self, nbytes):
-        """A new box of at least ``nbytes`` on this device, mapped here, exported."""
         cu = self.cu
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -136,7 +112,6 @@ class CudaSegments:
         return Segment(ptr, size, handle, fd)
 
     def open(self, fd, size):
-        """A peer's exported box, mapped in this process for this device."""
         cu = self.cu
         with self._current():
             handle = checked(cu.cuMemImportFromShareableHandle(
@@ -149,8 +124,6 @@ class CudaSegments:
                 raise
 
     def close(self, segment):
-        """Unmap and drop this process's references (the pages go when no process
-        maps or holds them any more)."""
         cu = self.cu
         with self._current():
             cu.cuMemUnmap(segment.ptr, segment.size)
@@ -161,16 +134,13 @@ class CudaSegments:
             segment.fd = -1
 
     def tensor(self, segment, count):
-        """``count`` int32 words at the segment, as a tensor of this device (it does
-        not own the memory: ``close`` does)."""
-        if hasattr(self.cu, "tensor"):  # a stand-in driver's host memory
+        """``count`` int32 words at the segment, a tensor that does not own the memory."""
+        if hasattr(self.cu, "tensor"):
             return self.cu.tensor(segment.ptr, count)
         return torch.as_tensor(_CudaArray(segment.ptr, count), device=self.device)
 
 
 class _CudaArray:
-    """``__cuda_array_interface__`` of int32 words at a device address (torch.as_tensor)."""
-
     def __init__(self, ptr, count):
         self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<i4",
                                          "data": (int(ptr), False), "version": 2,
@@ -178,9 +148,7 @@ class _CudaArray:
 
 
 class HostSegments:
-    """The same contract over memfd shared memory: boxes of CPU-device mailboxes (the
-    CPU test bed's ranks). An import maps the exporter's pages, which stay while mapped,
-    as a cuMem import does."""
+    """The same contract over memfd shared memory, for CPU-device mailboxes."""
 
     ordinal = -1
 
@@ -209,15 +177,13 @@ class HostSegments:
 
 
 def segments_for(device):
-    """The peer-memory implementation for a mailbox on ``device``."""
     return CudaSegments(device) if torch.device(device).type == "cuda" else HostSegments()
 
 
 class FdChannel:
-    """This process's inbox for its peers' descriptors: an abstract-namespace Unix
-    datagram socket, bound at construction (before the ranks exchange names).
-    Invariant: every descriptor received is in ``self._got`` until ``receive`` hands
-    it out or ``close`` closes it (a message read early, while sending, is kept)."""
+    """This process's inbox for its peers' descriptors: an abstract Unix datagram socket,
+    bound before the ranks exchange names. Every descriptor received stays in ``_got``
+    until ``receive`` hands it out or ``close`` closes it."""
 
     def __init__(self):
         self.name = f"\0lamport-head-{os.getpid()}-{secrets.token_hex(8)}"
@@ -226,26 +192,22 @@ class FdChannel:
         self._got = {}
 
     def send(self, to, rank, fd):
-        """``fd`` to the channel named ``to``, from ``rank`` (the message says who);
-        never waits long: BlockingIOError (or TimeoutError, once ``receive`` set the
-        socket's timeout) when that inbox is full."""
+        """``fd`` to the inbox named ``to``, from ``rank``, without waiting: BlockingIOError
+        (or TimeoutError) when that inbox is full."""
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
         self.sock.sendmsg([struct.pack("<i", rank)], rights, socket.MSG_DONTWAIT, to)
 
     def send_all(self, targets, rank, fd, wait_s=RECEIVE_WAIT_S):
-        """``fd`` to every channel of ``targets`` (``{peer: name}``), from ``rank``. A
-        datagram inbox holds about a dozen messages (``net.unix.max_dgram_qlen``, 10 in a
-        fresh network namespace) and every rank sends before any receives, so a full
-        inbox is waited out while this rank reads its own into what ``receive`` returns:
-        every rank makes progress. RuntimeError naming the peers not reached in
-        ``wait_s``."""
+        """``fd`` to every inbox of ``targets``. Every rank sends before any receives and
+        an inbox holds about ten messages, so a full one is waited out while this rank
+        reads its own. RuntimeError naming the peers not reached in ``wait_s``."""
         pending, end = dict(targets), time.monotonic() + wait_s
         while pending:
             for peer, name in list(pending.items()):
                 try:
                     self.send(name, rank, fd)
                     del pending[peer]
-                except (BlockingIOError, TimeoutError):  # full (TimeoutError: a timeout is set)
+                except (BlockingIOError, TimeoutError):
                     pass
             if pending:
                 if time.monotonic() > end:
@@ -254,7 +216,6 @@ class FdChannel:
                 self._take(0.001)
 
     def _take(self, wait_s):
-        """One message into ``self._got`` (False when none came within ``wait_s``)."""
         self.sock.settimeout(max(wait_s, 1e-6))
         try:
             msg, fds, _, _ = socket.recv_fds(self.sock, 4, 1)
@@ -272,8 +233,7 @@ class FdChannel:
         return True
 
     def receive(self, ranks, wait_s=RECEIVE_WAIT_S):
-        """``{rank: fd}`` from each of ``ranks`` (the caller owns them); RuntimeError
-        naming the ranks whose descriptor did not come within ``wait_s``."""
+        """``{rank: fd}`` from each of ``ranks`` (the caller's to close) within ``wait_s``."""
         want, end = set(ranks), time.monotonic() + wait_s
         while not want <= self._got.keys():
             left = end - time.monotonic()
@@ -290,8 +250,6 @@ class FdChannel:
         self.sock.close()
 
 
-# ---- which GPUs reach which: by UUID, through NVML ---------------------------------
-
 _P2P_WRITE, _P2P_ATOMICS = 1, 3  # nvmlGpuP2PCapsIndex_t
 _P2P_STATUS = {0: "ok", 1: "chipset not supported", 2: "GPU not supported",
                3: "IOH topology not supported", 4: "disabled by regkey", 5: "not supported",
@@ -306,15 +264,13 @@ def _nvml():
 
 
 def nvml_uuid(uuid):
-    """NVML's spelling of a GPU UUID (``GPU-`` and the dashed hex)."""
     text = str(uuid)
     return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
 
 
 def p2p_status(a, b, nvml=None):
-    """Whether GPU ``a`` can store into and do atomics on GPU ``b``'s memory, asked of
-    NVML by UUID (it sees every GPU of the host, whatever this process may see):
-    ``(True, "")``, ``(False, why)``, or ``(None, why)`` when NVML cannot tell."""
+    """``(ok, why)``: whether GPU ``a`` can store into and do atomics on ``b``'s memory, asked
+    of NVML (which sees every GPU of the host); ``ok`` is None when NVML cannot tell."""
     try:
         lib = nvml or _nvml()
         handles = []

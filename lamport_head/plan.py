@@ -1,21 +1,6 @@
-"""A ``Plan`` maps each served row count to its ``GatherConfig``: what that row count
-launches. This module holds the type, the one limit a plan must keep
-(``co_resident_limit``), the one check (``fit``) and the ways to make a plan
-(``Plan.of`` a table's entries, ``uniform``, ``default``).
-
-Invariants a change must keep:
-
-- A Lamport gather's CTAs wait on pushes from other CTAs (the peers', and on one GPU
-  the other ranks'), so every CTA of every rank sharing a device must be resident
-  together: no plan holds more CTAs per rank than ``co_resident_limit``, and every
-  builder (``HeadGather``, the emulated and distributed tuning targets) derives the
-  limit here, so the tuner searches exactly what serving accepts.
-- ``headroom_sms`` whole SMs (a quarter, rounded up) are never planned for: kernels
-  of the engine's other streams may hold them while a gather runs
-  (``tests/test_gpu_coresidency.py`` holds that many with a persistent kernel).
-- Pure: the device's resident count comes in as a function, so all of this runs
-  (and is tested) without a GPU.
-"""
+"""A ``Plan``: row count -> ``GatherConfig``. The co-resident limit (docs/design.md, "The
+spin budget and the two modes") is derived only here and checked only by ``fit``, so the
+tuner searches exactly what serving accepts. Pure: the device's count comes in as a function."""
 
 import dataclasses
 from collections.abc import Mapping
@@ -26,8 +11,8 @@ from . import dtypes
 from .kernels.protocol import DEFAULT_THREADS, DEFAULT_UNROLL
 
 class Plan(Mapping):
-    """Row count -> ``GatherConfig``, immutable and hashable (ranks vote on it).
-    ``ctas``: ``{rows: CTAs}``, what a call reads (no attribute walk per call)."""
+    """Row count -> ``GatherConfig``, immutable and hashable (ranks vote on it); ``ctas``
+    (``{rows: CTAs}``) spares a call the attribute walk."""
 
     __slots__ = ("_configs", "ctas")
 
@@ -68,24 +53,20 @@ class Plan(Mapping):
         return Plan, (self._configs,)
 
 
-OTHER_STREAMS_SHARE = 4  # 1/4 of the device's SMs (rounded up) stays free for other streams
+OTHER_STREAMS_SHARE = 4  # 1/4 of the SMs, rounded up: the engine's other streams may hold them
 
 
 def headroom_sms(sms: int) -> int:
-    """The SMs no plan uses on a device of ``sms`` SMs: a quarter, rounded up."""
     return -(-sms // OTHER_STREAMS_SHARE)
 
 
 def co_resident_limit(resident_per_device: int, sharing: int, pdl: bool) -> int:
-    """CTAs per rank that stay co-resident when ``sharing`` ranks share a device that
-    holds ``resident_per_device`` CTAs of the kernel, ``headroom_sms`` left free.
-    ``resident_per_device`` is ``occupancy.resident_ctas``'s answer (``.sms``,
-    ``.per_sm``); a plain int (a CPU stand-in) counts one CTA per SM. With PDL and
-    ranks sharing the device a rank's next gather holds slots beside its current one:
-    halved."""
+    """CTAs per rank co-resident when ``sharing`` ranks share a device holding
+    ``resident_per_device`` CTAs, ``headroom_sms`` left free; halved with PDL on a shared
+    device, where a rank's next gather holds slots beside its current one."""
     sms = getattr(resident_per_device, "sms", None)
     per_sm = getattr(resident_per_device, "per_sm", None)
-    if sms is None or per_sm is None:  # a plain count: one CTA per SM
+    if sms is None or per_sm is None:
         sms, per_sm = int(resident_per_device), 1
     early = 2 if pdl and sharing > 1 else 1
     usable = max(0, sms - headroom_sms(sms)) * per_sm
@@ -94,9 +75,8 @@ def co_resident_limit(resident_per_device: int, sharing: int, pdl: bool) -> int:
 
 @dataclasses.dataclass
 class Limit:
-    """``limit(config)``: the most CTAs per rank of ``config``'s kernel (its ``ctas``
-    ignored) that stay co-resident; ``resident(config)`` is the device's count of that
-    kernel, asked once per kernel."""
+    """``limit(config)``: the most co-resident CTAs per rank of ``config``'s kernel, the
+    device's count asked once per kernel."""
 
     resident: Callable[[GatherConfig], int]
     sharing: int
@@ -117,18 +97,14 @@ def uniform(rows, ctas: int, threads: int = DEFAULT_THREADS, unroll: int = DEFAU
 
 def default(rows, limit: Limit, *, tp: int, shard_width: int, threads: int = DEFAULT_THREADS,
             unroll=None, dtype=dtypes.DEFAULT):
-    """The built-in heuristic's plan (``config.default_config``) for every row count;
-    ``unroll`` None lets it choose per row count; ``dtype``: the logits' (the fragments
-    of a ``shard`` row)."""
+    """The heuristic's plan (``config.default_config``); ``unroll`` None: chosen per row."""
     return Plan({m: default_config(m, tp, shard_width, threads, unroll, limit, dtype)
                  for m in _row_counts(rows)})
 
 
 def fit(plan, limit: Limit, clamped=None):
-    """``plan`` checked against ``limit``: ValueError for a row count that is not a
-    positive int, a value that is not a ``GatherConfig``, or CTAs that cannot all be
-    co-resident; with ``clamped`` (a dict) such a row is cut to the limit instead and
-    recorded there as ``{rows: (asked, limit)}`` (a table tuned under another limit)."""
+    """``plan`` checked against ``limit`` (ValueError); with ``clamped`` (a dict), a row over
+    the limit is cut to it instead and recorded there as ``{rows: (asked, limit)}``."""
     if not isinstance(plan, Mapping):
         raise ValueError(f"a plan maps row counts to GatherConfigs, got {plan!r} (row counts "
                          "alone: plan.uniform, or the heuristic's constructor .default)")

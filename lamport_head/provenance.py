@@ -1,8 +1,6 @@
-"""What a timing depends on besides the GPU model (``runtime_facts``), the provenance
-block of a measured section, and whether a section is stale (docs/design.md,
-"Compatibility promise"). Runtime, not tuner: imports no kernel (``kernel_identity``
-reads their files), no optuna, no CUDA context. A user-table section is stale exactly
-when one of ``STALE_KEYS`` (each a ``runtime_facts`` key) differs from this process's.
+"""What a timing depends on besides the GPU model, a section's provenance block, and
+staleness (docs/design.md, "Compatibility promise"): a user-table section is stale when one
+of ``STALE_KEYS`` differs from this process's. Imports no kernel, optuna or CUDA context.
 """
 
 import datetime
@@ -36,15 +34,13 @@ def _run(*cmd, cwd=None):
         return ""
 
 
-# The source directories whose files make a timing: a tree that differs from its commit
-# there is not that commit's code.
+# a tree that differs from its commit here is not that commit's code
 CODE_DIRS = ("lamport_head", "kernels", "tuning")
 
 
 def source_commit(package=None):
-    """The commit of the checkout this package is imported from (12 hex digits,
-    ``+dirty`` when ``CODE_DIRS`` differ from it); None when the package is not a
-    checkout's own ``lamport_head`` (a wheel, or a venv inside another repository)."""
+    """The commit of this package's checkout (``+dirty`` when ``CODE_DIRS`` differ); None
+    when it is not a checkout's own ``lamport_head`` (a wheel, a venv in another repo)."""
     package = Path(package or Path(__file__).resolve().parent).resolve()
     top = _run("git", "rev-parse", "--show-toplevel", cwd=package)
     if not top or (Path(top) / "lamport_head").resolve() != package:
@@ -65,8 +61,7 @@ def _version(name, missing="unknown"):
 
 
 def kernel_identity(sources=None):
-    """12 hex digits naming a kernel build: the kernel package's ``*.py`` files
-    (default: the installed ``lamport_head.kernels``) and the nvidia-cutlass-dsl
+    """12 hex digits naming a kernel build: the kernels' ``*.py`` files and the DSL
     version. Reads the files: importing the package would import cutlass."""
     if sources is None:
         sources = importlib.util.find_spec("lamport_head.kernels").submodule_search_locations
@@ -84,21 +79,18 @@ def kernel_identity(sources=None):
 
 
 def runtime_facts():
-    """The driver, CUDA, torch, DSL and lamport-head versions and the kernel build."""
     driver = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
     return {
         "driver": driver.splitlines()[0] if driver else "unknown",
         "cuda": torch.version.cuda or "unknown",
         "torch": str(torch.__version__),
         "cutlass_dsl": _version("nvidia-cutlass-dsl"),
-        "lamport_head": _version("lamport-head", "0+unknown"),  # lamport_head.__version__'s
+        "lamport_head": _version("lamport-head", "0+unknown"),
         "kernel": kernel_identity(),
     }
 
 
 def provenance(device, command, *, name=None, facts=None):
-    """The provenance block of a written section: the GPU (``name``, default the
-    device's), ``facts`` (default ``runtime_facts()``), date, commit and command."""
     return {
         "gpu": name or torch.cuda.get_device_name(device),
         **(facts if facts is not None else runtime_facts()),

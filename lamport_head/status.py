@@ -1,19 +1,6 @@
-"""The host side of a gather's give-up: the status record, the error that names the
-missing ranks, and (serving) the watcher that logs it once the context has stopped.
-
-Invariants a change must keep:
-
-- The record is pinned host memory the kernel writes and the host reads with no
-  device sync (``kernels.protocol``): details, a system fence, then the flag. It
-  stays readable after a serving give-up's ``trap`` killed the context.
-- The watcher is serving's watchdog: once the trap is due (plus ``STOP_GRACE_S``)
-  and the context has not stopped, it ends the process (``STOP_EXIT_CODE``), saying
-  why: a step with missing data never finishes.
-- Once it has decided, nothing another thread holds keeps the process alive
-  (``end_process``): the exit is armed first on timers of its own (a POSIX timer
-  calling ``_exit``, needing no GIL, and a Python thread), the line goes to stderr
-  in one non-blocking write, and only then to ``logging``, from a thread the exit
-  waits for at most ``EXIT_LOG_WAIT_S``. The watcher never waits on ``logging``.
+"""The host side of a gather's give-up: the status record, ``GatherTimeout`` and serving's
+watcher (docs/design.md, "A survivor when a peer dies"). The record is pinned host memory
+read with no device sync, so it stays readable after a trap killed the context.
 """
 
 import ctypes
@@ -33,25 +20,19 @@ from .kernels.protocol import STATUS_EPOCH, STATUS_FLAG, STATUS_PEERS, STATUS_SL
 logger = logging.getLogger("lamport_head")
 
 WATCH_PERIOD_S = 0.05  # how soon after a serving give-up its log line appears
-# After the trap is due: how long the driver may take to surface it (docs/figures.md,
-# "Figures the code cites"), then how long the probe of the context may block before
-# the watcher takes the context for stuck.
+# once the trap is due: the driver's time to surface it; the most the context probe blocks
 STOP_GRACE_S, PROBE_WAIT_S = 0.6, 0.3
 STOP_EXIT_CODE = 70  # a serving process whose GPU context did not stop (EX_SOFTWARE)
-# Once the watchdog decided to end the process: how long the best-effort log (through
-# ``logging``, whose handlers another thread may hold) may take before the exit goes on
-# without it, and the latest the armed exit fires whatever the process does meanwhile.
+# the most ``logging`` may delay the watchdog's exit; the latest the armed exit fires
 EXIT_LOG_WAIT_S, EXIT_BOUND_S = 0.2, 1.0
 _LINE_MAX = 4096  # PIPE_BUF on Linux: a pipe write of at most this many bytes is never torn
-# What a gather does when it gives up (HeadGather's ``mode``; kernels.protocol):
 RECOVERABLE = "recoverable"  # NaN for the missing fragments, raise, a collective reset()
 SERVING = "serving"  # stop the GPU context (trap): no later kernel uses the step
 MODES = (RECOVERABLE, SERVING)
 
 
 class GatherTimeout(RuntimeError):
-    """A gather gave up waiting for fragments some ranks never pushed, in call
-    ``epoch`` of every rank (its own wait ran out, or a peer's did and marked it)."""
+    """A gather gave up in call ``epoch`` waiting for fragments some ranks never pushed."""
 
     def __init__(self, rank, peers, epoch, stopped=False):
         self.rank, self.peers, self.epoch = rank, tuple(peers), epoch
@@ -71,29 +52,25 @@ class StatusRecord:
         self.rank, self.tp = rank, tp
         self.words = torch.zeros(STATUS_WORDS, dtype=torch.int32,
                                  pin_memory=torch.cuda.is_available())
-        self.address = self.words.data_ptr()  # what the kernel is handed
+        self.address = self.words.data_ptr()
         self._flag = ctypes.c_int32.from_address(self.address + 4 * STATUS_FLAG)
         self._slow = ctypes.c_int32.from_address(self.address + 4 * STATUS_SLOW)
 
     @property
     def slow(self) -> int:
-        """Serving's heartbeat: the epoch + 1 of a launch still waiting at half the
-        budget, 0 when none (``kernels.protocol``; host memory, no sync)."""
+        """Serving's heartbeat: the epoch + 1 of a launch still waiting at half the budget."""
         return self._slow.value
 
     @property
     def raised(self) -> bool:
-        """The flag, read from host memory (no device sync, works with the context dead)."""
         return bool(self._flag.value)
 
     def missing(self) -> list:
-        """The ranks ``STATUS_PEERS`` names, flag or not (written before the flag); empty
-        when no rank could tell. Host memory, no sync."""
+        """The ranks ``STATUS_PEERS`` names (written before the flag); empty: none could tell."""
         record = self.words.tolist()
         return [r for r in range(self.tp) if record[STATUS_PEERS + r]]
 
     def failure(self, stopped=False):
-        """The ``GatherTimeout`` the record describes (call it once ``raised``)."""
         return GatherTimeout(self.rank, self.missing(), int(self.words[STATUS_EPOCH]), stopped)
 
     def clear(self):
@@ -101,14 +78,13 @@ class StatusRecord:
 
 
 def context_stopped(device, wait_s=PROBE_WAIT_S) -> bool:
-    """Whether ``device``'s CUDA context in this process has stopped (a sync raises its
-    sticky error). A sync that returns, blocks past ``wait_s`` (left in a daemon
-    thread) or is refused during another thread's capture means it still runs."""
+    """Whether ``device``'s CUDA context has stopped (a sync raises its sticky error); a sync
+    that returns, blocks past ``wait_s`` or is refused during a capture means it runs."""
     try:
         within(wait_s, "the CUDA context probe", torch.cuda.synchronize, device)
-    except TimeoutError:  # still blocked: the context runs
+    except TimeoutError:
         return False
-    except Exception as exc:  # the context's sticky error: it stopped
+    except Exception as exc:
         return "capturing" not in str(exc)
     return False
 
@@ -129,9 +105,8 @@ _SIGEV_THREAD, _CLOCK_MONOTONIC = 2, 1
 
 
 def _arm_native_exit(code, after_s) -> bool:
-    """A POSIX timer (``SIGEV_THREAD``) calling libc's ``_exit`` with the timer's value,
-    ``code``, ``after_s`` from now: no GIL needed, so no Python thread can stop it.
-    False where it cannot be armed (not Linux, no ``timer_create``)."""
+    """A POSIX timer calling libc's ``_exit(code)`` ``after_s`` from now: it needs no GIL, so
+    no Python thread can stop it. False where it cannot be armed."""
     if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
         return False
     for name in (None, ctypes.util.find_library("rt")):
@@ -154,9 +129,8 @@ def _arm_native_exit(code, after_s) -> bool:
 
 
 def arm_exit(code=STOP_EXIT_CODE, after_s=EXIT_BOUND_S) -> bool:
-    """``after_s`` from now the process leaves with ``code``, whatever its threads hold.
-    Two clocks, the first wins: ``_arm_native_exit`` (its answer is returned) and a
-    daemon thread (for where the timer cannot be armed)."""
+    """``after_s`` from now the process leaves with ``code``, whatever its threads hold: the
+    native timer (its answer returned) and a daemon thread, the first wins."""
     def later():
         time.sleep(after_s)
         os._exit(code)
@@ -166,10 +140,8 @@ def arm_exit(code=STOP_EXIT_CODE, after_s=EXIT_BOUND_S) -> bool:
 
 
 def write_line(text) -> bool:
-    """``text`` as one line on stderr in one write that never blocks; True if it went
-    out whole. Non-blocking only on a descriptor of its own (``/proc/self/fd/2``
-    reopened), so processes sharing the stream are untouched; a socket gets
-    ``MSG_DONTWAIT``. At most ``_LINE_MAX`` bytes, so a pipe never tears the line."""
+    """``text`` as one line on stderr in one write that never blocks (on a descriptor of its
+    own: processes sharing the stream are untouched); True if it went out whole."""
     data = (text.rstrip("\n")[:_LINE_MAX - 1] + "\n").encode("utf-8", "replace")[:_LINE_MAX]
     try:
         fd = os.open("/proc/self/fd/2", os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK
@@ -181,7 +153,7 @@ def write_line(text) -> bool:
             return os.write(fd, data) == len(data)
         try:
             out = socket.socket(fileno=os.dup(2))
-        except OSError:  # not a socket
+        except OSError:
             return os.write(2, data) == len(data)
         with out:
             return out.send(data, socket.MSG_DONTWAIT) == len(data)
@@ -193,8 +165,7 @@ def write_line(text) -> bool:
 
 
 def _log_aside(level, message, *args):
-    """``logger.log(...)`` from a daemon thread (returned), so a held handler never
-    blocks the caller."""
+    """``logger.log(...)`` from a daemon thread, so a held handler never blocks the caller."""
     thread = threading.Thread(target=logger.log, args=(level, message, *args),
                               name="lamport-head-log", daemon=True)
     thread.start()
@@ -202,10 +173,9 @@ def _log_aside(level, message, *args):
 
 
 def end_process(line, code=STOP_EXIT_CODE):
-    """The watchdog's last resort, in an order no other thread can hold up: arm the
-    exit (``EXIT_BOUND_S``), ``line`` to stderr, CRITICAL through ``logging`` from a
-    thread waited on at most ``EXIT_LOG_WAIT_S``, then ``_exit`` with no teardown (a
-    CUDA call could wait on the stuck context)."""
+    """The watchdog's last resort, in an order no other thread can hold up: arm the exit,
+    ``line`` to stderr, ``logging`` from a thread waited on at most ``EXIT_LOG_WAIT_S``,
+    then ``_exit`` with no teardown (a CUDA call could wait on the stuck context)."""
     arm_exit(code, EXIT_BOUND_S)
     write_line(f"CRITICAL lamport_head: {line}")
 
@@ -225,19 +195,14 @@ def end_process(line, code=STOP_EXIT_CODE):
 
 
 def _missing(ranks) -> str:
-    """The watchdog line's words for the missing ranks ("unknown" when none)."""
     if ranks:
         return f"rank(s) {', '.join(map(str, ranks))} never published"
     return "the missing rank(s) unknown: no rank could tell"
 
 
 class Watcher:
-    """Serving's watcher and watchdog, a daemon thread (docs/design.md, "A survivor
-    when a peer dies"). Once the flag is up it logs the failure once at ERROR (the
-    engine's CUDA error cannot name the rank), then ends the process (``end``) if the
-    context has not stopped (``stopped``) ``stop_after_s`` later. A slow heartbeat up
-    ``stuck_after_s`` with no flag and the context running ends it too. It touches no
-    CUDA state before the flag and never waits on ``logging``; ``stop()`` ends it."""
+    """Serving's watcher and watchdog (a daemon thread): it names the missing ranks, which the
+    engine's CUDA error cannot; no CUDA state before the flag, never a wait on ``logging``."""
 
     def __init__(self, record, period_s=WATCH_PERIOD_S, *, device=None, stop_after_s=None,
                  stuck_after_s=None, stopped=None, end=end_process):

@@ -1,24 +1,8 @@
-"""The HEAD_GATHER table: per GPU model, (TP, DCP), vocabulary and row count, the CTA
-count and on/off flag of the Lamport gather (plus measured latencies and provenance).
-The format and the layers: docs/tables.md, tables/head_gather.yaml; the contract:
-docs/design.md, "Tables".
-
-Invariants a change must keep:
-
-- A section is keyed by (GPU model, TP, DCP, emulated, V, stock, dtype): a row measured
-  at one V, against one stock or for one logits dtype (``dtypes.NAMES``: an FP32 row
-  moves twice a BF16 row's bytes) is not served at another. A section without
-  ``vocab`` is V = ``KIMI_K2_VOCAB``, one without ``stock`` ``nccl-all-gather``, one
-  without ``dtype`` ``bfloat16`` (``dtypes.DEFAULT``). Two sections of one file for one
-  key and one environment are rejected, naming both.
-- Serving fills the rows between two measured ones from the row above, enabled only
-  when both neighbours are (``fill``); rows outside the measured span are stock.
-- Every defect is a ``TableError`` naming the file and the entry. ``parse`` (one file
-  by name) raises it; serving's layered view (``load_layers``) skips what a defect
-  spoils and no more (a section, a layer); only the user table is set aside
-  (``Table.broken``, ``tablefile``), never ``$LAMPORT_HEAD_TABLE``.
-- A sealed table (``tablefile.SEAL``) must match its seal; an unsealed one is read as
-  it is. A bare YAML on/off/yes/no is rejected anywhere (write true/false).
+"""The HEAD_GATHER table (docs/design.md, "Tables"; docs/tables.md). A section's key also
+holds the logits dtype: a row serves only at the V, stock and dtype it was measured at
+(absent from a section: ``KIMI_K2_VOCAB``, ``NCCL_STOCK``, ``dtypes.DEFAULT``). ``parse``
+raises on any defect; serving's ``load_layers`` skips only what a defect spoils and sets
+aside only the user table, never ``$LAMPORT_HEAD_TABLE``.
 """
 
 import math
@@ -37,32 +21,23 @@ from .settings import TABLE_ENV, cache_dir, table_override
 from .tablefile import TornTable, check_seal
 
 SCHEMA = 1
-MAX_ROWS = 1024  # the largest row count a table may serve (decode batches are far smaller)
-KIMI_K2_VOCAB = 163840  # the vocab the tools default to, and a section's written without ``vocab``
+MAX_ROWS = 1024
+KIMI_K2_VOCAB = 163840
 SECTION_KEYS = {"schema", "tp", "dcp", "vocab", "stock", "dtype", "emulated", "provenance",
                 "rows"}
-NCCL_STOCK = "nccl-all-gather"  # vLLM's _gather_logits, SGLang without NVLS, the tuner's stand-in,
-# and the stock of a section written without ``stock``
+NCCL_STOCK = "nccl-all-gather"  # vLLM's _gather_logits, SGLang without NVLS, the tuner's stand-in
 MULTIMEM_STOCK = "multimem-all-gather"  # SGLang's MultimemAllGatherer (NVLS one-shot)
-# vLLM's CudaCommunicator.custom_all_gather (one-shot IPC, or with multicast the MNNVL
-# Lamport all-gather; NCCL's where it declines): a release whose LogitsProcessor gathers
-# through it (engines/vllm/find.py gather_stock) is served only from sections against it
+# vLLM's CudaCommunicator.custom_all_gather, where a release gathers logits through it
 CUSTOM_STOCK = "custom-all-gather"
-# vLLM 0.34's all_to_all_vocab_shards (batch-sharded sampling, DSpark): a section against it
-# is the all-to-all's (``lamport_head.all_to_all``), its rows the step's total M
+# vLLM 0.34's all_to_all_vocab_shards: the AllToAll's sections, their rows the step's total M
 ALL_TO_ALL_STOCK = "nccl-all-to-all"
 STOCKS = (NCCL_STOCK, MULTIMEM_STOCK, ALL_TO_ALL_STOCK, CUSTOM_STOCK)
-MAX_CTAS = 1024  # the most CTAs a table entry may ask for
-# Sections of one key kept side by side, one per environment that measured it (the
-# provenance's STALE_KEYS: driver, torch, DSL, lamport-head, kernel): two environments
-# sharing one user table each keep theirs instead of re-measuring over the other's.
+MAX_CTAS = 1024
+# versions of one key, so environments sharing a user table don't re-measure over each other
 MAX_VERSIONS = 4
-# Bounds of what a GPU can serve: TP 1 has no gather to replace, and one NVLink domain
-# (an NVL72) joins at most 72 GPUs; no model's vocabulary comes near 2^24 (Kimi K2's is
-# 163840), so a larger V is a typo that would never match a model.
+# TP 1 has no gather; an NVL72 joins at most 72 GPUs; a V past 2^24 is a typo
 MIN_TP, MAX_TP = 2, 72
 MAX_VOCAB = 1 << 24
-# A row entry holds every GatherConfig field (all but ctas optional: the defaults)
 ROW_KNOBS = {f.name for f in fields(GatherConfig)}
 ROW_KEYS = ROW_KNOBS | {"enabled", "lamport_us", "stock_us"}
 PROVENANCE_KEYS = {"gpu", "driver", "cuda", "torch", "cutlass_dsl", "lamport_head", "kernel",
@@ -77,16 +52,11 @@ class TableError(ValueError):
 
 @dataclass(frozen=True)
 class TableRow:
-    """The table's entry for one row count: how to launch it (``config``), whether to
-    serve it, and whether it was measured or filled in (``fill``). ``ctas`` reads the
-    config: the seed's public contract names an entry's ``.ctas``; the threads and
-    unroll are the config's only. Not a plan: a plan is ``{rows: GatherConfig}``
-    (``plan.plan``'s answer), and the one served from a section is its enabled
-    entries' configs."""
+    """The entry for one row count; ``ctas`` stays because the seed's public contract names it."""
 
     config: GatherConfig
     enabled: bool
-    filled: bool = False  # not measured: filled in from the measured row above (fill())
+    filled: bool = False
 
     @property
     def ctas(self) -> int:
@@ -94,14 +64,9 @@ class TableRow:
 
 
 def fill(measured):
-    """The table's entries ``{rows: TableRow}`` serving reads, from the measured rows
-    (``{rows: TableRow}``; a range counts as measured for each of its rows). A row
-    between two measured rows takes the entry of the measured row above it (its CTAs
-    were found for at least as many rows, so they cover the bytes), marked
-    ``filled``, enabled only when both neighbours are enabled. Rows below the smallest
-    measured row have no lower neighbour, and rows past the largest have no upper one:
-    both stay stock (absent). When the smallest measured row is 1 there is no row
-    below it."""
+    """The entries serving reads from the ``measured`` ones: a gap takes the measured row
+    above's entry (its CTAs cover the bytes), enabled only when both neighbours are; rows
+    outside the measured span stay stock (absent)."""
     rows = sorted(measured)
     entries = dict(measured)
     for below, above in zip(rows, rows[1:]):
@@ -127,7 +92,7 @@ def _mapping(loader, node, deep=False):
         key = loader.construct_object(key_node, deep=deep)
         try:
             hash(key)
-        except TypeError:  # a sequence or mapping used as a key (`? [1, 2]`)
+        except TypeError:
             raise TableError(f"key {type(key).__name__} at line {key_node.start_mark.line + 1} "
                              "is not a scalar; keys are names, numbers or ranges") from None
         if key in seen:
@@ -193,7 +158,7 @@ def _row(entry, where):
         raise TableError(f"{where}: ctas must be an int in [1, {MAX_CTAS}], got {ctas!r}")
     if not isinstance(entry["enabled"], bool):
         raise TableError(f"{where}: enabled must be true or false, got {entry['enabled']!r}")
-    try:  # the other knobs: GatherConfig's own checks, its defaults where absent
+    try:
         config = GatherConfig(**{k: v for k, v in entry.items() if k in ROW_KNOBS})
     except ValueError as exc:
         raise TableError(f"{where}: {exc}") from None
@@ -216,20 +181,18 @@ class Section:
     provenance: dict
     rows: dict  # measured row count -> TableRow (ranges expanded); Table.entries fills gaps
     raw: dict  # the section as written
-    source: str = ""  # the file it was read from
-    vocab: int = KIMI_K2_VOCAB  # the full vocabulary V its rows were measured at
-    stock: str = NCCL_STOCK  # the engine gather its rows were measured against
-    dtype: str = dtypes.DEFAULT  # the logits dtype its rows were measured at (dtypes.NAMES)
+    source: str = ""
+    vocab: int = KIMI_K2_VOCAB
+    stock: str = NCCL_STOCK
+    dtype: str = dtypes.DEFAULT
 
     @property
     def vocab_written(self) -> bool:
-        """False for a section written without ``vocab`` (taken as ``KIMI_K2_VOCAB``)."""
         return "vocab" in self.raw
 
 
 def version(provenance):
-    """What environment a section was measured in (``provenance.STALE_KEYS``' values);
-    ``()`` for a section with none of them (hand-written: one version only)."""
+    """A section's environment (``provenance.STALE_KEYS``' values); ``()``: hand-written."""
     from .provenance import STALE_KEYS  # lazy: provenance loads torch (the CLI's help reads tables)
 
     if not isinstance(provenance, dict) or not any(k in provenance for k in STALE_KEYS):
@@ -238,8 +201,7 @@ def version(provenance):
 
 
 def _newest(sections, facts):
-    """The one of several versions of a key to serve: the one measured in ``facts``'s
-    environment (``provenance.runtime_facts``), else the newest by its date."""
+    """The version to serve: the one measured in ``facts``'s environment, else the newest."""
     if facts is not None:
         mine = version(facts)
         for s in sections:
@@ -249,14 +211,12 @@ def _newest(sections, facts):
 
 
 def section_key(section):
-    """What a section is for; a higher layer's section replaces a lower one's only for
-    the same key: GPU model, TP, DCP, emulated, vocabulary, stock and dtype."""
+    """What a section is for: a higher layer's replaces a lower one's of the same key."""
     return (normalize(section.device), section.tp, section.dcp, section.emulated, section.vocab,
             section.stock, section.dtype)
 
 
 def _label(section):
-    """``devices.NAME[tp=.., dcp=.., vocab=..]`` of FILE: one section, for messages."""
     vocab = section.vocab if section.vocab_written else f"{section.vocab} (not written)"
     return (f"{section.source or '<string>'}: {section.device} tp={section.tp} "
             f"dcp={section.dcp} vocab={vocab} stock={section.stock} dtype={section.dtype}"
@@ -264,16 +224,14 @@ def _label(section):
 
 
 class Table:
-    """A validated table. ``entries(device_name, tp, dcp, vocab=None)`` -> ``{rows:
-    TableRow}``. ``path`` is its file (the highest layer's, for a layered view);
-    ``layers`` every file read, lowest first. No two sections share a
-    ``section_key``."""
+    """A validated table: ``path`` its file (the highest layer's), ``layers`` every file
+    read, lowest first. No two sections share a ``section_key`` and version."""
 
     facts = None  # this environment's runtime facts: which version of a key serves (_newest)
     problems = ()  # Problem per section (or layer) a lenient read skipped
     kept = ()  # (device, section as written) of a newer schema: skipped, kept by the writer
-    broken = None  # why the user table cannot be read whole (load_layers), or None
-    without_user = None  # load_layers: the merged view of every layer but the user table
+    broken = None  # why the user table cannot be read whole, or None
+    without_user = None  # the merged view of every layer but the user table
 
     def __init__(self, path, sections, layers=None):
         self.path, self.sections = path, sections
@@ -281,13 +239,8 @@ class Table:
 
     def section(self, device_name, tp, dcp, *, emulated=False, vocab=None, stock=None,
                 dtype=None):
-        """The section for (``device_name``, ``tp``, ``dcp``, ``emulated``) measured at
-        ``vocab`` (the full vocabulary V = TP x shard width) against ``stock`` (one of
-        ``STOCKS``) for logits of ``dtype`` (a name of ``dtypes.NAMES`` or a torch
-        dtype), or None: a section measured at another V, against another stock or for
-        another dtype is not this one. ``vocab``/``stock``/``dtype`` None: the one
-        section for the rest of the key whatever its V/stock/dtype, None when there is
-        none, ``TableError`` naming the choices when there are several (ask for one)."""
+        """The section for this key, or None. ``vocab``/``stock``/``dtype`` None: the one
+        there is whatever its value; ``TableError`` naming them when there are several."""
         if dtype is not None:
             dtype = dtypes.name(dtype)
         found = [s for s in self.sections
@@ -297,7 +250,7 @@ class Table:
                  and (stock is None or s.stock == stock)
                  and (dtype is None or s.dtype == dtype)]
         versions = {}
-        for s in found:  # several versions of one key: the one this environment measured
+        for s in found:
             versions.setdefault((s.vocab, s.stock, s.dtype), []).append(s)
         found = [v[0] if len(v) == 1 else _newest(v, self.facts) for v in versions.values()]
         if len(found) > 1:
@@ -309,20 +262,16 @@ class Table:
         return found[0] if found else None
 
     def vocabs(self, device_name, tp, dcp, *, emulated=False):
-        """The vocabularies the table holds sections for at this key, sorted."""
         return sorted({s.vocab for s in self.sections
                        if normalize(s.device) == normalize(device_name) and s.tp == tp
                        and s.dcp == dcp and s.emulated == emulated})
 
     def stocks(self, device_name, tp, dcp, vocab, *, emulated=False):
-        """The stocks the table holds sections for at this key and vocabulary, sorted."""
         return sorted({s.stock for s in self.sections
                        if normalize(s.device) == normalize(device_name) and s.tp == tp
                        and s.dcp == dcp and s.emulated == emulated and s.vocab == vocab})
 
     def dtypes(self, device_name, tp, dcp, vocab, stock, *, emulated=False):
-        """The dtypes the table holds sections for at this key, vocabulary and stock,
-        sorted."""
         return sorted({s.dtype for s in self.sections
                        if normalize(s.device) == normalize(device_name) and s.tp == tp
                        and s.dcp == dcp and s.emulated == emulated and s.vocab == vocab
@@ -330,12 +279,8 @@ class Table:
 
     def entries(self, device_name, tp, dcp=1, *, emulated=False, vocab=None, stock=None,
                 dtype=None):
-        """The section's entries ``{rows: TableRow}``, enabled or not, gaps between
-        measured rows filled (``fill``); ``{}`` for an unknown device, (tp, dcp),
-        vocabulary, stock or dtype. Emulated sections are only returned when asked for
-        with ``emulated=True``. ``vocab``: the full vocabulary V served (TP x shard
-        width); ``stock``: the engine's gather the route replaces; ``dtype``: the
-        logits' dtype; None takes the one section there is (``section``)."""
+        """The section's entries ``{rows: TableRow}``, enabled or not, gaps filled; ``{}``
+        for an unknown key. Emulated sections only with ``emulated=True``."""
         s = self.section(device_name, tp, dcp, emulated=emulated, vocab=vocab, stock=stock,
                          dtype=dtype)
         return fill(s.rows) if s else {}
@@ -343,12 +288,11 @@ class Table:
 
 
 def _syntax_error(path, text, exc):
-    """PyYAML's error (several lines: the message, the offending line quoted, a caret)
-    as one line: ``FILE:LINE:COLUMN: YAML syntax error: WHAT (CONTEXT at line N)``."""
+    """PyYAML's several-line error as one line: ``FILE:LINE:COLUMN: YAML syntax error: ...``."""
     def flat(words):
         return " ".join(str(words).split())
 
-    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML refuses: a position
+    if isinstance(exc, yaml.reader.ReaderError):
         line = text.count("\n", 0, exc.position) + 1
         column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
         char = exc.character if isinstance(exc.character, int) else ord(exc.character[:1] or "\0")
@@ -366,10 +310,8 @@ def _syntax_error(path, text, exc):
 
 
 class Problem(NamedTuple):
-    """What a lenient read (``read``) skipped: ``kind`` is "file" (the whole file: torn,
-    unreadable, not YAML, not a table), "section" (one section the loader cannot read)
-    or "newer" (a section, or a whole file, of a newer schema than ``SCHEMA``: its
-    sections are in the table's ``kept``, for the writer); ``line`` says what and where."""
+    """What a lenient ``read`` skipped: ``kind`` "file", "section" or "newer" (a newer
+    schema's, kept in ``Table.kept`` for the writer); ``line`` says what and where."""
 
     kind: str
     line: str
@@ -377,16 +319,13 @@ class Problem(NamedTuple):
 
 
 def parse(text, path="<string>"):
-    """Validate YAML ``text`` strictly: any defect raises ``TableError``; ``path``
-    names it in errors. A sealed table (``tablefile.SEAL``) must match its seal."""
+    """Validate YAML ``text`` strictly: any defect raises ``TableError``."""
     return _parse(text, path, strict=True)
 
 
 def read(text, path="<string>"):
-    """A lenient ``parse``: a defect of one section (or one device's list) skips that
-    section, listed in the table's ``problems``, and the rest serves; a section of a
-    newer schema is skipped too ("newer"). What spoils the whole file (torn, not YAML,
-    not a table) still raises ``TableError``."""
+    """A lenient ``parse``: a bad or newer section is skipped (in ``problems``); what spoils
+    the whole file still raises ``TableError``."""
     return _parse(text, path, strict=False)
 
 
@@ -420,7 +359,7 @@ def _parse(text, path, strict):
             raise exc
         problems.append(Problem(kind, str(exc)))
 
-    if schema > SCHEMA:  # a newer lamport-head's file: one line for it, its sections kept
+    if schema > SCHEMA:  # one line for the file, its sections kept
         problems.append(Problem("newer", f"{path}: schema {schema}, newer than this "
                                 f"lamport-head reads ({SCHEMA}): its sections are skipped"))
 
@@ -475,7 +414,6 @@ def _parse(text, path, strict):
 
 
 def _schema_of(sec, schema):
-    """A section's schema: its own ``schema`` when it is an int, else the file's."""
     own = sec.get("schema") if isinstance(sec, dict) else None
     return own if _int(own) else schema
 
@@ -542,15 +480,11 @@ def packaged_path() -> Path:
 
 
 def user_path() -> Path:
-    """The user's table, written by ``tune``: ``$LAMPORT_HEAD_CACHE/head_gather.yaml``,
-    the cache directory defaulting to ``$XDG_CACHE_HOME/lamport-head`` (XDG's
-    default: ``~/.cache``)."""
     return cache_dir() / "head_gather.yaml"
 
 
 def section_status(section):
-    """'missing', 'current', or 'stale: key, ...' for a table section. Only the user
-    table goes stale; the packaged table and ``LAMPORT_HEAD_TABLE`` serve as they are."""
+    """'missing', 'current', or 'stale: key, ...'; only the user table's sections go stale."""
     from . import provenance  # lazy: it loads torch; read at the call (tests replace facts)
 
     if section is None:
@@ -563,8 +497,6 @@ def section_status(section):
 
 
 def layer_paths():
-    """The table files serving reads, lowest to highest: the packaged table, the
-    user's table (when it exists), ``$LAMPORT_HEAD_TABLE`` (when set; it must exist)."""
     paths = [packaged_path()]
     if user_path().exists():
         paths.append(user_path())
@@ -575,19 +507,16 @@ def layer_paths():
 
 
 def _same(path, other):
-    """Whether ``path`` and ``other`` (either None) name one file, however spelled."""
     return other is not None and Path(path).resolve() == Path(other).resolve()
 
 
 def _movable(path):
-    """Whether ``path`` is the user table the tool writes (set aside when broken), not a
-    file a person named in ``$LAMPORT_HEAD_TABLE`` (never moved)."""
+    """Whether ``path`` is the user table (set aside when broken), not ``$LAMPORT_HEAD_TABLE``."""
     return _same(path, user_path()) and not _same(path, table_override())
 
 
 def fix_for(path, kind):
-    """What to do about a problem (``Problem.kind``) of the layer at ``path``: the
-    clause ``show`` and install's lines end with."""
+    """What to do about a ``Problem.kind`` of the layer at ``path``: the lines' last clause."""
     if kind == "newer":
         return ("written by a newer lamport-head: kept in the file for it, and this version "
                 "serves the rest (first-use tuning measures its own section beside it)")
@@ -608,20 +537,8 @@ def fix_for(path, kind):
 
 
 def load_layers() -> Table:
-    """The merged view of ``layer_paths()``: a higher layer's section for the same
-    (GPU model, TP, DCP, emulated, vocabulary, stock, dtype) replaces the lower one's
-    (one for another vocabulary or dtype stays beside it); each section keeps the file
-    it came from in ``source``.
-
-    Lenient, so that one bad byte never costs more than it spoils: a section the loader
-    cannot read is skipped and the file's other sections serve; a layer that cannot be
-    read whole (torn, unreadable, not a table) is skipped and the layers below serve.
-    Each skip is one line in ``problems`` (``Problem``, its line ending with
-    ``fix_for``). A broken user table is named in ``broken`` (why), for install to set
-    aside with every rank agreeing; ``$LAMPORT_HEAD_TABLE`` never is (a person named
-    that file: it is refused, never moved). ``without_user`` is the same merge of every
-    layer but the user table, from the same reading: what every rank serves from when
-    some host's user table is broken (install), so that the other layers keep serving."""
+    """The merged view of ``layer_paths()``, lenient: a bad section or an unreadable layer
+    costs only itself, one ``Problem`` each; ``broken`` and ``without_user`` are install's."""
     paths = [str(p) for p in layer_paths()]
     layers, problems, broken = [], [], None
     for path in paths:
@@ -654,8 +571,7 @@ def load_layers() -> Table:
 
 
 def load_table(path=None, *, strict=True) -> Table:
-    """The table at ``path`` (that one file: ``parse``, or ``read`` when not
-    ``strict``); without a path, the layered view (``load_layers``, lenient)."""
+    """The one file at ``path`` (``parse``, or ``read``); without a path, ``load_layers()``."""
     if path is None:
         return load_layers()
     try:
@@ -669,8 +585,7 @@ def load_table(path=None, *, strict=True) -> Table:
 
 
 def _set_aside_if_broken(path):
-    """Under the writer's lock: set ``path`` aside unless it reads whole now (another
-    engine on this host healed it since this one read it)."""
+    """Under the writer's lock: set ``path`` aside unless another engine healed it since."""
     with tablefile.locked(path):
         try:
             load_table(path, strict=False)
@@ -680,14 +595,10 @@ def _set_aside_if_broken(path):
 
 
 def set_aside_agreed(path, keys, rank, group):
-    """Collective, on every rank once any rank's vote says its host's copy is broken:
-    the first rank of each host by ``keys`` (the vote's ``(host, gpu)`` or None; a rank
-    with None acts too) sets that copy aside unless it now reads whole. Returns this
-    rank's host's outcome ``(kind, detail)``: ("aside", the new path), ("gone", None)
-    (reads whole now, or already moved) or ("kept", why it could not be moved); the same
-    on every rank of a host. Logs nothing (install says it: ``healing_line``); never
-    raises."""
-    # lazy: collective loads torch, and the CLI loads this module (through table) for its help
+    """Collective: the first rank of each host by ``keys`` (a rank with no key acts too)
+    sets ``path`` aside unless it now reads whole. This host's ``(kind, detail)``, the same
+    on its ranks: ("aside", new path), ("gone", None) or ("kept", why). Never raises."""
+    # lazy: collective loads torch, and the CLI loads this module for its help
     from .collective import all_gather_objects
 
     host = keys[rank][0] if keys[rank] is not None else None

@@ -1,12 +1,6 @@
-"""The table file's bytes on disk: sealed, written durably, set aside when broken
-(docs/tables.md, "When a table is broken: healing and set-aside"). Invariants:
-
-- A file whose first line begins like ``SEAL`` and does not match the bytes after it
-  reads as torn, a cut at a line boundary included; one without the seal loads as is.
-- ``write_durably``: a crash leaves the old file or the new one whole, never a cut one.
-- ``set_aside`` renames, never deletes; ``$LAMPORT_HEAD_TABLE`` never comes here.
-- ``healing_line`` says once a start what ``table.set_aside_agreed`` (collective, called
-  only when the agreed view says the user table is broken) did with a copy.
+"""The table file on disk: sealed, written durably, set aside when broken (docs/tables.md,
+"When a table is broken: healing and set-aside"; docs/design.md, "Tables"). ``set_aside``
+renames, never deletes.
 """
 
 import datetime
@@ -23,7 +17,7 @@ logger = logging.getLogger("lamport_head")
 
 SEAL = "# lamport-head table, sealed:"
 _SEAL = re.compile(re.escape(SEAL) + r" sha256 ([0-9a-f]{64}) of the (\d+) bytes after this line$")
-SET_ASIDE = ".broken-"  # the infix of a set-aside table's name, before its timestamp
+SET_ASIDE = ".broken-"
 
 
 class TornTable(ValueError):
@@ -31,15 +25,14 @@ class TornTable(ValueError):
 
 
 def seal(text: str) -> str:
-    """``text`` with its seal line first."""
     body = text.encode("utf-8")
     return (f"{SEAL} sha256 {hashlib.sha256(body).hexdigest()} of the {len(body)} bytes "
             f"after this line\n{text}")
 
 
 def check_seal(text: str) -> str:
-    """The text after the seal line, or ``text`` as it is when it has no seal; raises
-    ``TornTable`` when it begins like a sealed table and does not match its seal."""
+    """The text after the seal line, or ``text`` when it has no seal; ``TornTable`` when it
+    begins like a sealed table and does not match its seal."""
     first, newline, rest = text.partition("\n")
     if not first.startswith(SEAL):
         # an empty file, or one cut inside the seal line, is a sealed table cut short
@@ -62,8 +55,7 @@ def check_seal(text: str) -> str:
 
 @contextmanager
 def locked(path):
-    """An exclusive ``flock`` on ``.STEM.lock`` beside ``path`` (blocks until free), for a
-    read-modify-write or a set-aside: concurrent writers lose no section, and a
+    """An exclusive ``flock`` beside ``path``: concurrent writers lose no section, and a
     set-aside never moves a table another group has just written whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,8 +82,7 @@ def _fsync_dir(directory):
 
 
 def write_durably(path, text: str):
-    """Replace ``path`` by ``text`` so that a crash at any point leaves the old file or
-    the new one whole; the mode follows the umask (docs/tables.md, "Durable writes")."""
+    """Replace ``path`` by ``text``: a crash leaves the old file or the new one whole."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -113,8 +104,7 @@ def write_durably(path, text: str):
 
 
 def set_aside(path) -> Path:
-    """Rename the broken table ``path`` beside itself with a UTC timestamp; the new
-    path. Durable like a write (the directory is synced)."""
+    """Rename ``path`` beside itself with a UTC timestamp, durably; the new path."""
     path = Path(path)
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
     aside = path.with_name(f"{path.name}{SET_ASIDE}{now}")
@@ -124,14 +114,11 @@ def set_aside(path) -> Path:
 
 
 def aside_line(path, aside, why, then):
-    """The one WARNING line of a set-aside table; ``then``: what happens next."""
     return (f"lamport-head: the user table {path} could not be read ({why}); set aside as "
             f"{aside}; {then}")
 
 
 def kept_line(path, why, detail, then):
-    """The one WARNING line of a broken table that could not be set aside (``detail``:
-    why not); ``then``: what happens next."""
     return (f"lamport-head: the user table {path} could not be read ({why}) nor set aside "
             f"({detail}): every rank ignores it, on every start until it is fixed or "
             f"removed; {then}")
@@ -141,11 +128,8 @@ _said = set()  # (path, why, detail) of the kept lines said in this process: one
 
 
 def healing_line(path, why, kind, detail, then):
-    """The WARNING line for this host's outcome of ``set_aside_agreed`` (``kind``,
-    ``detail``), or None: nothing to say ("gone": this host's copy reads whole or was
-    set aside by another rank), or a copy that could not be moved whose line this
-    process said already (every install of a start meets it again: one line a start).
-    ``why``: this rank's reading of its copy; ``then``: what happens next (install's)."""
+    """The WARNING line for this host's ``set_aside_agreed`` outcome, or None: "gone", or a
+    kept copy this process said already (every install of a start meets it: one line)."""
     if kind == "aside":
         return aside_line(path, detail, why, then)
     if kind != "kept" or (str(path), why, detail) in _said:

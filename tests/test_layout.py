@@ -395,3 +395,15 @@ def test_each_constructor_takes_at_most_nine_parameters():
             assert len(names) <= 9, (cls.__name__, ctor.__name__, names)
             assert names[:6] == ["group", "device", "tp", "rank", "shard_width",
                                  "plan" if ctor.__name__ == "__init__" else "row_counts"]
+
+
+def test_prose_is_at_most_a_fifth_of_the_runtime_and_the_kernels():
+    """Issue 50 item 5: docstrings and comments are at most ``PROSE_LIMIT`` of the
+    non-blank lines of ``kernels/`` and ``lamport_head/`` (``tests/prose.py``)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from prose import PROSE_LIMIT, share
+
+    for tree in ("kernels", "lamport_head"):
+        prose, lines, files = share(ROOT / tree)
+        worst = sorted(files, key=lambda f: files[f][0] / max(files[f][1], 1))[-3:]
+        assert prose <= PROSE_LIMIT * lines, (tree, prose, lines, worst)

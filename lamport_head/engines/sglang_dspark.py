@@ -1,41 +1,9 @@
-"""SGLang DSpark drafts: their base-logits gathers on the Lamport mailbox (SGLang 0.5.23,
-``sglang/srt/models/dspark.py``, ``deepseek_v4_dspark.py``, ``dspark_minimax.py``;
-docs/sglang.md, "DSpark").
-
-A DSpark draft gathers its base logits outside any LogitsProcessor: its
-``compute_base_logits`` projects the draft's hidden rows (``bs x gamma``) through the
-vocab-parallel lm_head it shares with the target into ``[M, V/TP]``, then takes one
-path, fixed when SGLang attaches that head (``attach_shared_modules``, called by the
-DSpark worker after the draft runner's ``load_model`` and before any draft graph
-capture; a DeepSeek V4 draft with its own head holds it at load):
-
-- ``gather_and_crop_vocab`` (``GATHER``): ``tensor_model_parallel_all_gather(local,
-  dim=-1)``, NCCL's all-gather, then a crop to ``org_vocab_size``: the dense drafts
-  (``DSparkDraftModel`` and its kin; ``DeepseekV4ForCausalLMDSpark`` with
-  ``SGLANG_DSPARK_OPT_MARKOV_W2_TP_SHARD`` off). Routed by the caller module's global:
-  the module whose code calls it (``_caller``), replaced once by a dispatcher that
-  routes the all-gather of the lm_heads served (``_ROUTES``) and calls SGLang's own
-  function for every other head.
-- ``_base_logits_gatherer`` (``MULTIMEM``): the ``MultimemAllGatherer`` SGLang builds
-  for drafts with ``supports_vocab_parallel_draft_logits`` (``DSparkMiniMaxDraftModel``)
-  whose Markov head is not TP-sharded: routed as the target's gatherer is, by that
-  instance attribute.
-- Neither (``LOCAL``): the Markov head is TP-sharded (``TP_SHARD_ENV``): the base logits
-  stay vocab-local, and each draft step exchanges per-block candidates (and, kept, the
-  step logits) through SGLang's ``VocabGather``, named in the summary as not routed
-  (``_not_routed`` says why); so is ``dspark_minimax``'s ``_fc_gatherer`` (hidden
-  columns, not logits).
-
-Invariants (the target's, ``engines/sglang.py``): each served path is keyed by the stock it
-replaces (``table.STOCKS``: NCCL's all-gather for ``GATHER``, SGLang's gatherer's kind
-for ``MULTIMEM``), and first-use tuning times that very callable. Every rank takes
-one decision from gathered facts: the ranks agree once on the path and on sharing the
-target's gather (``all_gather_objects`` on the TP CPU group) before any install, so
-no rank enters an install's collectives alone; the install itself is
-``install.install`` (agreed, fail-stop) or ``install.reroute`` onto the target's gather
-(the same group, shard width, dtype and stock: no collective, no second mailbox).
-Unserved rows, dtypes and shapes take SGLang's own callable: its result, bitwise.
-"""
+"""SGLang DSpark drafts' base-logits gathers (SGLang 0.5.23; docs/sglang.md, "DSpark drafts":
+the paths, and what stays SGLang's). ``compute_base_logits`` gathers outside any LogitsProcessor,
+by a path fixed when SGLang attaches the head: ``GATHER`` (routed by its caller module's global),
+``MULTIMEM`` (routed as the target's gatherer) or ``LOCAL`` (nothing gathered). Each served path
+is keyed by the stock it replaces, which first-use tuning times. The ranks agree once on the path
+and on sharing the target's gather before any install, so no rank enters one alone."""
 
 import functools
 import importlib
@@ -54,53 +22,47 @@ from . import sglang as adapter
 
 logger = logging.getLogger("lamport_head")
 
-# SGLang 0.5.23's DSpark names we rely on (docs/sglang.md), each looked up in the real
-# modules by tests/test_sglang_dspark_real.py.
-BASE_LOGITS = "compute_base_logits"  # draft model: (hidden) -> (base logits [M, V], features)
-ATTACH = "attach_shared_modules"  # draft model: (*, embed_tokens, lm_head) -> None
-MARKOV = "markov_head"  # draft model: its Markov head
-VOCAB_SHARD = "vocab_shard"  # Markov head: VocabShard(start, gather) once TP-sharded, else None
-BASE_GATHERER = "_base_logits_gatherer"  # DSparkDraftMixin: a MultimemAllGatherer, or None
-LOCAL_FLAG = "_opt_markov_w2_tp_shard"  # DeepseekV4ForCausalLMDSpark: base logits stay local
-FP32_FLAG = "_use_fp32_lm_head"  # DeepseekV4ForCausalLMDSpark: the projection is FP32
-FC_GATHERER = "_fc_gatherer"  # dspark_minimax: fc's hidden columns [tokens, hidden/TP]
-CROP = "gather_and_crop_vocab"  # caller module global: (local_logits, lm_head) -> [M, V]
-ALL_GATHER = "tensor_model_parallel_all_gather"  # CROP's all-gather, (x, dim=-1)
-ORG_VOCAB = "org_vocab_size"  # lm_head: the vocabulary CROP keeps
-GAMMA = "gamma"  # draft model: the block's draft tokens (its config's)
-DRAFT_TOKENS = "speculative_num_draft_tokens"  # get_spec(): gamma + 1 where set
-DP_ATTENTION = "attn_dp_enabled"  # get_parallel(): DP attention
-TP_SHARD_ENV = "SGLANG_DSPARK_OPT_MARKOV_W2_TP_SHARD"  # SGLang's switch (named, never read)
+# SGLang 0.5.23's DSpark names we rely on (docs/sglang.md)
+BASE_LOGITS = "compute_base_logits"
+ATTACH = "attach_shared_modules"
+MARKOV = "markov_head"
+VOCAB_SHARD = "vocab_shard"
+BASE_GATHERER = "_base_logits_gatherer"
+LOCAL_FLAG = "_opt_markov_w2_tp_shard"
+FP32_FLAG = "_use_fp32_lm_head"
+FC_GATHERER = "_fc_gatherer"
+CROP = "gather_and_crop_vocab"
+ALL_GATHER = "tensor_model_parallel_all_gather"
+ORG_VOCAB = "org_vocab_size"
+GAMMA = "gamma"
+DRAFT_TOKENS = "speculative_num_draft_tokens"
+DP_ATTENTION = "attn_dp_enabled"
+TP_SHARD_ENV = "SGLANG_DSPARK_OPT_MARKOV_W2_TP_SHARD"  # SGLang's switch: named, never read
 NVLINK_ENV = "SGLANG_DSPARK_NVLINK_VOCAB_GATHER"
 
-# The base-logits paths (what ``compute_base_logits`` does after the projection)
 GATHER, MULTIMEM, LOCAL = CROP, BASE_GATHERER, "local"
 PATH_WORDS = {GATHER: f"{BASE_LOGITS}'s {CROP}", MULTIMEM: f"{BASE_LOGITS}'s {BASE_GATHERER}"}
 
-# This process's routed lm_heads, {lm_head: _Holder}: what the dispatchers consult
+# {lm_head: _Holder}: the routes the dispatchers consult
 _ROUTES = weakref.WeakKeyDictionary()
 _MARK = "_lamport_head_wrapped"
 
 
 def is_dspark(model):
-    """Whether ``model`` is an SGLang DSpark draft (its base logits gathered by
-    ``compute_base_logits``, outside any LogitsProcessor)."""
+    """Whether ``model`` is an SGLang DSpark draft."""
     return all(callable(getattr(model, n, None)) for n in (BASE_LOGITS, ATTACH)) and \
         hasattr(model, MARKOV)
 
 
 def _caller(model):
-    """The module whose code calls ``CROP`` for this draft: where the class defining
-    ``compute_base_logits`` in its MRO lives (DSparkDraftMixin's ``dspark``, DeepSeek V4's
-    ``deepseek_v4_dspark``), or None."""
+    """The module of the class defining ``compute_base_logits`` (it calls ``CROP``), or None."""
     owner = next((c for c in type(model).__mro__ if BASE_LOGITS in vars(c)), None)
     return None if owner is None else importlib.import_module(owner.__module__)
 
 
 def base_path(model):
-    """``(kind, what)``: ``(LOCAL, why)``, ``(MULTIMEM, the gatherer)``, ``(GATHER, the
-    caller module)``, or ``(None, why)`` when this SGLang lacks the name. A fact of the
-    model as SGLang attached it (its settings read then)."""
+    """``(kind, what)``: ``(LOCAL, why)``, ``(MULTIMEM, gatherer)``, ``(GATHER, caller module)``
+    or ``(None, why)`` where this SGLang lacks the name; a fact of the model as attached."""
     if (getattr(getattr(model, MARKOV, None), VOCAB_SHARD, None) is not None
             or getattr(model, LOCAL_FLAG, False)):
         return LOCAL, (f"its Markov head is TP-sharded ({TP_SHARD_ENV}): the base logits stay "
@@ -116,8 +78,7 @@ def base_path(model):
 
 
 def _not_routed(model):
-    """``[(path, words), ...]``: the DSpark collectives of a step no Lamport gather serves,
-    each "not routed (why)"."""
+    """``[(path, words), ...]``: the DSpark collectives no Lamport gather serves."""
     name, out = type(model).__name__, []
     markov = getattr(model, MARKOV, None)
     shard = getattr(markov, VOCAB_SHARD, None)
@@ -138,8 +99,7 @@ def _not_routed(model):
 
 
 def _why_stock(model, head):
-    """Why this draft's base logits do not take the plain TP all-gather of its head's
-    group; None when they do. Facts of the server's configuration."""
+    """Why the base logits skip the plain TP all-gather of the head's group (None: they take it)."""
     if head is None:
         return f"{type(model).__name__} has no lm_head attached"
     if getattr(head, "use_attn_tp_group", False):
@@ -147,7 +107,7 @@ def _why_stock(model, head):
     try:
         context = importlib.import_module(adapter.CONTEXT)
         dp = bool(getattr(context.get_parallel(), DP_ATTENTION, False))
-    except Exception:  # no published parallel state: no DP attention
+    except Exception:
         dp = False
     if dp:
         return "DP attention: the draft's base logits may gather in its own TP layout"
@@ -155,8 +115,7 @@ def _why_stock(model, head):
 
 
 class _NcclAllGather:
-    """``CROP``'s all-gather, as SGLang calls it: its module's
-    ``tensor_model_parallel_all_gather(x, dim=-1)`` (looked up at each call)."""
+    """``CROP``'s all-gather as SGLang calls it, looked up in its module at each call."""
 
     def __init__(self, namespace):
         self.namespace = namespace
@@ -166,18 +125,15 @@ class _NcclAllGather:
 
 
 class _Holder:
-    """The install core's processor for one lm_head's ``CROP``: ``all_gather`` is
-    SGLang's all-gather (the stock the route keeps), routed by install through the
-    gather (``head_gather``) once served."""
+    """The install core's processor for one lm_head; its stock ``all_gather`` is SGLang's."""
 
     def __init__(self, stock):
         self.all_gather = stock
 
 
 def _dispatching(module):
-    """Replace ``CROP`` in ``module``, once, by a dispatcher: an lm_head with a served
-    route has its all-gather go through it (``gather(x, stock=SGLang's all-gather)``),
-    then SGLang's crop; every other call is SGLang's function, unchanged."""
+    """Replace ``CROP`` in ``module`` once: a routed lm_head's all-gather takes its route, then
+    SGLang's crop; every other call is SGLang's function, unchanged."""
     original = getattr(module, CROP)
     if getattr(original, _MARK, False):
         return
@@ -194,12 +150,11 @@ def _dispatching(module):
 
 
 def _site(model, head, kind, what):
-    """The install core's view of this draft's base-logits gather of ``kind``, and the
-    ``_Holder`` a ``GATHER`` route needs (None for ``MULTIMEM``)."""
+    """The install core's view of the draft's ``kind`` gather, and a ``GATHER`` route's holder."""
     name = type(model).__name__
     fp32 = bool(getattr(model, FP32_FLAG, False)) and getattr(head.weight, "is_floating_point",
                                                                lambda: False)()
-    if kind == MULTIMEM:  # SGLang's gatherer: its kind is the stock (engines/sglang.py)
+    if kind == MULTIMEM:
         holder, processor, attr, stock = None, model, BASE_GATHERER, adapter.stock_kind(what)
     else:
         original = getattr(what, CROP)
@@ -214,15 +169,13 @@ def _site(model, head, kind, what):
 
 
 def rows_from_sglang(model):
-    """The row counts ``compute_base_logits`` gathers: ``bs x gamma`` for bs = 1 .. max
-    running requests (up to ``table.MAX_ROWS`` while SGLang has not sized it), gamma
-    the worker's (``speculative_num_draft_tokens`` - 1 where set, else the draft's
-    config's ``gamma``). None when this SGLang does not answer: the table's rows."""
+    """``bs x gamma`` for bs = 1 .. max running requests (to the cap while unsized), gamma
+    ``speculative_num_draft_tokens`` - 1 where set, else the draft's. None: SGLang did not say."""
     try:
         context = importlib.import_module(adapter.CONTEXT)
         requests = getattr(context.get_schedule(), adapter.REQUESTS)
         tokens = getattr(getattr(context, adapter.SPEC)(), DRAFT_TOKENS, None)
-    except Exception as exc:  # the same SGLang and arguments on every rank: agreed anyway
+    except Exception as exc:
         logger.debug("lamport-head: SGLang's DSpark rows unknown (%s: %s)", type(exc).__name__,
                      exc)
         return None
@@ -235,13 +188,12 @@ def rows_from_sglang(model):
 
 
 class DSpark(NamedTuple):
-    """What the DSpark draft's install did, for the summary (the same on every rank)."""
+    """What the DSpark draft's install did, for the summary."""
 
-    name: str  # the draft model's class
-    routes: tuple  # ((path, Outcome), ...): its base-logits gather, served rows or why stock
-    others: tuple  # ((path, words), ...): its paths no install decides (not gathered, or not
-    # routed with why)
-    rank: int  # this rank in the TP group (the summary is rank 0's)
+    name: str
+    routes: tuple  # ((path, Outcome), ...)
+    others: tuple  # ((path, words), ...): paths no install decides
+    rank: int
     tp: int
     dcp: int
 
@@ -251,20 +203,9 @@ class DSpark(NamedTuple):
 
 
 def install_sglang_dspark_gathers(model, dcp=1, rows=None, target=None):
-    """Route the DSpark draft's base-logits gather (``base_path``) through a HeadGather
-    for the rows the table enables, once SGLang attached its lm_head: a ``DSpark``.
-    ``target``: the target's ``sglang.Target`` (default this process's); ``rows``:
-    ``rows_from_sglang``'s.
-
-    Every rank of SGLang's TP group (the head's: the one current at attach) meets at
-    one agreement on (path, whether the configuration lets it be served, whether it can
-    share the target's gather): ranks on different paths keep SGLang's gathers, all of
-    them, and the target's gather is shared only where every rank can. Then, alike on every rank: the
-    target's gather (``install.reroute``: the same group, shard width, dtype and
-    stock) or an install of its own (``install.install``, collective, fail-stop), or
-    stock with the reason. A served ``GATHER`` route is registered for its lm_head and
-    its caller module's ``CROP`` replaced (``_dispatching``). Raises only as
-    ``install.install`` does (a failure of this rank alone)."""
+    """Route the draft's base-logits gather once SGLang attached its head: a ``DSpark``. After
+    the one agreement, every rank alike takes the target's gather (same group, shard width,
+    dtype and stock; only where every rank can), its own install, or stock."""
     target = adapter._target if target is None else target
     name = type(model).__name__
     group, tp, rank, device_group = adapter._sglang_tp()
@@ -272,7 +213,7 @@ def install_sglang_dspark_gathers(model, dcp=1, rows=None, target=None):
     kind, what = base_path(model)
     others = tuple(_not_routed(model))
     path = f"drafter {name} {PATH_WORDS.get(kind, BASE_LOGITS)}"
-    if kind in (GATHER, MULTIMEM):  # the stock it replaces: its table sections' key
+    if kind in (GATHER, MULTIMEM):
         path += f" ({NCCL_STOCK if kind == GATHER else adapter.stock_kind(what)})"
     words = f"SGLang DSpark drafter {name}'s base-logits gather"
     why = what if kind is None else None if kind == LOCAL else _why_stock(model, head)
@@ -285,9 +226,8 @@ def install_sglang_dspark_gathers(model, dcp=1, rows=None, target=None):
                 and dtypes.name(site.logits_dtype) == install.gather_dtype(g)
                 and target.stock == site.stock):
             shared = g
-    # One agreement, before any install: a rank that took another path (its SGLang
-    # settings differ) or cannot share must neither leave its peers in an install's
-    # collectives nor skip one alone.
+    # A rank on another path (its SGLang settings differ) or unable to share must neither
+    # leave its peers in an install's collectives nor skip one alone: all agree first.
     view = (str(kind), why is None, shared is not None)
     views = all_gather_objects(view, group) if tp > 1 else [view]
     if len({v[:2] for v in views}) > 1:
@@ -325,9 +265,7 @@ def served_gather(model):
 
 
 def summary(target, dspark):
-    """Rank 0's one line for a DSpark server: the target's outcome, then one clause per
-    DSpark path (served rows, SGLang's gather with why, or not routed with why), then
-    every path a Lamport gather serves."""
+    """Rank 0's line for a DSpark server: the target's outcome, then a clause per path."""
     head = f"SGLang speculative decoding (DSpark), tp={dspark.tp}, dcp={dspark.dcp}: "
     clauses = [adapter.target_clause(target)]
     for path, outcome in dspark.routes:
@@ -348,12 +286,8 @@ def summary(target, dspark):
 
 
 def on_attach(runner, dcp=1):
-    """The draft worker's hook for a DSpark draft (``runner.model``): install once its
-    lm_head is attached, now when the draft holds its own (DeepSeek V4's
-    ``uses_own_vocab_modules``), else right after SGLang's ``attach_shared_modules``
-    (the instance's method wrapped once), before any draft graph capture. Served:
-    the runner's ``forward`` polls the gather (graph replays). Rank 0 says the
-    summary. Returns the ``DSpark`` when it installed now, else None."""
+    """Install once the draft holds its head: now (DeepSeek V4's own head), else right after
+    SGLang's ``attach_shared_modules``, before draft graph capture. The ``DSpark`` if it did now."""
     model = runner.model
 
     def run():
@@ -378,5 +312,5 @@ def on_attach(runner, dcp=1):
         return result
 
     setattr(attach_shared_modules, _MARK, True)
-    setattr(model, ATTACH, attach_shared_modules)  # this instance's: other drafts keep theirs
+    setattr(model, ATTACH, attach_shared_modules)
     return None

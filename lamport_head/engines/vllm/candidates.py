@@ -1,18 +1,7 @@
-"""The candidate gathers of vLLM's speculative decoding on the mailbox: the all-gathers
-inside ``LogitsProcessor.get_top_tokens`` (fp32 (value, index) pairs, greedy drafting
-with ``use_local_argmax_reduction``) and ``get_top_k_tokens`` (values, ids and the
-log-partition: the drafters' ``compute_candidates``), packed so that the kernel moves
-them bitwise (``lamport_head.candidates``).
-
-vLLM's reduction code runs unchanged: the processors' candidate methods (instance
-attributes) mark their routes active while they run, and the LogitsProcessor module's
-``tensor_model_parallel_all_gather``, replaced once by a dispatcher, sends a routed
-(cols, dtype) through the packed gather there and calls vLLM's otherwise. The decision
-is by the processor, shape and dtype only, the same on every rank. (vLLM's out-of-tree
-layer seam, ``PluggableLayer.register_oot``, swaps a whole LogitsProcessor class by
-name at construction; the candidate methods are vLLM's own code we keep, and the
-processors of model-specific subclasses would not be covered, so it is not used here.)
-"""
+"""vLLM's candidate all-gathers (``get_top_tokens``' pairs, ``get_top_k_tokens``' values, ids
+and log-partition) on packed Lamport gathers (docs/candidates.md). vLLM's code runs unchanged:
+its module-global all-gather, replaced once, routes a (cols, dtype) only inside a routed
+processor's candidate method, deciding by processor, shape and dtype alone, alike on every rank."""
 
 import functools
 import importlib
@@ -32,8 +21,7 @@ from .find import (TOP_K_PATH, candidate_caller, find_drafter_target, find_gathe
 logger = logging.getLogger("lamport_head")
 _MARK = "_lamport_head_wrapped"
 
-CANDIDATE_METHODS = ("get_top_tokens", "get_top_k_tokens")  # LogitsProcessor's candidate
-# reductions: each all-gathers small payloads through the module global below
+CANDIDATE_METHODS = ("get_top_tokens", "get_top_k_tokens")
 _LP_MODULE = "vllm.model_executor.layers.logits_processor"
 _ALL_GATHER = "tensor_model_parallel_all_gather"
 _ROUTES = "_lamport_candidates"  # a processor's {(cols, dtype): SmallGather}
@@ -42,27 +30,22 @@ _ACTIVE = threading.local()  # .routes: the routes of the candidate method runni
 
 
 class Candidates(NamedTuple):
-    """What the candidate gathers' install did, for the summary line (the same on
-    every rank)."""
+    """What the candidate gathers' install did, for the summary line (alike on every rank)."""
 
-    path: str  # the path vLLM takes ("drafter get_top_tokens x 2")
-    outcomes: tuple  # ((packed width, Outcome), ...), one per gather, sorted by width
+    path: str
+    outcomes: tuple  # ((packed width, Outcome), ...), sorted by width
 
     @property
     def served(self):
-        """``((packed width, rows served), ...)`` of the gathers that serve."""
         return tuple((w, o.rows) for w, o in self.outcomes if o.served)
 
     @property
     def kept(self):
-        """The first stock ``Outcome`` when no gather serves, else None."""
         return None if self.served else next((o for _, o in self.outcomes), None)
 
 
 class _Packed:
-    """The install core's processor for one packed width's gather: ``gather`` (routed
-    by install, ``head_gather`` once served) is, stock, the engine's all-gather of the
-    packed BF16 rows, bitwise what the Lamport gather returns."""
+    """The install core's processor for one packed width; its stock ``gather`` is vLLM's."""
 
     def __init__(self, all_gather):
         self.gather = functools.partial(all_gather, dim=-1)
@@ -70,22 +53,11 @@ class _Packed:
 
 def install_candidate_gather(processors, ranks, rows=None, payloads=None, *,
                              path="get_top_tokens"):
-    """Route the candidate all-gathers of the LogitsProcessors ``processors``
-    (``get_top_tokens``, ``get_top_k_tokens``: vLLM's code, unchanged) through Lamport
-    gathers of the packed payloads (``lamport_head.candidates``): a ``Candidates``.
-
-    ``payloads``: the ``(cols, dtype)`` tensors to route (default ``pair_payloads()``;
-    ``top_k_payloads`` for get_top_k_tokens). One gather per packed width, each built
-    by the install core (``install.install``: its own table section, keyed by V = TP x
-    packed width, or first-use tuning; agreed and fail-stop: every rank serves or
-    every rank stays stock), in the same order on every rank (sorted widths); widths
-    share one gather. The routes are registered on each processor (``_route_candidates``):
-    while its candidate method runs, vLLM's all-gather of a routed ``(cols, dtype)``
-    takes the gather for its served rows, stock otherwise: a decision by shape and dtype
-    only, the same on every rank. ``path``: what the summary calls it. Never raises but
-    for payloads ``candidates.packed_width`` refuses (before any collective, on every
-    rank alike: the caller's error)."""
-    from vllm.distributed import tensor_model_parallel_all_gather  # lazy: vLLM
+    """Route the candidate all-gathers of ``processors`` through one Lamport gather per packed
+    width of ``payloads`` (default ``pair_payloads()``): a ``Candidates``. Each is an
+    ``install.install`` (table sections keyed by V = TP x packed width), in sorted order on
+    every rank. Raises, before any collective, only for payloads ``packed_width`` refuses."""
+    from vllm.distributed import tensor_model_parallel_all_gather
 
 
     payloads = tuple(payloads or pair_payloads())
@@ -113,9 +85,7 @@ def install_candidate_gather(processors, ranks, rows=None, payloads=None, *,
 
 
 def _route_candidates(processor, routes):
-    """Register ``routes`` on ``processor``: its candidate methods (instance attributes,
-    wrapped once) make them the active routes while they run, and vLLM's module global
-    all-gather consults them (``_dispatching``). No routes: nothing changes."""
+    """Register ``routes`` on ``processor``, active while its candidate methods run."""
     if not routes:
         return
     _dispatching()
@@ -142,11 +112,8 @@ def _with_routes(method, routes):
 
 
 def _dispatching():
-    """Replace vLLM's ``tensor_model_parallel_all_gather`` in the LogitsProcessor's
-    module, once, by a dispatcher: inside a routed processor's candidate method a
-    2-D last-dimension all-gather of a routed ``(cols, dtype)`` goes through its
-    ``SmallGather`` (whose stock is the original); every other call is the original's,
-    unchanged (``_gather_logits``, other processors, other threads)."""
+    """Replace the module-global all-gather once: a 2-D last-dim call of an active route's
+    ``(cols, dtype)`` takes its ``SmallGather``; every other call is vLLM's, unchanged."""
     module = importlib.import_module(_LP_MODULE)
     original = getattr(module, _ALL_GATHER)
     if getattr(original, _MARK, False):
@@ -167,13 +134,8 @@ def _dispatching():
 
 
 def install_drafter_candidates(draft, ranks, rows=None):
-    """Route a drafter's ``compute_candidates`` (``get_top_k_tokens``' all-gathers of
-    values, ids and, with log-probs, the log-partition) through Lamport gathers, for the
-    drafters ``CANDIDATE_CALLERS`` names: a ``Candidates`` (path ``TOP_K_PATH``), or
-    None for a drafter not in the table (unchanged, one debug line). Whether and what
-    to install is ``candidate_caller``'s answer, the same on every rank (the model's
-    class and config), so no rank enters ``install_candidate_gather``'s collectives
-    alone; that install is agreed and fail-stop. Raises only as it does."""
+    """Route the ``compute_candidates`` gathers of a drafter ``CANDIDATE_CALLERS`` lists: a
+    ``Candidates``, or None for another (``candidate_caller`` decides, alike on every rank)."""
     caller, processor, payloads, where = candidate_caller(draft)
     if caller is None:
         logger.debug("lamport-head: no candidate gather to route: %s", where)
@@ -186,9 +148,8 @@ def install_drafter_candidates(draft, ranks, rows=None):
 
 
 def install_pair_candidates(draft, model, ranks, rows, path):
-    """The drafter's ``get_top_tokens`` pairs routed (``install_candidate_gather``), on
-    the drafter's LogitsProcessor and the target's (one gather serves both: routes are
-    keyed by shape); every rank finds the same processors (the same models)."""
+    """Route the drafter's ``get_top_tokens`` pairs on its processor and the target's (one
+    gather serves both: routes are keyed by shape)."""
     found = [find_drafter_target(draft, force=True)[0], find_gather_target(model, force=True)[0]]
     processors = [p for i, p in enumerate(found) if p is not None and p not in found[:i]]
     if found[0] is None:

@@ -1,13 +1,6 @@
-"""What to route in a loaded vLLM model and its config: the LogitsProcessor whose gather
-the model really calls (target, drafter), the row counts its steps gather, the paths
-its steps take through or around that gather, the drafters' candidate callers, and the
-callers of vLLM 0.34's all-to-all of vocab shards a step takes (``exchange_paths``).
-
-Pure functions of the model's classes, its config-set attributes and the vLLM config
-(``exchange_paths`` also reads the DSpark speculator's own load-time decision, which
-vLLM's step needs alike on every rank): every rank answers alike, so no answer here
-needs a collective. vLLM is not imported: its classes are recognized by module and name.
-"""
+"""What to route in a loaded vLLM model and its config. Pure functions of the models' classes,
+config-set attributes and the vLLM config: every rank answers alike, so no answer here needs a
+collective. vLLM is not imported: its classes are recognized by module and name."""
 
 import functools
 import inspect
@@ -19,12 +12,11 @@ from ... import install
 from ...settings import FORCE_ENV, forced
 from ...table import CUSTOM_STOCK, MAX_ROWS, NCCL_STOCK
 from .release import CUSTOM_GATHER, DSPARK_EXCHANGE, DSPARK_SHARDED, TARGET_EXCHANGE
-from .release import STOCK_PROCESSOR as _STOCK  # vLLM's own LogitsProcessor class
+from .release import STOCK_PROCESSOR as _STOCK
 
-GATHER = "_gather_logits"  # vLLM LogitsProcessor's gather: [M, V/TP] -> [M, V]
+GATHER = "_gather_logits"
 
 def _language_model(model):
-    """``model.get_language_model()`` when it names another module, else None."""
     get = getattr(model, "get_language_model", None)
     if not callable(get):
         return None
@@ -36,7 +28,6 @@ def _language_model(model):
 
 
 def _gather_owner(processor):
-    """The class in the processor's MRO that defines ``_gather_logits`` (None: none does)."""
     return next((c for c in type(processor).__mro__ if "_gather_logits" in vars(c)), None)
 
 
@@ -47,8 +38,6 @@ def owns_gather(processor) -> bool:
 
 
 def _names(code):
-    """Every global and attribute name ``code`` and the code nested in it (closures,
-    comprehensions) refer to."""
     found = set(code.co_names)
     for const in code.co_consts:
         if inspect.iscode(const):
@@ -57,13 +46,8 @@ def _names(code):
 
 
 def gather_stock(processor):
-    """The stock the route of ``processor``'s gather replaces (``table.STOCKS``), read off
-    the code of vLLM's own ``LogitsProcessor._gather_logits``: ``CUSTOM_STOCK`` where it
-    calls ``CudaCommunicator.custom_all_gather`` (no release does yet: vLLM PR 57856
-    would), so only a section measured against that one-shot gather serves it and
-    first-use tuning times it; else NCCL's all-gather. A processor whose class has its
-    own gather (routed only when forced) is keyed by NCCL's, as before. A pure function
-    of the processor's class: every rank answers alike."""
+    """The stock ``processor``'s route replaces: ``CUSTOM_STOCK`` where vLLM's own
+    ``_gather_logits`` calls ``custom_all_gather`` (no release does yet), else NCCL's."""
     owner = None if processor is None or owns_gather(processor) else _gather_owner(processor)
     gather = inspect.unwrap(vars(owner)[GATHER]) if owner is not None else None
     code = getattr(gather, "__code__", None)
@@ -71,14 +55,9 @@ def gather_stock(processor):
 
 
 def find_gather_target(model, force=None):
-    """``(processor, lm_head, text)``.
-
-    ``processor``: the object whose ``_gather_logits`` the model really calls (set as
-    an instance attribute to route it), or None to stay stock, ``text`` then saying
-    why. When found, ``lm_head`` is the vocab-parallel head (unwrapped from LoRA) and
-    ``text`` says where the processor sits and anything about how it is routed.
-    ``force``: route a processor whose class has its own gather; None reads this
-    process's ``LAMPORT_HEAD_FORCE``. A pure function of the model and ``force``."""
+    """``(processor, lm_head, text)``: the processor whose ``_gather_logits`` the model calls
+    (None: stock, ``text`` says why), its head (LoRA unwrapped) and where it sits. ``force``:
+    route a class with its own gather (None: this process's ``LAMPORT_HEAD_FORCE``)."""
     found = _holder(model)
     if found is None:
         name = type(model).__name__
@@ -89,9 +68,8 @@ def find_gather_target(model, force=None):
 
 
 def _holder(model):
-    """``(module, path, lm_head)``: the module holding the LogitsProcessor the model
-    calls (its language model's first, then its own) and the head beside it (else the
-    other's), or None when neither holds one."""
+    """``(module, path, lm_head)`` holding the processor the model calls (its language
+    model's first), or None."""
     name = type(model).__name__
     inner = _language_model(model)
     owners = [(m, path) for m, path in ((inner, f"{name}.get_language_model()"), (model, name))
@@ -109,9 +87,8 @@ def _holder(model):
 
 
 def _resolve(processor, head, path, force):
-    """``find_gather_target``'s answer for a processor found at ``path`` with its head:
-    LoRA's base layer, a class with its own gather (kept unless forced)."""
-    head = getattr(head, "base_layer", head)  # a LoRA-wrapped lm_head
+    """``find_gather_target``'s answer: LoRA's base layer; an own gather kept unless forced."""
+    head = getattr(head, "base_layer", head)
     notes = []
     base = getattr(processor, "base_layer", None)
     if base is not None and callable(getattr(base, "_gather_logits", None)):
@@ -130,18 +107,13 @@ def _resolve(processor, head, path, force):
 
 
 def _is(module, name):
-    """True when a class named ``name`` is in the module's MRO (vLLM is not imported)."""
     return any(c.__name__ == name for c in type(module).__mro__)
 
 
 def find_drafter_target(model, force=None):
-    """``find_gather_target`` for a speculative drafter's model. EAGLE / EAGLE3 /
-    draft-model drafters hold ``logits_processor`` and ``lm_head`` on the model (or its
-    language model), as targets do. MTP drafters (``DeepSeekMTP`` and its kin) hold
-    the processor one level down (``model.model.logits_processor``) and call it with
-    each MTP layer's ``shared_head.head``: found as the model's only LogitsProcessor,
-    its head the model's ParallelLMHead(s), which must agree in shape and TP size (one
-    shard width: one gather)."""
+    """``find_gather_target`` for a drafter. MTP drafters (``DeepSeekMTP`` and kin) hold the
+    processor one level down and call it with each layer's ``shared_head.head``: found as the
+    only LogitsProcessor, with heads that must share one shape and TP size."""
     processor, head, where = find_gather_target(model, force)
     if processor is not None or _holder(model) is not None:
         return processor, head, where
@@ -159,10 +131,8 @@ def find_drafter_target(model, force=None):
 
 
 def parallel_drafting(spec):
-    """Whether one draft pass drafts every token: vLLM 0.33's
-    ``speculative_config.parallel_drafting``; 0.34 deprecates that field (None) for the
-    speculator's class attribute ``speculative_config.speculator_config.parallel_drafting``
-    (DFlash and its kin)."""
+    """Whether one draft pass drafts every token: 0.33's ``spec.parallel_drafting``; 0.34
+    deprecates it (None) for ``spec.speculator_config.parallel_drafting``."""
     said = getattr(spec, "parallel_drafting", None)
     if said is None:
         said = getattr(getattr(spec, "speculator_config", None), "parallel_drafting", False)
@@ -170,8 +140,7 @@ def parallel_drafting(spec):
 
 
 def max_num_seqs(vllm_config):
-    """The server's most running requests (``scheduler_config.max_num_seqs``), or None
-    when the config does not say (not a positive int)."""
+    """``scheduler_config.max_num_seqs``, or None where it is not a positive int."""
     seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
     return seqs if isinstance(seqs, int) and seqs >= 1 else None
 
@@ -182,9 +151,8 @@ def draft_tokens(spec):
 
 
 def rows_from_vllm(vllm_config):
-    """The row counts a vLLM server's decode steps can gather: 1 .. max running
-    requests x (1 + speculative tokens per request), capped (``install.decode_rows``); None when
-    the config does not say."""
+    """Decode-step row counts: 1 .. max_num_seqs x (1 + speculative tokens), capped
+    (``install.decode_rows``); None when the config does not say."""
     seqs = max_num_seqs(vllm_config)
     if seqs is None:
         return None
@@ -195,18 +163,14 @@ def rows_from_vllm(vllm_config):
 
 
 def draft_model(runner):
-    """The drafter's model the runner loaded (V1 ``drafter.model``, V2
-    ``speculator.model``; vLLM unwraps CUDA-graph wrappers), or None: no speculative
-    decoding, or a drafter with no model (n-gram, suffix decoding)."""
+    """The drafter's model the runner loaded, or None (no drafter, or n-gram/suffix decoding)."""
     get = getattr(runner, "get_draft_model", None)
     return get() if callable(get) else None
 
 
 def drafter_rows(vllm_config):
-    """The row counts one draft step's ``compute_logits`` gathers: the requests of a
-    step (1 .. ``max_num_seqs``), times the draft tokens with parallel drafting (one
-    pass drafts every token), capped (``install.decode_rows``); None when the config
-    does not say."""
+    """A draft step's ``compute_logits`` row counts: 1 .. max_num_seqs (times the draft
+    tokens with parallel drafting), capped; None when the config does not say."""
     seqs = max_num_seqs(vllm_config)
     if seqs is None:
         return None
@@ -216,14 +180,9 @@ def drafter_rows(vllm_config):
 
 
 def drafter_paths(vllm_config):
-    """``(through, around)`` for the drafter's logits in vLLM 0.33 (V1
-    ``llm_base_proposer._greedy_sample`` / ``_sample_draft_tokens``, V2
-    ``speculator.sample_draft``): ``compute_logits`` once per draft token (once per
-    step with parallel drafting), unless ``use_local_argmax_reduction`` sends greedy
-    drafting to ``get_top_tokens``, an all-gather of (value, index) candidates, not of
-    logits (routed by ``install_candidate_gather``); probabilistic draft sampling
-    (``draft_sample_method``) still takes ``compute_logits`` for batches that are not
-    all greedy."""
+    """``(through, around)`` for the drafter's logits (vLLM 0.33): ``compute_logits`` per draft
+    token (once with parallel drafting), unless ``use_local_argmax_reduction`` sends greedy
+    drafts to ``get_top_tokens``; non-greedy ``draft_sample_method`` still takes it."""
     spec = getattr(vllm_config, "speculative_config", None)
     k = draft_tokens(spec)
     calls = 1 if parallel_drafting(spec) else k
@@ -244,17 +203,14 @@ def pair_payloads():
 
 
 def top_k_payloads(k, dtype, log_probs=False):
-    """``get_top_k_tokens``' all-gathers: ``values [M, k]`` in the logits' ``dtype``,
-    ``ids [M, k]`` int64, and with ``return_log_probs`` ``log_partition [M, 1]`` fp32."""
+    """``get_top_k_tokens``' all-gathers: values ``[M, k]``, int64 ids, fp32 log-partition."""
     return ((int(k), dtype), (int(k), torch.int64)) + (((1, torch.float32),) if log_probs
                                                       else ())
 
 
 
 def candidate_path(vllm_config):
-    """The drafter's candidate path vLLM 0.33 takes with ``use_local_argmax_reduction``
-    ("drafter get_top_tokens x k": greedy drafting; ``drafter_paths`` names it too), or
-    None."""
+    """The drafter's ``get_top_tokens`` path under ``use_local_argmax_reduction``, or None."""
     spec = getattr(vllm_config, "speculative_config", None)
     if not getattr(spec, "use_local_argmax_reduction", False):
         return None
@@ -263,15 +219,13 @@ def candidate_path(vllm_config):
 
 
 class CandidateCaller(NamedTuple):
-    """One drafter model whose ``compute_candidates`` calls ``get_top_k_tokens``: the
-    model-specific knowledge of ``drafter_candidates``, checked against the real vLLM
-    modules by tests/test_vllm_candidates.py (every name below must resolve there)."""
+    """A drafter model whose ``compute_candidates`` calls ``get_top_k_tokens``."""
 
-    model: str  # the draft model's class (matched along the model's MRO, nearest first)
-    source: str  # the vLLM 0.33 file defining it (and its compute_candidates)
-    processor: str  # the model's attribute holding the LogitsProcessor it calls
-    k: str  # dotted attribute path, from the model, to the k it passes (set from its config)
-    log_probs: bool  # the return_log_probs it passes (True: a log-partition gather too)
+    model: str  # matched along the model's MRO, nearest first
+    source: str  # the vLLM 0.33 file defining it
+    processor: str
+    k: str  # dotted attribute path from the model
+    log_probs: bool
 
 
 CANDIDATE_CALLERS = (
@@ -282,16 +236,12 @@ CANDIDATE_CALLERS = (
     CandidateCaller("DFlash2BeamForCausalLM", "vllm/models/beam/nvidia/dflash2.py",
                     "logits_processor", "model.candidate_selector.top_k", False),
 )
-TOP_K_PATH = "drafter get_top_k_tokens"  # the summary's name for compute_candidates' gathers
+TOP_K_PATH = "drafter get_top_k_tokens"
 
 
 def candidate_caller(draft):
-    """``(caller, processor, payloads, why)`` for a drafter model: its ``CANDIDATE_CALLERS``
-    entry (None: not in the table, ``why`` says so), the LogitsProcessor its
-    ``compute_candidates`` calls and the ``top_k_payloads`` it all-gathers (k from the
-    model, the logits' dtype: the processor's ``head_dtype``, else the lm_head's), or
-    None with ``why`` when the entry's names do not resolve on this model. A pure
-    function of the model's class and config-set attributes: every rank answers alike."""
+    """``(caller, processor, payloads, text)``: the drafter's ``CANDIDATE_CALLERS`` entry (None:
+    not listed), its processor and payloads (None where they do not resolve, ``text`` says why)."""
     mro = [c.__name__ for c in type(draft).__mro__]
     caller = next((c for name in mro for c in CANDIDATE_CALLERS if c.model == name), None)
     name = type(draft).__name__
@@ -317,10 +267,8 @@ def candidate_caller(draft):
 
 
 def candidate_rows(vllm_config):
-    """The row counts ``compute_candidates`` gathers: a draft step's requests times the
-    draft tokens (vLLM 0.33's DFlash2 speculator: ``num_reqs x num_speculative_steps``),
-    1 .. ``max_num_seqs`` x ``num_speculative_tokens``, capped (``install.decode_rows``);
-    None when the config does not say."""
+    """``compute_candidates``' row counts: 1 .. max_num_seqs x draft tokens, capped; None
+    when the config does not say."""
     seqs = max_num_seqs(vllm_config)
     if seqs is None:
         return None
@@ -330,19 +278,9 @@ def candidate_rows(vllm_config):
 
 
 def logits_paths(model, vllm_config):
-    """``(through, around)``: the entry points vLLM's runners call for this model's
-    logits that go through the routed ``_gather_logits``, and those that skip it, each
-    named with the setting that sends vLLM there.
-
-    - ``compute_logits`` (sampling; speculative verification included) gathers the
-      full-vocab logits: through, unless batch-sharded sampling takes sampling.
-    - ``compute_logits_local``: with ``parallel_config.enable_batch_sharded_sampling``,
-      the V2 runner (0.33: ``use_v2_model_runner``; 0.34 has no other runner and no such
-      field) and a model that has it (``batch_sharded``), each rank samples its share of
-      the requests from an all-to-all of vocab-local logits: no gather. That all-to-all
-      is a path of its own (``exchange_paths``: 0.34's ``all_to_all_vocab_shards``).
-    - ``get_top_tokens``: with ``speculative_config.use_local_argmax_reduction`` the
-      drafter's greedy drafts all-gather (value, index) pairs, not logits."""
+    """``(through, around)``: the model's logits entry points that take the routed gather
+    (``compute_logits``) and those that skip it, each named with the setting that sends
+    vLLM there."""
     spec = getattr(vllm_config, "speculative_config", None)
     sharded = batch_sharded(model, vllm_config)
     around = []
@@ -357,10 +295,8 @@ def logits_paths(model, vllm_config):
 
 
 def batch_sharded(model, vllm_config):
-    """Whether the target samples batch-sharded (vLLM's ``batch_sharded_sampling_enabled``
-    on the V2 runner): ``parallel_config.enable_batch_sharded_sampling``, a model with
-    ``compute_logits_local``, and 0.33's ``use_v2_model_runner`` (0.34 has no such field:
-    its only runner is the V2 one)."""
+    """vLLM's ``batch_sharded_sampling_enabled``; 0.34 lacks ``use_v2_model_runner`` (its only
+    runner is V2)."""
     parallel = getattr(vllm_config, "parallel_config", None)
     return (bool(getattr(parallel, "enable_batch_sharded_sampling", False))
             and bool(getattr(vllm_config, "use_v2_model_runner", True))
@@ -368,31 +304,19 @@ def batch_sharded(model, vllm_config):
 
 
 class ExchangePath(NamedTuple):
-    """One caller of vLLM 0.34's ``all_to_all_vocab_shards`` a step takes: it exchanges
-    the vocab-local logits of ``processor`` (computed with ``head``: the shard width)
-    for ``rows`` row counts M (the rows of a call: ``sum(send_splits)``, the same on
-    every rank)."""
+    """One caller of ``all_to_all_vocab_shards`` a step takes; M is ``sum(send_splits)``."""
 
-    path: str  # the caller (a key of release.EXCHANGE_CALLERS)
-    processor: object  # the LogitsProcessor whose logits it exchanges (None: not found)
-    head: object  # that processor's vocab-parallel lm_head (None: not found)
-    rows: object  # the row counts M of its calls (tuple), or None when the config does not say
-    where: str  # where the processor sits (or why none was found), for the lines
+    path: str  # a key of release.EXCHANGE_CALLERS
+    processor: object  # None: not found
+    head: object
+    rows: object  # M of its calls, or None when the config does not say
+    where: str
 
 
 def exchange_paths(model, draft, speculator, vllm_config, tp):
-    """``[ExchangePath, ...]``: the callers of the all-to-all of vocab shards a step takes,
-    the target's first.
-
-    - ``GPUModelRunner.sample``: the target samples batch-sharded (``batch_sharded``):
-      M is the step's logits rows, as the gather's (``rows_from_vllm``).
-    - ``DSparkSpeculator._sample_sequential_sharded``: DSpark drafting (``method``
-      "dspark") on a batch-sharded target, its draft model with
-      ``compute_draft_logits_local``, and the speculator's own load-time decision to shard
-      (``release.DSPARK_SHARDED`` set; it keeps sampling replicated, e.g. without PyNCCL
-      or with the acceptance estimator, and vLLM's step itself needs that decision alike
-      on every rank): M = TP x capacity x num_speculative_tokens (``dspark_rows``).
-    """
+    """The callers of the all-to-all a step takes, the target's first; DSpark's only where its
+    speculator chose at load to shard (``release.DSPARK_SHARDED``), a decision vLLM's step
+    itself needs alike on every rank."""
     if not batch_sharded(model, vllm_config):
         return []
     lp, head, where = find_gather_target(model, force=True)
@@ -408,10 +332,8 @@ def exchange_paths(model, draft, speculator, vllm_config, tp):
 
 
 def dspark_rows(vllm_config, tp):
-    """The row counts of DSpark's sharded all-to-all: every rank sends ``capacity =
-    ceil(requests / TP)`` requests' ``num_speculative_tokens`` rows to each rank (padding
-    included), so M = TP x capacity x k for 1 <= capacity <= ceil(max_num_seqs / TP),
-    capped at ``table.MAX_ROWS``; None when the config does not say."""
+    """DSpark's all-to-all row counts: M = TP x capacity x k, capacity 1 .. ceil(max_num_seqs
+    / TP) (each rank sends padded rows to each), capped; None when the config does not say."""
     seqs = max_num_seqs(vllm_config)
     if seqs is None:
         return None
@@ -426,23 +348,8 @@ def _mro(obj):
 
 
 def other_collectives(model, draft, vllm_config):
-    """``[(path, why), ...]``: the logits collectives of a step that no Lamport gather
-    serves, each with why it is not routed (the summary names them, never as routed).
-    From the models' classes and attributes and the config, the same on every rank.
-
-    - Kimi K3's specialized drafter (``SpecializedK3DSparkForCausalLM``): its draft
-      logits go through its own multicast mailbox (``comm.gather_logits``, built at
-      load: ``_drafter_comm.logits``) for the shapes it accepts; the others fall to the
-      LogitsProcessor's gather, which the drafter's install routes.
-    - Muse Spark's Markov sampler (``VocabParallelMarkovHead`` with a vocab-sharded
-      ``markov_w2``): its own all-gather of the draft vocabulary shard
-      (``sp_all_gather``), outside any LogitsProcessor.
-    - XPress drafts gather 3-D logits ``[requests, 1 + k, V/TP]``; the Lamport gather
-      serves 2-D logits, so vLLM's own gather serves those.
-    DeepSeek V4.1's processor, whose class has its own gather, is the target's
-    outcome (``Reason.OWN_GATHER``), not repeated here; the all-to-alls of vocab shards
-    (batch-sharded sampling, DSpark's sharded sequential sampling) are paths of their own
-    (``exchange_paths``), each with its outcome."""
+    """``[(path, why), ...]``: a step's logits collectives that no Lamport gather serves and
+    no install decides (the summary names each as not routed)."""
     spec = getattr(vllm_config, "speculative_config", None)
     method = str(getattr(spec, "method", "") or "")
     out = []

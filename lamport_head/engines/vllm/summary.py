@@ -1,12 +1,5 @@
-"""Rank 0's one summary line for a vLLM TP group: the engine's release, then every
-logits collective a step takes (gathers and all-to-alls of vocab shards) and whether a
-Lamport collective serves it.
-
-Built from values only (the installs' ``Outcome``s, ``find``'s paths): rewording a log
-line changes no summary (tests/test_outcome.py). Every rank takes the same outcomes
-(install's are agreed), so rank 0's line speaks for the group. A served gather's
-logits dtype is named where it is not BF16 ("(float32 logits)": an FP32 lm_head).
-"""
+"""Rank 0's summary line for a vLLM TP group, built from values only (the installs' agreed
+``Outcome``s, ``find``'s paths), never from log text."""
 
 from ... import dtypes
 from ...table import CUSTOM_STOCK, NCCL_STOCK
@@ -15,20 +8,9 @@ from .release import CUSTOM_GATHER, EXCHANGE
 
 def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), around=(),
             drafter=None, candidates=(), others=(), exchanges=(), stock=NCCL_STOCK):
-    """The line. ``release``: the running vLLM (``release.Release`` or its text);
-    ``outcome``: the target's ``Outcome``; ``through``/``around``: ``find.logits_paths``
-    (served rows are named only with the paths that really take the gather, and said
-    unused when none does); ``drafter``: the drafter's ``route.Drafter`` (the target's
-    paths are then named "target ...", and a clause names the drafter's paths, its rows
-    and whose gather serves them, or why it stays stock); ``candidates``: the
-    ``candidates.Candidates`` of the drafter's candidate paths, each in a clause of its
-    own in place of the drafter's words for that path; ``others``: ``(path, why)`` for
-    logits collectives no Lamport gather serves (``find.other_collectives``), each
-    named as not routed; ``exchanges``: the ``vocab_shards.Exchange`` of each caller of
-    the all-to-all of vocab shards a step takes, each in a clause of its own (served
-    rows, or why vLLM's all-to-all stays); ``stock``: the stock of the logits gather
-    (``find.gather_stock``), named where it is vLLM's custom all-gather (a release whose
-    ``LogitsProcessor`` gathers through ``custom_all_gather``)."""
+    """The release, then every logits collective of a step and whether a Lamport collective
+    serves it. ``through``/``around``: ``find.logits_paths``; ``drafter``: a ``route.Drafter``;
+    ``others``: ``find.other_collectives``; ``stock``: ``find.gather_stock``."""
     candidates = list(candidates or ())
     if candidates and drafter is not None:
         paths = {c.path for c in candidates}
@@ -36,7 +18,7 @@ def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), 
                                                 if a.split(" (")[0] not in paths))
     if drafter is not None:
         through = [f"target {p}" for p in through]
-        around = [a for a in around if not a.startswith("the drafter's")]  # said below
+        around = [a for a in around if not a.startswith("the drafter's")]
     head = f"{release}, {model_name}, tp={tp}, dcp={dcp}: "
     skip = f"{' and '.join(around)} skip{'s' if len(around) == 1 else ''}"
     if outcome.served and not through:
@@ -49,7 +31,7 @@ def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), 
                        + (f"; {skip} it" if around else ""))
     else:
         line = head + f"stock logits gather on all {tp} TP ranks ({_why(outcome)})"
-    if stock == CUSTOM_STOCK:  # never for a release that gathers by NCCL: its line is as before
+    if stock == CUSTOM_STOCK:
         line += (f"; the logits gather's stock: {stock} (LogitsProcessor._gather_logits calls "
                  f"CudaCommunicator.{CUSTOM_GATHER})")
     line = line if drafter is None else line + "; " + _drafter_clause(drafter)
@@ -60,7 +42,6 @@ def summary(release, model_name, tp, dcp, outcome, through=("compute_logits",), 
 
 
 def _dtype(outcome):
-    """The served logits' dtype, named where it is not the engines' usual BF16."""
     return "" if outcome.dtype == dtypes.DEFAULT else f" ({outcome.dtype} logits)"
 
 
@@ -69,8 +50,6 @@ def _why(outcome):
 
 
 def _exchange_clause(e):
-    """The summary's words for a caller of the all-to-all of vocab shards
-    (``vocab_shards.Exchange``)."""
     where = f"{e.path}'s {EXCHANGE}"
     if not e.outcome.served:
         return f"{where}: stock all-to-all ({_why(e.outcome)})"
@@ -80,7 +59,6 @@ def _exchange_clause(e):
 
 
 def _candidates_clause(c):
-    """The summary's words for a candidate path (``Candidates``)."""
     if not c.served:
         stock = c.kept
         return f"{c.path}: stock candidate all-gather ({_why(stock) if stock else 'none built'})"
@@ -89,7 +67,6 @@ def _candidates_clause(c):
 
 
 def _drafter_clause(d):
-    """The summary's words for the drafter (``route.Drafter``)."""
     skip = "".join(f"; {a} skips it" for a in d.around)
     if d.outcome.served:
         whose = ("the target's Lamport logits gather (its head has the target's shard width)"
