@@ -349,6 +349,11 @@ def as_vllm_rank(run, rank, **env):
     prepare_process()  # the engines' CPU ISA choices: tests/engine_cpu.py says why
 
 
+# A hang guard, not a timing: ranks that import vLLM and build its model ran past the
+# 120 s of spawn's default on a 2-core machine whose cores other ranks shared.
+VLLM_DEADLINE_S = 300
+
+
 def spawn_vllm_ranks(fn, nprocs, run, *args, host_isa=None):
     """``fn(rank, nprocs, *args)`` on ``nprocs`` ranks that make vLLM's group themselves
     (``spawn(..., group=False)``); (their results, each rank's ``run/out.RANK`` text).
@@ -361,7 +366,7 @@ def spawn_vllm_ranks(fn, nprocs, run, *args, host_isa=None):
     if host_isa:
         os.environ[HOST_ISA_ENV] = host_isa  # the spawned ranks inherit it
     try:
-        results = spawn(fn, nprocs, run, *args, group=False)
+        results = spawn(fn, nprocs, run, *args, group=False, deadline_s=VLLM_DEADLINE_S)
     finally:
         os.environ.pop(HOST_ISA_ENV, None)
         if before is not None:
