@@ -14,7 +14,8 @@ from lamport_head.config import STAGE_ABOVE_ROUNDS, GatherConfig, default_config
 from lamport_head.head_gather import HeadGather
 from lamport_head.mailbox_collective import Setup
 from lamport_head.status import RECOVERABLE
-from lamport_head.plan import Limit, co_resident_limit, default, fit, uniform
+from lamport_head.plan import Limit, Plan, co_resident_limit, default, fit, uniform
+from lamport_head.table import TableRow
 
 TP, SHARD = 4, 64
 
@@ -78,6 +79,29 @@ def test_the_ways_to_make_a_plan_give_one_shape():
     assert uniform({4}, 7) == {4: GatherConfig(7)}
     mixed = {1: GatherConfig(3), 2: GatherConfig(24, 128, 8)}
     assert fit(mixed, LIMIT) == mixed
+    assert all(type(p) is Plan for p in (heuristic, uniform({4}, 7), fit(mixed, LIMIT)))
+
+
+def test_a_plan_is_one_immutable_hashable_type():
+    """``Plan``: what a plan is wherever it travels (the vote pickles and compares it)."""
+    import pickle
+
+    entries = {1: TableRow(GatherConfig(3), True), 2: TableRow(GatherConfig(9), False),
+               4: TableRow(GatherConfig(24, 128, 8), True, filled=True)}
+    plan = Plan.of(entries)  # the enabled entries' configs, filled ones included
+    assert dict(plan) == {1: GatherConfig(3), 4: GatherConfig(24, 128, 8)}
+    assert plan.row_counts == frozenset({1, 4}) and plan.ctas == {1: 3, 4: 24}
+    assert list(plan) == [1, 4] and len(plan) == 2 and 2 not in plan
+    same = Plan({4: GatherConfig(24, 128, 8), 1: GatherConfig(3)})
+    assert plan == same and hash(plan) == hash(same) and {plan: 0}[same] == 0
+    assert plan != Plan({1: GatherConfig(3)}) and Plan() == {} and not Plan()
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    with pytest.raises(TypeError):
+        plan[8] = GatherConfig(1)
+    with pytest.raises(AttributeError):
+        plan.extra = 1
+    with pytest.raises(ValueError, match="rows 2 has 9"):
+        Plan({2: 9})
 
 
 def test_the_default_plan_stages_the_rows_that_take_many_rounds():
@@ -233,6 +257,7 @@ def test_a_gather_takes_one_plan_and_its_heuristic_by_name(monkeypatch):
     g = HeadGather(None, "cpu", TP, 1, SHARD, configs, mode=RECOVERABLE,
                    setup=Setup(mailbox=shared_box(TP, TP)))
     assert g.rows == frozenset({1, 4}) and g.cap == 4 and g.plan == configs
+    assert type(g.plan) is Plan and g.plan.row_counts == g.rows
     by_name = HeadGather.default(None, "cpu", TP, 1, SHARD, [1, 4], mode=RECOVERABLE,
                                  setup=Setup(mailbox=shared_box(TP, TP)))
     limit = Limit(lambda c: 1 << 16, TP, True)
