@@ -199,7 +199,7 @@ class EmulatedRunner:
         target = target or self.target
         got, what = {}, f"M={rows} {config.label()} pdl={'arch' if pdl is None else pdl}"
         if target is not self.target:
-            what += f" {target.collective} shard {target.shard}"
+            what += f" {target.collective} shard {target.shard_width}"
         try:
             emu = target.build({rows: config}, pdl)
         except ValueError as exc:  # a plan this launch kind cannot hold co-resident
@@ -244,7 +244,7 @@ class EmulatedRunner:
 
     def gather(self, target, rows, config):
         """``{"gpu_us": ...}``: GPU µs per step of every rank's gather (``target``'s
-        collective: the all-to-all's too) of ``[rows, target.shard]`` (gated, verified
+        collective: the all-to-all's too) of ``[rows, target.shard_width]`` (gated, verified
         before and after; NaN where it failed)."""
         data = planted(self.tp, rows, target.shard_width, device=self.device, dtype=target.dtype)
         shards = [data[r] for r in range(self.tp)]

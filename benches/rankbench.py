@@ -79,11 +79,11 @@ class RanksRunner:
     def gather(self, target, rows, config):
         """``{"gpu_us", "stock_gpu_us"}`` (collective, MAX over ranks): the captured GPU
         µs per step of our gather (``target``'s collective: the all-to-all's too) of
-        ``[rows, target.shard]`` (NaN where it failed) and of the stock path of the same
+        ``[rows, target.shard_width]`` (NaN where it failed) and of the stock path of the same
         shape (NCCL all-gather + reorder; all_to_all_single + permute)."""
         lam = target.lamport(rows, config)
         if lam is None:
-            self.notes.append(f"M={rows} {target.collective} shard {target.shard} "
+            self.notes.append(f"M={rows} {target.collective} shard {target.shard_width} "
                               f"{config.label()}: failed (build, verification or a wait)")
         return {"gpu_us": lam.gpu_us if lam is not None else math.nan,
                 "stock_gpu_us": target.stock(rows).gpu_us}

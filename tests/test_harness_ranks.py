@@ -18,6 +18,7 @@ that launched a call on one rank only would wait and fail. The failures are inje
 
 import contextlib
 import ctypes
+import dataclasses
 import itertools
 import os
 
@@ -357,7 +358,9 @@ def _identity_worker(rank, tp, cache):
                                limits=limits)
     (result,) = outcome.results
     phase[0] = "serve"
-    gather = install._build(None, "cpu", tp, rank, SHARD, {ROWS: result.entry}, 10.0)
+    # install builds enabled entries only (Plan.of); enabled or not, the row's kernel is this
+    served_entry = dataclasses.replace(result.entry, enabled=True)
+    gather = install._build(None, "cpu", tp, rank, SHARD, {ROWS: served_entry}, 10.0)
     served = [[m, c.label()] for m, c in gather.plan.items()]
     gather._watcher.stop()
     gather.close()

@@ -53,7 +53,7 @@ class StockGather(_Stock):
         at columns ``r * V/TP``)."""
         if (tuple(logits.shape) != (self.rows, self.shard_width) or logits.dtype != self.dtype
                 or not logits.is_contiguous()):
-            raise ValueError(f"stock gather built for contiguous [{self.rows}, {self.shard}] "
+            raise ValueError(f"stock gather built for contiguous [{self.rows}, {self.shard_width}] "
                              f"{self.dtype}, got {list(logits.shape)} {logits.dtype}")
         if self.host:
             self.staged.copy_(logits)
@@ -91,7 +91,7 @@ class StockAllToAll(_Stock):
         if (tuple(logits.shape) != (self.rows, self.shard_width) or logits.dtype != self.dtype
                 or not logits.is_contiguous() or not 0 <= num_local_rows <= self.rows):
             raise ValueError(f"stock all-to-all built for contiguous [{self.rows}, "
-                             f"{self.shard}] {self.dtype} and at most {self.rows} rows a rank, "
+                             f"{self.shard_width}] {self.dtype} and at most {self.rows} rows a rank, "
                              f"got {list(logits.shape)} {logits.dtype}, {num_local_rows} rows")
         n, tp = num_local_rows, self.tp
         received = self.received[:tp * n]
