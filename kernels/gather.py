@@ -1,9 +1,9 @@
 """The Lamport logits gather: ``[M, V/TP]`` BF16 shards -> ``[M, V]`` on every rank,
 one launch per call (docs/design.md, "One call, step by step"). Invariants:
-- Before PDL's wait only the peer table is read: the shard, the mark and the done
-  counts are the previous kernels'.
+- Before PDL's wait only the peer table is read and the ticket taken
+  (``steps.take_epoch``): the shard, the mark and the done counts are the previous kernels'.
 - A call that begins marked pushes nothing and delivers no peer fragment (its box
-  may hold late pushes of a void call). After a give-up the remaining batches are
+  may hold late pushes of a void call: NaN until ``reset`` re-arms it). After a give-up the remaining batches are
   fetched once, without waiting, so every missing rank is recorded.
 - ``serving`` is a run-time argument, uniform across the grid: one compiled kernel
   serves both modes.
@@ -183,7 +183,7 @@ class Gather:
         while base < polls:
             if cutlass.const_expr(self.staged):
                 pending = batch_of(base, stride, polls, unroll)
-                if mark == 0:  # marked as the call began: deliver none
+                if mark == 0:  # else marked as the call began: deliver none
                     pending = fetch_staged(own, out, pending, base, stride, polls, rank, stage,
                                            tid, self.threads, frags, width, unroll, token)
                 else:
@@ -210,7 +210,7 @@ class Gather:
                 late = Int32(0)
                 while (pending != 0) & (cause == 0):
                     pending, seen = repoll(own, held, where, pending, unroll, own_control, late)
-                    if pending != 0:
+                    if pending != 0:  # a batch that just completed is never a give-up
                         cause, slow, late = self.still_waiting(start, wait, budget, slow, status,
                                                                own_control, epoch, seen)
                 missing = deliver(own, out, held, where, source, pending, missing, base, stride,

@@ -8,8 +8,9 @@ the output (both ``[rows, width]`` words). Invariants a change must keep:
   a poll, a spin and a push's first loads each cost one round trip.
 - Serving-only steps sit behind ``serving`` or a thread's ``slow`` flag (1 from the
   start unless serving): a recoverable launch writes none of them and never traps.
-- Fences only where ``finish``, ``mark_peers`` and ``write_record`` place them; the
-  re-arms and the epoch need none (docs/design.md, "The mailbox").
+- Fences only where ``finish``, ``mark_peers``, ``write_record`` (its callers read the
+  mark first) and ``record_and_stop`` place them (tests/test_kernels_ptx.py audits
+  each); the re-arms and the epoch need none (docs/design.md, "The mailbox").
 """
 
 import cutlass
@@ -175,7 +176,8 @@ def push_fragment(words, offset: Int64, dst: Int64, targets: cute.Tensor, mark: 
 def route(f: Int32, column: Int64, routing, targets: cute.Tensor, frags: cutlass.Constexpr,
           width: cutlass.Constexpr, tp: cutlass.Constexpr):
     """All-to-all: ``(offset, step, box)`` of fragment ``f``: row m goes to rank q, the last
-    with ``offsets[q] <= m``, as its row ``m - offsets[q]``; ``step`` 0: the output."""
+    with ``offsets[q] <= m`` (non-decreasing: an empty split's rank is never it), as its row
+    ``m - offsets[q]``; ``step`` 0: the output."""
     rank, offsets = routing
     m = f // frags
     first = offsets[0]

@@ -1,5 +1,6 @@
 """``GatherConfig``, its default heuristic and the sweep's space. Every launch knob is a
-field here and nothing else carries one (a new knob: docs/design.md, "The module map").
+field here and nothing else carries one; a compile-time knob is also in ``compile_gather``'s
+cache key, or a kernel cached for other values comes back.
 Stored Optuna studies hold ``label()``: existing fields keep their order and spelling, or
 no stored study resumes. ``ctas`` is run-time, every other field compile-time."""
 

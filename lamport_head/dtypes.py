@@ -37,9 +37,9 @@ def fragment(dtype) -> int:
     return FRAGMENT_BYTES // itemsize(dtype)
 
 
-def words(shard, dtype) -> int:
-    """32-bit words a row of ``shard`` values takes; ValueError unless whole fragments."""
-    if shard <= 0 or shard % fragment(dtype):
-        raise ValueError(f"shard width {shard} is not a positive multiple of {fragment(dtype)} "
-                         f"({name(dtype)}: one 16-byte fragment)")
-    return shard * itemsize(dtype) // WORD_BYTES
+def words(shard_width, dtype) -> int:
+    """32-bit words a row of ``shard_width`` values takes; ValueError unless whole fragments."""
+    if shard_width <= 0 or shard_width % fragment(dtype):
+        raise ValueError(f"shard width {shard_width} is not a positive multiple of "
+                         f"{fragment(dtype)} ({name(dtype)}: one 16-byte fragment)")
+    return shard_width * itemsize(dtype) // WORD_BYTES

@@ -312,7 +312,8 @@ def _others(view):
 
 
 def _bounded_vote(tp, dcp, device, rows, vocab, stock, dtype=dtypes.DEFAULT):
-    """``_local_vote`` under the start-up deadline: a rank whose reading blocks still votes."""
+    """``_local_vote`` under the start-up deadline: a rank whose reading blocks still votes;
+    the reading left behind touches nothing its peers see."""
     try:
         return within(mailbox.RENDEZVOUS_WAIT_S, "reading the tables and settings (install's vote)",
                       _local_vote, tp, dcp, device, rows, vocab, stock, dtype)

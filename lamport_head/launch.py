@@ -191,7 +191,7 @@ class DriverLaunch:
         v = self._values
         v.shard, v.rows, v.out, v.peers = shard.data_ptr(), shard.shape[0], out, peers
         v.rank, v.budget, v.status = rank, budget, status
-        if self.all_to_all:
+        if self.all_to_all:  # unchecked here: every caller runs check_offsets first
             n = len(offsets)
             self._offsets[:n] = offsets
             self._offsets[n:] = (offsets[-1],) * (MAX_TP + 1 - n)

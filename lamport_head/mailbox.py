@@ -269,7 +269,7 @@ class SymmetricMailbox(_ProcessMailbox):
 
 
 # A build looks the constructor up here each time: a fault-injection harness replaces
-# an entry (tuning/diagnostics/ranks.py --fail-alloc-rank), not private methods.
+# an entry (benches/diagnostics/ranks.py --fail-alloc-rank), not private methods.
 MAILBOXES = {"ipc": IpcMailbox, "symmetric": SymmetricMailbox}
 
 

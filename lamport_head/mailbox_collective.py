@@ -155,7 +155,8 @@ class MailboxCollective:
 
     def close(self):
         """Collective: release the mailbox once no peer can push into it. A serving gather
-        that gave up raises its failure instead: its context is stopped, a sync could hang."""
+        that gave up raises its failure instead: its context is stopped, a sync could hang;
+        the watchdog stays on."""
         self._closed = True
         if self.mode == SERVING and self._status.raised:
             raise self.failure()

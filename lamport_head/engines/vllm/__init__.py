@@ -1,4 +1,5 @@
-"""vLLM adapter (docs/engines.md, "vLLM"; its modules: docs/design.md, "The module map").
+"""vLLM adapter (docs/engines.md, "vLLM"): release, find, candidates, vocab_shards, summary,
+route, one job each, each importing only those before it.
 vLLM is imported only in this package, lazily. vLLM may load the plugin more than once per
 process: ``register`` is idempotent. vLLM's ``PluggableLayer.register_oot`` is not used: it
 replaces the whole LogitsProcessor class, not its gather, and misses model-specific subclasses."""
