@@ -47,7 +47,7 @@ def _discarded(parents, call):
 
 
 def _modules():
-    for folder in ("lamport_head", "kernels", "tuning"):
+    for folder in ("lamport_head", "kernels", "tuning", "benches"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             yield path.relative_to(ROOT).as_posix(), path
 
