@@ -90,11 +90,16 @@ def runtime_facts():
     }
 
 
-def provenance(device, command, *, name=None, facts=None):
+def now():
+    """The provenance block's date: UTC, to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def provenance(device, command, *, name=None, facts=None, date=None):
     return {
         "gpu": name or torch.cuda.get_device_name(device),
         **(facts if facts is not None else runtime_facts()),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": date or now(),
         "commit": source_commit() or commit_override() or "unknown",
         "command": command,
     }

@@ -60,6 +60,9 @@ def _worker(rank, nprocs, cache, env, shared, fail, facts, shard=64):
         ticks = iter(range(1 << 30))
         firstuse.time = types.SimpleNamespace(
             monotonic=lambda: time.monotonic() + 1000 * next(ticks))
+    if env.get("SKEW_CLOCKS"):  # each rank's clock and date its own: rank 0's are written
+        provenance.now = lambda: f"2026-12-06T00:00:0{rank}Z"
+        firstuse.time = types.SimpleNamespace(monotonic=lambda: time.monotonic() * (1 + rank))
     if env.get("TRACE_IO"):  # the durable write's system calls, in order
         fsync, replace, rename = os.fsync, os.replace, os.rename
 
@@ -418,8 +421,9 @@ def test_a_row_that_built_nothing_is_not_written(tmp_path):
 def test_every_host_gets_the_table_and_later_starts_serve_it(tmp_path):
     """Issue 19 item 4: ranks on two hosts (one NVLink domain: symmetric forced), each
     host its own user table: start 1 measures and both hosts' tables get the section;
-    starts 2 and 3 read one view everywhere, measure nothing and serve."""
-    env = {"PER_HOST_CACHE": "1", "LAMPORT_HEAD_MAILBOX": "symmetric"}
+    starts 2 and 3 read one view everywhere, measure nothing and serve. The hosts' clocks
+    and dates differ: the section, its provenance included, is one value (rank 0's)."""
+    env = {"PER_HOST_CACHE": "1", "LAMPORT_HEAD_MAILBOX": "symmetric", "SKEW_CLOCKS": "1"}
     cache = tmp_path / "cache"
     for start in range(3):
         for rank, r in enumerate(_start(tmp_path, env=env, cache=str(cache))):

@@ -180,7 +180,6 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
             comm=comm, margin=limits.margin, threads=limits.threads, unroll=unroll,
             ctas=limits.ctas, kernel=kernel, stock_kind=stock_kind))
     emulated = bool(shared or target.emulated)
-    seconds = time.monotonic() - start
     # Only measurements are saved: a row count none of whose configurations could be
     # built and verified was not measured (its "disabled" entry would read as a
     # measured loss for good). The results are the same on every rank (agreed trials),
@@ -193,11 +192,13 @@ def measure(group, device, tp, rank, dcp, shard, rows, shared, name, limits=FIRS
             f"no configuration could be built and verified for rows {unmeasured} "
             f"({len(limits.ctas)} CTA counts each): nothing written; the next start "
             "measures again"))
+    # Rank 0's clock and date, so that every host writes the same section.
+    seconds, date = comm.broadcast((time.monotonic() - start, provenance.now()))
 
     def write():
         from .writer import measured_rows, merge_section
 
-        prov = provenance.provenance(device, COMMAND, name=name, facts=now)
+        prov = provenance.provenance(device, COMMAND, name=name, facts=now, date=date)
         prov["note"] = (f"{len(results)} row counts of {min(rows)}-{max(rows)} in {seconds:.1f} s, "
                         f"{len(limits.ctas)} CTA counts each"
                         + (f"; rows {unmeasured} could not be built (not written)"
