@@ -386,7 +386,7 @@ class _View:
     @property
     def agreed(self):
         """What every rank must see alike when every host's user table reads whole."""
-        return (_digest(self.entries), _digest(self.emulated_entries), self.real,
+        return (Plan.of(self.entries), Plan.of(self.emulated_entries), self.real,
                 self.emulated) + self.settings
 
 
@@ -489,7 +489,3 @@ def _choose(view, shared):
     if shared and view.emulated != "missing":
         return ("emulated", view.emulated_entries) if view.serve_emulated else ("unserved", {})
     return "table", {}
-
-
-def _digest(entries):
-    return Plan.of(entries)

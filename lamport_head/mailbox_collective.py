@@ -48,11 +48,8 @@ class MailboxCollective:
 
     def __init__(self, group, device, tp, rank, shard_width, plan, *, mode, dtype=torch.bfloat16,
                  setup=None):
-        setup = setup or Setup()
-        self._serve(build.build(group, device, tp, rank, shard_width, lambda limit: plan,
-                                mailbox=setup.mailbox, backend=setup.backend, mode=mode,
-                                pdl=setup.pdl, budget_s=setup.budget_s, clamp=setup.clamp,
-                                dtype=dtype, all_to_all=self._kernel_mode()), group)
+        self._build_for(group, device, tp, rank, shard_width, lambda limit: plan, mode, dtype,
+                        setup or Setup())
 
     @classmethod
     def default(cls, group, device, tp, rank, shard_width, row_counts, *, mode, dtype=torch.bfloat16,
@@ -62,11 +59,16 @@ class MailboxCollective:
         gather = cls.__new__(cls)
         plan_for = partial(plans.default, row_counts, tp=tp, shard_width=shard_width,
                            threads=setup.threads, unroll=setup.unroll, dtype=dtype)
-        gather._serve(build.build(group, device, tp, rank, shard_width, plan_for, mailbox=setup.mailbox,
-                                  backend=setup.backend, mode=mode, pdl=setup.pdl,
-                                  budget_s=setup.budget_s, dtype=dtype,
-                                  all_to_all=cls._kernel_mode()), group)
+        gather._build_for(group, device, tp, rank, shard_width, plan_for, mode, dtype, setup)
         return gather
+
+    def _build_for(self, group, device, tp, rank, shard_width, plan_for, mode, dtype, setup):
+        """Build (``build.build``, ``plan_for(limit)`` the plan) and serve: the one path of
+        both constructors."""
+        self._serve(build.build(group, device, tp, rank, shard_width, plan_for,
+                                mailbox=setup.mailbox, backend=setup.backend, mode=mode,
+                                pdl=setup.pdl, budget_s=setup.budget_s, clamp=setup.clamp,
+                                dtype=dtype, all_to_all=self._kernel_mode()), group)
 
     def _serve(self, built, group):
         self.group, self.device, self.mode, self.kernels = group, built.device, built.mode, \

@@ -110,10 +110,7 @@ def fit(plan, limit: Limit, clamped=None):
                          "alone: plan.uniform, or the heuristic's constructor .default)")
     _row_counts(plan)
     fitted = {}
-    for m in sorted(plan):
-        config = plan[m]
-        if not isinstance(config, GatherConfig):
-            raise ValueError(f"a plan maps row counts to GatherConfigs; rows {m} has {config!r}")
+    for m, config in Plan(plan).items():  # Plan checks every value is a GatherConfig
         most = limit(config)
         if config.ctas > most and clamped is not None and most >= 1:
             clamped[m] = (config.ctas, most)
